@@ -1,0 +1,1 @@
+"""pipecast engine: Megatron-compatible pipeline schedules, the pipeline runtime and the training recipe."""

@@ -1,0 +1,34 @@
+"""The ``pipecast`` command: ``pipecast schedule ...`` (plans) and ``pipecast train ...`` (training runs)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module that provides ``add_arguments(parser)`` and ``run(args) -> int``
+COMMANDS = {
+    "schedule": ("engine.schedule_cli", "print a schedule's per-rank action grid and simulated bubble"),
+    "train": ("engine.training.launch", "run a YAML-configured training job (spawns local ranks or joins torchrun)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pipecast", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:  # import only the chosen command's module
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
+    args, extra = parser.parse_known_args(argv)
+    args.extra = extra
+    if extra and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Schedules as data: the per-rank plan of one training (or evaluation) step.
+
+A :class:`Plan` holds, for every pipeline rank, the ordered list of :class:`Action` s that rank performs in one
+step -- ``F(chunk, microbatch)`` and ``B(chunk, microbatch)`` (``W`` is reserved for split weight-gradient passes).
+Everything else is derived from it: the executor runs it, the CUDA-graph capture uses its order, the profiler
+labels and the timeline plot name its actions, the validator and simulator read it.
+
+All three Megatron schedules are one construction (``shared/spec/schedules.md`` sections 1.12-1.17): a rank runs
+the forward steps of its schedule table in order, the first ``W`` as warmup, then alternates one forward and one
+backward (steady 1F1B), then runs the remaining ``W`` backwards (cooldown).  No pipelining is ``W = 0``; 1F1B is
+one model chunk with ``W = min(P-r-1, M)``; interleaved 1F1B uses the virtual-pipeline warmup count and the
+grouped schedule table; forward-only plans keep the forward steps alone.
+
+Pipeline topology: model chunk ``c`` on pipeline rank ``r`` is virtual pipeline stage ``c*P + r``.  Activations
+flow from stage ``s`` to ``s+1`` (rank ``r+1``, or rank 0 of chunk ``c+1`` after the last rank), gradients back.
+This module is pure: it imports nothing from torch.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from functools import cached_property
+
+from .schedule_table import (convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches,
+                             validate_interleaved_microbatches)
+
+__all__ = ["Op", "Action", "Message", "Plan", "SCHEDULES", "build_plan", "schedule_name"]
+
+SCHEDULES = ("no_pipelining", "1f1b", "interleaved")
+
+
+class Op(str, enum.Enum):
+    """What an action computes."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    WEIGHT = "W"  # split weight-gradient pass; reserved, no built-in schedule emits it yet
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One compute step of a pipeline rank: ``op`` on ``(model chunk, microbatch)``."""
+
+    op: Op
+    chunk: int
+    microbatch: int
+
+    def __str__(self) -> str:  # the trace notation of shared/vectors: F<mb>.<chunk>
+        return f"{self.op.value}{self.microbatch}.{self.chunk}"
+
+    @property
+    def label(self) -> str:
+        """Profiler / NVTX label, e.g. ``"F c1 mb3"``."""
+        return f"{self.op.value} c{self.chunk} mb{self.microbatch}"
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A tensor that crosses between pipeline ranks: an activation (``"act"``) or a gradient (``"grad"``).
+
+    ``src_chunk`` produced it on ``src``; ``dst_chunk`` consumes it on ``dst``; both for ``microbatch``.
+    """
+
+    kind: str
+    src: int
+    src_chunk: int
+    dst: int
+    dst_chunk: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}[r{self.src}c{self.src_chunk}m{self.microbatch}->r{self.dst}c{self.dst_chunk}]"
+
+
+def schedule_name(pp_size: int, vp_size: int | None) -> str:
+    """The schedule Megatron picks for a topology (``get_forward_backward_func``, spec 1.1)."""
+    if pp_size > 1:
+        return "1f1b" if vp_size is None else "interleaved"
+    return "no_pipelining"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The actions of every pipeline rank for one step.
+
+    Attributes:
+        schedule: ``"no_pipelining"``, ``"1f1b"`` or ``"interleaved"``.
+        pp_size: pipeline ranks ``P``.
+        num_model_chunks: model chunks per rank ``C`` (the virtual pipeline size; 1 unless interleaved).
+        num_microbatches: ``M``.
+        group_size: ``microbatch_group_size_per_vp_stage`` ``G``.
+        forward_only: no backward actions (evaluation).
+        warmup: per rank, the number of warmup forward steps ``W``.
+        actions: per rank, the ordered actions.
+    """
+
+    schedule: str
+    pp_size: int
+    num_model_chunks: int
+    num_microbatches: int
+    group_size: int
+    forward_only: bool
+    warmup: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+
+    # -- topology -------------------------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        """Virtual pipeline stages ``P*C``."""
+        return self.pp_size * self.num_model_chunks
+
+    def stage(self, rank: int, chunk: int) -> int:
+        """Virtual stage index of ``(rank, chunk)``: ``chunk*P + rank``."""
+        return chunk * self.pp_size + rank
+
+    def stage_location(self, stage: int) -> tuple[int, int]:
+        """``(rank, chunk)`` holding virtual stage ``stage``."""
+        return stage % self.pp_size, stage // self.pp_size
+
+    def is_first_stage(self, rank: int, chunk: int) -> bool:
+        """Holds the input embedding (reads the data)."""
+        return self.stage(rank, chunk) == 0
+
+    def is_last_stage(self, rank: int, chunk: int) -> bool:
+        """Holds the output head and computes the loss."""
+        return self.stage(rank, chunk) == self.num_stages - 1
+
+    # -- communication derived from the actions --------------------------------------------------------------
+    def input_message(self, rank: int, action: Action) -> Message | None:
+        """The tensor ``action`` must receive before it runs, or ``None``.
+
+        A forward off the first stage receives the previous stage's activation; a backward off the last stage
+        receives the next stage's gradient (a forward-only plan has no backward).
+        """
+        s = self.stage(rank, action.chunk)
+        if action.op is Op.FORWARD and s > 0:
+            src, src_chunk = self.stage_location(s - 1)
+            return Message("act", src, src_chunk, rank, action.chunk, action.microbatch)
+        if action.op is Op.BACKWARD and s < self.num_stages - 1:
+            src, src_chunk = self.stage_location(s + 1)
+            return Message("grad", src, src_chunk, rank, action.chunk, action.microbatch)
+        return None
+
+    def output_message(self, rank: int, action: Action) -> Message | None:
+        """The tensor ``action`` sends when it is done, or ``None`` (see :meth:`input_message`)."""
+        s = self.stage(rank, action.chunk)
+        if action.op is Op.FORWARD and s < self.num_stages - 1:
+            dst, dst_chunk = self.stage_location(s + 1)
+            return Message("act", rank, action.chunk, dst, dst_chunk, action.microbatch)
+        if action.op is Op.BACKWARD and s > 0:
+            dst, dst_chunk = self.stage_location(s - 1)
+            return Message("grad", rank, action.chunk, dst, dst_chunk, action.microbatch)
+        return None
+
+    def sends(self, rank: int) -> list[Message]:
+        """Every message ``rank`` sends in one step, in the order it sends them."""
+        return [m for a in self.actions[rank] if (m := self.output_message(rank, a)) is not None]
+
+    def link_order(self, src: int, dst: int) -> list[Message]:
+        """Messages on the directed link ``src -> dst`` in the sender's order.
+
+        A receiver that posts its receives in this order matches the sender one to one even where the transport
+        ignores tags (NCCL), including ``P = 2`` where activations and gradients share the same pair of ranks.
+        """
+        return [m for m in self.sends(src) if m.dst == dst]
+
+    # -- views ------------------------------------------------------------------------------------------------
+    def order(self, rank: int) -> list[int]:
+        """The rank's order in Transformer Engine notation (forward chunk ``c`` as ``c+1``, backward as ``-(c+1)``)."""
+        return [(a.chunk + 1) if a.op is Op.FORWARD else -(a.chunk + 1)
+                for a in self.actions[rank] if a.op is not Op.WEIGHT]
+
+    def compute_order(self, rank: int) -> list[str]:
+        """The rank's actions in trace notation (``"F3.1"``), as in ``shared/vectors``."""
+        return [str(a) for a in self.actions[rank]]
+
+    @cached_property
+    def total_actions(self) -> int:
+        return sum(len(a) for a in self.actions)
+
+    def grid(self) -> str:
+        """A text grid: one row per pipeline rank, one column per action slot."""
+        width = max((len(str(a)) for acts in self.actions for a in acts), default=4)
+        rows = []
+        for rank, acts in enumerate(self.actions):
+            cells = " ".join(str(a).ljust(width) for a in acts)
+            rows.append(f"rank {rank} (W={self.warmup[rank]:>3}): {cells}")
+        return "\n".join(rows)
+
+
+def _check_positive(name: str, value, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is invalid: {fix}")
+
+
+def build_plan(schedule: str, pp_size: int, num_microbatches: int, num_model_chunks: int = 1,
+               group_size: int | None = None, forward_only: bool = False) -> Plan:
+    """Build the plan of one step for every pipeline rank.
+
+    Args:
+        schedule: ``"no_pipelining"`` (``P = 1``, one chunk), ``"1f1b"`` (one chunk per rank) or
+            ``"interleaved"`` (``num_model_chunks`` chunks per rank, virtual pipeline).
+        pp_size: pipeline ranks ``P``.
+        num_microbatches: ``M >= 1``.
+        num_model_chunks: ``C``; must be 1 except for ``"interleaved"``.
+        group_size: ``microbatch_group_size_per_vp_stage`` (interleaved only); defaults to ``P`` like Megatron.
+        forward_only: evaluation plan, forwards only, in schedule-table order.
+
+    Raises:
+        ValueError: unknown schedule, non-positive sizes, a chunk count the schedule does not take, or (interleaved)
+            a group size outside ``[P, M]`` (Megatron's check).
+        RuntimeError: (interleaved) ``0 < M mod G < P``, as Megatron raises.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+    _check_positive("pp_size", pp_size, "the pipeline needs at least one rank")
+    _check_positive("num_microbatches", num_microbatches, "a step needs at least one microbatch")
+    _check_positive("num_model_chunks", num_model_chunks, "each rank holds at least one model chunk")
+    if schedule == "no_pipelining" and (pp_size != 1 or num_model_chunks != 1):
+        raise ValueError(f"schedule='no_pipelining' runs one model chunk on one rank, got pp_size={pp_size}, "
+                         f"num_model_chunks={num_model_chunks}; use '1f1b' or 'interleaved' for pp_size > 1")
+    if schedule == "1f1b" and num_model_chunks != 1:
+        raise ValueError(f"schedule='1f1b' takes one model chunk per rank, got num_model_chunks={num_model_chunks};"
+                         f" use 'interleaved' for virtual pipeline stages")
+    if schedule == "interleaved":
+        if pp_size < 2:
+            raise ValueError(f"schedule='interleaved' needs pp_size >= 2, got pp_size={pp_size}; with one pipeline "
+                             f"rank use 'no_pipelining' (one model chunk)")
+        group_size = pp_size if group_size is None else group_size
+        _check_positive("microbatch_group_size_per_vp_stage", group_size, f"use a value in [{pp_size}, "
+                        f"{num_microbatches}]")
+        validate_interleaved_microbatches(num_microbatches, pp_size, group_size)
+    else:
+        group_size = num_microbatches if group_size is None else group_size  # one group; irrelevant for C = 1
+
+    table = get_schedule_table(num_microbatches, num_model_chunks, group_size)
+    vp_size = num_model_chunks if schedule == "interleaved" else None
+    warmups, per_rank = [], []
+    for rank in range(pp_size):
+        counts = pp_rank_microbatches(num_microbatches, num_model_chunks, group_size, pp_size, rank, vp_size,
+                                      forward_only=forward_only)
+        warmups.append(counts.num_warmup_microbatches)
+        per_rank.append(tuple(_actions(table, num_model_chunks, counts.num_warmup_microbatches, forward_only)))
+    return Plan(schedule, pp_size, num_model_chunks, num_microbatches, group_size, forward_only,
+                tuple(warmups), tuple(per_rank))
+
+
+def _actions(table, num_model_chunks: int, warmup: int, forward_only: bool):
+    """Walk the TE order of one rank and name each entry's (chunk, microbatch) from the schedule table."""
+    if forward_only:
+        yield from (Action(Op.FORWARD, chunk, mb) for mb, chunk in table)
+        return
+    forwards = backwards = 0
+    for entry in convert_schedule_table_to_order(warmup, num_model_chunks, table):
+        if entry > 0:
+            mb, chunk = table[forwards]
+            forwards += 1
+            yield Action(Op.FORWARD, chunk, mb)
+        else:
+            mb, chunk = table[backwards]
+            backwards += 1
+            yield Action(Op.BACKWARD, num_model_chunks - 1 - chunk, mb)
