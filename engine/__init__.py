@@ -1,1 +1,39 @@
-"""pipecast engine: Megatron-compatible pipeline schedules, the pipeline runtime and the training recipe."""
+"""pipecast engine: Megatron-compatible pipeline schedules, the pipeline runtime and the training recipe.
+
+``import engine`` is light: the public names below are loaded on first use (module ``__getattr__``, PEP 562), so
+importing the package pulls in neither torch.distributed machinery nor training code until asked.
+"""
+from __future__ import annotations
+
+import importlib
+
+# public name -> module (relative to this package) that defines it; resolved lazily on first access
+_LAZY_EXPORTS = {
+    # Megatron-compatible API
+    "ModelParallelConfig": ".model_parallel_config",
+    "ProcessGroupCollection": ".process_groups",
+    "build_process_groups": ".process_groups",
+    # training recipe: the training helper adds its lazy exports here, e.g.
+    #   "Trainer": ".training.trainer",
+    #   "load_config": ".training.config",
+}
+
+# submodules reachable as attributes (``engine.parallel_state``, ``engine.schedules``) without an explicit import
+_LAZY_SUBMODULES = ("parallel_state", "schedules", "step", "process_groups", "model_parallel_config")
+
+__all__ = sorted(_LAZY_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _LAZY_EXPORTS:
+        value = getattr(importlib.import_module(_LAZY_EXPORTS[name], __name__), name)
+    elif name in _LAZY_SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_EXPORTS) | set(_LAZY_SUBMODULES))

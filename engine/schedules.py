@@ -5,6 +5,9 @@ Reference: ``shared/reference/schedules_api.md``; behaviour: ``shared/spec/sched
 from __future__ import annotations
 
 from .schedule_table import convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches
+from .step import (backward_step, check_first_val_step, clear_embedding_activation_buffer, custom_backward,
+                   deallocate_output_tensor, finish_embedding_wgrad_compute, forward_step, forward_step_calc_loss,
+                   get_attr_wrapped_model, get_model_config, get_tensor_shapes, set_current_microbatch)
 
 
 def get_pp_rank_microbatches(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage,
@@ -28,4 +31,8 @@ def get_pp_rank_microbatches(num_microbatches, num_model_chunks, microbatch_grou
                                       pp_size, pp_rank, vp_size, forward_only, overlap_moe_expert_parallel_comm))
 
 
-__all__ = ["get_pp_rank_microbatches", "get_schedule_table", "convert_schedule_table_to_order"]
+__all__ = ["get_pp_rank_microbatches", "get_schedule_table", "convert_schedule_table_to_order",
+           # per-microbatch functions (engine/step.py)
+           "deallocate_output_tensor", "custom_backward", "set_current_microbatch", "forward_step_calc_loss",
+           "forward_step", "backward_step", "check_first_val_step", "clear_embedding_activation_buffer",
+           "finish_embedding_wgrad_compute", "get_tensor_shapes", "get_model_config", "get_attr_wrapped_model"]

@@ -1,0 +1,233 @@
+"""Process groups of a pipeline-parallel x data-parallel job, in one explicit object.
+
+:class:`ProcessGroupCollection` plays the role of Megatron-Core's ``ProcessGroupCollection``: the schedules and the
+P2P communicator take it as ``pg_collection`` and read ``pp``, ``dp``, ``tp``, ``cp``, ``embd``, ... from it.
+:func:`build_process_groups` creates one on every rank; ``engine.parallel_state`` keeps one in a module global for
+Megatron-style callers.
+
+Rank layout (Megatron-Core's default order ``"tp-cp-ep-dp-pp"`` with tensor = context = expert parallel size 1):
+the data-parallel index varies fastest, so global rank ``g = pp_rank * dp_size + dp_rank`` where
+``dp_size = world_size // pipeline_model_parallel_size``.  Hence
+
+* pipeline groups are strided: ``{d, d + dp, d + 2*dp, ...}`` for ``d in 0..dp-1`` (listed in stage order);
+* data-parallel groups are contiguous blocks: ``{p*dp, ..., p*dp + dp - 1}`` for each pipeline stage ``p``;
+* the embedding group of a pipeline is its first and last rank (one rank when ``pp == 1``); the position-embedding
+  group is its first rank;
+* tensor-parallel, context-parallel and tensor x context groups hold one rank each; the model-parallel group
+  (tensor x pipeline) equals the pipeline group and ``dp_cp`` equals ``dp``.
+
+Example, world 8, pp 4 (dp 2): pipelines ``[0, 2, 4, 6]`` and ``[1, 3, 5, 7]``; data-parallel groups ``[0, 1]``,
+``[2, 3]``, ``[4, 5]``, ``[6, 7]``; embedding groups ``[0, 6]`` and ``[1, 7]``.
+
+Group objects are ``torch.distributed.ProcessGroup``; a rank that belongs to no group of a kind (e.g. a middle
+pipeline stage for ``embd``) gets ``None``.  To keep the number of ``new_group`` calls small, the groups that are
+identical by construction share one object (``mp is pp``; ``dp_cp is dp``; ``tp``, ``cp``, ``tp_cp`` and
+``pos_embd`` are this rank's one-rank group).  Without ``torch.distributed`` initialised, a one-rank job
+(world 1, pp 1) gets a collection whose groups are all ``None``; :func:`group_rank` / :func:`group_size` treat
+``None`` as rank 0 of size 1, like Megatron's stage predicates (spec section 0).
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+__all__ = ["RankLayout", "ProcessGroupCollection", "rank_layout", "build_process_groups", "group_rank",
+           "group_size", "validate_parallel_sizes"]
+
+ProcessGroup = dist.ProcessGroup
+
+
+def group_rank(group: Optional[ProcessGroup]) -> int:
+    """This process's rank in ``group``; 0 when ``group`` is None or torch.distributed is not initialised."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 0
+    return group.rank()
+
+
+def group_size(group: Optional[ProcessGroup]) -> int:
+    """The number of ranks in ``group``; 1 when ``group`` is None or torch.distributed is not initialised."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return group.size()
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Which global ranks form each group (pure data, no process groups).  See the module docstring."""
+
+    world_size: int
+    pipeline_model_parallel_size: int
+    data_parallel_size: int
+    pipeline_groups: tuple[tuple[int, ...], ...]
+    data_parallel_groups: tuple[tuple[int, ...], ...]
+    embedding_groups: tuple[tuple[int, ...], ...]
+    position_embedding_groups: tuple[tuple[int, ...], ...]
+
+    def pipeline_group_of(self, rank: int) -> tuple[int, ...]:
+        return self.pipeline_groups[rank % self.data_parallel_size]
+
+    def data_parallel_group_of(self, rank: int) -> tuple[int, ...]:
+        return self.data_parallel_groups[rank // self.data_parallel_size]
+
+
+def validate_parallel_sizes(pipeline_model_parallel_size, virtual_pipeline_model_parallel_size=None,
+                            world_size=1, *, tensor_model_parallel_size=1, context_parallel_size=1,
+                            expert_model_parallel_size=1) -> None:
+    """Raise ``TypeError`` / ``ValueError`` naming the setting, its value and the fix if pipecast cannot build
+    process groups for these sizes.  Pure: every rank gets the same answer before any collective."""
+    for name, value in (("pipeline_model_parallel_size", pipeline_model_parallel_size),
+                        ("world_size", world_size), ("tensor_model_parallel_size", tensor_model_parallel_size),
+                        ("context_parallel_size", context_parallel_size),
+                        ("expert_model_parallel_size", expert_model_parallel_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    vp = virtual_pipeline_model_parallel_size
+    if vp is not None and (isinstance(vp, bool) or not isinstance(vp, int) or vp < 1):
+        raise ValueError(f"virtual_pipeline_model_parallel_size must be None or an int >= 1, got {vp!r}; "
+                         "pass the number of model chunks per pipeline rank, or None")
+    for name, value in (("tensor_model_parallel_size", tensor_model_parallel_size),
+                        ("context_parallel_size", context_parallel_size),
+                        ("expert_model_parallel_size", expert_model_parallel_size)):
+        if value != 1:
+            raise ValueError(f"{name}={value} is not supported by pipecast (pipeline x data parallel only); "
+                             f"set {name}=1")
+    if world_size % pipeline_model_parallel_size:
+        raise ValueError(f"world size {world_size} is not divisible by pipeline_model_parallel_size="
+                         f"{pipeline_model_parallel_size}; the data-parallel size is world_size // pp, so choose "
+                         f"a pipeline size that divides {world_size} or change the number of processes")
+
+
+def rank_layout(pipeline_model_parallel_size: int, world_size: int) -> RankLayout:
+    """The group membership of a ``world_size`` job with ``pipeline_model_parallel_size`` stages (pure).
+
+    Raises ``ValueError`` / ``TypeError`` as :func:`validate_parallel_sizes`.
+    """
+    validate_parallel_sizes(pipeline_model_parallel_size, None, world_size)
+    pp, dp = pipeline_model_parallel_size, world_size // pipeline_model_parallel_size
+    pipelines = tuple(tuple(d + s * dp for s in range(pp)) for d in range(dp))
+    data_parallel = tuple(tuple(range(s * dp, (s + 1) * dp)) for s in range(pp))
+    embedding = tuple((p[0], p[-1]) if pp > 1 else (p[0],) for p in pipelines)
+    position = tuple((p[0],) for p in pipelines)
+    return RankLayout(world_size, pp, dp, pipelines, data_parallel, embedding, position)
+
+
+@dataclass(frozen=True)
+class ProcessGroupCollection:
+    """The process groups one rank uses, plus the layout facts the runtime needs.
+
+    Attributes named like Megatron-Core's ``ProcessGroupCollection``: ``tp``, ``pp``, ``mp``, ``embd``,
+    ``pos_embd``, ``cp``, ``tp_cp``, ``dp``, ``dp_cp`` (``ProcessGroup`` or ``None``, see the module docstring).
+    ``pp_ranks`` are the global ranks of this rank's pipeline in stage order (``pp_ranks[i]`` runs stage ``i``);
+    ``dp_ranks`` this stage's data-parallel replicas; ``embd_ranks`` the embedding group (empty if this rank is
+    not in one).
+    """
+
+    pp: Optional[ProcessGroup] = None
+    dp: Optional[ProcessGroup] = None
+    tp: Optional[ProcessGroup] = None
+    cp: Optional[ProcessGroup] = None
+    tp_cp: Optional[ProcessGroup] = None
+    mp: Optional[ProcessGroup] = None
+    dp_cp: Optional[ProcessGroup] = None
+    embd: Optional[ProcessGroup] = None
+    pos_embd: Optional[ProcessGroup] = None
+    pp_ranks: tuple[int, ...] = (0,)
+    dp_ranks: tuple[int, ...] = (0,)
+    embd_ranks: tuple[int, ...] = (0,)
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    rank: int = 0
+    world_size: int = 1
+    _owned: tuple = field(default=(), repr=False, compare=False)  # distinct groups this object created
+
+    @property
+    def pipeline_model_parallel_size(self) -> int:
+        return len(self.pp_ranks)
+
+    @property
+    def pipeline_model_parallel_rank(self) -> int:
+        return self.pp_ranks.index(self.rank)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.dp_ranks)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.dp_ranks.index(self.rank)
+
+    def destroy(self) -> None:
+        """Destroy the process groups this collection created (local call; the default group is untouched)."""
+        if dist.is_available() and dist.is_initialized():
+            for g in self._owned:
+                dist.destroy_process_group(g)
+
+
+def build_process_groups(pipeline_model_parallel_size: int, virtual_pipeline_model_parallel_size: Optional[int] = None,
+                         world_size: Optional[int] = None, rank: Optional[int] = None, *,
+                         backend: Optional[str] = None,
+                         timeout: Optional[datetime.timedelta] = None) -> ProcessGroupCollection:
+    """Create this rank's :class:`ProcessGroupCollection` for ``world = pp * dp`` (tensor = context parallel 1).
+
+    Every rank of the default group must call this with the same arguments: each group is created with
+    ``torch.distributed.new_group`` by every rank, in one fixed order (pipeline groups, data-parallel groups,
+    embedding groups, one-rank groups).  ``world_size`` / ``rank`` default to the default group's; if given they
+    must match it.  ``backend`` / ``timeout`` go to ``new_group`` (default: the default group's).
+
+    Without torch.distributed initialised only ``world_size`` 1 with ``pipeline_model_parallel_size`` 1 is
+    accepted; the result then holds ``None`` groups.
+
+    Raises ``TypeError`` / ``ValueError`` (bad or unsupported sizes, world size not divisible by the pipeline size,
+    ``world_size`` / ``rank`` not matching torch.distributed) and ``RuntimeError`` (pipelining without
+    torch.distributed), all before any group is created.
+    """
+    initialized = dist.is_available() and dist.is_initialized()
+    if initialized:
+        actual_world, actual_rank = dist.get_world_size(), dist.get_rank()
+        if world_size is not None and world_size != actual_world:
+            raise ValueError(f"world_size={world_size} does not match torch.distributed's world size "
+                             f"{actual_world}; pass world_size=None")
+        if rank is not None and rank != actual_rank:
+            raise ValueError(f"rank={rank} does not match torch.distributed's rank {actual_rank}; pass rank=None")
+        world_size, rank = actual_world, actual_rank
+    else:
+        world_size = 1 if world_size is None else world_size
+        rank = 0 if rank is None else rank
+    validate_parallel_sizes(pipeline_model_parallel_size, virtual_pipeline_model_parallel_size, world_size)
+    if not initialized:
+        if world_size != 1 or pipeline_model_parallel_size != 1:
+            raise RuntimeError(f"torch.distributed is not initialised but world_size={world_size}, "
+                               f"pipeline_model_parallel_size={pipeline_model_parallel_size}; call "
+                               "torch.distributed.init_process_group first (e.g. launch with torchrun)")
+        return ProcessGroupCollection(virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is outside the world of size {world_size}")
+
+    layout = rank_layout(pipeline_model_parallel_size, world_size)
+    kwargs = {"backend": backend}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+
+    def mine(groups: tuple[tuple[int, ...], ...]):
+        """Create every group of one kind (on every rank, same order); return (this rank's group, its ranks)."""
+        found, ranks = None, ()
+        for members in groups:
+            g = dist.new_group(list(members), **kwargs)
+            if rank in members:
+                found, ranks = g, members
+        return found, ranks
+
+    pp, pp_ranks = mine(layout.pipeline_groups)
+    dp, dp_ranks = mine(layout.data_parallel_groups)
+    embd, embd_ranks = mine(layout.embedding_groups)
+    single, _ = mine(tuple((r,) for r in range(world_size)))
+    on_first_stage = rank in layout.pipeline_group_of(rank)[:1]
+    return ProcessGroupCollection(
+        pp=pp, dp=dp, tp=single, cp=single, tp_cp=single, mp=pp, dp_cp=dp, embd=embd,
+        pos_embd=single if on_first_stage else None, pp_ranks=pp_ranks, dp_ranks=dp_ranks, embd_ranks=embd_ranks,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size, rank=rank,
+        world_size=world_size, _owned=tuple(g for g in (pp, dp, embd, single) if g is not None))

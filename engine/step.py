@@ -1,0 +1,512 @@
+"""The per-microbatch functions of Megatron-Core's schedules API: forward step, loss contract, backward step.
+
+Names, signatures, return values and the loss-reduction contract follow Megatron-Core 0.16.1
+(``shared/reference/schedules_api.md``; behaviour ``shared/spec/schedules.md`` sections 0, 1.2-1.8, 1.10, 1.11,
+1.16 and 2).  The schedules in ``engine.schedules`` compose these with a plan and the executor; users may call them
+directly in their own loops.
+
+Deviations from Megatron-Core 0.16.1, all on error paths or inputs Megatron would reject later:
+
+* Where Megatron uses ``assert`` on the caller's input, pipecast raises :class:`ScheduleContractError` (a
+  ``ValueError`` that is also an ``AssertionError``, so ``except AssertionError`` in ported code still works) or
+  :class:`ScheduleContractTypeError` (``TypeError`` + ``AssertionError``), with a message naming the value and fix.
+* ``forward_step_calc_loss`` accepts a Python number or a floating tensor as the token count of a 3-tuple loss and
+  returns it as an ``int32`` tensor (rounded); Megatron returns it unchanged and its schedules then fail when adding
+  a floating count into their ``int32`` total.  Integer tensors are returned unchanged, as in Megatron.
+* ``backward_step`` accepts both the 0.16.1 call ``(input, output, grad, model_type, config)`` and the newer
+  ``(input, output, grad, config)``; it does not rebind the caller's list when applying ``grad_scale_func``.
+* ``forward_step`` runs autocast on ``"cuda"`` when CUDA is available and on ``"cpu"`` otherwise (Megatron always
+  uses ``"cuda"``, which is a no-op without a GPU).
+* MoE / MTP auxiliary-loss scales are published on :data:`aux_loss_scale` (pipecast has no MoE layers to set them
+  on); they are computed on every pipeline stage, never from a last-stage-only value (public case B08).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional
+
+import torch
+from torch.autograd.variable import Variable
+
+from .process_groups import group_rank, group_size
+
+__all__ = [
+    "ScheduleContractError", "ScheduleContractTypeError", "get_attr_wrapped_model", "get_model_config",
+    "set_current_microbatch", "check_first_val_step", "deallocate_output_tensor", "custom_backward",
+    "forward_step_calc_loss", "forward_step", "backward_step", "get_tensor_shapes",
+    "clear_embedding_activation_buffer", "finish_embedding_wgrad_compute", "is_pp_first_stage", "is_pp_last_stage",
+    "is_vp_first_stage", "is_vp_last_stage", "select_schedule_name", "aux_loss_scale", "AuxLossScale",
+]
+
+
+class ScheduleContractError(ValueError, AssertionError):
+    """A value breaks the schedules' contract where Megatron-Core would fail an ``assert``."""
+
+
+class ScheduleContractTypeError(TypeError, AssertionError):
+    """An argument of the wrong type where Megatron-Core would fail an ``assert``."""
+
+
+# ---- model lookup -----------------------------------------------------------------------------------------------
+
+def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_model_obj: bool = False):
+    """Find ``attr`` on ``model`` or on the first ``.module`` it wraps (DDP, Float16Module, ...).
+
+    With ``allow_none=False`` an attribute whose value is None does not count.  Returns the attribute (or the
+    object holding it with ``return_model_obj=True``).  Raises ``RuntimeError`` for a list of models or when no
+    wrapper level has the attribute (Megatron-Core ``get_attr_wrapped_model``).
+    """
+    if isinstance(model, list):
+        raise RuntimeError(f"get_attr_wrapped_model({attr!r}) was given a list of models; pass one model chunk")
+    obj = model
+    while not hasattr(obj, attr) or (not allow_none and getattr(obj, attr) is None):
+        if not hasattr(obj, "module"):
+            raise RuntimeError(f"couldn't find attribute {attr!r} on {type(model).__name__} or on any .module it "
+                               "wraps")
+        obj = obj.module
+    return obj if return_model_obj else getattr(obj, attr)
+
+
+def get_model_config(model):
+    """The ``config`` of a (possibly wrapped) model chunk (a ``ModelParallelConfig``).  Raises ``RuntimeError``."""
+    return get_attr_wrapped_model(model, "config", allow_none=False)
+
+
+def set_current_microbatch(model, microbatch_id: int) -> None:
+    """Tell every transformer layer which microbatch runs next (CUDA-graph replay picks its graph by it).
+
+    Follows ``.module`` to the first object with a non-None ``decoder`` and sets ``current_microbatch`` on each of
+    ``decoder.layers`` and on the inner layer of each multi-token-prediction layer (``mtp.layers[i]``'s
+    ``transformer_layer`` or ``mtp_model_layer``).  Does nothing if no such object exists (spec 1.4).
+    """
+    obj = model
+    while getattr(obj, "decoder", None) is None:
+        if not hasattr(obj, "module"):
+            return
+        obj = obj.module
+    for layer in obj.decoder.layers:
+        layer.current_microbatch = microbatch_id
+    mtp = getattr(obj, "mtp", None)
+    if mtp is not None:
+        for mtp_layer in mtp.layers:
+            inner = getattr(mtp_layer, "transformer_layer", None) or getattr(mtp_layer, "mtp_model_layer", None)
+            if inner is not None:
+                inner.current_microbatch = microbatch_id
+
+
+def check_first_val_step(first_val_step: Optional[bool], forward_only: bool, cond: bool) -> bool:
+    """``is_first_microbatch`` flag: ``first_val_step and cond`` in validation (``forward_only``) when
+    ``first_val_step`` is given, else ``cond`` (spec 1.8)."""
+    if first_val_step is not None and forward_only:
+        return first_val_step and cond
+    return cond
+
+
+# ---- stage predicates (Megatron-Core pipeline_parallel/utils.py) -------------------------------------------------
+
+def is_pp_first_stage(pp_group) -> bool:
+    """Rank 0 of ``pp_group``; True when the group is None or torch.distributed is not initialised."""
+    return group_rank(pp_group) == 0
+
+
+def is_pp_last_stage(pp_group) -> bool:
+    """Last rank of ``pp_group``; True when the group is None or torch.distributed is not initialised."""
+    return group_rank(pp_group) == group_size(pp_group) - 1
+
+
+def _check_vp_stage(vp_stage, vp_size) -> bool:
+    """True if virtual pipelining is off; then ``vp_stage`` must be None or 0."""
+    if vp_size is None or vp_size <= 1:
+        if vp_stage not in (None, 0):
+            raise ScheduleContractError(f"vp_stage={vp_stage} without virtual pipelining (vp_size={vp_size}); "
+                                        "pass vp_stage=None or 0")
+        return True
+    return False
+
+
+def is_vp_first_stage(vp_stage: Optional[int], vp_size: Optional[int]) -> bool:
+    """Model chunk ``vp_stage`` is the first of ``vp_size`` (always True without virtual pipelining)."""
+    return _check_vp_stage(vp_stage, vp_size) or vp_stage == 0
+
+
+def is_vp_last_stage(vp_stage: Optional[int], vp_size: Optional[int]) -> bool:
+    """Model chunk ``vp_stage`` is the last of ``vp_size`` (always True without virtual pipelining)."""
+    return _check_vp_stage(vp_stage, vp_size) or vp_stage == vp_size - 1
+
+
+def select_schedule_name(pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> str:
+    """Name of the schedule ``get_forward_backward_func(pp_size, vp_size)`` returns (spec 1.1).
+
+    Both None: read the pipeline and virtual pipeline sizes from ``engine.parallel_state``; one None: used as
+    given.  ``pp_size > 1`` selects interleaving iff ``vp_size is not None`` (even 1); otherwise no pipelining.
+    Raises ``TypeError`` for ``pp_size=None`` with a ``vp_size`` (as Megatron's ``None > 1`` does).
+    """
+    if pp_size is None and vp_size is None:
+        from . import parallel_state as ps
+        pp_size = ps.get_pipeline_model_parallel_world_size()
+        vp_size = ps.get_virtual_pipeline_model_parallel_world_size()
+    if pp_size is None:
+        raise TypeError(f"get_forward_backward_func(pp_size=None, vp_size={vp_size}): pass pp_size as well, or "
+                        "neither to read both from engine.parallel_state")
+    if pp_size > 1:
+        if vp_size is not None:
+            return "forward_backward_pipelining_with_interleaving"
+        return "forward_backward_pipelining_without_interleaving"
+    return "forward_backward_no_pipelining"
+
+
+# ---- output deallocation and the raw backward -------------------------------------------------------------------
+
+def deallocate_output_tensor(out, deallocate_pipeline_outputs: bool = False) -> None:
+    """Free the storage of an output that has been sent downstream, keeping its autograd node (spec 1.2).
+
+    After the call ``out`` has shape ``[1]`` (same dtype, device, ``grad_fn``, ``requires_grad``); its backward
+    must then go through :func:`custom_backward`.  No-op if ``out`` is None or the flag is False.
+    Raises :class:`ScheduleContractTypeError` if ``out`` is not a tensor (0.16.1 does not recurse into lists) and
+    :class:`ScheduleContractError` if it is a view (``out._base`` is set; freeing it would free nothing).
+    """
+    if out is None or not deallocate_pipeline_outputs:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise ScheduleContractTypeError(f"deallocate_output_tensor: expected Tensor, found {type(out).__name__}; "
+                                        "pass the output tensor itself (e.g. output[0] of a list)")
+    if out._base is not None:
+        raise ScheduleContractError("deallocate_output_tensor: counter-productive to free a view of another tensor; "
+                                    "return a tensor that owns its storage (e.g. .clone()) from the model chunk")
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def custom_backward(output: torch.Tensor, grad_output: Optional[torch.Tensor]) -> None:
+    """Backpropagate ``grad_output`` from ``output`` without the shape check of ``torch.autograd.backward``.
+
+    ``output`` has been shrunk by :func:`deallocate_output_tensor` (storage ``[1]``) while ``grad_output`` has the
+    shape recorded in the autograd graph (e.g. ``[s, b, h]``), or ``output`` is a scalar loss (``grad_output``
+    None means ones).  ``torch.autograd.backward`` would compare the two shapes in Python and refuse; the C++
+    engine validates against the shape recorded in ``output.grad_fn``, so it is called directly through
+    ``torch.autograd.variable.Variable._execution_engine.run_backward`` (the one PyTorch-private call in pipecast,
+    kept here): one root, graph freed, no higher-order graph, gradients accumulated into leaves' ``.grad``,
+    unreachable inputs allowed (Megatron-Core ``custom_backward``, spec 1.3).
+
+    Raises :class:`ScheduleContractError` unless ``output.numel() == 1`` and
+    :class:`ScheduleContractTypeError` for non-tensor arguments.
+    """
+    if not isinstance(output, torch.Tensor):
+        raise ScheduleContractTypeError(f"custom_backward: output must be a Tensor, found {type(output).__name__}")
+    if grad_output is not None and not isinstance(grad_output, torch.Tensor):
+        raise ScheduleContractTypeError("custom_backward: grad_output must be a Tensor or None, found "
+                                        f"{type(grad_output).__name__}")
+    if output.numel() != 1:
+        raise ScheduleContractError(f"custom_backward: output should be pseudo-'freed' in schedule, to optimize "
+                                    f"memory (numel {output.numel()}, shape {list(output.shape)}); call "
+                                    "deallocate_output_tensor(output, True) first, or use torch.autograd.backward")
+    if grad_output is None:
+        grad_output = torch.ones_like(output, memory_format=torch.preserve_format)
+    Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad_output,), keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)
+
+
+# ---- auxiliary-loss scales ---------------------------------------------------------------------------------------
+
+class AuxLossScale:
+    """Scale factors for auxiliary losses set on every forward step (spec 1.5 / section 2, "Auxiliary losses").
+
+    ``moe``: ``s`` in per-token mode, else ``s * cp_size / num_microbatches``; ``mtp``: ``s`` or
+    ``s / num_microbatches``; ``s = grad_scale_func(ones(1))`` or ``ones(1)``.  Set only when the config has
+    ``num_moe_experts`` / ``mtp_num_layers`` not None.  Tensors of shape ``[1]`` on the output's device.
+    An auxiliary-loss layer multiplies its loss gradient by these (Megatron's ``MoEAuxLossAutoScaler``).
+    """
+
+    def __init__(self) -> None:
+        self.moe: Optional[torch.Tensor] = None
+        self.mtp: Optional[torch.Tensor] = None
+
+
+aux_loss_scale = AuxLossScale()
+
+
+def _first_tensor(obj) -> Optional[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            t = _first_tensor(item)
+            if t is not None:
+                return t
+    return None
+
+
+def _set_aux_loss_scales(config, output_tensor, cp_group_size, num_microbatches) -> None:
+    has_moe = getattr(config, "num_moe_experts", None) is not None
+    has_mtp = getattr(config, "mtp_num_layers", None) is not None
+    if not (has_moe or has_mtp):
+        return
+    ref = _first_tensor(output_tensor)  # every stage has its own output (B08: no last-stage-only values)
+    device = ref.device if ref is not None else torch.device("cpu")
+    ones = torch.ones(1, device=device)
+    s = config.grad_scale_func(ones) if config.grad_scale_func is not None else ones
+    per_token = getattr(config, "calculate_per_token_loss", False)
+    cp = 1 if cp_group_size is None else cp_group_size
+    if has_moe:
+        aux_loss_scale.moe = s if per_token else s * cp / num_microbatches
+    if has_mtp:
+        aux_loss_scale.mtp = s if per_token else s / num_microbatches
+
+
+# ---- the loss contract -------------------------------------------------------------------------------------------
+
+def _divide(x, d):
+    """``x /= d`` in place for tensors (Megatron mutates the loss tensor), rebinding for Python numbers."""
+    if isinstance(x, torch.Tensor):
+        x /= d
+        return x
+    return x / d
+
+
+def _token_count(n) -> torch.Tensor:
+    """The returned token count: integer tensors unchanged, anything numeric as an ``int32`` tensor."""
+    if isinstance(n, torch.Tensor):
+        if n.is_floating_point() or n.is_complex():
+            return torch.round(n.real if n.is_complex() else n).to(torch.int32)
+        return n
+    if isinstance(n, (bool, int)):
+        return torch.tensor(int(n), dtype=torch.int32)
+    if isinstance(n, float):
+        return torch.tensor(round(n), dtype=torch.int32)
+    raise TypeError(f"loss_func returned a token count of type {type(n).__name__} ({n!r}) as the second of three "
+                    "values; return (loss, num_tokens, reduced) with num_tokens an int or an integer tensor")
+
+
+def forward_step_calc_loss(model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data,
+                           num_microbatches, forward_data_store, cp_group_size=None, is_last_stage=None):
+    """Apply ``loss_func`` on the loss stage and normalise the loss (spec section 2).  Returns
+    ``(output_tensor, num_tokens)``.
+
+    On the loss stage (``is_last_stage``):
+
+    * ``loss_func is None``: the raw ``output_tensor`` is appended to ``forward_data_store``;
+    * ``collect_non_loss_data``: ``loss_func(output_tensor, non_loss_data=True)`` is appended, the output is
+      returned unchanged;
+    * ``loss_func(output_tensor)`` returns ``(L, reduced)``: ``L *= cp_group_size; L /= num_microbatches``;
+    * returns ``(L, n, reduced)``: ``L /= max(n, 1); L /= num_microbatches`` unless
+      ``config.calculate_per_token_loss`` (then ``L`` is unchanged and ``n`` is returned for the global token
+      count);
+
+    ``L`` (a tensor, normalised in place, or a Python number) is then returned as the output -- the root of this
+    microbatch's backward -- and ``reduced`` is appended to ``forward_data_store``.  ``num_tokens`` is the CPU
+    ``int32`` scalar 0 except for the 3-tuple pattern.  ``num_microbatches`` is the per-pipeline ``M``.
+    On other stages nothing is called or stored and the output is returned untouched.
+
+    ``cp_group_size`` and ``is_last_stage`` are both given, or both None (then taken from ``engine.parallel_state``:
+    context-parallel size, last pipeline stage considering ``vp_stage``).  Also stops the ``forward-compute``
+    timer and sets :data:`aux_loss_scale` on every stage.  Raises :class:`ScheduleContractError` if exactly one of
+    the two is None, if ``vp_stage`` differs from ``model.vp_stage``, or if ``loss_func`` returns another number of
+    values; ``TypeError`` for a non-numeric token count.
+    """
+    model_vp_stage = getattr(model, "vp_stage", None)
+    if vp_stage is not None and model_vp_stage is not None and vp_stage != model_vp_stage:
+        raise ScheduleContractError(f"forward_step_calc_loss: vp_stage={vp_stage} but model.vp_stage="
+                                    f"{model_vp_stage}; pass the model chunk's own virtual pipeline stage")
+    if cp_group_size is None and is_last_stage is None:
+        from . import parallel_state as ps
+        cp_group_size = ps.get_context_parallel_world_size()
+        is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    elif cp_group_size is None or is_last_stage is None:
+        raise ScheduleContractError(f"forward_step_calc_loss: cp_group_size={cp_group_size!r} and is_last_stage="
+                                    f"{is_last_stage!r}: both must be provided, or neither (then both come from "
+                                    "engine.parallel_state)")
+
+    num_tokens = torch.tensor(0, dtype=torch.int)
+    if is_last_stage:
+        if loss_func is None:
+            forward_data_store.append(output_tensor)
+        elif collect_non_loss_data:
+            forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
+        else:
+            outputs = loss_func(output_tensor)
+            if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
+                got = f"{len(outputs)} values" if isinstance(outputs, (tuple, list)) else type(outputs).__name__
+                raise ScheduleContractError(f"loss_func must return (loss, reduced) or (loss, num_tokens, reduced), "
+                                            f"got {got}; use collect_non_loss_data=True for other data")
+            if len(outputs) == 3:
+                output_tensor, n, reduced = outputs
+                num_tokens = _token_count(n)
+                if not config.calculate_per_token_loss:
+                    divisor = torch.clamp(n, min=1) if isinstance(n, torch.Tensor) else max(n, 1)
+                    output_tensor = _divide(output_tensor, divisor)
+                    output_tensor = _divide(output_tensor, num_microbatches)
+            else:
+                output_tensor, reduced = outputs
+                if isinstance(output_tensor, torch.Tensor):
+                    output_tensor *= cp_group_size
+                else:
+                    output_tensor = output_tensor * cp_group_size
+                output_tensor = _divide(output_tensor, num_microbatches)
+            forward_data_store.append(reduced)
+
+    if config.timers is not None:
+        config.timers("forward-compute").stop()
+    _set_aux_loss_scales(config, output_tensor, cp_group_size, num_microbatches)
+    return output_tensor, num_tokens
+
+
+def _autocast(config):
+    if not config.enable_autocast:
+        return contextlib.nullcontext()
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.autocast(device_type, dtype=config.autocast_dtype)
+
+
+def forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store,
+                 config, cp_group_size, collect_non_loss_data=False, checkpoint_activations_microbatch=None,
+                 is_first_microbatch=False, current_microbatch=None, vp_stage=None, is_last_stage=True):
+    """Run one microbatch forward through one model chunk and apply the loss contract (spec 1.6).
+
+    ``input_tensor`` is what this chunk receives (``[s, b, h]`` activation, ``None`` on the first stage, or a list
+    of them); the chunk gets it as a **list** through ``set_input_tensor`` (looked up through ``.module``
+    wrappers).  Calls ``model.set_is_first_microbatch()`` (on the object itself) when ``is_first_microbatch``,
+    ``set_current_microbatch`` when ``current_microbatch`` is not None, then
+    ``forward_step_func(data_iterator, model[, checkpoint_activations_microbatch])`` -> ``(output, loss_func)``
+    (the third argument only when not None), under autocast if ``config.enable_autocast``, then
+    :func:`forward_step_calc_loss`.  Returns ``(output, num_tokens)``, with ``output`` wrapped in a one-element
+    list if ``input_tensor`` was a list.  Starts the ``forward-compute`` timer (stopped in the loss step).
+
+    Raises ``RuntimeError`` if no wrapper level has ``set_input_tensor``, ``TypeError`` if ``forward_step_func``
+    does not return two values, plus the errors of :func:`forward_step_calc_loss`.
+    """
+    if config.timers is not None:
+        config.timers("forward-compute", log_level=2).start()
+    if is_first_microbatch and hasattr(model, "set_is_first_microbatch"):
+        model.set_is_first_microbatch()
+    if current_microbatch is not None:
+        set_current_microbatch(model, current_microbatch)
+
+    unwrap_output = not isinstance(input_tensor, list)
+    if unwrap_output:
+        input_tensor = [input_tensor]
+    get_attr_wrapped_model(model, "set_input_tensor")(input_tensor)
+
+    with _autocast(config):
+        if checkpoint_activations_microbatch is None:
+            result = forward_step_func(data_iterator, model)
+        else:
+            result = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise TypeError("forward_step_func must return (output, loss_func), got "
+                        f"{type(result).__name__}; return the model output and the loss function")
+    output_tensor, loss_func = result
+
+    output_tensor, num_tokens = forward_step_calc_loss(
+        model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data, num_microbatches,
+        forward_data_store, cp_group_size, is_last_stage)
+    if unwrap_output:
+        return output_tensor, num_tokens
+    return [output_tensor], num_tokens
+
+
+def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config=None):
+    """Backpropagate one microbatch through one model chunk; return the gradient of its input (spec 1.7).
+
+    ``output_tensor_grad`` is the gradient received from the next stage (same shape as the output, e.g.
+    ``[s, b, h]``), or None on the loss stage: then ``config.grad_scale_func`` (if set) is applied to the loss
+    first -- once per microbatch, never to ``.grad`` (public case B06).  Backward runs only if the output requires
+    grad, through :func:`custom_backward` when ``config.deallocate_pipeline_outputs`` else
+    ``torch.autograd.backward``; parameter gradients accumulate into ``.grad``.  Each non-None input gets
+    ``retain_grad()``; the return value is ``input.grad`` (None for a None input), a list if ``input_tensor`` was a
+    list.  Only the first output / gradient of lists is used.
+
+    Both the 0.16.1 call ``backward_step(input, output, grad, model_type, config)`` and the newer
+    ``backward_step(input, output, grad, config)`` are accepted (``model_type`` is unused).
+    """
+    if config is None:
+        config = model_type
+    if config.timers is not None:
+        config.timers("backward-compute", log_level=2).start()
+
+    unwrap_input = not isinstance(input_tensor, list)
+    if unwrap_input:
+        input_tensor = [input_tensor]
+    for x in input_tensor:
+        if x is not None:
+            x.retain_grad()
+    outputs = list(output_tensor) if isinstance(output_tensor, list) else [output_tensor]
+    grads = list(output_tensor_grad) if isinstance(output_tensor_grad, list) else [output_tensor_grad]
+
+    if grads[0] is None and config.grad_scale_func is not None:
+        outputs[0] = config.grad_scale_func(outputs[0])
+    if outputs[0].requires_grad:
+        if config.deallocate_pipeline_outputs:
+            custom_backward(outputs[0], grads[0])
+        else:
+            torch.autograd.backward(outputs[0], grad_tensors=grads[0])
+
+    input_tensor_grad = [None if x is None else x.grad for x in input_tensor]
+    if config.timers is not None:
+        config.timers("backward-compute").stop()
+    return input_tensor_grad[0] if unwrap_input else input_tensor_grad
+
+
+# ---- shapes and the deferred embedding weight gradient ----------------------------------------------------------
+
+def get_tensor_shapes(*, seq_length, micro_batch_size, decoder_seq_length, config, tp_group, cp_group):
+    """The one P2P tensor shape of the non-interleaved schedule: ``[(s, micro_batch_size, config.hidden_size)]``
+    with ``s = (decoder_seq_length or seq_length) // cp_size``, further ``// tp_size`` with
+    ``config.sequence_parallel`` (Megatron-Core 0.16.1, spec 1.16).  A None group counts as size 1."""
+    seq = decoder_seq_length if decoder_seq_length is not None else seq_length
+    seq //= group_size(cp_group)
+    if config.sequence_parallel:
+        seq //= group_size(tp_group)
+    return [(seq, micro_batch_size, config.hidden_size)]
+
+
+def clear_embedding_activation_buffer(config, model, is_last_stage):
+    """On the last stage with ``config.defer_embedding_wgrad_compute``: empty the output layer's
+    ``embedding_activation_buffer`` of the last model chunk and return the module holding it (the one with
+    ``post_process``); else return None (spec 1.10).  Raises ``RuntimeError`` if no wrapper level has
+    ``post_process``."""
+    if not (is_last_stage and config.defer_embedding_wgrad_compute):
+        return None
+    chunk = model[-1] if isinstance(model, list) else model
+    embedding_module = get_attr_wrapped_model(chunk, "post_process", return_model_obj=True)
+    embedding_module.embedding_activation_buffer.clear()
+    return embedding_module
+
+
+def finish_embedding_wgrad_compute(config, embedding_module, is_last_stage, tp_group) -> None:
+    """Compute the deferred output-layer weight gradient on the last stage (spec 1.11).
+
+    Drains ``embedding_module.embedding_activation_buffer`` (activations ``[s, b, h]``) and
+    ``grad_output_buffer`` (output gradients ``[s, b, v]``) pairwise, accumulating
+    ``grad_output^T @ activation`` (``[v, h]``) into the output weight's ``main_grad`` (or ``.grad`` when the
+    weight has no ``main_grad``).  The weight is ``output_layer.weight`` when
+    ``share_embeddings_and_output_weights`` is set, else ``shared_embedding_or_output_weight()`` (both are the
+    output layer's weight on a last pipeline stage).  No-op unless ``is_last_stage`` and
+    ``config.defer_embedding_wgrad_compute``.  Raises ``ValueError`` for buffers of different lengths or a tensor
+    group larger than 1 (not supported by pipecast).
+    """
+    if not (is_last_stage and config.defer_embedding_wgrad_compute):
+        return
+    if group_size(tp_group) != 1:
+        raise ValueError(f"finish_embedding_wgrad_compute: tensor-parallel group of size {group_size(tp_group)} is "
+                         "not supported by pipecast; use tensor_model_parallel_size=1")
+    activations = embedding_module.embedding_activation_buffer
+    grad_outputs = embedding_module.grad_output_buffer
+    if len(activations) != len(grad_outputs):
+        raise ValueError(f"finish_embedding_wgrad_compute: {len(activations)} buffered activations but "
+                         f"{len(grad_outputs)} buffered output gradients; every deferred microbatch must add one of "
+                         "each")
+    if getattr(embedding_module, "share_embeddings_and_output_weights", False):
+        weight = embedding_module.output_layer.weight
+    else:
+        weight = embedding_module.shared_embedding_or_output_weight()
+    while activations:
+        activation, grad_output = activations.pop(0), grad_outputs.pop(0)
+        wgrad = grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(
+            activation.reshape(-1, activation.shape[-1]))
+        target = getattr(weight, "main_grad", None)
+        if target is not None:
+            target.add_(wgrad.to(target.dtype))
+        elif weight.grad is None:
+            weight.grad = wgrad.to(weight.dtype)
+        else:
+            weight.grad.add_(wgrad.to(weight.grad.dtype))
