@@ -2,12 +2,23 @@
 
 The executor calls ``tracer.span(category, label)`` around each piece of work; the default :data:`NULL_TRACER`
 does nothing and costs one attribute lookup and an empty context manager.  Profiling code (NVTX ranges, the
-timeline recorder) implements the same two-method protocol.
+timeline recorder in :mod:`engine.profiling`) implements the same one-method protocol.
+
+A caller that cannot pass a tracer through an API (the Megatron-compatible schedule functions have Megatron's
+signature) installs one for a region with :func:`use_tracer`; the executor reads :func:`current_tracer` once per
+step.  The installed tracer lives in a :class:`contextvars.ContextVar`, so threads and nested regions do not leak
+into each other.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Protocol
+import contextvars
+from typing import ContextManager, Iterator, Protocol
+
+__all__ = ["Tracer", "NULL_TRACER", "CATEGORIES", "current_tracer", "use_tracer", "FanoutTracer"]
+
+CATEGORIES = ("compute", "p2p", "graph", "sync")
+"""The span categories, in the order profilers lay them out."""
 
 
 class Tracer(Protocol):
@@ -28,3 +39,41 @@ class _NullTracer:
 
 
 NULL_TRACER: Tracer = _NullTracer()
+
+_CURRENT: contextvars.ContextVar[Tracer] = contextvars.ContextVar("pipecast_tracer", default=NULL_TRACER)
+
+
+def current_tracer() -> Tracer:
+    """The tracer installed by the innermost :func:`use_tracer` of this thread/context, else :data:`NULL_TRACER`."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def use_tracer(tracer: Tracer | None) -> Iterator[Tracer]:
+    """Install ``tracer`` for the enclosed region (``None`` installs :data:`NULL_TRACER`); restores the previous one.
+
+    Raises:
+        TypeError: ``tracer`` has no ``span`` method.
+    """
+    tracer = NULL_TRACER if tracer is None else tracer
+    if not callable(getattr(tracer, "span", None)):
+        raise TypeError(f"tracer={tracer!r} has no span(category, label) method; pass an engine.tracing.Tracer")
+    token = _CURRENT.set(tracer)
+    try:
+        yield tracer
+    finally:
+        _CURRENT.reset(token)
+
+
+class FanoutTracer:
+    """Reports every span to several tracers (e.g. NVTX ranges and the timeline recorder), outermost first."""
+
+    def __init__(self, *tracers: Tracer):
+        self.tracers = tuple(t for t in tracers if t is not None and t is not NULL_TRACER)
+
+    @contextlib.contextmanager
+    def span(self, category: str, label: str) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for t in self.tracers:
+                stack.enter_context(t.span(category, label))
+            yield
