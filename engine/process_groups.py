@@ -77,9 +77,11 @@ def validate_parallel_sizes(pipeline_model_parallel_size, virtual_pipeline_model
                             world_size=1, *, tensor_model_parallel_size=1, context_parallel_size=1,
                             expert_model_parallel_size=1) -> None:
     """Raise ``TypeError`` / ``ValueError`` naming the setting, its value and the fix if pipecast cannot build
-    process groups for these sizes.  Pure: every rank gets the same answer before any collective."""
+    process groups for these sizes.  ``world_size=None`` skips the divisibility check.  Pure: every rank gets the
+    same answer before any collective."""
     for name, value in (("pipeline_model_parallel_size", pipeline_model_parallel_size),
-                        ("world_size", world_size), ("tensor_model_parallel_size", tensor_model_parallel_size),
+                        ("world_size", 1 if world_size is None else world_size),
+                        ("tensor_model_parallel_size", tensor_model_parallel_size),
                         ("context_parallel_size", context_parallel_size),
                         ("expert_model_parallel_size", expert_model_parallel_size)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -96,7 +98,7 @@ def validate_parallel_sizes(pipeline_model_parallel_size, virtual_pipeline_model
         if value != 1:
             raise ValueError(f"{name}={value} is not supported by pipecast (pipeline x data parallel only); "
                              f"set {name}=1")
-    if world_size % pipeline_model_parallel_size:
+    if world_size is not None and world_size % pipeline_model_parallel_size:
         raise ValueError(f"world size {world_size} is not divisible by pipeline_model_parallel_size="
                          f"{pipeline_model_parallel_size}; the data-parallel size is world_size // pp, so choose "
                          f"a pipeline size that divides {world_size} or change the number of processes")
@@ -197,13 +199,14 @@ def build_process_groups(pipeline_model_parallel_size: int, virtual_pipeline_mod
     else:
         world_size = 1 if world_size is None else world_size
         rank = 0 if rank is None else rank
-    validate_parallel_sizes(pipeline_model_parallel_size, virtual_pipeline_model_parallel_size, world_size)
+    validate_parallel_sizes(pipeline_model_parallel_size, virtual_pipeline_model_parallel_size, None)
     if not initialized:
         if world_size != 1 or pipeline_model_parallel_size != 1:
             raise RuntimeError(f"torch.distributed is not initialised but world_size={world_size}, "
                                f"pipeline_model_parallel_size={pipeline_model_parallel_size}; call "
                                "torch.distributed.init_process_group first (e.g. launch with torchrun)")
         return ProcessGroupCollection(virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size)
+    validate_parallel_sizes(pipeline_model_parallel_size, virtual_pipeline_model_parallel_size, world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside the world of size {world_size}")
 
