@@ -1,0 +1,22 @@
+"""CUDA graphs per (model chunk, microbatch, layer), captured in exactly the order the pipeline rank runs them.
+
+* :mod:`graphs.order`: the rank's capture order, TE's flat graph index, :func:`check_order`.
+* :func:`graphs.capture.capture`: one entry point for the ``te``, ``torch``, ``emulate`` and ``eager`` backends;
+  returns :class:`graphs.dispatch.GraphedLayers` (layers dispatch on ``current_microbatch``).
+* :class:`graphs.runtime.GraphRuntime`: the trainer's hook -- eager warmup steps, recording, collective capture,
+  recapture when the microbatch count or shapes change.
+
+Dependencies run graphs -> ``engine.plan`` / ``engine.schedule_table`` (the pure layer) only.
+"""
+from .capture import BACKENDS, CaptureReport, capture, make_sample_args, resolve_backend
+from .dispatch import GraphedLayers, GraphSet, Recording, ReplayGuard, layers_of_chunk
+from .order import (LayerEvent, check_order, flat_index, graph_order, layer_events, max_in_flight, order_events,
+                    unflat_index)
+from .specs import CallSpec, TensorSpec
+
+__all__ = [
+    "BACKENDS", "CaptureReport", "capture", "make_sample_args", "resolve_backend",
+    "GraphedLayers", "GraphSet", "Recording", "ReplayGuard", "layers_of_chunk",
+    "LayerEvent", "check_order", "flat_index", "graph_order", "layer_events", "max_in_flight", "order_events",
+    "unflat_index", "CallSpec", "TensorSpec",
+]

@@ -1,0 +1,231 @@
+"""``te``: the one adapter around Transformer Engine's ``make_graphed_callables(..., _order=...)``.
+
+Everything pipecast knows about TE's private ordered-capture arguments lives here (``shared/spec/cuda_graphs.md``
+1.1-1.8, 2.5).  The installed signature is detected by feature checks on ``inspect.signature``, never by version
+strings; the adapter passes exactly what TE expects:
+
+* ``modules``: the distinct graphed layers, chunk-major (each layer once);
+* ``sample_args``: one tuple of tensors per forward pass, ``sum(L_c) * M`` entries in TE's flat layout
+  (``graphs.order.flat_index``); ``sample_kwargs`` alongside when the layers take tensor keyword arguments;
+* ``_order``: the rank's order; ``_num_layers_per_chunk``: ``[L_0, ..., L_{V-1}]`` when supported (TE >= 2.6),
+  otherwise the layer counts must be uniform (TE derives them as ``len(sample_args) / V / M``);
+* ``allow_unused_input=True`` and ``num_warmup_iters`` as Megatron passes them;
+* ``clone_param_grads_on_return=True`` when supported; older TE returns static aliases as parameter grads
+  (B17), so the adapter then registers gradient hooks that clone them while graphs are active.
+
+TE's capture has no ``try/finally`` (spec 1.3 step 5): if it raises, the adapter restores every module class's
+``__call__``, instance ``forward`` attributes, GC, the CPU/CUDA RNG states, TE's "capturing" flag, training flags
+and the parameters' ``.grad`` (spec 3.4).
+"""
+from __future__ import annotations
+
+import gc
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["TEFeatures", "detect_features", "load_make_graphed_callables", "build_te_arguments", "te_capture",
+           "StateGuard", "te_unavailable_reason"]
+
+_FEATURES = ("_order", "_num_layers_per_chunk", "sample_kwargs", "num_warmup_iters", "allow_unused_input",
+             "pool", "retain_graph_in_backward", "_reuse_graph_input_output_buffers", "clone_param_grads_on_return")
+
+
+@dataclass(frozen=True)
+class TEFeatures:
+    """Which keyword arguments the installed ``make_graphed_callables`` accepts."""
+
+    accepted: frozenset[str]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.accepted
+
+    @property
+    def ordered(self) -> bool:
+        """Ordered (pipeline) capture exists: ``_order`` (TE >= 1.6)."""
+        return "_order" in self.accepted
+
+    def __str__(self) -> str:
+        return ", ".join(f"{n}={'yes' if n in self.accepted else 'no'}" for n in _FEATURES)
+
+
+def detect_features(fn: Callable) -> TEFeatures:
+    """Feature-detect ``fn``'s keyword arguments (``inspect.signature``); a ``**kwargs`` catch-all counts for
+    nothing, since we cannot know what it forwards."""
+    params = inspect.signature(fn).parameters
+    return TEFeatures(frozenset(n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD))
+
+
+def load_make_graphed_callables():
+    """``transformer_engine.pytorch.make_graphed_callables`` or ``None`` if TE is not importable."""
+    try:
+        te = importlib.import_module("transformer_engine.pytorch")
+    except Exception:  # noqa: BLE001 - ImportError, or a broken install raising anything on import
+        return None
+    return getattr(te, "make_graphed_callables", None)
+
+
+def te_unavailable_reason() -> str | None:
+    """``None`` if the TE backend can be used here, else why not (one phrase)."""
+    fn = load_make_graphed_callables()
+    if fn is None:
+        return "Transformer Engine is not installed (transformer_engine.pytorch.make_graphed_callables)"
+    if not detect_features(fn).ordered:
+        return "the installed Transformer Engine has no _order argument (needs TE >= 1.6)"
+    return None
+
+
+def build_te_arguments(features: TEFeatures, modules: Sequence[torch.nn.Module], sample_args: Sequence[tuple],
+                       sample_kwargs: Sequence[dict] | None, order: Sequence[int], layers_per_chunk: Sequence[int],
+                       num_microbatches: int, num_warmup_iters: int = 1, pool=None,
+                       retain_graph_in_backward: bool = False) -> tuple[tuple, dict[str, Any]]:
+    """``(args, kwargs)`` for ``make_graphed_callables`` with this feature set.
+
+    Raises:
+        ValueError: the layout cannot be expressed with the installed TE (no ``_order``; non-uniform layers per
+            chunk without ``_num_layers_per_chunk``; keyword tensors without ``sample_kwargs``), or the counts are
+            inconsistent (``len(modules) != sum(L)``, ``len(sample_args) != sum(L)*M``).
+        TypeError: a sample argument is not a tensor.
+    """
+    if not features.ordered:
+        raise ValueError("the installed transformer_engine make_graphed_callables has no _order argument; "
+                         "per-microbatch pipeline capture needs TE >= 1.6 -- upgrade TE or use backend='torch'")
+    n_layers = sum(layers_per_chunk)
+    if len(modules) != n_layers:
+        raise ValueError(f"{len(modules)} modules for layers_per_chunk={list(layers_per_chunk)} (sum {n_layers})")
+    expected = n_layers * num_microbatches
+    if len(sample_args) != expected:
+        raise ValueError(f"len(sample_args)={len(sample_args)}; TE expects sum(L)*M = {n_layers}*{num_microbatches}"
+                         f" = {expected} entries in its flat layout")
+    for i, entry in enumerate(sample_args):
+        if not isinstance(entry, tuple) or not all(isinstance(t, torch.Tensor) for t in entry):
+            raise TypeError(f"sample_args[{i}] must be a tuple of tensors (TE rejects anything else)")
+    kwargs: dict[str, Any] = {"_order": list(order)}
+    if "_num_layers_per_chunk" in features:
+        kwargs["_num_layers_per_chunk"] = list(layers_per_chunk)
+    elif len(set(layers_per_chunk)) != 1 or layers_per_chunk[0] == 0:
+        raise ValueError(f"layers_per_chunk={list(layers_per_chunk)} is not uniform and the installed TE has no "
+                         f"_num_layers_per_chunk (TE >= 2.6); graph the same number of layers per chunk")
+    if sample_kwargs is not None and any(sample_kwargs):
+        if "sample_kwargs" not in features:
+            raise ValueError("the layers take tensor keyword arguments but the installed TE has no sample_kwargs")
+        if len(sample_kwargs) != expected:
+            raise ValueError(f"len(sample_kwargs)={len(sample_kwargs)} != len(sample_args)={expected}")
+        kwargs["sample_kwargs"] = list(sample_kwargs)
+    if "num_warmup_iters" in features:
+        kwargs["num_warmup_iters"] = num_warmup_iters
+    if "allow_unused_input" in features:
+        kwargs["allow_unused_input"] = True
+    if "clone_param_grads_on_return" in features:
+        kwargs["clone_param_grads_on_return"] = True
+    if pool is not None and "pool" in features:
+        kwargs["pool"] = pool
+    if retain_graph_in_backward:
+        if "retain_graph_in_backward" not in features:
+            raise ValueError("retain_graph_in_backward=True needs a TE with that argument")
+        kwargs["retain_graph_in_backward"] = True
+    return (tuple(modules), tuple(sample_args)), kwargs
+
+
+_MISSING = object()
+
+
+@dataclass
+class StateGuard:
+    """Snapshot of everything a failed TE capture can leave changed; :meth:`restore` puts it back."""
+
+    modules: Sequence[torch.nn.Module]
+    class_calls: dict[type, Any] = field(default_factory=dict)
+    forwards: list[tuple[torch.nn.Module, Any]] = field(default_factory=list)
+    training: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
+    grads: list[tuple[torch.nn.Parameter, Any]] = field(default_factory=list)
+    gc_enabled: bool = True
+    cpu_rng: torch.Tensor | None = None
+    cuda_rng: list | None = None
+
+    def save(self) -> "StateGuard":
+        for m in self.modules:
+            for sub in m.modules():
+                self.class_calls.setdefault(type(sub), type(sub).__dict__.get("__call__", _MISSING))
+                self.forwards.append((sub, sub.__dict__.get("forward", _MISSING)))
+                self.training.append((sub, sub.training))
+            for p in m.parameters():
+                self.grads.append((p, p.grad))
+        self.gc_enabled = gc.isenabled()
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        return self
+
+    def clear_grads(self) -> None:
+        """Warmup must not accumulate into existing ``.grad`` tensors: hide them during capture."""
+        for p, _ in self.grads:
+            p.grad = None
+
+    def restore(self, everything: bool = True) -> None:
+        """Restore grads, RNG and GC; with ``everything`` also class ``__call__``, ``forward`` and training flags
+        and TE's capturing flag (the failure path)."""
+        for p, g in self.grads:
+            p.grad = g
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        if self.gc_enabled and not gc.isenabled():
+            gc.enable()
+        if not everything:
+            return
+        for cls, call in self.class_calls.items():
+            if call is _MISSING:
+                if "__call__" in cls.__dict__:
+                    delattr(cls, "__call__")
+            elif cls.__dict__.get("__call__", _MISSING) is not call:
+                setattr(cls, "__call__", call)
+        for sub, fwd in self.forwards:
+            if fwd is _MISSING:
+                sub.__dict__.pop("forward", None)
+            else:
+                sub.__dict__["forward"] = fwd
+        for sub, mode in self.training:
+            sub.training = mode
+        _end_te_capture()
+
+
+def _end_te_capture() -> None:
+    """Clear TE's module-level "graph capturing" flag if this TE has one (``graph.set_capture_end``)."""
+    try:
+        graph_mod = importlib.import_module("transformer_engine.pytorch.graph")
+    except Exception:  # noqa: BLE001
+        return
+    end = getattr(graph_mod, "set_capture_end", None)
+    if callable(end):
+        end()
+
+
+def te_capture(make_graphed_callables: Callable, modules: Sequence[torch.nn.Module], sample_args: Sequence[tuple],
+               sample_kwargs: Sequence[dict] | None, order: Sequence[int], layers_per_chunk: Sequence[int],
+               num_microbatches: int, num_warmup_iters: int = 1, pool=None,
+               retain_graph_in_backward: bool = False) -> tuple[tuple[Callable, ...], TEFeatures, dict]:
+    """Call TE and return ``(callables in flat layout, features, the keyword arguments passed)``.
+
+    On any exception every piece of state TE may have changed is restored (see :class:`StateGuard`) and the
+    exception propagates.  On success ``.grad``, RNG and GC are restored too (warmup pollutes grads).
+    """
+    features = detect_features(make_graphed_callables)
+    args, kwargs = build_te_arguments(features, modules, sample_args, sample_kwargs, order, layers_per_chunk,
+                                      num_microbatches, num_warmup_iters, pool, retain_graph_in_backward)
+    guard = StateGuard(modules).save()
+    guard.clear_grads()
+    try:
+        out = make_graphed_callables(*args, **kwargs)
+    except BaseException:
+        guard.restore(everything=True)
+        raise
+    guard.restore(everything=False)
+    callables = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    if len(callables) != len(sample_args):
+        raise RuntimeError(f"make_graphed_callables returned {len(callables)} callables for {len(sample_args)} "
+                           f"forward passes; the installed TE does not follow the flat (chunk, microbatch, layer) "
+                           f"layout pipecast relies on")
+    return callables, features, kwargs

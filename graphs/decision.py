@@ -1,0 +1,49 @@
+"""The graphs-or-eager decision, made collectively, and the one-line fallback log.
+
+Captured collectives are collective at replay: if one rank replays graphs while a neighbour runs eagerly, NCCL can
+hang (``shared/spec/cuda_graphs.md`` 3.4, section 4 row 11).  So every rank contributes its local verdict and all
+ranks adopt "graphs" only if every rank can; the reasons of the ranks that cannot are gathered so that the single
+log line says why.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["agree", "log_fallback", "log"]
+
+log = logging.getLogger("pipecast.graphs")
+
+
+def agree(ok: bool, reason: str | None, group=None) -> tuple[bool, str | None]:
+    """All ranks of ``group`` (default: the world, when initialised) agree on graphs or eager.
+
+    Returns ``(all_ok, reason)`` where ``reason`` names the first failing rank and its reason (``None`` when all
+    are ok).  Without an initialised process group the local verdict is returned unchanged.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return ok, (None if ok else reason)
+    verdicts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(verdicts, (bool(ok), reason), group=group)
+    bad = [(r, why) for r, (good, why) in enumerate(verdicts) if not good]
+    if not bad:
+        return True, None
+    me = dist.get_rank(group)
+    rank, why = next(((r, w) for r, w in bad if r == me), bad[0])
+    more = f" (+{len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+    return False, (why if rank == me else f"rank {rank}: {why}") + more
+
+
+def log_fallback(requested: str, reason: str, group=None) -> str:
+    """Log the fallback once (on the first rank of ``group``; DEBUG elsewhere) and return the line."""
+    line = f"CUDA graphs off (backend={requested!r}), running eagerly: {reason}"
+    first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank(group) == 0
+    log.log(logging.WARNING if first else logging.DEBUG, line)
+    return line
+
+
+def cuda_ready() -> bool:
+    """A CUDA device is usable here (patched in tests)."""
+    return torch.cuda.is_available()
