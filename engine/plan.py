@@ -21,8 +21,7 @@ import enum
 from dataclasses import dataclass
 from functools import cached_property
 
-from .schedule_table import (convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches,
-                             validate_interleaved_microbatches)
+from .schedule_table import get_schedule_table, pp_rank_microbatches, validate_interleaved_microbatches
 
 __all__ = ["Op", "Action", "Message", "Plan", "SCHEDULES", "build_plan", "schedule_name"]
 
@@ -179,7 +178,28 @@ class Plan:
 
     @cached_property
     def total_actions(self) -> int:
+        """Number of actions over all ranks."""
         return sum(len(a) for a in self.actions)
+
+    @cached_property
+    def action_keys(self) -> tuple[list[int], ...]:
+        """Per rank, one integer per action: ``op*C*M + chunk*M + microbatch`` (op F=0, B=1, W=2).
+
+        ``-1`` marks an action outside the plan (chunk not in ``[0, C)`` or microbatch not in ``[0, M)``).
+        The validator and the simulator work on these keys instead of the action objects (about 1M actions for
+        P=64, C=8, M=1024).  Plans from :func:`build_plan` come with the keys precomputed.
+        """
+        chunks, microbatches = self.num_model_chunks, self.num_microbatches
+        stride = chunks * microbatches
+        op_index = {Op.FORWARD: 0, Op.BACKWARD: 1, Op.WEIGHT: 2}
+        distinct = {}  # id -> action; plans share action objects between ranks, so this stays small
+        for acts in self.actions:
+            distinct.update(zip(map(id, acts), acts))
+        key_of = {}
+        for ident, a in distinct.items():
+            valid = 0 <= a.chunk < chunks and 0 <= a.microbatch < microbatches and a.op in op_index
+            key_of[ident] = op_index[a.op] * stride + a.chunk * microbatches + a.microbatch if valid else -1
+        return tuple(list(map(key_of.__getitem__, map(id, acts))) for acts in self.actions)
 
     def grid(self) -> str:
         """A text grid: one row per pipeline rank, one column per action slot."""
@@ -238,28 +258,44 @@ def build_plan(schedule: str, pp_size: int, num_microbatches: int, num_model_chu
 
     table = get_schedule_table(num_microbatches, num_model_chunks, group_size)
     vp_size = num_model_chunks if schedule == "interleaved" else None
-    warmups, per_rank = [], []
-    for rank in range(pp_size):
-        counts = pp_rank_microbatches(num_microbatches, num_model_chunks, group_size, pp_size, rank, vp_size,
-                                      forward_only=forward_only)
-        warmups.append(counts.num_warmup_microbatches)
-        per_rank.append(tuple(_actions(table, num_model_chunks, counts.num_warmup_microbatches, forward_only)))
-    return Plan(schedule, pp_size, num_model_chunks, num_microbatches, group_size, forward_only,
-                tuple(warmups), tuple(per_rank))
-
-
-def _actions(table, num_model_chunks: int, warmup: int, forward_only: bool):
-    """Walk the TE order of one rank and name each entry's (chunk, microbatch) from the schedule table."""
+    warmups = tuple(pp_rank_microbatches(num_microbatches, num_model_chunks, group_size, pp_size, rank, vp_size,
+                                         forward_only=forward_only).num_warmup_microbatches
+                    for rank in range(pp_size))
+    forwards, backwards, forward_keys, backward_keys = _table_actions(table, num_model_chunks, num_microbatches)
     if forward_only:
-        yield from (Action(Op.FORWARD, chunk, mb) for mb, chunk in table)
-        return
-    forwards = backwards = 0
-    for entry in convert_schedule_table_to_order(warmup, num_model_chunks, table):
-        if entry > 0:
-            mb, chunk = table[forwards]
-            forwards += 1
-            yield Action(Op.FORWARD, chunk, mb)
-        else:
-            mb, chunk = table[backwards]
-            backwards += 1
-            yield Action(Op.BACKWARD, num_model_chunks - 1 - chunk, mb)
+        per_rank = (tuple(forwards),) * pp_size
+        keys = (forward_keys,) * pp_size
+    else:
+        per_rank = tuple(tuple(_one_f_one_b(forwards, backwards, w)) for w in warmups)
+        keys = tuple(_one_f_one_b(forward_keys, backward_keys, w) for w in warmups)
+    plan = Plan(schedule, pp_size, num_model_chunks, num_microbatches, group_size, forward_only, warmups, per_rank)
+    plan.__dict__["action_keys"] = keys  # pre-filled cache of Plan.action_keys (validator / simulator input)
+    return plan
+
+
+def _table_actions(table, num_model_chunks: int, num_microbatches: int):
+    """Forward and backward actions in schedule-table order (one shared object per distinct action) and their keys.
+
+    Backward step ``k`` runs table entry ``k`` with the chunk mirrored (spec 1.13).  Keys as in
+    :meth:`Plan.action_keys`.
+    """
+    forwards = [Action(Op.FORWARD, c, mb) for mb, c in table]
+    backwards = [Action(Op.BACKWARD, num_model_chunks - 1 - c, mb) for mb, c in table]
+    stride = num_model_chunks * num_microbatches
+    forward_keys = [c * num_microbatches + mb for mb, c in table]
+    backward_keys = [stride + (num_model_chunks - 1 - c) * num_microbatches + mb for mb, c in table]
+    return forwards, backwards, forward_keys, backward_keys
+
+
+def _one_f_one_b(forwards: list, backwards: list, warmup: int) -> list:
+    """Warmup forwards, then steady 1F1B (forward ``i`` then backward ``i - W``), then cooldown backwards.
+
+    The same order as :func:`convert_schedule_table_to_order` (spec 1.14), built by slicing.
+    """
+    total = len(forwards)
+    warmup = min(warmup, total)
+    steady = total - warmup
+    middle = [None] * (2 * steady)
+    middle[0::2] = forwards[warmup:]
+    middle[1::2] = backwards[:steady]
+    return forwards[:warmup] + middle + backwards[steady:]

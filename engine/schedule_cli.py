@@ -1,0 +1,139 @@
+"""``pipecast schedule``: print a schedule's per-rank action grid and its simulated bubble; optionally plot / save.
+
+Example::
+
+    pipecast schedule --pp 4 --vp 2 --microbatches 8 --plot out.png --json out.json
+
+The schedule follows Megatron's choice (``get_forward_backward_func``): ``--vp 1`` (default) gives 1F1B, or no
+pipelining with ``--pp 1``; ``--vp >= 2`` gives interleaved 1F1B (``--schedule interleaved`` also forces it for
+``--vp 1``, as Megatron does for ``virtual_pipeline_model_parallel_size=1``).  Costs are per model chunk.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from .plan import SCHEDULES, Plan, build_plan
+from .simulate import Simulation, simulate
+from .validate import max_buffered_messages, validate_plan
+
+__all__ = ["add_arguments", "run"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _time(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number >= 0")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the ``schedule`` options on ``parser``."""
+    parser.add_argument("--pp", type=_positive_int, default=4, help="pipeline ranks P (default 4)")
+    parser.add_argument("--vp", type=_positive_int, default=1,
+                        help="model chunks per rank (virtual pipeline size); >= 2 selects interleaved 1F1B")
+    parser.add_argument("--microbatches", "-m", type=_positive_int, default=8, help="microbatches M (default 8)")
+    parser.add_argument("--group-size", type=_positive_int, default=None,
+                        help="microbatch_group_size_per_vp_stage G for interleaved 1F1B (default P)")
+    parser.add_argument("--schedule", choices=("auto",) + SCHEDULES, default="auto",
+                        help="schedule; 'auto' picks it from --pp/--vp like Megatron")
+    parser.add_argument("--forward-only", action="store_true", help="evaluation plan (forwards only)")
+    parser.add_argument("--forward-time", type=_time, default=1.0, help="cost of one chunk forward (default 1)")
+    parser.add_argument("--backward-time", type=_time, default=2.0, help="cost of one chunk backward (default 2)")
+    parser.add_argument("--transfer-time", type=_time, default=0.0, help="latency of every message (default 0)")
+    parser.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="draw a Gantt chart")
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT.json", help="write plan and timeline")
+    parser.set_defaults(_parser=parser)
+
+
+def _schedule(args) -> str:
+    if args.schedule != "auto":
+        return args.schedule
+    if args.vp > 1:
+        return "interleaved"
+    return "1f1b" if args.pp > 1 else "no_pipelining"
+
+
+def run(args) -> int:
+    """Build, validate and simulate the plan; print grid and bubbles; write the plot / JSON if asked.
+
+    Bad values exit with status 2 and a message naming the option (argparse's ``error``).
+    """
+    parser: argparse.ArgumentParser = args._parser
+    schedule = _schedule(args)
+    if args.group_size is not None and schedule != "interleaved":
+        parser.error(f"--group-size {args.group_size} only applies to interleaved 1F1B; add --vp 2 (or more)")
+    try:
+        plan = build_plan(schedule, args.pp, args.microbatches, args.vp, args.group_size, args.forward_only)
+    except (ValueError, RuntimeError) as exc:  # Megatron's validation errors: bad option values
+        parser.error(f"{exc} (options --pp {args.pp} --vp {args.vp} --microbatches {args.microbatches}"
+                     + (f" --group-size {args.group_size}" if args.group_size is not None else "") + ")")
+    validate_plan(plan)
+    sim = simulate(plan, args.forward_time, args.backward_time, args.transfer_time)
+    buffered = max_buffered_messages(plan, sim)
+    print(report(plan, sim, buffered, args))
+    if args.json is not None:
+        args.json.write_text(json.dumps(to_json(plan, sim, buffered), indent=1))
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        from .plotting import plot_timeline
+        title = (f"{schedule} pp={plan.pp_size} vp={plan.num_model_chunks} m={plan.num_microbatches} "
+                 f"G={plan.group_size}{' forward-only' if plan.forward_only else ''}: makespan "
+                 f"{sim.makespan:g}, bubble {100 * sim.bubble_overall:.1f}%")
+        plot_timeline(sim.spans(), args.plot, title, bubbles=sim.bubble)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def report(plan: Plan, sim: Simulation, buffered, args) -> str:
+    """The text printed by ``pipecast schedule``: header, action grid, per-rank simulation figures."""
+    mode = "forward-only" if plan.forward_only else "training"
+    lines = [f"schedule {plan.schedule}: pp={plan.pp_size} vp={plan.num_model_chunks} "
+             f"microbatches={plan.num_microbatches} group_size={plan.group_size} ({mode}); "
+             f"action F<microbatch>.<chunk> / B<microbatch>.<chunk>, W = warmup forwards",
+             plan.grid(), "",
+             f"simulated: forward {args.forward_time:g}, backward {args.backward_time:g}, transfer "
+             f"{args.transfer_time:g} per model chunk"]
+    for rank in range(plan.pp_size):
+        lines.append(f"rank {rank}: busy {sim.busy[rank]:g}  idle {sim.idle[rank]:g}  bubble "
+                     f"{100 * sim.bubble[rank]:.1f}%  (of ideal {100 * sim.bubble_of_ideal[rank]:.1f}%)  "
+                     f"peak in-flight activations {sim.peak_in_flight[rank]}  peak buffered messages "
+                     f"{buffered[rank]}")
+    lines.append(f"makespan {sim.makespan:g}, overall bubble {100 * sim.bubble_overall:.1f}%")
+    return "\n".join(lines)
+
+
+def to_json(plan: Plan, sim: Simulation, buffered) -> dict:
+    """Plan, per-rank timeline and figures as JSON-serialisable data."""
+    return {
+        "schedule": plan.schedule, "pp_size": plan.pp_size, "num_model_chunks": plan.num_model_chunks,
+        "num_microbatches": plan.num_microbatches, "group_size": plan.group_size,
+        "forward_only": plan.forward_only, "transfer_time": sim.transfer_time, "makespan": sim.makespan,
+        "bubble_overall": sim.bubble_overall,
+        "ranks": [{"rank": r, "warmup": plan.warmup[r], "actions": plan.compute_order(r), "start": sim.start[r],
+                   "end": sim.end[r], "busy": sim.busy[r], "bubble": sim.bubble[r],
+                   "bubble_of_ideal": sim.bubble_of_ideal[r], "peak_in_flight": sim.peak_in_flight[r],
+                   "peak_buffered_messages": buffered[r]} for r in range(plan.pp_size)],
+    }
+
+
+if __name__ == "__main__":  # python -m engine.schedule_cli ...
+    _p = argparse.ArgumentParser(prog="pipecast schedule", description=__doc__)
+    add_arguments(_p)
+    sys.exit(run(_p.parse_args()))

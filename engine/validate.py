@@ -1,0 +1,374 @@
+"""Plan validation: data flow, ordering and deadlock freedom of a :class:`~engine.plan.Plan` over all ranks.
+
+Checks, in this order (the first violation raises :class:`PlanError` naming the rank, the action and why):
+
+1. every action is an :class:`~engine.plan.Action` of the plan (``0 <= chunk < C``, ``0 <= microbatch < M``);
+2. each ``(op, chunk, microbatch)`` runs at most once per rank, and every ``(chunk, microbatch)`` of the rank's
+   ``C`` chunks runs exactly once per op: ``F`` always, ``B`` unless the plan is forward-only (then never), ``W``
+   either never or for every ``(chunk, microbatch)``;
+3. every backward runs after its forward, every weight-gradient pass after its backward (same rank);
+4. every received message is produced by the right action: :meth:`Plan.input_message` of the consumer equals
+   :meth:`Plan.output_message` of exactly one action kind of the producer rank (same microbatch), and every sent
+   message has exactly one consumer;
+5. no deadlock under the runtime's communication model: a send is posted (non-blocking) right after the action that
+   produces it and never waits for the receiver; a receiver posts its receives in the sender's link order
+   (:meth:`Plan.link_order`, so FIFO matching on a link always pairs the right tensors) and waits for a message
+   just before the action that consumes it.  The plan is deadlock-free iff executing every rank's actions in order,
+   each waiting only for its input message to have been produced, completes -- i.e. the graph of program-order and
+   message edges is acyclic.
+
+Messages are derived per ``(rank, op, chunk)``: the validator asks the plan for the messages of microbatch 0 and
+carries the microbatch through (a message of microbatch ``m`` connects actions of microbatch ``m``), which holds
+for every plan whose communication follows its virtual-stage topology.
+
+Cost: linear in the number of actions (the deadlock check is one event-driven pass over the ranks: a rank runs
+until it needs a message that is not produced yet, and is resumed when the producer passes that action); about
+0.3 s for P=64, C=8, M=1024 (1M actions) on one CPU core; see ``benchmarks/plan_scale.py``.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+
+import numpy as np
+
+from .plan import Action, Message, Op, Plan
+
+__all__ = ["PlanError", "PlanGraph", "plan_graph", "validate_plan", "max_buffered_messages"]
+
+_OPS = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)  # key order of Plan.action_keys
+
+
+class PlanError(ValueError):
+    """A plan that cannot run: names the first violating action.
+
+    Attributes:
+        rank: pipeline rank of the action (``None`` for plan-level errors).
+        index: position of the action in the rank's list (``None`` when the action is missing).
+        action: the offending :class:`Action` (``None`` for plan-level errors).
+        reason: what is wrong, in words.
+    """
+
+    def __init__(self, rank: int | None, index: int | None, action: Action | None, reason: str):
+        self.rank, self.index, self.action, self.reason = rank, index, action, reason
+        if rank is None:
+            where = "plan"
+        elif action is None:
+            where = f"rank {rank}"
+        elif index is None:
+            where = f"rank {rank}, action {action}"
+        else:
+            where = f"rank {rank}, action {index} ({action})"
+        super().__init__(f"{where}: {reason}")
+
+
+@dataclass(frozen=True, eq=False)
+class PlanGraph:
+    """The dependency graph of a plan over global action indices (rank ``r``'s action ``i`` is ``base[r] + i``).
+
+    Attributes:
+        num_actions: ``N``, the number of actions over all ranks.
+        base: ``[P+1]`` offsets of each rank's actions in the global numbering (``base[P] == N``).
+        keys: ``[N]`` int64 action keys (:attr:`Plan.action_keys`), concatenated over ranks.
+        deps: ``N+1`` ints: the global index of the action producing each action's input message, or ``N``
+            (a sentinel that is always done) when the action receives nothing; ``deps[N] == N``.
+        owner: ``N+1`` ints: the rank of each global action index (``owner[N] == -1``).
+        has_weight: per rank, whether it runs split weight-gradient (``W``) actions.
+    """
+
+    num_actions: int
+    base: tuple[int, ...]
+    keys: np.ndarray
+    deps: list[int]
+    owner: list[int]
+    has_weight: tuple[bool, ...]
+
+    def rank_of(self, node: int) -> int:
+        """Pipeline rank of global action index ``node``."""
+        return bisect_right(self.base, node) - 1
+
+    def locate(self, plan: Plan, node: int) -> tuple[int, int, Action]:
+        """``(rank, index, action)`` of global action index ``node``."""
+        rank = self.rank_of(node)
+        return rank, node - self.base[rank], plan.actions[rank][node - self.base[rank]]
+
+
+def plan_graph(plan: Plan) -> PlanGraph:
+    """Check the plan's structure and data flow (checks 1-4 of the module doc) and return its dependency graph.
+
+    Cached on the plan (plans are immutable).  Raises :class:`PlanError`.
+    """
+    cached = plan.__dict__.get("_plan_graph")
+    if cached is None:
+        cached = _build_graph(plan)
+        plan.__dict__["_plan_graph"] = cached
+    return cached
+
+
+def validate_plan(plan: Plan) -> PlanGraph:
+    """Validate ``plan`` over all ranks (all checks of the module doc); returns its :class:`PlanGraph`.
+
+    Raises:
+        PlanError: (a ``ValueError``) naming the first violating rank and action and why.
+    """
+    graph = plan_graph(plan)
+    _check_deadlock_free(plan, graph)
+    return graph
+
+
+# -- structure ---------------------------------------------------------------------------------------------------
+def _build_graph(plan: Plan) -> PlanGraph:
+    pp, chunks, mbs = plan.pp_size, plan.num_model_chunks, plan.num_microbatches
+    if len(plan.actions) != pp:
+        raise PlanError(None, None, None, f"has action lists for {len(plan.actions)} ranks but pp_size={pp}")
+    if chunks < 1 or mbs < 1:
+        raise PlanError(None, None, None, f"num_model_chunks={chunks} and num_microbatches={mbs} must be >= 1")
+    stride = chunks * mbs
+    keys_per_rank = plan.action_keys
+    sizes = [len(k) for k in keys_per_rank]
+    base = [0]
+    for n in sizes:
+        base.append(base[-1] + n)
+    total = base[-1]
+    keys = np.concatenate([np.asarray(ks, dtype=np.int64) for ks in keys_per_rank]) if pp else \
+        np.zeros(0, dtype=np.int64)
+    rank_of = np.repeat(np.arange(pp, dtype=np.int64), sizes)
+    index = np.arange(total, dtype=np.int64)
+
+    bad = np.flatnonzero(keys < 0)
+    if bad.size:
+        rank, i, action = _locate(plan, base, int(bad[0]))
+        raise PlanError(rank, i, action, f"is not an action of this plan: needs an Op, 0 <= chunk < {chunks} and "
+                                         f"0 <= microbatch < {mbs}")
+
+    # position of each (rank, key) in the global numbering, -1 when the rank never runs it
+    pos = np.full((pp, 3 * stride), -1, dtype=np.int64)
+    pos[rank_of, keys] = index
+    dup = np.flatnonzero(pos[rank_of, keys] != index)
+    if dup.size:
+        _raise_duplicate(plan, base, keys, rank_of, dup)
+
+    present = pos >= 0
+    ops_on = [[bool(present[r, o * stride:(o + 1) * stride].any()) for o in range(3)] for r in range(pp)]
+    _check_complete(plan, base, pos, present, ops_on, stride)
+    _check_local_order(plan, base, pos, ops_on, stride)
+    deps = _message_deps(plan, base, keys, pos, ops_on, total)
+    owner = rank_of.tolist()
+    owner.append(-1)
+    return PlanGraph(total, tuple(base), keys, deps, owner, tuple(o[2] for o in ops_on))
+
+
+def _locate(plan: Plan, base, node: int) -> tuple[int, int, Action]:
+    rank = bisect_right(base, node) - 1
+    return rank, node - base[rank], plan.actions[rank][node - base[rank]]
+
+
+def _raise_duplicate(plan: Plan, base, keys, rank_of, dup) -> None:
+    first = int(dup[0])
+    rank, key = int(rank_of[first]), int(keys[first])
+    lo, hi = base[rank], base[rank + 1]
+    where = [int(i) - lo for i in np.flatnonzero(keys[lo:hi] == key) + lo]
+    action = plan.actions[rank][where[1]]
+    raise PlanError(rank, where[1], action, f"runs {action} again (also at index {where[0]}); each (op, chunk, "
+                                            f"microbatch) runs once per rank")
+
+
+def _key_action(key: int, chunks: int, mbs: int) -> Action:
+    stride = chunks * mbs
+    return Action(_OPS[key // stride], (key % stride) // mbs, key % mbs)
+
+
+def _check_complete(plan: Plan, base, pos, present, ops_on, stride: int) -> None:
+    chunks, mbs = plan.num_model_chunks, plan.num_microbatches
+    for rank in range(plan.pp_size):
+        if plan.forward_only and (ops_on[rank][1] or ops_on[rank][2]):
+            node = int(pos[rank, stride:][present[rank, stride:]].min())
+            _, i, action = _locate(plan, base, node)
+            raise PlanError(rank, i, action, "a forward-only plan runs no backward or weight-gradient pass")
+        needed = [0] if plan.forward_only else ([0, 1, 2] if ops_on[rank][2] else [0, 1])
+        for op in needed:
+            missing = np.flatnonzero(~present[rank, op * stride:(op + 1) * stride])
+            if missing.size:
+                action = _key_action(op * stride + int(missing[0]), chunks, mbs)
+                raise PlanError(rank, None, action, f"never runs {action}: every (chunk, microbatch) of the rank's "
+                                                    f"{chunks} model chunks and {mbs} microbatches runs once per op")
+
+
+def _check_local_order(plan: Plan, base, pos, ops_on, stride: int) -> None:
+    for rank in range(plan.pp_size):
+        for before, after in ((0, 1), (1, 2)):
+            if not (ops_on[rank][before] and ops_on[rank][after]):
+                continue
+            first, second = pos[rank, before * stride:(before + 1) * stride], pos[rank, after * stride:(after + 1) *
+                                                                                   stride]
+            wrong = np.flatnonzero(second < first)
+            if wrong.size:
+                node = int(second[wrong].min())
+                k = int(wrong[np.argmin(second[wrong])])
+                _, i, action = _locate(plan, base, node)
+                earlier = _key_action(before * stride + k, plan.num_model_chunks, plan.num_microbatches)
+                raise PlanError(rank, i, action, f"runs before {earlier} (index {int(first[k]) - base[rank]}); a "
+                                                 f"{_OPS[after].name.lower()} pass needs its "
+                                                 f"{_OPS[before].name.lower()} pass first")
+
+
+# -- messages ----------------------------------------------------------------------------------------------------
+def _message_deps(plan: Plan, base, keys, pos, ops_on, total: int) -> list[int]:
+    """Producer of each action's input message, as a global index (``total`` = receives nothing)."""
+    pp, chunks, mbs = plan.pp_size, plan.num_model_chunks, plan.num_microbatches
+    stride = chunks * mbs
+    deps = np.full(total + 1, total, dtype=np.int64)
+    for rank in range(pp):
+        src_of = np.zeros(3 * chunks, dtype=np.int64)
+        delta_of = np.zeros(3 * chunks, dtype=np.int64)
+        receives = np.zeros(3 * chunks, dtype=bool)
+        for op in range(3):
+            if not ops_on[rank][op]:
+                continue
+            for chunk in range(chunks):
+                kind = op * chunks + chunk
+                _check_output(plan, pos, ops_on, rank, op, chunk, base)
+                found = _producer(plan, pos, ops_on, rank, op, chunk, base)
+                if found is not None:
+                    src, src_op, src_chunk = found
+                    receives[kind], src_of[kind] = True, src
+                    delta_of[kind] = (src_op - op) * stride + (src_chunk - chunk) * mbs
+        lo, hi = base[rank], base[rank + 1]
+        kind = keys[lo:hi] // mbs
+        take = receives[kind]
+        deps[lo:hi][take] = pos[src_of[kind[take]], keys[lo:hi][take] + delta_of[kind[take]]]
+    return deps.tolist()
+
+
+def _first_action(plan: Plan, pos, base, rank: int, op: int, chunk: int) -> tuple[int, Action]:
+    """The earliest action of kind ``(op, chunk)`` on ``rank``: ``(index, action)``."""
+    mbs = plan.num_microbatches
+    start = (op * plan.num_model_chunks + chunk) * mbs
+    node = int(pos[rank, start:start + mbs].min())
+    return node - base[rank], plan.actions[rank][node - base[rank]]
+
+
+def _producer(plan: Plan, pos, ops_on, rank: int, op: int, chunk: int, base):
+    """``(src, src_op, src_chunk)`` of the action kind sending ``(rank, op, chunk)``'s input, or ``None``."""
+    msg = plan.input_message(rank, Action(_OPS[op], chunk, 0))
+    if msg is None:
+        return None
+    i, action = _first_action(plan, pos, base, rank, op, chunk)
+    if not _inside(plan, msg) or msg.dst != rank or msg.dst_chunk != chunk or msg.microbatch != 0:
+        raise PlanError(rank, i, action, f"its input message {msg} does not fit the plan (pp_size={plan.pp_size}, "
+                                         f"num_model_chunks={plan.num_model_chunks}) or this action")
+    senders = [o for o in range(3) if ops_on[msg.src][o]
+               and plan.output_message(msg.src, Action(_OPS[o], msg.src_chunk, 0)) == msg]
+    if len(senders) != 1:
+        sent = [str(m) for o in range(3) if ops_on[msg.src][o]
+                and (m := plan.output_message(msg.src, Action(_OPS[o], msg.src_chunk, 0))) is not None]
+        why = "no action" if not senders else f"{len(senders)} action kinds"
+        raise PlanError(rank, i, action, f"receives {msg} but {why} of rank {msg.src} chunk {msg.src_chunk} "
+                                         f"send(s) it (that chunk sends {', '.join(sent) or 'nothing'}): wrong "
+                                         f"producer")
+    return msg.src, senders[0], msg.src_chunk
+
+
+def _check_output(plan: Plan, pos, ops_on, rank: int, op: int, chunk: int, base) -> None:
+    """The message sent by ``(rank, op, chunk)`` must have exactly one consuming action kind."""
+    msg = plan.output_message(rank, Action(_OPS[op], chunk, 0))
+    if msg is None:
+        return
+    i, action = _first_action(plan, pos, base, rank, op, chunk)
+    if not _inside(plan, msg) or msg.src != rank or msg.src_chunk != chunk or msg.microbatch != 0:
+        raise PlanError(rank, i, action, f"its output message {msg} does not fit the plan (pp_size={plan.pp_size},"
+                                         f" num_model_chunks={plan.num_model_chunks}) or this action")
+    consumers = [o for o in range(3) if ops_on[msg.dst][o]
+                 and plan.input_message(msg.dst, Action(_OPS[o], msg.dst_chunk, 0)) == msg]
+    if len(consumers) != 1:
+        why = "no action" if not consumers else f"{len(consumers)} action kinds"
+        raise PlanError(rank, i, action, f"sends {msg} but {why} of rank {msg.dst} chunk {msg.dst_chunk} "
+                                         f"receive(s) it; every sent message needs exactly one receiver")
+
+
+def _inside(plan: Plan, msg: Message) -> bool:
+    return (0 <= msg.src < plan.pp_size and 0 <= msg.dst < plan.pp_size and 0 <= msg.src_chunk <
+            plan.num_model_chunks and 0 <= msg.dst_chunk < plan.num_model_chunks)
+
+
+# -- deadlock ----------------------------------------------------------------------------------------------------
+def _check_deadlock_free(plan: Plan, graph: PlanGraph) -> None:
+    """Event-driven execution of all ranks (linear time); raises :class:`PlanError` when some rank never finishes."""
+    deps, base, owner = graph.deps, graph.base, graph.owner
+    pp = len(base) - 1
+    done = bytearray(graph.num_actions + 1)
+    done[graph.num_actions] = 1
+    at = list(base[:-1])
+    blocked_on = [-1] * pp
+    waiters: list[list[int]] = [[] for _ in range(pp)]
+    ready = list(range(pp - 1, -1, -1))
+    while ready:
+        rank = ready.pop()
+        i, end = at[rank], base[rank + 1]
+        while i < end and done[deps[i]]:
+            done[i] = 1
+            i += 1
+        at[rank] = i
+        if waiters[rank]:
+            still = []
+            for w in waiters[rank]:
+                (ready if done[blocked_on[w]] else still).append(w)
+            waiters[rank] = still
+        if i < end:
+            blocked_on[rank] = deps[i]
+            waiters[owner[deps[i]]].append(rank)
+    stuck = [r for r in range(pp) if at[r] < base[r + 1]]
+    if stuck:
+        raise deadlock_error(plan, graph, at, stuck[0])
+
+
+def deadlock_error(plan: Plan, graph: PlanGraph, at: list[int], rank: int) -> PlanError:
+    """The error for a stuck execution: ``at[r]`` is the global index rank ``r`` waits at; describes the wait chain
+    from ``rank`` until it closes into a cycle."""
+    chain, seen = [], []
+    r = rank
+    while r not in seen:
+        seen.append(r)
+        node = at[r]
+        _, i, action = graph.locate(plan, node)
+        producer = graph.deps[node]
+        src, j, sent_by = graph.locate(plan, producer)
+        msg = plan.input_message(r, action)
+        chain.append(f"rank {r} {action} (index {i}) waits for {msg} from {sent_by} (index {j}) on rank {src}")
+        r = src
+    cycle = " -> ".join(f"rank {x}" for x in seen[seen.index(r):] + [r])
+    first = graph.locate(plan, at[rank])
+    return PlanError(rank, first[1], first[2], f"deadlock: {'; '.join(chain)}; cycle {cycle}")
+
+
+# -- buffering ---------------------------------------------------------------------------------------------------
+def max_buffered_messages(plan: Plan, simulation=None, **costs) -> tuple[int, ...]:
+    """Per rank, the peak number of messages received but not yet consumed (buffer memory of the receiver).
+
+    A message is buffered on its receiver from its arrival (producer's end + transfer time) until its consuming
+    action starts; arrivals at the very moment the consumer starts are not buffered.  Timing comes from
+    ``simulation`` (a :class:`engine.simulate.Simulation` of this plan) or from ``simulate(plan, **costs)``.
+
+    Raises:
+        PlanError: the plan is invalid.
+    """
+    from .simulate import simulate  # simulate builds on this module
+    sim = simulate(plan, **costs) if simulation is None else simulation
+    graph = plan_graph(plan)
+    n = graph.num_actions
+    deps = np.asarray(graph.deps[:n], dtype=np.int64)
+    start, end = np.asarray(sim.flat_start), np.asarray(sim.flat_end)
+    consumers = np.flatnonzero(deps < n)
+    arrival = end[deps[consumers]] + sim.transfer_time
+    used = start[consumers]
+    held = arrival < used
+    consumers, arrival, used = consumers[held], arrival[held], used[held]
+    peaks = []
+    for rank in range(plan.pp_size):
+        sel = (consumers >= graph.base[rank]) & (consumers < graph.base[rank + 1])
+        times = np.concatenate([used[sel], arrival[sel]])
+        delta = np.concatenate([-np.ones(int(sel.sum()), dtype=np.int64), np.ones(int(sel.sum()), dtype=np.int64)])
+        order = np.lexsort((delta, times))  # at equal times, consumptions (-1) before arrivals (+1)
+        level = np.cumsum(delta[order])
+        peaks.append(int(level.max()) if level.size else 0)
+    return tuple(peaks)
