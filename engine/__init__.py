@@ -13,9 +13,10 @@ _LAZY_EXPORTS = {
     "ModelParallelConfig": ".model_parallel_config",
     "ProcessGroupCollection": ".process_groups",
     "build_process_groups": ".process_groups",
-    # training recipe: the training helper adds its lazy exports here, e.g.
-    #   "Trainer": ".training.trainer",
-    #   "load_config": ".training.config",
+    # training recipe (never imported by the API modules above)
+    "Trainer": ".training.trainer",
+    "load_config": ".training.config",
+    "TrainConfig": ".training.config",
 }
 
 # submodules reachable as attributes (``engine.parallel_state``, ``engine.schedules``) without an explicit import

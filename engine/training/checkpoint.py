@@ -1,0 +1,111 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): atomic, resumable, never unpickled.
+
+Layout: ``<dir>/step_00000100/`` (a DCP folder: ``.metadata`` + one ``.distcp`` file per writing rank).  A save
+writes into ``<dir>/.step_00000100.tmp`` and rank 0 renames it once every rank has finished (the folder must be
+on a file system all ranks share), so a crash mid-write leaves only a ``.tmp`` folder that is never loaded; the
+previous checkpoint stays valid.  ``keep`` completed checkpoints are kept.
+
+Only tensors are stored (step, scheduler step and RNG states included), so loading needs no pickle.  Model and
+optimizer state are keyed by layout-independent names (``engine.training.model.canonical_module``): the two
+bitwise-equal copies of the tied embedding share one key, data-parallel replicas are deduplicated by DCP.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
+           "checkpoint_keys"]
+
+log = logging.getLogger("pipecast." + __name__.rsplit(".", 1)[-1])
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, corrupt, truncated or does not match the model."""
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Completed checkpoints in ``directory`` (a ``.metadata`` file present), oldest first."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = [p for p in d.iterdir() if _NAME.match(p.name) and (p / ".metadata").is_file()]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The completed checkpoint with the highest step, or None."""
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: int = 2) -> Path:
+    """Collectively save ``state`` (nested dicts of tensors) as ``<directory>/step_<step>``; returns the path.
+
+    Every rank calls it.  Writes to a temporary folder, then rank 0 renames it and removes checkpoints beyond
+    the newest ``keep``.
+    """
+    d = Path(directory)
+    final, tmp = d / f"step_{step:08d}", d / f".step_{step:08d}.tmp"
+    if _rank() == 0:
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    dcp.save(state, checkpoint_id=str(tmp))
+    _barrier()
+    if _rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(d)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def checkpoint_keys(path: str | os.PathLike) -> set[str]:
+    """The flattened keys a checkpoint holds (from its ``.metadata``).
+
+    Raises:
+        CheckpointError: the folder or its metadata is missing or unreadable.
+    """
+    p = Path(path)
+    if not (p / ".metadata").is_file():
+        raise CheckpointError(f"{str(p)!r} is not a complete checkpoint (no .metadata file); it may be truncated "
+                              f"or still being written -- delete it or resume from an older one")
+    try:
+        return set(dcp.FileSystemReader(str(p)).read_metadata().state_dict_metadata)
+    except Exception as exc:  # noqa: BLE001 - any read failure is a corrupt checkpoint
+        raise CheckpointError(f"checkpoint {str(p)!r} has corrupt metadata ({type(exc).__name__}: {exc}); delete "
+                              f"it or resume from an older one") from None
+
+
+def load_checkpoint(state: dict, path: str | os.PathLike) -> None:
+    """Collectively load ``path`` into ``state`` in place (every rank calls it).
+
+    Raises:
+        CheckpointError: missing / corrupt / truncated files, or keys the checkpoint lacks (a different model).
+    """
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException on every rank
+        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: it is corrupt, truncated or was written for "
+                              f"another model ({type(exc).__name__}: {str(exc).strip()[:500]}); delete it or "
+                              f"resume from an older one") from None

@@ -1,0 +1,486 @@
+"""Typed training configuration: YAML is storage, these dataclasses are the source of truth.
+
+``load_config(path, overrides)`` reads a YAML file with ``yaml.safe_load``, applies ``section.key=value`` overrides
+(values parsed as YAML scalars), checks every key and type against the dataclasses below and validates the whole
+run (:func:`validate`) before any process group exists.  Every error is a :class:`ConfigError` (a ``ValueError``)
+or ``TypeError`` that names the field, the value and the fix.
+
+Sections: ``model``, ``parallel``, ``data``, ``optimizer``, ``schedule``, ``checkpoint``, ``logging``,
+``cuda_graphs``, ``profile``.  ``docs/config`` in the README lists every field; the defaults here are the
+reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from ..schedule_table import validate_interleaved_microbatches
+
+__all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig",
+           "CheckpointConfig", "LoggingConfig", "CudaGraphsConfig", "ProfileConfig", "TrainConfig",
+           "load_config", "config_from_dict", "config_to_dict", "apply_overrides", "parse_override_args",
+           "validate", "validate_world_size", "dump_config"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, its value and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only GPT.  Shapes: activations between pipeline stages are ``[seq_length, micro_batch_size,
+    hidden_size]`` (Megatron's ``[s, b, h]``)."""
+
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None  # None -> 4 * hidden_size
+    seq_length: int = 128
+    vocab_size: int = 256  # bytes; set to the tokenizer's size for .bin token files
+    dropout: float = 0.0
+    norm_epsilon: float = 1e-5
+    init_std: float = 0.02
+    tie_embeddings: bool = True
+    transformer_engine: bool = False  # use Transformer Engine layers when importable and on CUDA
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast on CUDA; parameters stay fp32
+
+
+@dataclass
+class ParallelConfig:
+    """Pipeline (``pipeline``) x data (``data``) parallelism; ``virtual`` model chunks per pipeline rank."""
+
+    pipeline: int = 1
+    virtual: int = 1  # > 1 selects interleaved 1F1B
+    data: int | None = None  # None -> world size // pipeline (1 when the launcher spawns ranks)
+    microbatch_group_size_per_vp_stage: int | None = None  # None -> pipeline (Megatron's default)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    timeout_s: float = 60.0  # communication timeout; a lost peer fails the job after this long
+    batch_p2p_comm: bool = True
+    overlap_p2p_comm: bool = False
+    deallocate_pipeline_outputs: bool = True
+    overlap_grad_reduce: bool = True  # start each chunk's data-parallel all-reduce when its last backward ends
+
+
+@dataclass
+class DataConfig:
+    """Training text.  ``source``: ``stdlib`` (this Python's standard library ``.py`` files, bytes), ``text``
+    (files or folders in ``paths``, bytes) or ``bin`` (uint16 token files, nanoGPT layout: a folder with
+    ``train.bin`` / ``val.bin``, or one ``.bin`` file that is split)."""
+
+    source: Literal["stdlib", "text", "bin"] = "stdlib"
+    paths: list[str] = field(default_factory=list)
+    suffixes: list[str] = field(default_factory=lambda: [".txt", ".md", ".py", ".rst"])
+    val_fraction: float = 0.05
+    split_block_bytes: int = 4096  # train/val split granularity (every k-th block goes to validation)
+    max_bytes: int | None = None  # cap the corpus size (None: all of it)
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with linear warmup then cosine decay to ``min_lr``; global grad-norm clipping."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class ScheduleConfig:
+    """The step: ``num_microbatches`` microbatches of ``micro_batch_size`` sequences per data-parallel rank."""
+
+    steps: int = 100
+    micro_batch_size: int = 4
+    num_microbatches: int = 4
+    eval_interval: int = 50  # 0: evaluate only at the end
+    eval_iters: int = 1  # forward-only schedule calls per evaluation
+    eval_microbatches: int | None = None  # None -> num_microbatches
+    seed: int = 1234
+    deterministic: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None -> <run_dir>/checkpoints
+    interval: int = 0  # 0: only at the end
+    keep: int = 2  # completed checkpoints kept (oldest removed)
+    save_at_end: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    log_interval: int = 1
+    progress_bar: Literal["auto", "on", "off"] = "auto"  # auto: only when stderr is a terminal
+    level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
+
+
+@dataclass
+class CudaGraphsConfig:
+    enabled: bool = False
+    backend: Literal["auto", "te", "pipecast"] = "auto"
+    warmup_steps: int = 2
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = False
+    wait: int = 1
+    warmup: int = 1
+    active: int = 2
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cuda_graphs: CudaGraphsConfig = field(default_factory=CudaGraphsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    # ---- derived values -------------------------------------------------------------------------------------
+    @property
+    def ffn_hidden_size(self) -> int:
+        return self.model.ffn_hidden_size or 4 * self.model.hidden_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.parallel.data or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.pipeline * self.data_parallel_size
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step over all data-parallel ranks."""
+        return self.schedule.micro_batch_size * self.schedule.num_microbatches * self.data_parallel_size
+
+    @property
+    def eval_microbatches(self) -> int:
+        return self.schedule.eval_microbatches or self.schedule.num_microbatches
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.logging.run_dir) / "checkpoints"
+
+    @property
+    def schedule_name(self) -> str:
+        """Which Megatron schedule runs (spec 1.1): no pipelining, 1F1B, interleaved 1F1B."""
+        if self.parallel.pipeline == 1:
+            return "no_pipelining"
+        return "interleaved" if self.parallel.virtual > 1 else "1f1b"
+
+
+# ---- typed loading --------------------------------------------------------------------------------------------
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp, where: str):
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats.  Returns the value."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, where)
+            except (TypeError, ConfigError):
+                continue
+        raise TypeError(f"{where}={value!r} has type {type(value).__name__}; expected {_type_name(tp)}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}={value!r} is not allowed; use one of {_type_name(tp)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise TypeError(f"{where}={value!r} has type {type(value).__name__}; expected {_type_name(tp)}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is type(None):
+        if value is not None:
+            raise TypeError(f"{where}={value!r}: expected null")
+        return None
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
+        raise TypeError(f"{where}={value!r} has type {type(value).__name__}; expected {_type_name(tp)}")
+    return value
+
+
+def _build_section(cls, data: Any, name: str):
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise TypeError(f"config section {name!r} must be a mapping of keys to values, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown key {name}.{unknown[0]} (value {data[unknown[0]]!r}); {name} accepts: "
+                          f"{', '.join(sorted(known))}")
+    return cls(**{k: _coerce(v, hints[k], f"{name}.{k}") for k, v in data.items()})
+
+
+def config_from_dict(data: dict | None) -> TrainConfig:
+    """Build a :class:`TrainConfig` from a nested dict (e.g. parsed YAML), checking keys and types only."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise TypeError(f"a config must be a mapping of sections, got {type(data).__name__}")
+    sections = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    hints = typing.get_type_hints(TrainConfig)
+    unknown = sorted(set(data) - set(sections))
+    if unknown:
+        raise ConfigError(f"unknown config section {unknown[0]!r}; sections are: {', '.join(sections)}")
+    return TrainConfig(**{k: _build_section(hints[k], v, k) for k, v in data.items()})
+
+
+def config_to_dict(config: TrainConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def parse_override_args(args: list[str]) -> list[str]:
+    """``["--model.num_layers=8", "--schedule.steps", "10"]`` -> ``["model.num_layers=8", "schedule.steps=10"]``.
+
+    Raises:
+        ConfigError: an argument that is not ``--section.key=value`` (or ``--section.key value``).
+    """
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"unrecognized argument {arg!r}; overrides look like --section.key=value "
+                              f"(e.g. --schedule.steps=50)")
+        if "=" in arg:
+            out.append(arg[2:])
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out.append(f"{arg[2:]}={args[i + 1]}")
+            i += 1
+        else:
+            raise ConfigError(f"override {arg!r} has no value; write {arg}=VALUE")
+        i += 1
+    return out
+
+
+def apply_overrides(data: dict, overrides: list[str] | dict[str, Any] | None) -> dict:
+    """Apply ``section.key=value`` overrides (value parsed with ``yaml.safe_load``) to a nested config dict."""
+    if not overrides:
+        return data
+    items = overrides.items() if isinstance(overrides, dict) else [_split_override(o) for o in overrides]
+    for dotted, value in items:
+        parts = dotted.split(".")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"override {dotted!r} must name section.key (e.g. schedule.steps)")
+        section, key = parts
+        if not isinstance(data.setdefault(section, {}), dict):
+            raise TypeError(f"config section {section!r} is not a mapping; cannot set {dotted}")
+        data[section][key] = value
+    return data
+
+
+def _split_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} has no value; write {text}=VALUE")
+    key, raw = text.split("=", 1)
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}={raw!r} is not a YAML value: {exc}") from None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | dict[str, Any] | None = None,
+                *, check: bool = True) -> TrainConfig:
+    """Read a YAML config (``None``: all defaults), apply overrides, check keys and types, and validate.
+
+    Args:
+        path: YAML file (``yaml.safe_load``; no Python objects are constructed).
+        overrides: ``["section.key=value", ...]`` or ``{"section.key": value}``.
+        check: run :func:`validate` (cross-field checks, data paths).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ConfigError / TypeError: unknown keys, wrong types, invalid values (message names the field and fix).
+    """
+    data: Any = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {str(path)!r} does not exist; pass a YAML file such as "
+                                    f"configs/default.yaml")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise TypeError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
+    config = config_from_dict(apply_overrides(data, overrides))
+    if check:
+        validate(config)
+    return config
+
+
+def dump_config(config: TrainConfig, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML (loadable again with :func:`load_config`)."""
+    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+
+
+# ---- cross-field validation -----------------------------------------------------------------------------------
+
+def _positive(where: str, value, fix: str, minimum: int | float = 1) -> None:
+    if value is not None and value < minimum:
+        raise ConfigError(f"{where}={value!r} is invalid: must be >= {minimum}; {fix}")
+
+
+def validate(config: TrainConfig) -> None:
+    """Cross-field checks of a whole run, before any process group exists (no communication).
+
+    Checks: positive sizes; ``hidden_size`` divisible by heads; ``num_layers`` divisible into
+    ``pipeline x virtual`` model chunks; the microbatch counts Megatron's schedule accepts (interleaved:
+    ``P <= G <= M`` and ``M mod G`` in ``{0} U [P, G)``, spec 1.15); sequence length and vocabulary; data paths.
+
+    Raises:
+        ConfigError (ValueError) / RuntimeError naming field, value and fix.
+    """
+    m, p, s, o, d = config.model, config.parallel, config.schedule, config.optimizer, config.data
+    for where, value in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
+                         ("model.num_attention_heads", m.num_attention_heads), ("model.ffn_hidden_size",
+                         m.ffn_hidden_size), ("parallel.pipeline", p.pipeline), ("parallel.virtual", p.virtual),
+                         ("parallel.data", p.data), ("schedule.steps", s.steps),
+                         ("schedule.micro_batch_size", s.micro_batch_size),
+                         ("schedule.num_microbatches", s.num_microbatches), ("schedule.eval_iters", s.eval_iters),
+                         ("schedule.eval_microbatches", s.eval_microbatches),
+                         ("data.split_block_bytes", d.split_block_bytes), ("data.max_bytes", d.max_bytes),
+                         ("checkpoint.keep", config.checkpoint.keep), ("logging.log_interval",
+                         config.logging.log_interval)]:
+        _positive(where, value, "use a positive integer")
+    for where, value in [("schedule.eval_interval", s.eval_interval), ("checkpoint.interval",
+                         config.checkpoint.interval), ("optimizer.warmup_steps", o.warmup_steps),
+                         ("cuda_graphs.warmup_steps", config.cuda_graphs.warmup_steps),
+                         ("profile.wait", config.profile.wait), ("profile.warmup", config.profile.warmup)]:
+        _positive(where, value, "use 0 or a positive integer", minimum=0)
+    _positive("profile.active", config.profile.active, "profile at least one step")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+                          f"{m.num_attention_heads}; choose heads that divide the hidden size")
+    if m.seq_length < 2:
+        raise ConfigError(f"model.seq_length={m.seq_length} is too short: next-token training needs >= 2 tokens")
+    if m.seq_length > 1 << 20:
+        raise ConfigError(f"model.seq_length={m.seq_length} is unreasonably long; use <= {1 << 20}")
+    if not 2 <= m.vocab_size <= 1 << 24:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is out of range [2, {1 << 24}]")
+    if d.source in ("stdlib", "text") and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is too small for byte-level data "
+                          f"(data.source={d.source!r}); set model.vocab_size >= 256")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    if m.init_std <= 0 or m.norm_epsilon <= 0:
+        raise ConfigError(f"model.init_std={m.init_std} and model.norm_epsilon={m.norm_epsilon} must be > 0")
+    _validate_parallel(config)
+    if o.lr <= 0:
+        raise ConfigError(f"optimizer.lr={o.lr} must be > 0")
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optimizer.min_lr={o.min_lr} must be in [0, optimizer.lr={o.lr}]")
+    if o.grad_clip < 0 or o.weight_decay < 0 or o.eps <= 0:
+        raise ConfigError(f"optimizer.grad_clip={o.grad_clip}, optimizer.weight_decay={o.weight_decay} must be "
+                          f">= 0 and optimizer.eps={o.eps} > 0")
+    for where, beta in [("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)]:
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"{where}={beta} must be in [0, 1)")
+    _validate_data(config)
+
+
+def _validate_parallel(config: TrainConfig) -> None:
+    m, p, s = config.model, config.parallel, config.schedule
+    chunks = p.pipeline * p.virtual
+    if p.pipeline == 1 and p.virtual != 1:
+        raise ConfigError(f"parallel.virtual={p.virtual} needs parallel.pipeline >= 2 (interleaved 1F1B runs on "
+                          f"at least two pipeline ranks); set parallel.virtual=1 or parallel.pipeline >= 2")
+    if m.num_layers % chunks:
+        raise ConfigError(f"model.num_layers={m.num_layers} cannot be split into parallel.pipeline x "
+                          f"parallel.virtual = {p.pipeline} x {p.virtual} = {chunks} model chunks of equal size; "
+                          f"use a multiple of {chunks} layers or change the pipeline / virtual sizes")
+    if p.timeout_s <= 0:
+        raise ConfigError(f"parallel.timeout_s={p.timeout_s} must be > 0 seconds")
+    if p.overlap_p2p_comm and p.batch_p2p_comm:
+        raise ConfigError("parallel.overlap_p2p_comm=true needs parallel.batch_p2p_comm=false (Megatron: the two "
+                          "are mutually exclusive)")
+    if p.overlap_p2p_comm and p.virtual == 1:
+        raise ConfigError("parallel.overlap_p2p_comm=true is only supported by interleaved 1F1B; set "
+                          "parallel.virtual >= 2 or parallel.overlap_p2p_comm=false")
+    if p.microbatch_group_size_per_vp_stage is not None and p.virtual == 1:
+        raise ConfigError(f"parallel.microbatch_group_size_per_vp_stage={p.microbatch_group_size_per_vp_stage} "
+                          f"only applies to interleaved 1F1B; remove it or set parallel.virtual >= 2")
+    if p.virtual > 1:
+        group = p.microbatch_group_size_per_vp_stage or p.pipeline
+        for where, count in [("schedule.num_microbatches", s.num_microbatches),
+                             ("schedule.eval_microbatches", config.eval_microbatches)]:
+            try:
+                validate_interleaved_microbatches(count, p.pipeline, group)
+            except (ValueError, RuntimeError) as exc:
+                raise type(exc)(f"{where}={count} is invalid for interleaved 1F1B "
+                                f"(parallel.pipeline={p.pipeline}, parallel.virtual={p.virtual}): {exc}") from None
+    if p.device == "cpu" and p.backend == "nccl":
+        raise ConfigError("parallel.backend='nccl' needs CUDA; use parallel.backend=gloo (or auto) with "
+                          "parallel.device=cpu")
+
+
+def _validate_data(config: TrainConfig) -> None:
+    d = config.data
+    if not 0.0 < d.val_fraction < 0.5:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
+    if d.source == "stdlib":
+        if d.paths:
+            raise ConfigError(f"data.paths={d.paths} is set but data.source='stdlib' ignores it; set "
+                              f"data.source=text or data.source=bin, or remove data.paths")
+        return
+    if not d.paths:
+        raise ConfigError(f"data.source={d.source!r} needs data.paths (files or folders); none given")
+    for i, raw in enumerate(d.paths):
+        if not Path(raw).exists():
+            raise ConfigError(f"data.paths[{i}]={raw!r} does not exist; fix the path or use data.source=stdlib")
+    if d.source == "bin" and config.model.vocab_size > 65536:
+        raise ConfigError(f"model.vocab_size={config.model.vocab_size} exceeds what uint16 .bin tokens hold "
+                          f"(65536)")
+
+
+def validate_world_size(config: TrainConfig, world_size: int) -> TrainConfig:
+    """Resolve ``parallel.data`` from the job's world size and check ``world = pipeline x data``.
+
+    Returns the config with ``parallel.data`` filled in.
+
+    Raises:
+        ConfigError: the world size is not ``parallel.pipeline x parallel.data``.
+    """
+    p = config.parallel
+    if world_size % p.pipeline:
+        raise ConfigError(f"world size {world_size} is not divisible by parallel.pipeline={p.pipeline}; start "
+                          f"a multiple of {p.pipeline} ranks or change parallel.pipeline")
+    data = world_size // p.pipeline
+    if p.data is not None and p.data != data:
+        raise ConfigError(f"world size {world_size} != parallel.pipeline x parallel.data = {p.pipeline} x {p.data}"
+                          f" = {p.pipeline * p.data}; start {p.pipeline * p.data} ranks or set parallel.data="
+                          f"{data}")
+    return dataclasses.replace(config, parallel=dataclasses.replace(p, data=data))

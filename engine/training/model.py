@@ -1,0 +1,256 @@
+"""A decoder-only GPT split layer-wise into pipeline model chunks.
+
+The model has ``L`` transformer blocks; with ``P`` pipeline ranks and ``V`` model chunks per rank it is cut into
+``P*V`` virtual pipeline stages of ``L/(P*V)`` consecutive blocks.  Megatron's order (spec section 0): model chunk
+``c`` on pipeline rank ``r`` is virtual stage ``c*P + r``.  The token + position embedding lives in the first
+stage (rank 0, chunk 0), the final norm, the output head and the loss in the last (rank ``P-1``, chunk ``V-1``).
+
+Input and output embeddings are tied.  With one pipeline rank both stages are one module sharing one
+``Parameter``; otherwise the last stage holds a copy, initialised bitwise equal from the same seeded generator and
+kept equal by summing the two gradients over the embedding group before the optimizer step (see
+``engine.training.grads``).  The copy is marked ``param.shared_embedding_copy = True`` so global grad norms count
+the tied weight once.
+
+Every parameter is initialised from a generator seeded by ``(seed, global layer index)``, so the full model is
+bitwise the same whatever the pipeline layout -- the basis of the pp=1 / pp=2 / pp=2 x vp=2 / pp=4 equivalence.
+
+Shapes: tokens / labels ``[b, s]`` (int64); activations between stages ``[s, b, h]`` (Megatron's layout);
+the last stage returns the per-token loss ``[b, s]`` (fp32, nats) when given labels, else logits ``[s, b, V]``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+__all__ = ["GPTChunk", "Block", "stage_layers", "build_model_chunks", "chunk_stage", "canonical_module"]
+
+log = logging.getLogger("pipecast." + __name__.rsplit(".", 1)[-1])
+
+_EMBEDDING_STREAM = 0  # generator stream of the word / position embedding; block i uses stream i + 1
+_HEAD_STREAM = -1  # an untied output head
+
+
+def _generator(seed: int, stream: int) -> torch.Generator:
+    return torch.Generator().manual_seed(int(seed) * 1_000_003 + stream)
+
+
+def chunk_stage(pp_rank: int, chunk: int, pp_size: int) -> int:
+    """Virtual pipeline stage of model chunk ``chunk`` on pipeline rank ``pp_rank`` (``chunk*P + rank``)."""
+    return chunk * pp_size + pp_rank
+
+
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
+    """Global indices of the transformer blocks of virtual stage ``stage`` (equal contiguous slices)."""
+    per = num_layers // num_stages
+    return range(stage * per, (stage + 1) * per)
+
+
+class Embedding(nn.Module):
+    """Token + learned position embedding: ``[b, s]`` token ids -> ``[s, b, h]``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        x = self.word(tokens) + self.pos(torch.arange(s, device=tokens.device))[None]
+        return self.drop(x.transpose(0, 1).contiguous())
+
+
+class OutputHead(nn.Module):
+    """Final-stage copy of the tied word embedding: ``[s, b, h] -> [s, b, V]`` logits (``x @ word.weight.T``)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.word.weight
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln(x))``, ``x + mlp(ln(x))``; causal attention through
+    ``F.scaled_dot_product_attention``, GELU MLP.  ``[s, b, h] -> [s, b, h]``."""
+
+    def __init__(self, cfg: ModelConfig, ffn_hidden_size: int):
+        super().__init__()
+        h = cfg.hidden_size
+        self.heads = cfg.num_attention_heads
+        self.dropout = cfg.dropout
+        self.ln1 = nn.LayerNorm(h, eps=cfg.norm_epsilon)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.ln2 = nn.LayerNorm(h, eps=cfg.norm_epsilon)
+        self.fc1 = nn.Linear(h, ffn_hidden_size)
+        self.fc2 = nn.Linear(ffn_hidden_size, h)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        q, k, v = self.qkv(x).view(s, b, 3, self.heads, h // self.heads).permute(2, 1, 3, 0, 4)  # [b, nh, s, d]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attention(self.ln1(x)))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float, num_layers: int, generator: torch.Generator) -> None:
+        """GPT-2 initialisation: normal(0, std) weights, residual projections scaled by ``1/sqrt(2L)``."""
+        for lin, scale in ((self.qkv, 1.0), (self.proj, 1 / math.sqrt(2 * num_layers)), (self.fc1, 1.0),
+                           (self.fc2, 1 / math.sqrt(2 * num_layers))):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=generator) * (std * scale))
+            lin.bias.zero_()
+        for ln in (self.ln1, self.ln2):
+            ln.weight.fill_(1.0)
+            ln.bias.zero_()
+
+
+def _te_block(cfg: ModelConfig, ffn_hidden_size: int, index: int) -> nn.Module | None:
+    """A Transformer Engine ``TransformerLayer`` (``[s, b, h]``, causal) or None when TE is not importable."""
+    try:
+        import transformer_engine.pytorch as te  # noqa: PLC0415 - optional dependency
+    except Exception as exc:  # noqa: BLE001 - any import failure means: use plain torch
+        log.info("model.transformer_engine=true but Transformer Engine is not importable (%s); using torch layers",
+                 exc)
+        return None
+    return te.TransformerLayer(cfg.hidden_size, ffn_hidden_size, cfg.num_attention_heads,
+                               layernorm_epsilon=cfg.norm_epsilon, hidden_dropout=cfg.dropout,
+                               attention_dropout=cfg.dropout, self_attn_mask_type="causal",
+                               layer_number=index + 1, device="cuda")
+
+
+class GPTChunk(nn.Module):
+    """One model chunk (virtual pipeline stage) of the GPT, with the Megatron chunk protocol.
+
+    Attributes:
+        config: the ``ModelParallelConfig`` the schedules read (``get_model_config(chunk)``).
+        stage, layer_ids, is_first, is_last: position in the pipeline.
+
+    ``set_input_tensor(t)`` stores the activation received from the previous stage (``[s, b, h]``; a one-element
+    list is accepted as Megatron passes one).  ``forward(tokens, labels)``: the first stage embeds ``tokens``
+    ``[b, s]``, other stages start from the stored input; the last stage returns the per-token loss ``[b, s]``
+    when ``labels`` is given (logits ``[s, b, V]`` otherwise); every other stage returns ``[s, b, h]``.
+    """
+
+    def __init__(self, cfg: ModelConfig, ffn_hidden_size: int, stage: int, num_stages: int, seed: int,
+                 mp_config=None, use_te: bool = False):
+        super().__init__()
+        self.config = mp_config
+        self.stage, self.num_stages = stage, num_stages
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.tied = cfg.tie_embeddings
+        self.layer_ids = stage_layers(cfg.num_layers, num_stages, stage)
+        self.input_tensor: torch.Tensor | None = None
+        self.embedding = Embedding(cfg) if self.is_first else None
+        blocks = []
+        for index in self.layer_ids:
+            block = _te_block(cfg, ffn_hidden_size, index) if use_te else None
+            if block is None:
+                block = Block(cfg, ffn_hidden_size)
+                block.reset_parameters(cfg.init_std, cfg.num_layers, _generator(seed, index + 1))
+            blocks.append(block)
+        self.layers = nn.ModuleList(blocks)
+        self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon) if self.is_last else None
+        if self.is_first:
+            self._init_embedding(self.embedding.word, self.embedding.pos, cfg, _generator(seed, _EMBEDDING_STREAM))
+        # the output head: the embedding itself when this one chunk holds both ends, else the last stage's own
+        # weight -- a bitwise copy of the word embedding when tied (same generator stream), independent otherwise
+        self.head: OutputHead | None = None
+        if self.is_last and not (self.is_first and self.tied):
+            self.head = OutputHead(cfg)
+            stream = _EMBEDDING_STREAM if self.tied else _HEAD_STREAM
+            self._init_embedding(self.head.word, None, cfg, _generator(seed, stream))
+            if self.tied:
+                self.head.word.weight.shared_embedding_copy = True
+
+    @staticmethod
+    @torch.no_grad()
+    def _init_embedding(word: nn.Embedding, pos: nn.Embedding | None, cfg: ModelConfig, g: torch.Generator) -> None:
+        word.weight.copy_(torch.randn(word.weight.shape, generator=g) * cfg.init_std)
+        if pos is not None:
+            pos.weight.copy_(torch.randn(pos.weight.shape, generator=g) * cfg.init_std)
+
+    def output_weight(self) -> torch.Tensor:
+        """The ``[V, h]`` weight of the output head (the tied word embedding, or the last stage's copy)."""
+        return self.head.weight if self.head is not None else self.embedding.word.weight
+
+    def set_input_tensor(self, input_tensor) -> None:
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"GPTChunk takes one input tensor [s, b, h], got a list of {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if self.is_first:
+            if tokens is None:
+                raise ValueError(f"model chunk of stage {self.stage} is the first stage and needs tokens [b, s]")
+            x = self.embedding(tokens)
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError(f"model chunk of stage {self.stage} has no input tensor; the schedule must call "
+                                   f"set_input_tensor before forward")
+            x = self.input_tensor
+        for layer in self.layers:
+            x = layer(x)
+        if not self.is_last:
+            return x
+        logits = F.linear(self.final_norm(x), self.output_weight())  # [s, b, V]
+        if labels is None:
+            return logits
+        s, b, v = logits.shape
+        loss = F.cross_entropy(logits.float().reshape(s * b, v), labels.t().reshape(s * b), reduction="none")
+        return loss.view(s, b).t()  # [b, s]
+
+
+def build_model_chunks(cfg: ModelConfig, ffn_hidden_size: int, pp_size: int, pp_rank: int, vp_size: int,
+                       seed: int, mp_config=None, device: torch.device | str = "cpu") -> list[GPTChunk]:
+    """The ``vp_size`` model chunks of pipeline rank ``pp_rank`` (chunk ``c`` = virtual stage ``c*P + r``).
+
+    With ``tie_embeddings`` and a single stage holding both ends (``pp_size == vp_size == 1``) the output head
+    shares the embedding's ``Parameter``; otherwise the last stage gets its own bitwise-equal copy.
+    """
+    num_stages = pp_size * vp_size
+    use_te = cfg.transformer_engine and torch.device(device).type == "cuda"
+    if cfg.transformer_engine and not use_te:
+        log.info("model.transformer_engine=true needs CUDA; using torch layers on %s", device)
+    return [GPTChunk(cfg, ffn_hidden_size, chunk_stage(pp_rank, c, pp_size), num_stages, seed, mp_config,
+                     use_te=use_te).to(device) for c in range(vp_size)]
+
+
+def canonical_module(chunks: Iterable[GPTChunk]) -> nn.Module:
+    """A container whose parameter names do not depend on the pipeline layout.
+
+    ``layers.<global index>.*``, ``embedding.word.weight`` (also the last stage's tied copy: the two are bitwise
+    equal, so a checkpoint stores one tensor), ``embedding.pos.weight``, ``final_norm.*``.  Used for checkpoints,
+    so a run can be resumed with another pipeline layout.
+    """
+    root = nn.Module()
+    root.layers = nn.ModuleDict()
+    for chunk in chunks:
+        for index, layer in zip(chunk.layer_ids, chunk.layers):
+            root.layers[str(index)] = layer
+        if chunk.is_first:
+            root.embedding = chunk.embedding
+        if chunk.is_last:
+            root.final_norm = chunk.final_norm
+            if chunk.head is not None:
+                if chunk.tied and not hasattr(root, "embedding"):
+                    root.embedding = chunk.head  # holds .word: the first stage's name for the tied weight
+                elif not chunk.tied:
+                    root.output_head = chunk.head
+    return root

@@ -1,0 +1,466 @@
+"""The training loop: a :class:`Trainer` that owns init, ``train_step``, ``train``, ``evaluate``, checkpoints and
+``close`` (torchtitan's shape).  It drives the pipeline only through the public Megatron-style API:
+``engine.schedules.get_forward_backward_func`` with a ``forward_step_func`` / ``loss_func`` pair, model chunks that
+implement ``set_input_tensor`` and carry ``.config``, and the ``finalize_model_grads_func`` / ``no_sync_func`` hooks
+on that config.
+
+One training step (every rank)::
+
+    zero grads -> schedule(forward_step_func, data iterators, chunks, M microbatches)   # 1F1B / interleaved
+               -> finalize_model_grads (data-parallel average, tied-embedding sum)      # called by the schedule
+               -> global grad-norm clip -> AdamW step -> LR schedule step
+
+The loss is owned by the last pipeline stage; it is averaged over data-parallel replicas and broadcast over the
+pipeline so every rank returns the same metrics.  The log line is written by the last stage of data-parallel
+replica 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..model_parallel_config import ModelParallelConfig
+from ..process_groups import ProcessGroupCollection, build_process_groups, group_size
+from .checkpoint import checkpoint_keys, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig, dump_config, validate, validate_world_size
+from .data import Batches, load_corpus
+from .grads import GradSync, clip_grad_norm
+from .model import build_model_chunks, canonical_module
+from .seed import set_seed_and_determinism
+
+__all__ = ["Trainer", "lr_lambda"]
+
+log = logging.getLogger("pipecast.train")
+
+
+def lr_lambda(step: int, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
+    """LR multiplier at optimizer step ``step`` (0-based): linear warmup over ``warmup_steps`` to ``lr``, then
+    cosine decay to ``min_lr`` at ``total_steps`` (and ``min_lr`` after)."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    floor = min_lr / lr
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    """A pipeline-parallel GPT training run on this rank.
+
+    Args:
+        config: a validated :class:`~engine.training.config.TrainConfig` (``load_config``).
+
+    ``torch.distributed`` must be initialised with ``parallel.pipeline x parallel.data`` ranks (``pipecast train``
+    and ``engine.training.launch.spawn`` do it; torchrun plus ``init_process_group`` works too); a one-rank config
+    initialises a one-process gloo group itself.  Use as a context manager or call :meth:`close`.
+
+    Raises:
+        ConfigError / RuntimeError: invalid config or world size (before any process group is created).
+    """
+
+    def __init__(self, config: TrainConfig):
+        validate(config)
+        self._owns_default_group = self._init_distributed(config)
+        self.config = config = validate_world_size(config, dist.get_world_size())
+        self.rank = dist.get_rank()
+        self.device = self._pick_device(config)
+        p = config.parallel
+        backend = None if p.backend == "auto" else p.backend
+        self.pg: ProcessGroupCollection = build_process_groups(
+            p.pipeline, p.virtual if p.virtual > 1 else None, backend=backend,
+            timeout=datetime.timedelta(seconds=p.timeout_s))
+        self.pp_rank, self.pp_size = self.pg.pipeline_model_parallel_rank, p.pipeline
+        self.dp_rank, self.dp_size = self.pg.data_parallel_rank, self.pg.data_parallel_size
+        self.is_log_rank = self.pp_rank == self.pp_size - 1 and self.dp_rank == 0
+        self.run_dir = Path(config.logging.run_dir)
+        _setup_logging(config, self.is_log_rank, self.run_dir)
+        set_seed_and_determinism(config.schedule.seed, self.pp_rank, config.schedule.deterministic)
+
+        self.tracer = None  # an engine.tracing.Tracer; the profiling tools set it
+        self.mp_config = self._model_parallel_config()
+        self.model = build_model_chunks(config.model, config.ffn_hidden_size, p.pipeline, self.pp_rank, p.virtual,
+                                        config.schedule.seed, self.mp_config, self.device)
+        self.grad_sync = GradSync(self.model, self.pg, overlap=p.overlap_grad_reduce)
+        self.mp_config.finalize_model_grads_func = self.grad_sync.finalize_model_grads
+        self.mp_config.no_sync_func = self.grad_sync.no_sync
+        self.canonical = canonical_module(self.model)
+        self.optimizer = self._build_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_multiplier)
+        self.batches = self._build_batches()
+        self.step = 0
+        self.history: list[dict] = []
+        self.val_history: list[tuple[int, float]] = []
+        self._graphs_checked = False
+        self._forward_backward, self._p2p = self._schedule()
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            dump_config(config, self.run_dir / "config.yaml")
+        n_params = sum(p.numel() for c in self.model for p in c.parameters())
+        log.info("pipecast: %s schedule, pipeline=%d virtual=%d data=%d, %d layers, %.2fM parameters on this "
+                 "rank, device %s, data: %s", config.schedule_name, p.pipeline, p.virtual, self.dp_size,
+                 config.model.num_layers, n_params / 1e6, self.device,
+                 self.batches.corpus.description if self.batches else "(not read on this stage)")
+
+    # ---- setup ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _init_distributed(config: TrainConfig) -> bool:
+        if dist.is_initialized():
+            return False
+        if config.world_size != 1:
+            raise RuntimeError(
+                f"the config needs {config.world_size} ranks (parallel.pipeline x parallel.data = "
+                f"{config.parallel.pipeline} x {config.data_parallel_size}) but torch.distributed is not initialised;"
+                f" launch with `pipecast train CONFIG`, torchrun, or engine.training.launch.spawn")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return True
+
+    @staticmethod
+    def _pick_device(config: TrainConfig) -> torch.device:
+        want = config.parallel.device
+        if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+            if not torch.cuda.is_available():
+                raise RuntimeError("parallel.device=cuda but CUDA is not available; set parallel.device=cpu or auto")
+            import os
+            local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
+            torch.cuda.set_device(local)
+            return torch.device("cuda", local)
+        return torch.device("cpu")
+
+    def _model_parallel_config(self) -> ModelParallelConfig:
+        c, p = self.config, self.config.parallel
+        bf16 = c.model.precision == "bf16" and self.device.type == "cuda"
+        return ModelParallelConfig(
+            pipeline_model_parallel_size=p.pipeline,
+            virtual_pipeline_model_parallel_size=p.virtual if p.virtual > 1 else None,
+            microbatch_group_size_per_vp_stage=p.microbatch_group_size_per_vp_stage,
+            pipeline_dtype=torch.float32, hidden_size=c.model.hidden_size,
+            batch_p2p_comm=p.batch_p2p_comm, overlap_p2p_comm=p.overlap_p2p_comm,
+            deallocate_pipeline_outputs=p.deallocate_pipeline_outputs,
+            enable_autocast=bf16, autocast_dtype=torch.bfloat16 if bf16 else None,
+            deterministic_mode=c.schedule.deterministic)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        o = self.config.optimizer
+        params = [p for c in self.model for p in c.parameters() if p.requires_grad]
+        unique = list({id(p): p for p in params}.values())
+        decay = [p for p in unique if p.dim() >= 2]
+        no_decay = [p for p in unique if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+
+    def _lr_multiplier(self, step: int) -> float:
+        o = self.config.optimizer
+        return lr_lambda(step, o.lr, o.min_lr, o.warmup_steps, self.config.schedule.steps)
+
+    @property
+    def _reads_tokens(self) -> bool:
+        return any(c.is_first for c in self.model)
+
+    @property
+    def _reads_labels(self) -> bool:
+        return any(c.is_last for c in self.model)
+
+    def _build_batches(self) -> Batches | None:
+        if not (self._reads_tokens or self._reads_labels):
+            return None  # middle stages read no data
+        c = self.config
+        corpus = load_corpus(c.data, c.model.seq_length, c.model.vocab_size)
+        return Batches(corpus, c.model.seq_length, c.schedule.micro_batch_size, c.schedule.num_microbatches,
+                       self.dp_rank, self.dp_size, c.schedule.seed, c.model.vocab_size, self.device)
+
+    def _schedule(self):
+        from .. import schedules  # the public API; imported late so that `engine` never imports the trainer eagerly
+        p = self.config.parallel
+        fb = schedules.get_forward_backward_func(p.pipeline, p.virtual if p.virtual > 1 else None)
+        p2p = None
+        if p.pipeline > 1:
+            from ..p2p import P2PCommunicator
+            p2p = P2PCommunicator(self.pg.pp, self.mp_config)
+        return fb, p2p
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    def _forward_step(self, data_iterator, model):
+        """``forward_step_func(data_iterator, model) -> (output, loss_func)``: only the first stage reads tokens,
+        only the last reads labels (their chunks get an iterator; the others get None)."""
+        batch = next(data_iterator) if data_iterator is not None else {}
+        return model(batch.get("tokens"), batch.get("labels")), _loss_func
+
+    def _iterators(self, microbatches: Iterator[dict] | None) -> list:
+        return [microbatches if (c.is_first or c.is_last) else None for c in self.model]
+
+    def _run_schedule(self, microbatches, num_microbatches: int, forward_only: bool) -> list:
+        c = self.config
+        kwargs: dict[str, Any] = dict(
+            forward_step_func=self._forward_step, data_iterator=self._iterators(microbatches), model=self.model,
+            num_microbatches=num_microbatches, seq_length=c.model.seq_length,
+            micro_batch_size=c.schedule.micro_batch_size, forward_only=forward_only, pg_collection=self.pg)
+        if self._p2p is not None:
+            kwargs["p2p_communicator"] = self._p2p
+        return self._forward_backward(**kwargs)
+
+    def _data(self, step: int):
+        if self.batches is None:
+            return None
+        return self.batches.train(step, self._reads_tokens, self._reads_labels)
+
+    def _maybe_capture_graphs(self) -> None:
+        """Call site for CUDA-graph capture (``cuda_graphs:`` section), run at the start of every train step.
+
+        Does nothing unless ``cuda_graphs.enabled``; then decides once and logs one line.
+        """
+        cg = self.config.cuda_graphs
+        if not cg.enabled or self._graphs_checked:
+            return
+        self._graphs_checked = True
+        if self.device.type != "cuda":
+            log.info("cuda_graphs.enabled=true but this run is on %s: CUDA graphs need a CUDA device; running "
+                     "eagerly", self.device)
+        else:
+            log.info("cuda_graphs.enabled=true: graph capture is not available in this build; running eagerly")
+
+    def train_step(self) -> dict:
+        """Run one optimizer step; returns ``{step, loss, grad_norm, lr, tokens_per_s, step_time_s}`` (same on every
+        rank; ``loss`` in nats per token, averaged over the global batch)."""
+        self._maybe_capture_graphs()
+        t0 = time.perf_counter()
+        for chunk in self.model:
+            chunk.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]
+        store = self._run_schedule(self._data(self.step), self.config.schedule.num_microbatches, False)
+        grad_norm = clip_grad_norm(self.model, self.config.optimizer.grad_clip, self.pg)
+        self.optimizer.step()
+        self.scheduler.step()
+        loss = self._reduce_loss(store)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.step += 1
+        tokens = self.config.global_batch_size * self.config.model.seq_length
+        metrics = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / dt,
+                   "step_time_s": dt}
+        self.history.append(metrics)
+        return metrics
+
+    def _reduce_loss(self, store: list) -> float:
+        """Sum the ``[loss sum, tokens]`` pairs of the loss stage, average over data-parallel replicas and broadcast
+        the mean over the pipeline group (so every rank returns it)."""
+        total = torch.zeros(2, dtype=torch.float64)
+        if self.pp_rank == self.pp_size - 1:
+            for entry in store:
+                total += entry["lm loss"].detach().to("cpu", torch.float64)
+            if self.dp_size > 1:
+                total = _all_reduce_cpu(total, self.pg.dp)
+        if self.pp_size > 1:
+            total = _broadcast_cpu(total, self.pg.pp_ranks[-1], self.pg.pp)
+        return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Validation loss (nats per token) with the forward-only schedule over ``schedule.eval_iters`` fixed
+        batches; the same value on every rank."""
+        for chunk in self.model:
+            chunk.eval()
+        c, total = self.config, torch.zeros(2, dtype=torch.float64)
+        m = c.eval_microbatches
+        for i in range(c.schedule.eval_iters):
+            data = (self.batches.val(i, c.schedule.eval_iters, m, self._reads_tokens, self._reads_labels)
+                    if self.batches is not None else None)
+            for entry in self._run_schedule(data, m, True):
+                total += entry["lm loss"].detach().to("cpu", torch.float64)
+        for chunk in self.model:
+            chunk.train()
+        if self.pp_rank == self.pp_size - 1 and self.dp_size > 1:
+            total = _all_reduce_cpu(total, self.pg.dp)
+        if self.pp_size > 1:
+            total = _broadcast_cpu(total, self.pg.pp_ranks[-1], self.pg.pp)
+        loss = float(total[0] / total[1])
+        self.val_history.append((self.step, loss))
+        return loss
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    def train(self, steps: int | None = None) -> list[dict]:
+        """Train until ``schedule.steps`` (or ``steps`` more steps), evaluating every ``schedule.eval_interval``
+        steps (and before the first step of a fresh run, and at the end) and checkpointing every
+        ``checkpoint.interval`` steps and at the end.  Returns the per-step metrics of this call."""
+        c = self.config
+        end = c.schedule.steps if steps is None else min(c.schedule.steps, self.step + steps)
+        start = self.step
+        if self.step == 0 and not self.val_history:
+            self._log_eval(self.evaluate())
+        with self._progress(start, end) as bar:
+            while self.step < end:
+                metrics = self.train_step()
+                if self.step % c.logging.log_interval == 0 or self.step == end:
+                    self._log_step(metrics)
+                if (c.schedule.eval_interval and self.step % c.schedule.eval_interval == 0) or \
+                        self.step == c.schedule.steps:
+                    metrics["val_loss"] = self.evaluate()
+                    self._log_eval(metrics["val_loss"])
+                if c.checkpoint.interval and self.step % c.checkpoint.interval == 0:
+                    self.save()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+        if c.checkpoint.save_at_end and self.step == c.schedule.steps and self.step > start and \
+                not (c.checkpoint.interval and self.step % c.checkpoint.interval == 0):
+            self.save()
+        return self.history[len(self.history) - (self.step - start):]
+
+    @contextlib.contextmanager
+    def _progress(self, start: int, end: int):
+        mode = self.config.logging.progress_bar
+        on = self.is_log_rank and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
+        if not on:
+            yield None
+            return
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+        with logging_redirect_tqdm(loggers=[logging.getLogger("pipecast")]), tqdm(total=end, initial=start, desc="train", unit="step",
+                                                        dynamic_ncols=True) as bar:
+            yield bar
+
+    def _log_step(self, m: dict) -> None:
+        if self.is_log_rank:
+            log.info("step %d/%d | loss %.4f | grad norm %.3f | lr %.3e | %.0f tokens/s | step %.3f s",
+                     m["step"], self.config.schedule.steps, m["loss"], m["grad_norm"], m["lr"], m["tokens_per_s"],
+                     m["step_time_s"])
+
+    def _log_eval(self, loss: float) -> None:
+        if self.is_log_rank:
+            log.info("step %d/%d | val loss %.4f", self.step, self.config.schedule.steps, loss)
+
+    # ---- state ------------------------------------------------------------------------------------------------
+    def _dcp_state(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        model_sd, optim_sd = get_state_dict(self.canonical, self.optimizer, options=options)
+        return model_sd, optim_sd, options
+
+    def state_dict(self) -> dict:
+        """Everything a resume needs, as nested dicts of tensors: model and AdamW state under layout-independent
+        names, the step (= data position and LR-schedule position) and this rank's RNG states."""
+        model_sd, optim_sd, _ = self._dcp_state()
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
+                "trainer": {"step": torch.tensor(self.step, dtype=torch.int64)},
+                "rng": {f"rank{self.rank}": rng}}
+
+    def save(self, directory: str | Path | None = None) -> Path:
+        """Collective: write a checkpoint of the current step (``checkpoint.dir`` by default); returns its path."""
+        if self.step == 0:
+            raise RuntimeError("nothing to save before the first training step")
+        path = save_checkpoint(self.state_dict(), directory or self.config.checkpoint_dir, self.step,
+                               self.config.checkpoint.keep)
+        if self.is_log_rank:
+            log.info("step %d | saved checkpoint %s", self.step, path)
+        return path
+
+    def load(self, path: str | Path | None = None) -> Path | None:
+        """Collective: restore model, optimizer, LR schedule, data position and RNG from ``path`` (default: the
+        latest complete checkpoint in ``checkpoint.dir``; None is returned when there is none).
+
+        Raises:
+            CheckpointError: a corrupt / truncated checkpoint or one written for another model.
+        """
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        if path is None:
+            path = latest_checkpoint(self.config.checkpoint_dir)
+            if path is None:
+                return None
+        keys = checkpoint_keys(path)
+        model_sd, optim_sd, options = self._dcp_state()
+        target = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
+                  "trainer": {"step": torch.tensor(0, dtype=torch.int64)}}
+        rng_key = f"rng.rank{self.rank}.cpu"
+        if rng_key in keys:
+            target["rng"] = {f"rank{self.rank}": {"cpu": torch.get_rng_state()}}
+        load_checkpoint(target, path)
+        optim_sd.update(target["optim"])
+        set_state_dict(self.canonical, self.optimizer, model_state_dict=target["model"], optim_state_dict=optim_sd,
+                       options=options)
+        self.step = int(target["trainer"]["step"])
+        self._set_schedule_position(self.step)
+        if "rng" in target:
+            torch.set_rng_state(target["rng"][f"rank{self.rank}"]["cpu"])
+        self.val_history = [(self.step, math.nan)]  # a resumed run does not re-evaluate at its first step
+        if self.is_log_rank:
+            log.info("resumed from %s at step %d", path, self.step)
+        return Path(path)
+
+    def _set_schedule_position(self, step: int) -> None:
+        self.scheduler.last_epoch = step
+        self.scheduler._step_count = step + 1
+        lrs = [base * self._lr_multiplier(step) for base in self.scheduler.base_lrs]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self.scheduler._last_lr = lrs
+
+    def close(self) -> None:
+        """Release hooks and process groups (and the default group if this trainer created it)."""
+        self.grad_sync.close()
+        self.pg.destroy()
+        if self._owns_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _loss_func(output: torch.Tensor):
+    """Megatron 3-tuple loss contract (spec 2): ``(loss sum, token count, {"lm loss": [sum, count]})`` from the
+    per-token losses ``[b, s]``; the schedule divides by the token count and the number of microbatches."""
+    total = output.sum()
+    count = torch.tensor(output.numel(), dtype=torch.int, device=output.device)
+    return total, count, {"lm loss": torch.stack([total.detach().double(), count.double()])}
+
+
+def _all_reduce_cpu(t: torch.Tensor, group) -> torch.Tensor:
+    dev = _collective_device(group)
+    out = t.to(dev)
+    dist.all_reduce(out, group=group)
+    return out.cpu()
+
+
+def _broadcast_cpu(t: torch.Tensor, src: int, group) -> torch.Tensor:
+    dev = _collective_device(group)
+    out = t.to(dev)
+    dist.broadcast(out, src=src, group=group)
+    return out.cpu()
+
+
+def _collective_device(group) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+
+
+def _setup_logging(config: TrainConfig, is_log_rank: bool, run_dir: Path) -> None:
+    """stdlib logging: INFO lines on the logging rank (stderr and ``<run_dir>/train.log``), warnings elsewhere."""
+    logger = logging.getLogger("pipecast")
+    logger.setLevel(getattr(logging, config.logging.level) if is_log_rank else logging.WARNING)
+    if not any(getattr(h, "_pipecast", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler._pipecast = True
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    if is_log_rank:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        target = str((run_dir / "train.log").resolve())
+        if not any(getattr(h, "baseFilename", None) == target for h in logger.handlers):
+            fh = logging.FileHandler(target)
+            fh.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+            logger.addHandler(fh)
