@@ -23,7 +23,7 @@ Deviations from Megatron-Core 0.16.1, all on error paths or inputs Megatron woul
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional
+from typing import List, Optional, Union
 
 import torch
 from torch.autograd.variable import Variable
@@ -35,8 +35,11 @@ __all__ = [
     "set_current_microbatch", "check_first_val_step", "deallocate_output_tensor", "custom_backward",
     "forward_step_calc_loss", "forward_step", "backward_step", "get_tensor_shapes",
     "clear_embedding_activation_buffer", "finish_embedding_wgrad_compute", "is_pp_first_stage", "is_pp_last_stage",
-    "is_vp_first_stage", "is_vp_last_stage", "select_schedule_name", "aux_loss_scale", "AuxLossScale",
+    "is_vp_first_stage", "is_vp_last_stage", "select_schedule_name", "aux_loss_scale", "AuxLossScale", "Shape",
 ]
+
+Shape = Union[List[int], torch.Size]
+"""A P2P tensor shape (Megatron-Core ``schedules.Shape``), e.g. ``[s, b, h]``."""
 
 
 class ScheduleContractError(ValueError, AssertionError):

@@ -64,7 +64,7 @@ def test_token_count_dtypes():
         calc(lambda x: (torch.tensor(1.0), "five", {}))
 
 
-def test_loss_dtype_is_kept(recwarn):
+def test_loss_dtype_is_kept():
     """B18: the normalised loss keeps the loss function's dtype (no silent fp32/bf16 mix-up)."""
     out, _, _ = calc(lambda x: (torch.tensor(6.0, dtype=torch.bfloat16), {}), M=2)
     assert out.dtype == torch.bfloat16 and out.item() == 3.0
