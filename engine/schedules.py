@@ -1,13 +1,46 @@
 """Megatron-Core compatible ``pipeline_parallel.schedules`` API.
 
 Reference: ``shared/reference/schedules_api.md``; behaviour: ``shared/spec/schedules.md``.
+
+The three schedule functions are thin compositions: validate the call (Megatron-Core's errors plus pipecast's own,
+agreed over the pipeline group before any pipeline communication), build the plan of the schedule
+(``engine.plan.build_plan``, cached), run it with the one executor (``engine.executor``) and return
+``forward_data_store`` (spec section 2: the loss stage's reduced losses, one per microbatch; ``[]`` on every other
+rank).
+
+Deliberate deviations from Megatron-Core 0.16.1:
+
+* ``num_microbatches < 1`` is a ``ValueError`` (Megatron's no-pipelining schedule runs one microbatch with id -1,
+  the 1F1B one silently does nothing).
+* Interleaving with ``P = 2`` is correct in every P2P mode (tags + receives posted in the sender's order), so it is
+  not rejected; the interleaved schedule with ``P = 1`` raises ``ValueError`` (Megatron: ``IndexError`` mid-step).
+* ``config`` is not mutated (Megatron turns single ``grad_sync_func`` / ``param_sync_func`` into per-chunk lists);
+  both forms are accepted.  ``no_sync`` is left at the end of forward-only calls too.
+* Before communicating, the pipeline ranks all-gather a small fingerprint of the call (``num_microbatches``,
+  ``forward_only``, model chunks, group size, tensor shapes) and an error flag: a rank whose input is rejected makes
+  every rank raise instead of leaving its peers blocked, and ranks that disagree raise ``ValueError`` naming the
+  field and the per-rank values.
+* The interleaved schedule requires ``config.virtual_pipeline_model_parallel_size == len(model)`` (Megatron
+  silently mis-detects the loss stage when they differ).
+* Outputs sent downstream must have the receive shape and ``pipeline_dtype``; otherwise ``RuntimeError`` on the
+  sender (Megatron hangs or reads garbage).
+* Sends are posted without waiting for the receiver; their handles are waited at the end of the step.
 """
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
+from .executor import OVERLAP_PREFETCH, ExecutionContext, cached_program, execute
+from .p2p import P2PCommunicator
+from .process_groups import group_size
+
 from .schedule_table import convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches
-from .step import (backward_step, check_first_val_step, clear_embedding_activation_buffer, custom_backward,
+from .step import (ScheduleContractError, ScheduleContractTypeError, backward_step, check_first_val_step, clear_embedding_activation_buffer, custom_backward,
                    deallocate_output_tensor, finish_embedding_wgrad_compute, forward_step, forward_step_calc_loss,
-                   get_attr_wrapped_model, get_model_config, get_tensor_shapes, set_current_microbatch)
+                   get_attr_wrapped_model, get_model_config, get_tensor_shapes, is_pp_last_stage,
+                   select_schedule_name, set_current_microbatch)
+from .schedule_table import validate_interleaved_microbatches
 
 
 def get_pp_rank_microbatches(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage,
@@ -31,7 +64,378 @@ def get_pp_rank_microbatches(num_microbatches, num_model_chunks, microbatch_grou
                                       pp_size, pp_rank, vp_size, forward_only, overlap_moe_expert_parallel_comm))
 
 
-__all__ = ["get_pp_rank_microbatches", "get_schedule_table", "convert_schedule_table_to_order",
+# ---- the schedules --------------------------------------------------------------------------------------------------
+
+_NO_PIPELINING, _ONE_F_ONE_B, _INTERLEAVED = "no_pipelining", "1f1b", "interleaved"
+_SCHEDULE_ID = {_NO_PIPELINING: 0, _ONE_F_ONE_B: 1, _INTERLEAVED: 2}
+_FINGERPRINT = ("schedule", "num_microbatches", "forward_only", "num_model_chunks",
+                "microbatch_group_size_per_vp_stage", "variable_seq_lengths", "activation shape", "gradient shape")
+_SHAPE_SLOTS = 4
+
+
+def _as_list(x, name: str):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _single_model(model, data_iterator, schedule: str):
+    """Unwrap the one-element lists the non-interleaved schedules accept (Megatron asserts length 1)."""
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ScheduleContractError(
+                f"{schedule}: model is a list of {len(model)} chunks but this schedule runs one model chunk per "
+                "rank; pass one module, or use forward_backward_pipelining_with_interleaving (set "
+                "virtual_pipeline_model_parallel_size) for model chunks")
+        model = model[0]
+    if isinstance(data_iterator, list):
+        if len(data_iterator) != 1:
+            raise ScheduleContractError(f"{schedule}: data_iterator is a list of {len(data_iterator)} iterators but "
+                                        "this schedule runs one model chunk; pass one iterator")
+        data_iterator = data_iterator[0]
+    return [model], [data_iterator]
+
+
+def _check_microbatches(num_microbatches) -> None:
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
+        raise TypeError(f"num_microbatches={num_microbatches!r} must be an int (microbatches per pipeline per step)")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches={num_microbatches}: a step needs at least one microbatch; pass "
+                         "num_microbatches >= 1")
+
+
+def _resolve_groups(schedule: str, p2p_communicator, pg_collection):
+    """Megatron's rule: both None -> from ``engine.parallel_state``; both given -> checked; one -> ValueError."""
+    if schedule != _NO_PIPELINING and (p2p_communicator is None) != (pg_collection is None):
+        raise ValueError(f"{schedule}: p2p_communicator and pg_collection must be given together or not at all, got "
+                         f"p2p_communicator={'set' if p2p_communicator is not None else None}, pg_collection="
+                         f"{'set' if pg_collection is not None else None}; pass both (explicit groups) or neither "
+                         "(engine.parallel_state)")
+    if pg_collection is None:
+        from . import parallel_state as ps
+        pg_collection = ps.get_pg_collection()
+    else:
+        missing = [a for a in ("tp", "cp") if not hasattr(pg_collection, a)]
+        if missing:
+            raise ScheduleContractError(f"{schedule}: pg_collection lacks the process group(s) {missing}; pass an "
+                                        "engine.process_groups.ProcessGroupCollection")
+    if p2p_communicator is not None:
+        for attr in ("pp_group", "post", "new_buffer", "isend", "irecv"):
+            if not hasattr(p2p_communicator, attr):
+                raise TypeError(f"{schedule}: p2p_communicator {type(p2p_communicator).__name__} has no {attr!r}; "
+                                "pass an engine.p2p.P2PCommunicator")
+    return p2p_communicator, pg_collection
+
+
+_COMMUNICATORS: dict = {}
+
+
+def _communicator(pp_group, config) -> P2PCommunicator:
+    """One communicator per (pipeline group, config) object pair (reused across calls)."""
+    key = (id(pp_group), id(config))
+    hit = _COMMUNICATORS.get(key)
+    if hit is not None and hit.pp_group is pp_group and hit.config is config:
+        return hit
+    comm = P2PCommunicator(pp_group, config)
+    if len(_COMMUNICATORS) > 32:
+        _COMMUNICATORS.clear()
+    _COMMUNICATORS[key] = comm
+    return comm
+
+
+def _interleaved_shape(seq_length, micro_batch_size, config, pg_collection):
+    seq = seq_length // group_size(pg_collection.cp)
+    if config.sequence_parallel:
+        seq //= group_size(pg_collection.tp)
+    return (seq, micro_batch_size, config.hidden_size)
+
+
+def _check_shape(shape, schedule: str, what: str) -> tuple:
+    if not all(isinstance(d, int) and d > 0 for d in shape):
+        raise ValueError(f"{schedule}: the pipeline {what} shape {tuple(shape)} (from seq_length, micro_batch_size and "
+                         "config.hidden_size) has a non-positive size; pass seq_length / micro_batch_size and set "
+                         "ModelParallelConfig.hidden_size, or set variable_seq_lengths=True")
+    if len(shape) > _SHAPE_SLOTS:
+        raise ValueError(f"{schedule}: pipeline {what} shape {tuple(shape)} has more than {_SHAPE_SLOTS} dimensions")
+    return tuple(shape)
+
+
+class _Call:
+    """A validated schedule call: everything the executor needs."""
+
+    __slots__ = ("schedule", "models", "iters", "config", "comm", "pgc", "act_shape", "grad_shape", "group")
+
+
+def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
+             decoder_seq_length, forward_only, adjust_tensor_shapes_fn, comm, pgc) -> _Call:
+    """Every local check of a schedule call (raises); no communication."""
+    call = _Call()
+    call.schedule, call.pgc, call.group = schedule, pgc, None
+    _check_microbatches(num_microbatches)
+    if schedule == _INTERLEAVED:
+        if not isinstance(model, list):
+            raise ScheduleContractTypeError("forward_backward_pipelining_with_interleaving: model must be a list of "
+                                            f"model chunks (one per virtual pipeline stage), got "
+                                            f"{type(model).__name__}")
+        models = list(model)
+        iters = [None] * len(models) if data_iterator is None else data_iterator
+        if not isinstance(iters, list) or len(iters) != len(models):
+            raise ScheduleContractError("forward_backward_pipelining_with_interleaving: data_iterator must be a list "
+                                        f"with one iterator (or None) per model chunk ({len(models)}), got "
+                                        f"{type(data_iterator).__name__}"
+                                        f"{'' if not isinstance(iters, list) else f' of length {len(iters)}'}")
+        if adjust_tensor_shapes_fn is not None:
+            raise ScheduleContractError("forward_backward_pipelining_with_interleaving: adjust_tensor_shapes_fn is "
+                                        "only supported by the non-interleaved schedule; pass None")
+    else:
+        name = ("forward_backward_no_pipelining" if schedule == _NO_PIPELINING
+                else "forward_backward_pipelining_without_interleaving")
+        models, iters = _single_model(model, data_iterator, name)
+        if schedule == _NO_PIPELINING and adjust_tensor_shapes_fn is not None:
+            raise ScheduleContractError("forward_backward_no_pipelining: adjust_tensor_shapes_fn must be None (there "
+                                        "is no pipeline communication)")
+    call.models, call.iters = models, iters
+    config = get_model_config(models[0])
+    call.config = config
+    if comm is None and schedule != _NO_PIPELINING:
+        comm = _communicator(pgc.pp, config)
+    call.comm = comm
+    call.act_shape = call.grad_shape = None
+    if schedule == _NO_PIPELINING:
+        return call
+    pp_size = comm.size
+    if schedule == _ONE_F_ONE_B and config.overlap_p2p_comm:
+        raise ValueError("forward_backward_pipelining_without_interleaving: config.overlap_p2p_comm=True is not "
+                         "supported by the non-interleaved schedule (as in Megatron-Core); set overlap_p2p_comm=False "
+                         "or use the interleaved schedule")
+    if schedule == _INTERLEAVED:
+        if config.overlap_p2p_comm and config.batch_p2p_comm:
+            raise ValueError("config.overlap_p2p_comm=True and config.batch_p2p_comm=True are mutually exclusive "
+                             "(Megatron-Core); set batch_p2p_comm=False to overlap P2P communication")
+        vp = config.virtual_pipeline_model_parallel_size
+        if vp != len(models):
+            raise ScheduleContractError(f"forward_backward_pipelining_with_interleaving: config."
+                                        f"virtual_pipeline_model_parallel_size={vp} but model has {len(models)} "
+                                        f"chunks; set virtual_pipeline_model_parallel_size={len(models)}")
+        if pp_size < 2:
+            raise ValueError("forward_backward_pipelining_with_interleaving needs a pipeline of at least 2 ranks, "
+                             f"got pipeline_model_parallel_size={pp_size}; use forward_backward_no_pipelining "
+                             "(get_forward_backward_func picks it for one rank)")
+        group = config.microbatch_group_size_per_vp_stage or pp_size
+        validate_interleaved_microbatches(num_microbatches, pp_size, group)
+        call.group = group
+    if pp_size > 1 and config.pipeline_dtype is None:
+        raise RuntimeError("config.pipeline_dtype is None but the pipeline has "
+                           f"{pp_size} ranks; set ModelParallelConfig.pipeline_dtype (the dtype of P2P tensors, e.g. "
+                           "torch.float32)")
+    if pp_size > 1 and not comm.negotiates_shapes:
+        if schedule == _INTERLEAVED:
+            shape = _interleaved_shape(seq_length, micro_batch_size, config, pgc)
+            recv_shapes = send_shapes = [shape]
+        else:
+            recv_shapes = send_shapes = get_tensor_shapes(
+                seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+                config=config, tp_group=pgc.tp, cp_group=pgc.cp)
+            if adjust_tensor_shapes_fn is not None:
+                recv_shapes, send_shapes = adjust_tensor_shapes_fn(recv_shapes, send_shapes)
+        if len(recv_shapes) != 1 or len(send_shapes) != 1:
+            raise ValueError(f"pipecast sends one tensor per pipeline message; got receive shapes {recv_shapes} and "
+                             f"send shapes {send_shapes} (adjust_tensor_shapes_fn); return one shape each")
+        call.act_shape = _check_shape(recv_shapes[0], schedule, "activation")
+        call.grad_shape = _check_shape(send_shapes[0], schedule, "gradient")
+    return call
+
+
+def _fingerprint(call, schedule, num_microbatches, forward_only) -> list[int]:
+    def slots(shape):
+        shape = list(shape or ())
+        return shape + [-1] * (_SHAPE_SLOTS - len(shape))
+    variable = bool(call.comm.negotiates_shapes)
+    return ([_SCHEDULE_ID[schedule], num_microbatches, int(bool(forward_only)), len(call.models), call.group or 0,
+             int(variable)] + slots(call.act_shape) + slots(call.grad_shape))
+
+
+def _agree(comm, error, values) -> None:
+    """All-gather an error flag and the call's fingerprint over the pipeline group; raise on every rank if any rank
+    rejected the call or the ranks disagree.  One small collective; nothing is sent when ``P == 1``."""
+    if comm is None or comm.size == 1 or comm.pp_group is None:
+        if error is not None:
+            raise error
+        return
+    width = 6 + 2 * _SHAPE_SLOTS
+    vec = torch.tensor([int(error is not None)] + (list(values) if error is None else [0] * width),
+                       dtype=torch.int64, device=comm.device)
+    gathered = [torch.empty_like(vec) for _ in range(comm.size)]
+    dist.all_gather(gathered, vec, group=comm.pp_group)
+    if error is not None:
+        raise error
+    rows = torch.stack(gathered).tolist()
+    rejected = [r for r, row in enumerate(rows) if row[0]]
+    if rejected:
+        raise RuntimeError(f"pipeline rank(s) {rejected} rejected this schedule call (see the error raised there); "
+                           f"pipeline rank {comm.rank} stops too instead of waiting for them")
+    columns = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 6 + _SHAPE_SLOTS),
+               (6 + _SHAPE_SLOTS, 6 + 2 * _SHAPE_SLOTS)]
+    for name, (a, b) in zip(_FINGERPRINT, columns):
+        per_rank = [tuple(row[1 + a:1 + b]) for row in rows]
+        if len(set(per_rank)) > 1:
+            shown = [v[0] if len(v) == 1 else tuple(d for d in v if d >= 0) for v in per_rank]
+            raise ValueError(f"the pipeline ranks called the schedule with different {name}: {shown} (index = "
+                             f"pipeline rank); every pipeline rank must pass the same {name}")
+
+
+def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                  micro_batch_size, decoder_seq_length=None, forward_only=False, collect_non_loss_data=False,
+                  first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
+                  force_all_reduce=False):
+    """Validate (locally, then agreed across the pipeline), build the plan, run the executor."""
+    comm, pgc = _resolve_groups(schedule, p2p_communicator, pg_collection)
+    error, call = None, None
+    try:
+        call = _prepare(schedule, data_iterator=data_iterator, model=model, num_microbatches=num_microbatches,
+                        seq_length=seq_length, micro_batch_size=micro_batch_size,
+                        decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+                        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, comm=comm, pgc=pgc)
+    except (ValueError, TypeError, RuntimeError, AssertionError, AttributeError) as exc:
+        error = exc
+    agree_comm = comm if comm is not None else (call.comm if call is not None else
+                                                 (None if schedule == _NO_PIPELINING else
+                                                  _communicator(pgc.pp, None)))
+    if schedule == _NO_PIPELINING:
+        agree_comm = None
+    _agree(agree_comm, error, None if error is not None else
+           _fingerprint(call, schedule, num_microbatches, forward_only))
+
+    config, comm = call.config, call.comm
+    pp_size, rank = (1, 0) if comm is None else (comm.size, comm.rank)
+    prefetch = OVERLAP_PREFETCH if config.overlap_p2p_comm else 1
+    program = cached_program(schedule, pp_size, num_microbatches, len(call.models), call.group,
+                             bool(forward_only), rank, prefetch, bool(config.batch_p2p_comm))
+    training = not forward_only
+    before_finalize = None
+    if schedule != _NO_PIPELINING and training and config.finalize_model_grads_func is not None:
+        last = is_pp_last_stage(comm.pp_group)
+        embedding_module = clear_embedding_activation_buffer(config, call.models if schedule == _INTERLEAVED
+                                                             else call.models[0], last)
+
+        def before_finalize():
+            finish_embedding_wgrad_compute(config, embedding_module, last, pgc.tp)
+    ctx = ExecutionContext(
+        forward_step_func=forward_step_func, data_iterators=call.iters, models=call.models, config=config,
+        communicator=comm if comm is not None else _LocalComm(config), num_microbatches=num_microbatches,
+        act_shape=call.act_shape, grad_shape=call.grad_shape, collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step, cp_group_size=group_size(pgc.cp), vp_stages=schedule == _INTERLEAVED,
+        per_stage_last=schedule != _NO_PIPELINING, checkpoint=schedule != _NO_PIPELINING, pg_collection=pgc,
+        force_all_reduce=force_all_reduce,
+        finalize_models=list(call.models) if schedule == _INTERLEAVED else [call.models[0]],
+        before_finalize=before_finalize)
+    return execute(program, ctx)
+
+
+class _LocalComm:
+    """The communicator of a one-rank schedule: no peers, CPU / current-device token counter."""
+
+    size, rank, pp_group = 1, 0, None
+    negotiates_shapes = False
+
+    def __init__(self, config):
+        self.config = config
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+
+
+def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, num_microbatches: int,
+                                   seq_length: int, micro_batch_size: int, decoder_seq_length=None,
+                                   forward_only: bool = False, collect_non_loss_data: bool = False,
+                                   first_val_step=None, adjust_tensor_shapes_fn=None, pg_collection=None,
+                                   force_all_reduce: bool = False, p2p_communicator=None) -> list:
+    """Run ``num_microbatches`` forward (and backward) passes of one model chunk, no pipeline (spec 1.9).
+
+    ``model`` / ``data_iterator`` may be one-element lists.  Every microbatch but the last runs inside
+    ``config.no_sync_func``; ``finalize_model_grads_func`` runs at the end of training calls.  ``seq_length``,
+    ``micro_batch_size``, ``decoder_seq_length`` and ``p2p_communicator`` are unused.
+
+    Returns ``forward_data_store``: the reduced value of each microbatch's loss function (spec 2), in microbatch
+    order.  Raises ``ValueError`` / ``TypeError`` (``ScheduleContractError`` where Megatron asserts) before running.
+    """
+    return _run_schedule(_NO_PIPELINING, forward_step_func=forward_step_func, data_iterator=data_iterator,
+                         model=model, num_microbatches=num_microbatches, seq_length=seq_length,
+                         micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+                         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+                         first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+                         pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+def forward_backward_pipelining_without_interleaving(*, forward_step_func, data_iterator, model,
+                                                     num_microbatches: int, seq_length: int, micro_batch_size: int,
+                                                     decoder_seq_length=None, forward_only: bool = False,
+                                                     collect_non_loss_data: bool = False, first_val_step=None,
+                                                     adjust_tensor_shapes_fn=None, p2p_communicator=None,
+                                                     pg_collection=None, force_all_reduce: bool = False) -> list:
+    """Non-interleaved 1F1B (PipeDream-flush) over the pipeline group: one model chunk per rank (spec 1.17).
+
+    Rank ``r`` runs ``min(P-r-1, M)`` warmup forwards, then one forward / one backward per step, then the remaining
+    backwards.  P2P tensors are ``[s, b, h]`` with ``s = (decoder_seq_length or seq_length) // cp``
+    (``get_tensor_shapes``, optionally changed by ``adjust_tensor_shapes_fn``), in ``config.pipeline_dtype``.
+
+    Returns the loss stage's ``forward_data_store`` (``[]`` on other ranks).  Raises ``ValueError`` for
+    ``config.overlap_p2p_comm`` and for ``p2p_communicator`` without ``pg_collection`` (or the reverse), plus the
+    checks listed in the module docstring -- on every pipeline rank, before any pipeline communication.
+    """
+    return _run_schedule(_ONE_F_ONE_B, forward_step_func=forward_step_func, data_iterator=data_iterator,
+                         model=model, num_microbatches=num_microbatches, seq_length=seq_length,
+                         micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+                         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+                         first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+                         p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+                         force_all_reduce=force_all_reduce)
+
+
+def forward_backward_pipelining_with_interleaving(*, forward_step_func, data_iterator, model,
+                                                  num_microbatches: int, seq_length: int, micro_batch_size: int,
+                                                  decoder_seq_length=None, forward_only: bool = False,
+                                                  collect_non_loss_data: bool = False, first_val_step=None,
+                                                  adjust_tensor_shapes_fn=None, p2p_communicator=None,
+                                                  pg_collection=None, force_all_reduce: bool = False) -> list:
+    """Interleaved 1F1B: ``len(model)`` model chunks per rank (virtual pipeline stages), spec 1.15 and 3.
+
+    ``model`` and ``data_iterator`` are lists, one entry per chunk (``data_iterator=None`` is accepted for ranks that
+    read no data).  Forward order per rank = ``get_schedule_table(M, C, G)`` with ``G =
+    config.microbatch_group_size_per_vp_stage``; warmup ``min(M*C, 2(P-r-1) + (C-1)G)``.  P2P tensors are
+    ``[seq_length // cp, micro_batch_size, hidden_size]``.
+
+    Returns the loss stage's ``forward_data_store`` (chunk ``C-1`` of the last rank; ``[]`` elsewhere).
+    Raises, on every pipeline rank before any pipeline communication: ``ValueError`` for
+    ``overlap_p2p_comm`` with ``batch_p2p_comm``, for ``G`` outside ``[P, M]``, for ``P < 2``;
+    ``RuntimeError`` for ``0 < M mod G < P`` (Megatron-Core's checks, in that order), plus the pipecast checks.
+    """
+    return _run_schedule(_INTERLEAVED, forward_step_func=forward_step_func, data_iterator=data_iterator,
+                         model=model, num_microbatches=num_microbatches, seq_length=seq_length,
+                         micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+                         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+                         first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+                         p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+                         force_all_reduce=force_all_reduce)
+
+
+_BY_NAME = {
+    "forward_backward_no_pipelining": forward_backward_no_pipelining,
+    "forward_backward_pipelining_without_interleaving": forward_backward_pipelining_without_interleaving,
+    "forward_backward_pipelining_with_interleaving": forward_backward_pipelining_with_interleaving,
+}
+
+
+def get_forward_backward_func(pp_size=None, vp_size=None):
+    """The schedule function for a pipeline of ``pp_size`` ranks with ``vp_size`` model chunks each (spec 1.1).
+
+    Both None: read from ``engine.parallel_state``.  ``pp_size > 1``: interleaved iff ``vp_size is not None`` (even
+    1), else non-interleaved 1F1B; otherwise no pipelining.  Raises ``TypeError`` for ``pp_size=None`` with a
+    ``vp_size``.  Every returned function takes the keyword-only arguments of section 1.18.
+    """
+    return _BY_NAME[select_schedule_name(pp_size, vp_size)]
+
+
+__all__ = ["get_forward_backward_func", "forward_backward_no_pipelining",
+           "forward_backward_pipelining_without_interleaving", "forward_backward_pipelining_with_interleaving",
+           "P2PCommunicator", "get_pp_rank_microbatches", "get_schedule_table", "convert_schedule_table_to_order",
            # per-microbatch functions (engine/step.py)
            "deallocate_output_tensor", "custom_backward", "set_current_microbatch", "forward_step_calc_loss",
            "forward_step", "backward_step", "check_first_val_step", "clear_embedding_activation_buffer",

@@ -1,0 +1,554 @@
+"""One executor for every plan: runs one pipeline rank's actions with ``forward_step`` / ``backward_step``.
+
+The schedule functions of ``engine.schedules`` (and anyone with a :class:`~engine.plan.Plan`) hand it a plan; the
+executor derives everything else from the plan's actions:
+
+* **Communication** (``Plan.input_message`` / ``output_message`` / ``link_order``).  A send is posted non-blocking
+  right after the action that produced the tensor and never waits for the receiver; send handles are waited at the
+  end of the step (gloo offers no completion poll).  Receives are posted in the *sender's* order on every link
+  (``Plan.link_order(src, dst)``), so they match one to one even on a transport that ignores tags -- also with
+  ``P = 2`` and interleaving, where activations and gradients share one pair of ranks (public bug B02) -- and each is
+  waited just before the action that consumes it.  Each message kind also has its own tag (``engine.p2p``).
+  This is the communication model of the plan validator: a plan it accepts cannot deadlock here.
+* Receives are posted ``prefetch`` actions ahead: with ``config.overlap_p2p_comm`` the receives of the next
+  :data:`OVERLAP_PREFETCH` actions are kept posted (prefetched, waited right before use), otherwise those of the
+  next action.  ``config.batch_p2p_comm`` posts the ops of one exchange point (the send of an action plus the
+  receives posted after it) as one batch (one NCCL group; gloo has none), in Megatron's batched order; otherwise
+  in Megatron's even/odd order.
+* ``deallocate_pipeline_outputs``: a sent output is shrunk right after its send is posted (the send holds an alias
+  of its storage until it is waited), and its backward runs through ``custom_backward``.
+* Partial activation checkpointing by microbatch (``checkpoint_activations_microbatch = (k mod (W+1)) >= K`` for
+  forward step ``k``, spec 3.1), ``is_first_microbatch`` (microbatch 0 of each model chunk, through
+  ``check_first_val_step``), ``current_microbatch`` (-> ``set_current_microbatch``).
+* Grad / param sync hooks at Megatron-Core's points (spec 1.9, 1.17, 3.3, 3.8): ``no_sync_func`` entered at the
+  start; left before the last forward (no pipelining), before the last backward (1F1B; with ``grad_sync_func`` only
+  on pipeline rank 0, the others call ``grad_sync_func`` at the end), around the last backward of each model chunk
+  or each ``grad_sync_func`` call timed by ``k - r`` (interleaved); ``param_sync_func`` for chunks 0 and 1 at the
+  start and chunk ``c >= 2`` at forward step ``k`` when step ``k + r`` is the first microbatch of chunk ``c - 1``;
+  ``finalize_model_grads_func(models, total_num_tokens or None, pg_collection=..., force_all_reduce=...)`` at the end
+  of a training step.
+* Spans to a tracer (``engine.tracing``): ``"compute"`` around each action (label ``"F c1 mb3"``), ``"p2p"`` around
+  each receive wait (``"recv act c0 mb2"``) and the final send wait, ``"sync"`` around hooks.
+
+Per-rank communication schedules are compiled once per (plan, rank, prefetch) and cached (:func:`compile_rank`,
+:func:`program_for`); the per-action path does list indexing only.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .p2p import TAG_ACT, TAG_ACT_SHAPE, TAG_GRAD, TAG_GRAD_SHAPE, decode_shape, encode_shape
+from .plan import Op, Plan, build_plan
+from .step import backward_step, check_first_val_step, deallocate_output_tensor, forward_step
+from .tracing import current_tracer
+
+__all__ = ["OVERLAP_PREFETCH", "RankProgram", "Step", "Recv", "compile_rank", "program_for", "cached_program",
+           "ExecutionContext", "execute"]
+
+OVERLAP_PREFETCH = 3
+"""Actions ahead whose receives are kept posted with ``overlap_p2p_comm`` (1 without it)."""
+
+# posting order of an exchange point's ops: key = (is_send, kind) -> rank within the exchange point
+_BATCHED_ORDER = {(True, "grad"): 0, (False, "act"): 1, (True, "act"): 2, (False, "grad"): 3}  # Megatron batched
+_EVEN_ORDER = {(True, "act"): 0, (False, "act"): 1, (True, "grad"): 2, (False, "grad"): 3}
+_ODD_ORDER = {(False, "act"): 0, (True, "act"): 1, (False, "grad"): 2, (True, "grad"): 3}
+
+
+@dataclass(slots=True)
+class Recv:
+    """One incoming message of a rank, in the sender's order on its link."""
+
+    kind: str          # "act" or "grad"
+    peer: int          # sender's pipeline rank
+    tag: int
+    shape_tag: int
+    label: str         # "recv act c0 mb2" (destination chunk and microbatch)
+    consumer: int      # index of the step that consumes it
+
+
+@dataclass(slots=True)
+class Step:
+    """One action of a rank with everything the executor needs precomputed."""
+
+    forward: bool
+    chunk: int
+    microbatch: int
+    label: str
+    index: int            # forward: forward step k on this rank; backward: backward step index
+    slot: int             # forward step index whose saved tensors a backward consumes (= index for forwards)
+    recv: int             # index into RankProgram.recvs or -1
+    send_peer: int        # pipeline rank the output goes to, or -1
+    send_kind: str
+    first_stage: bool     # this chunk holds the model input
+    last_stage: bool      # this chunk computes the loss
+    posts: tuple          # receives to post at the exchange point after this step
+    send_order: int       # position of the send among the exchange point's ops (batched / even-odd)
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """A rank's compiled plan: steps, incoming messages, receive postings, sync-hook events."""
+
+    plan: Plan
+    rank: int
+    prefetch: int
+    steps: tuple
+    recvs: tuple
+    initial_posts: tuple
+    num_forwards: int
+    warmup: int
+    hook_cache: dict = field(default_factory=dict, compare=False, repr=False)  # (grad?, param?) -> hook events
+
+
+def _consumer_map(plan: Plan, rank: int):
+    """For every incoming message: its link position; returns (recvs, recv_index_of_step)."""
+    acts = plan.actions[rank]
+    wanted = {}
+    for i, a in enumerate(acts):
+        m = plan.input_message(rank, a)
+        if m is not None:
+            if m in wanted:
+                raise ValueError(f"plan is invalid: rank {rank} consumes {m} twice (actions {wanted[m]} and {i})")
+            wanted[m] = i
+    sources = sorted({m.src for m in wanted})
+    recvs, step_recv = [], [-1] * len(acts)
+    links = {}
+    for src in sources:
+        order = plan.link_order(src, rank)
+        idx = []
+        for m in order:
+            if m not in wanted:
+                raise ValueError(f"plan is invalid: rank {src} sends {m} but rank {rank} never consumes it")
+            consumer = wanted.pop(m)
+            kind = m.kind
+            recvs.append(Recv(kind, src, TAG_ACT if kind == "act" else TAG_GRAD,
+                              TAG_ACT_SHAPE if kind == "act" else TAG_GRAD_SHAPE,
+                              f"recv {kind} c{m.dst_chunk} mb{m.microbatch}", consumer))
+            step_recv[consumer] = len(recvs) - 1
+            idx.append(len(recvs) - 1)
+        links[src] = idx
+    if wanted:
+        m = next(iter(wanted))
+        raise ValueError(f"plan is invalid: rank {rank} waits for {m} but rank {m.src} never sends it")
+    return recvs, step_recv, links
+
+
+def compile_rank(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True) -> RankProgram:
+    """Compile ``plan`` for pipeline rank ``rank``.
+
+    ``prefetch``: how many actions ahead receives are posted (>= 1).  ``batched``: Megatron's batched op order at
+    an exchange point (else even/odd order by rank parity).
+
+    Raises:
+        ValueError: ``rank`` outside the plan, ``prefetch < 1``, or a plan whose messages do not pair up (a rank
+            consumes a message nobody sends, or a sent message is never consumed).
+    """
+    if not 0 <= rank < plan.pp_size:
+        raise ValueError(f"rank={rank} is outside the plan's pipeline of {plan.pp_size} ranks")
+    if prefetch < 1:
+        raise ValueError(f"prefetch={prefetch}: receives must be posted at least one action ahead")
+    acts = plan.actions[rank]
+    recvs, step_recv, links = _consumer_map(plan, rank)
+    order_of = _BATCHED_ORDER if batched else (_EVEN_ORDER if rank % 2 == 0 else _ODD_ORDER)
+
+    # receive postings: at exchange point e (-1 = start, i = after step i) post, per link in sender order,
+    # every message consumed by steps e+1 .. e+prefetch
+    position = {}
+    for src, idx in links.items():
+        for pos, r in enumerate(idx):
+            position[r] = (src, pos)
+    next_unposted = {src: 0 for src in links}
+    posts_at = []
+    for e in range(-1, len(acts)):
+        batch = []
+        for j in range(e + 1, min(e + 1 + prefetch, len(acts))):
+            r = step_recv[j]
+            if r < 0:
+                continue
+            src, pos = position[r]
+            while next_unposted[src] <= pos:
+                batch.append(links[src][next_unposted[src]])
+                next_unposted[src] += 1
+        batch.sort(key=lambda r: order_of[(False, recvs[r].kind)])  # stable: keeps link order within a kind
+        posts_at.append(tuple(batch))
+
+    fwd_slot, steps = {}, []
+    n_fwd = n_bwd = 0
+    for i, a in enumerate(acts):
+        out = plan.output_message(rank, a)
+        forward = a.op is Op.FORWARD
+        if a.op is Op.WEIGHT:
+            raise ValueError(f"plan has a W (weight-gradient) action {a} on rank {rank}; the executor runs F and B "
+                             "actions only")
+        if forward:
+            index = slot = n_fwd
+            fwd_slot[(a.chunk, a.microbatch)] = n_fwd
+            n_fwd += 1
+        else:
+            index = n_bwd
+            n_bwd += 1
+            slot = fwd_slot.get((a.chunk, a.microbatch), -1)
+            if slot < 0:
+                raise ValueError(f"plan is invalid: rank {rank} runs {a} before the forward of the same microbatch")
+        kind = "" if out is None else out.kind
+        steps.append(Step(forward, a.chunk, a.microbatch, a.label, index, slot, step_recv[i],
+                          -1 if out is None else out.dst, kind, plan.is_first_stage(rank, a.chunk),
+                          plan.is_last_stage(rank, a.chunk), posts_at[i + 1],
+                          order_of[(True, kind)] if kind else 0))
+    return RankProgram(plan, rank, prefetch, tuple(steps), tuple(recvs), posts_at[0], n_fwd, plan.warmup[rank])
+
+
+@functools.lru_cache(maxsize=256)
+def cached_program(schedule: str, pp_size: int, num_microbatches: int, num_model_chunks: int, group_size,
+                   forward_only: bool, rank: int, prefetch: int, batched: bool) -> RankProgram:
+    """:func:`compile_rank` of ``build_plan(...)``, cached by the plan's parameters (no per-call plan scans)."""
+    plan = build_plan(schedule, pp_size, num_microbatches, num_model_chunks, group_size, forward_only)
+    return compile_rank(plan, rank, prefetch, batched)
+
+
+_BY_PLAN: dict = {}
+
+
+def program_for(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True) -> RankProgram:
+    """:func:`compile_rank` cached per plan object (keeps the last 64 plans)."""
+    key = (id(plan), rank, prefetch, batched)
+    hit = _BY_PLAN.get(key)
+    if hit is not None and hit.plan is plan:
+        return hit
+    program = compile_rank(plan, rank, prefetch, batched)
+    if len(_BY_PLAN) >= 64:
+        _BY_PLAN.pop(next(iter(_BY_PLAN)))
+    _BY_PLAN[key] = program
+    return program
+
+
+# ---- grad / param sync hooks --------------------------------------------------------------------------------------
+# events: ("enable",) leave no_sync; ("disable",) enter no_sync; ("grad", c) grad_sync_func for chunk c (None:
+# the whole model of a one-chunk rank); ("param", c) param_sync_func for chunk c.
+
+def _events_for(plan: Plan, rank: int, has_grad_sync: bool, has_param_sync: bool):
+    acts = plan.actions[rank]
+    n = len(acts)
+    before = [[] for _ in range(n)]
+    after = [[] for _ in range(n)]
+    start, end = [("disable",)], []
+    last_m = plan.num_microbatches - 1
+    fwd_idx = [i for i, a in enumerate(acts) if a.op is Op.FORWARD]
+    bwd_idx = [i for i, a in enumerate(acts) if a.op is Op.BACKWARD]
+    if plan.schedule == "no_pipelining":
+        if fwd_idx:
+            before[fwd_idx[-1]].append(("enable",))
+        return start, before, after, end
+    if plan.forward_only or not bwd_idx:
+        return start, before, after, [("enable",)]
+    if plan.schedule != "interleaved":
+        if not has_grad_sync or rank == 0:
+            before[bwd_idx[-1]].append(("enable",))
+        else:
+            end += [("enable",), ("grad", None)]
+        return start, before, after, end
+    # interleaved (spec 3.2, 3.3, 3.8)
+    chunks, total = plan.num_model_chunks, len(fwd_idx)
+    if has_param_sync:
+        start += [("param", c) for c in range(min(2, chunks))]
+        for k, i in enumerate(fwd_idx):
+            j = k + rank
+            if j < total and acts[fwd_idx[j]].microbatch == 0:
+                c2 = acts[fwd_idx[j]].chunk + 1
+                if 1 < c2 < chunks:
+                    before[i].append(("param", c2))
+    synced = set()
+    for k, i in enumerate(bwd_idx):
+        a = acts[i]
+        if not has_grad_sync and a.microbatch == last_m:
+            before[i].append(("enable",))
+            after[i].append(("disable",))
+        if has_grad_sync:
+            j = k - rank
+            if j >= 0 and acts[bwd_idx[j]].microbatch == last_m:
+                c2 = acts[bwd_idx[j]].chunk
+                after[i] += [("enable",), ("grad", c2), ("disable",)]
+                synced.add(c2)
+    end.append(("enable",))
+    if has_grad_sync:
+        end += [("grad", c) for c in range(chunks) if c not in synced]
+    return start, before, after, end
+
+
+class _GradSync:
+    """Tracks the ``no_sync`` context and runs hook events."""
+
+    def __init__(self, config, models, tracer):
+        funcs = config.no_sync_func
+        self.no_sync = [] if funcs is None else (list(funcs) if isinstance(funcs, (list, tuple)) else [funcs])
+        self.grad_sync = config.grad_sync_func
+        self.param_sync = config.param_sync_func
+        self.models = models
+        self.tracer = tracer
+        self.stack: Optional[contextlib.ExitStack] = None
+
+    @staticmethod
+    def _pick(funcs, chunk):
+        return funcs[chunk] if isinstance(funcs, (list, tuple)) else funcs
+
+    def run(self, events) -> None:
+        for ev in events:
+            what = ev[0]
+            if what == "disable":
+                if self.stack is None:
+                    self.stack = contextlib.ExitStack()
+                    for f in self.no_sync:
+                        self.stack.enter_context(f())
+            elif what == "enable":
+                if self.stack is not None:
+                    stack, self.stack = self.stack, None
+                    stack.close()
+            elif what == "grad":
+                c = ev[1]
+                with self.tracer.span("sync", f"grad_sync c{0 if c is None else c}"):
+                    params = self.models[0 if c is None else c].parameters()
+                    self._pick(self.grad_sync, 0 if c is None else c)(params)
+            else:  # param
+                c = ev[1]
+                with self.tracer.span("sync", f"param_sync c{c}"):
+                    self._pick(self.param_sync, c)(self.models[c].parameters())
+
+    def close(self) -> None:
+        self.run((("enable",),))
+
+
+# ---- execution ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class ExecutionContext:
+    """What one call of the executor runs with (built by the schedule functions).
+
+    ``act_shape`` / ``grad_shape``: receive-buffer shapes (``[s, b, h]``) of activations and gradients, ignored when
+    the communicator negotiates shapes.  ``vp_stages``: pass ``vp_stage=chunk`` to ``forward_step`` (interleaved).
+    ``per_stage_last``: pass ``is_last_stage`` from the plan (pipelined); False passes Megatron's default True.
+    """
+
+    forward_step_func: Callable
+    data_iterators: Sequence[Any]
+    models: Sequence[torch.nn.Module]
+    config: Any
+    communicator: Any
+    num_microbatches: int
+    act_shape: Optional[tuple] = None
+    grad_shape: Optional[tuple] = None
+    collect_non_loss_data: bool = False
+    first_val_step: Optional[bool] = None
+    cp_group_size: int = 1
+    vp_stages: bool = False
+    per_stage_last: bool = True
+    checkpoint: bool = True
+    pg_collection: Any = None
+    force_all_reduce: bool = False
+    finalize_models: Any = None
+    before_finalize: Optional[Callable[[], None]] = None
+    tracer: Any = None
+
+
+def execute(program: RankProgram, ctx: ExecutionContext) -> list:
+    """Run one step of ``program`` on this rank; return ``forward_data_store`` (the loss stage's reduced losses,
+    one per microbatch in microbatch order; ``[]`` on every other rank).
+
+    Raises whatever ``forward_step`` / ``backward_step`` / the hooks raise, and ``RuntimeError`` when an output does
+    not match the receive shape / ``pipeline_dtype`` its receiver expects (it would otherwise hang or corrupt).
+    """
+    runner = _Runner(program, ctx)
+    try:
+        return runner.run()
+    finally:
+        runner.sync.close()
+
+
+class _Runner:
+    __slots__ = ("p", "ctx", "comm", "config", "tracer", "bufs", "works", "shape_works", "pending", "sync",
+                 "negotiate", "batched", "hooks")
+
+    def __init__(self, program: RankProgram, ctx: ExecutionContext):
+        self.p = program
+        self.ctx = ctx
+        self.comm = ctx.communicator
+        self.config = ctx.config
+        self.tracer = ctx.tracer if ctx.tracer is not None else current_tracer()
+        n = len(program.recvs)
+        self.bufs = [None] * n
+        self.works = [None] * n
+        self.shape_works = [None] * n
+        self.pending = []  # (work, tensor) of posted sends, waited at the end
+        self.sync = _GradSync(ctx.config, ctx.models, self.tracer)
+        self.negotiate = bool(n or any(s.send_peer >= 0 for s in program.steps)) and self.comm.negotiates_shapes
+        self.batched = bool(ctx.config.batch_p2p_comm)
+        key = (ctx.config.grad_sync_func is not None, ctx.config.param_sync_func is not None)
+        hooks = program.hook_cache.get(key)
+        if hooks is None:
+            hooks = program.hook_cache[key] = _events_for(program.plan, program.rank, *key)
+        self.hooks = hooks
+
+    # -- communication ----------------------------------------------------------------------------------------
+    def _exchange(self, send: Optional[tuple], posts: tuple) -> None:
+        """Post an exchange point: the send ``(tensor, peer, kind, order)`` (or None) and the receives ``posts``."""
+        comm, recvs = self.comm, self.p.recvs
+        ops, targets = [], []
+        for r in posts:
+            rec = recvs[r]
+            if self.negotiate:
+                buf = comm.new_shape_buffer()
+                self.bufs[r] = buf
+                ops.append((False, buf, rec.peer, rec.shape_tag))
+            else:
+                shape = self.ctx.act_shape if rec.kind == "act" else self.ctx.grad_shape
+                buf = comm.new_buffer(shape)
+                self.bufs[r] = buf
+                ops.append((False, buf, rec.peer, rec.tag))
+            targets.append(r)
+        if send is not None:
+            tensor, peer, kind, order = send
+            tag = TAG_ACT if kind == "act" else TAG_GRAD
+            sends = []
+            if self.negotiate:
+                sends.append((True, encode_shape(tensor.shape, tensor.device), peer,
+                              TAG_ACT_SHAPE if kind == "act" else TAG_GRAD_SHAPE))
+            sends.append((True, tensor, peer, tag))
+            # place the send by its exchange-point order among the receives (receives of a kind keep link order)
+            order_of = _BATCHED_ORDER if self.batched else (_EVEN_ORDER if self.comm.rank % 2 == 0 else _ODD_ORDER)
+            at = sum(1 for r in targets if order_of[(False, recvs[r].kind)] < order)
+            ops[at:at] = sends
+            targets[at:at] = [-1] * len(sends)
+        if not ops:
+            return
+        works = comm.post(ops, self.batched)
+        for (is_send, t, _, _), r, w in zip(ops, targets, works):
+            if r < 0:
+                self.pending.append((w, t))
+            elif self.negotiate:
+                self.shape_works[r] = w
+            else:
+                self.works[r] = w
+
+    def _take(self, r: int):
+        """Wait for incoming message ``r`` and return its tensor."""
+        rec = self.p.recvs[r]
+        with self.tracer.span("p2p", rec.label):
+            if self.negotiate:
+                self.shape_works[r].wait()
+                shape = decode_shape(self.bufs[r])
+                buf = self.comm.new_buffer(shape)
+                self.comm.irecv(buf, rec.peer, rec.tag).wait()
+                self.shape_works[r] = None
+            else:
+                self.works[r].wait()
+                buf = self.bufs[r]
+                self.works[r] = None
+        self.bufs[r] = None
+        return buf
+
+    def _check_send(self, tensor, st) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise RuntimeError(f"{st.label} on pipeline rank {self.p.rank} produced {type(tensor).__name__}, not a "
+                               "tensor; a model chunk that feeds the next stage must return one tensor [s, b, h]")
+        dtype = self.config.pipeline_dtype
+        if tensor.dtype != dtype:
+            raise RuntimeError(f"{st.label} on pipeline rank {self.p.rank} produced a {tensor.dtype} "
+                               f"{'activation' if st.forward else 'gradient'} but config.pipeline_dtype={dtype}; "
+                               "the receiver would misread it: cast the chunk output or set pipeline_dtype")
+        if not self.negotiate:
+            # an activation has this rank's output shape (= the shape its gradient comes back in), a gradient this
+            # rank's input shape (= the activation receive shape)
+            expected = self.ctx.grad_shape if st.forward else self.ctx.act_shape
+            if tuple(tensor.shape) != tuple(expected):
+                raise RuntimeError(f"{st.label} on pipeline rank {self.p.rank} produced shape "
+                                   f"{tuple(tensor.shape)} but the receiving stage expects {tuple(expected)} "
+                                   "(from seq_length, micro_batch_size, hidden_size); pass the right sizes or set "
+                                   "config.variable_seq_lengths=True")
+
+    # -- the step ---------------------------------------------------------------------------------------------------
+    def run(self) -> list:
+        p, ctx, config = self.p, self.ctx, self.config
+        tracer = self.tracer
+        start, before, after, end = self.hooks
+        sync = self.sync
+        sync.run(start)
+        store: list = []
+        forward_only = p.plan.forward_only
+        training = not forward_only
+        dealloc = bool(config.deallocate_pipeline_outputs) and training
+        k_ckpt = config.num_microbatches_with_partial_activation_checkpoints if ctx.checkpoint else None
+        window = p.warmup + 1
+        per_token = bool(getattr(config, "calculate_per_token_loss", False))
+        tokens = torch.zeros([], dtype=torch.int, device=self.comm.device) if per_token else None
+        saved_in = [None] * p.num_forwards
+        saved_out = [None] * p.num_forwards
+        fsf, iters, models, M = ctx.forward_step_func, ctx.data_iterators, ctx.models, ctx.num_microbatches
+        cp, collect, fvs = ctx.cp_group_size, ctx.collect_non_loss_data, ctx.first_val_step
+        vp, per_stage_last = ctx.vp_stages, ctx.per_stage_last
+        exchange, take = self._exchange, self._take
+
+        exchange(None, p.initial_posts)
+        for i, st in enumerate(p.steps):
+            if before[i]:
+                sync.run(before[i])
+            if st.forward:
+                c = st.chunk
+                x = take(st.recv) if st.recv >= 0 else None
+                ckpt = None if k_ckpt is None else (st.index % window) >= k_ckpt
+                first_mb = check_first_val_step(fvs, forward_only, st.microbatch == 0)
+                with tracer.span("compute", st.label):
+                    y, n = forward_step(fsf, iters[c], models[c], M, x, store, config, cp, collect, ckpt, first_mb,
+                                        st.microbatch, c if vp else None,
+                                        st.last_stage if per_stage_last else True)
+                if per_token:
+                    tokens += n
+                send = None
+                if st.send_peer >= 0:
+                    self._check_send(y, st)
+                    if not y.is_contiguous():
+                        y = y.contiguous()
+                    send = (y.detach() if dealloc else y, st.send_peer, st.send_kind, st.send_order)
+                if send is not None or st.posts:
+                    exchange(send, st.posts)
+                if training:
+                    if dealloc and st.send_peer >= 0:
+                        deallocate_output_tensor(y, True)
+                    saved_in[st.slot] = x
+                    saved_out[st.slot] = y
+            else:
+                gy = take(st.recv) if st.recv >= 0 else None
+                slot = st.slot
+                x, y = saved_in[slot], saved_out[slot]
+                saved_in[slot] = saved_out[slot] = None
+                with tracer.span("compute", st.label):
+                    gx = backward_step(x, y, gy, config)
+                send = None
+                if st.send_peer >= 0:
+                    self._check_send(gx, st)
+                    send = (gx, st.send_peer, st.send_kind, st.send_order)
+                if send is not None or st.posts:
+                    exchange(send, st.posts)
+            if after[i]:
+                sync.run(after[i])
+
+        if self.pending:
+            with tracer.span("p2p", "wait sends"):
+                for w, _ in self.pending:
+                    w.wait()
+            self.pending.clear()
+        if any(w is not None for w in self.works) or any(w is not None for w in self.shape_works):
+            raise RuntimeError(f"pipeline rank {p.rank}: receives left unconsumed at the end of the step (plan bug)")
+        sync.run(end)
+        if training and config.finalize_model_grads_func is not None:
+            models_arg = ctx.finalize_models if ctx.finalize_models is not None else list(models)
+            if ctx.before_finalize is not None:
+                ctx.before_finalize()
+            with tracer.span("sync", "finalize_model_grads"):
+                config.finalize_model_grads_func(models_arg, tokens if per_token else None,
+                                                 pg_collection=ctx.pg_collection,
+                                                 force_all_reduce=ctx.force_all_reduce)
+        return store
