@@ -61,16 +61,24 @@ class CaptureReport:
     log_line: str | None = None
 
 
-def resolve_backend(requested: str) -> tuple[str, str | None]:
-    """``(backend, reason)``: the backend to use for ``requested`` here, or ``("eager", why)``.
+def resolve_backend_name(requested: str) -> str:
+    """The canonical backend name (``"pipecast"`` is ``"torch"``).
 
     Raises:
         ValueError: unknown backend name.
     """
     if requested not in BACKENDS:
         raise ValueError(f"cuda_graphs.backend={requested!r} is unknown; use one of {', '.join(BACKENDS)}")
-    if requested == "pipecast":
-        requested = "torch"
+    return "torch" if requested == "pipecast" else requested
+
+
+def resolve_backend(requested: str) -> tuple[str, str | None]:
+    """``(backend, reason)``: the backend to use for ``requested`` here, or ``("eager", why)``.
+
+    Raises:
+        ValueError: unknown backend name.
+    """
+    requested = resolve_backend_name(requested)
     if requested == "eager":
         return "eager", "cuda_graphs.backend='eager'"
     if requested == "emulate":
@@ -141,26 +149,18 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
         ValueError / TypeError: bad arguments, before any communication.  Capture failures do not raise: they make
         every rank fall back to eager with one log line.
     """
-    layers = modules_per_chunk if isinstance(modules_per_chunk, GraphedLayers) else GraphedLayers(
-        modules_per_chunk, tracer=tracer)
+    created = not isinstance(modules_per_chunk, GraphedLayers)
+    layers = GraphedLayers(modules_per_chunk, tracer=tracer) if created else modules_per_chunk
+    try:
+        order, layer_specs, sample_args, sample_kwargs = _validate(
+            layers, backend, plan, rank, sample_args, sample_kwargs, specs, order, check, share_graphs,
+            allow_unsafe_sharing, num_warmup_iters)
+    except BaseException:
+        if created:
+            layers.remove()
+        raise
     layers.clear_graphs()
-    lpc = layers.layers_per_chunk
-    if len(lpc) != plan.num_model_chunks:
-        raise ValueError(f"modules_per_chunk has {len(lpc)} model chunks but the plan has num_model_chunks="
-                         f"{plan.num_model_chunks}")
-    order = graph_order(plan, rank) if order is None else list(order)
-    if check:
-        check_order(order, plan, rank)
-    M = plan.num_microbatches
-    layer_specs = _layer_specs(sample_args, sample_kwargs, specs, lpc, M)
-    if sample_args is None:
-        sample_args, sample_kwargs = make_sample_args(layer_specs, lpc, M)
-    if share_graphs and max_in_flight(order) > 1 and not allow_unsafe_sharing:
-        raise ValueError(f"share_graphs=True but rank {rank} has up to {max_in_flight(order)} microbatches of a chunk "
-                         f"in flight; one graph per layer would be overwritten before its backward (Megatron-LM#422)"
-                         f" -- share graphs only with no pipelining")
-    if num_warmup_iters < 0:
-        raise ValueError(f"num_warmup_iters={num_warmup_iters} must be >= 0")
+    lpc, M = layers.layers_per_chunk, plan.num_microbatches
 
     report = CaptureReport(requested=backend, backend="eager", order=list(order))
     layers.report = report
@@ -195,6 +195,29 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
     report.num_graphs = sum(lpc) if share_graphs else num_graphs(lpc, M)
     layers.set_graphs(graphs)
     return layers
+
+
+def _validate(layers, backend, plan, rank, sample_args, sample_kwargs, specs, order, check, share_graphs,
+              allow_unsafe_sharing, num_warmup_iters):
+    lpc = layers.layers_per_chunk
+    resolve_backend_name(backend)
+    if len(lpc) != plan.num_model_chunks:
+        raise ValueError(f"modules_per_chunk has {len(lpc)} model chunks but the plan has num_model_chunks="
+                         f"{plan.num_model_chunks}")
+    order = graph_order(plan, rank) if order is None else list(order)
+    if check:
+        check_order(order, plan, rank)
+    M = plan.num_microbatches
+    layer_specs = _layer_specs(sample_args, sample_kwargs, specs, lpc, M)
+    if sample_args is None:
+        sample_args, sample_kwargs = make_sample_args(layer_specs, lpc, M)
+    if share_graphs and max_in_flight(order) > 1 and not allow_unsafe_sharing:
+        raise ValueError(f"share_graphs=True but rank {rank} has up to {max_in_flight(order)} microbatches of a chunk "
+                         f"in flight; one graph per layer would be overwritten before its backward (Megatron-LM#422)"
+                         f" -- share graphs only with no pipelining")
+    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int) or num_warmup_iters < 0:
+        raise ValueError(f"num_warmup_iters={num_warmup_iters!r} must be an int >= 0")
+    return order, layer_specs, sample_args, sample_kwargs
 
 
 def _layer_specs(sample_args, sample_kwargs, specs, lpc, M) -> dict[tuple[int, int], CallSpec]:

@@ -159,6 +159,11 @@ class GraphedLayers:
                     raise ValueError(f"chunk {c} layer {l} ({type(module).__name__}) appears twice in "
                                      f"modules_per_chunk; every graphed layer must be a distinct module")
                 seen.add(id(module))
+                if getattr(module.__dict__.get("forward"), "__pipecast_graphed__", False):
+                    raise ValueError(f"chunk {c} layer {l} already has a graph dispatcher; pass its GraphedLayers "
+                                     f"to graphs.capture to recapture, or call .remove() first")
+        for c, chunk in enumerate(self.modules):
+            for l, module in enumerate(chunk):
                 self._install(c, l, module)
 
     # -- installation -----------------------------------------------------------------------------------------
