@@ -28,7 +28,7 @@ import numpy as np
 
 from .plan import Plan
 from .plotting import Span
-from .validate import PlanGraph, deadlock_error, plan_graph
+from .validate import PlanGraph, execution_order, plan_graph
 
 __all__ = ["Cost", "Simulation", "simulate"]
 
@@ -168,45 +168,27 @@ def _cost_table(name: str, value: Cost, pp: int, chunks: int) -> list[list[float
 
 
 def _run(plan: Plan, graph: PlanGraph, cost: list[float], transfer: float):
-    """Event-driven execution with times (the validator's deadlock-check traversal, plus clocks).
+    """Times of every action: one pass over a deadlock-free execution order (:func:`execution_order`).
 
-    Returns ``(start, end, clock)``: flat start / end times and each rank's finishing time.
+    Any topological order gives the same times: an action starts at ``max(end of the rank's previous action,
+    end of its producer + transfer)``.  Returns ``(start, end, clock)``: flat times and each rank's finishing time.
     """
-    deps, base, owner, n = graph.deps, graph.base, graph.owner, graph.num_actions
-    pp = len(base) - 1
-    inf = math.inf
-    end = [inf] * (n + 1)  # inf = not produced yet
-    end[n] = -inf  # "receives nothing": always available
+    segments = execution_order(plan)
+    deps, n = graph.deps, graph.num_actions
+    end = [0.0] * (n + 1)
+    end[n] = -math.inf  # "receives nothing": always available
     start = [0.0] * n
-    at, clock = list(base[:-1]), [0.0] * pp
-    blocked_on = [-1] * pp
-    waiters: list[list[int]] = [[] for _ in range(pp)]
-    ready = list(range(pp - 1, -1, -1))
-    while ready:
-        rank = ready.pop()
-        i, stop, t = at[rank], base[rank + 1], clock[rank]
-        while i < stop:
+    clock = [0.0] * plan.pp_size
+    for rank, lo, hi in segments:
+        t = clock[rank]
+        for i in range(lo, hi):
             e = end[deps[i]] + transfer
             if e > t:
-                if e == inf:
-                    break
                 t = e
             start[i] = t
             t += cost[i]
             end[i] = t
-            i += 1
-        at[rank], clock[rank] = i, t
-        if waiters[rank]:
-            still = []
-            for w in waiters[rank]:
-                (ready if end[blocked_on[w]] != inf else still).append(w)
-            waiters[rank] = still
-        if i < stop:
-            blocked_on[rank] = deps[i]
-            waiters[owner[deps[i]]].append(rank)
-    stuck = [r for r in range(pp) if at[r] < base[r + 1]]
-    if stuck:
-        raise deadlock_error(plan, graph, at, stuck[0])
+        clock[rank] = t
     end.pop()
     return start, end, clock
 

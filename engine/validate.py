@@ -34,7 +34,7 @@ import numpy as np
 
 from .plan import Action, Message, Op, Plan
 
-__all__ = ["PlanError", "PlanGraph", "plan_graph", "validate_plan", "max_buffered_messages"]
+__all__ = ["PlanError", "PlanGraph", "plan_graph", "execution_order", "validate_plan", "max_buffered_messages"]
 
 _OPS = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)  # key order of Plan.action_keys
 
@@ -112,7 +112,7 @@ def validate_plan(plan: Plan) -> PlanGraph:
         PlanError: (a ``ValueError``) naming the first violating rank and action and why.
     """
     graph = plan_graph(plan)
-    _check_deadlock_free(plan, graph)
+    execution_order(plan)
     return graph
 
 
@@ -217,22 +217,42 @@ def _message_deps(plan: Plan, base, keys, pos, ops_on, total: int) -> list[int]:
     """Producer of each action's input message, as a global index (``total`` = receives nothing)."""
     pp, chunks, mbs = plan.pp_size, plan.num_model_chunks, plan.num_microbatches
     stride = chunks * mbs
+    kinds = [(r, o, c) for r in range(pp) for o in range(3) if ops_on[r][o] for c in range(chunks)]
+    # messages of microbatch 0 per (rank, op, chunk); the microbatch carries through (module doc)
+    inputs = {k: plan.input_message(k[0], Action(_OPS[k[1]], k[2], 0)) for k in kinds}
+    outputs = {k: plan.output_message(k[0], Action(_OPS[k[1]], k[2], 0)) for k in kinds}
+    for k in kinds:
+        _check_fits(plan, pos, base, k, inputs[k], "input")
+        _check_fits(plan, pos, base, k, outputs[k], "output")
     deps = np.full(total + 1, total, dtype=np.int64)
     for rank in range(pp):
         src_of = np.zeros(3 * chunks, dtype=np.int64)
         delta_of = np.zeros(3 * chunks, dtype=np.int64)
         receives = np.zeros(3 * chunks, dtype=bool)
-        for op in range(3):
-            if not ops_on[rank][op]:
+        for (r, op, chunk) in (k for k in kinds if k[0] == rank):
+            sent = outputs[(r, op, chunk)]
+            if sent is not None:
+                consumers = [o for o in range(3) if inputs.get((sent.dst, o, sent.dst_chunk)) == sent]
+                if len(consumers) != 1:
+                    i, action = _first_action(plan, pos, base, r, op, chunk)
+                    why = "no action" if not consumers else f"{len(consumers)} action kinds"
+                    raise PlanError(r, i, action, f"sends {sent} but {why} of rank {sent.dst} chunk "
+                                                  f"{sent.dst_chunk} receive(s) it; every sent message needs exactly "
+                                                  f"one receiver")
+            msg = inputs[(r, op, chunk)]
+            if msg is None:
                 continue
-            for chunk in range(chunks):
-                kind = op * chunks + chunk
-                _check_output(plan, pos, ops_on, rank, op, chunk, base)
-                found = _producer(plan, pos, ops_on, rank, op, chunk, base)
-                if found is not None:
-                    src, src_op, src_chunk = found
-                    receives[kind], src_of[kind] = True, src
-                    delta_of[kind] = (src_op - op) * stride + (src_chunk - chunk) * mbs
+            candidates = [outputs.get((msg.src, o, msg.src_chunk)) for o in range(3)]
+            senders = [o for o in range(3) if candidates[o] == msg]
+            if len(senders) != 1:
+                i, action = _first_action(plan, pos, base, r, op, chunk)
+                names = ", ".join(str(m) for m in candidates if m is not None) or "nothing"
+                why = "no action" if not senders else f"{len(senders)} action kinds"
+                raise PlanError(r, i, action, f"receives {msg} but {why} of rank {msg.src} chunk {msg.src_chunk} "
+                                              f"send(s) it (that chunk sends {names}): wrong producer")
+            kind = op * chunks + chunk
+            receives[kind], src_of[kind] = True, msg.src
+            delta_of[kind] = (senders[0] - op) * stride + (msg.src_chunk - chunk) * mbs
         lo, hi = base[rank], base[rank + 1]
         kind = keys[lo:hi] // mbs
         take = receives[kind]
@@ -248,42 +268,16 @@ def _first_action(plan: Plan, pos, base, rank: int, op: int, chunk: int) -> tupl
     return node - base[rank], plan.actions[rank][node - base[rank]]
 
 
-def _producer(plan: Plan, pos, ops_on, rank: int, op: int, chunk: int, base):
-    """``(src, src_op, src_chunk)`` of the action kind sending ``(rank, op, chunk)``'s input, or ``None``."""
-    msg = plan.input_message(rank, Action(_OPS[op], chunk, 0))
-    if msg is None:
-        return None
-    i, action = _first_action(plan, pos, base, rank, op, chunk)
-    if not _inside(plan, msg) or msg.dst != rank or msg.dst_chunk != chunk or msg.microbatch != 0:
-        raise PlanError(rank, i, action, f"its input message {msg} does not fit the plan (pp_size={plan.pp_size}, "
-                                         f"num_model_chunks={plan.num_model_chunks}) or this action")
-    senders = [o for o in range(3) if ops_on[msg.src][o]
-               and plan.output_message(msg.src, Action(_OPS[o], msg.src_chunk, 0)) == msg]
-    if len(senders) != 1:
-        sent = [str(m) for o in range(3) if ops_on[msg.src][o]
-                and (m := plan.output_message(msg.src, Action(_OPS[o], msg.src_chunk, 0))) is not None]
-        why = "no action" if not senders else f"{len(senders)} action kinds"
-        raise PlanError(rank, i, action, f"receives {msg} but {why} of rank {msg.src} chunk {msg.src_chunk} "
-                                         f"send(s) it (that chunk sends {', '.join(sent) or 'nothing'}): wrong "
-                                         f"producer")
-    return msg.src, senders[0], msg.src_chunk
-
-
-def _check_output(plan: Plan, pos, ops_on, rank: int, op: int, chunk: int, base) -> None:
-    """The message sent by ``(rank, op, chunk)`` must have exactly one consuming action kind."""
-    msg = plan.output_message(rank, Action(_OPS[op], chunk, 0))
+def _check_fits(plan: Plan, pos, base, kind, msg: Message | None, side: str) -> None:
+    """A message of ``kind = (rank, op, chunk)`` (microbatch 0) must name this action's end and existing ranks."""
     if msg is None:
         return
-    i, action = _first_action(plan, pos, base, rank, op, chunk)
-    if not _inside(plan, msg) or msg.src != rank or msg.src_chunk != chunk or msg.microbatch != 0:
-        raise PlanError(rank, i, action, f"its output message {msg} does not fit the plan (pp_size={plan.pp_size},"
+    rank, op, chunk = kind
+    here = (msg.dst, msg.dst_chunk) if side == "input" else (msg.src, msg.src_chunk)
+    if not _inside(plan, msg) or here != (rank, chunk) or msg.microbatch != 0:
+        i, action = _first_action(plan, pos, base, rank, op, chunk)
+        raise PlanError(rank, i, action, f"its {side} message {msg} does not fit the plan (pp_size={plan.pp_size},"
                                          f" num_model_chunks={plan.num_model_chunks}) or this action")
-    consumers = [o for o in range(3) if ops_on[msg.dst][o]
-                 and plan.input_message(msg.dst, Action(_OPS[o], msg.dst_chunk, 0)) == msg]
-    if len(consumers) != 1:
-        why = "no action" if not consumers else f"{len(consumers)} action kinds"
-        raise PlanError(rank, i, action, f"sends {msg} but {why} of rank {msg.dst} chunk {msg.dst_chunk} "
-                                         f"receive(s) it; every sent message needs exactly one receiver")
 
 
 def _inside(plan: Plan, msg: Message) -> bool:
@@ -292,8 +286,27 @@ def _inside(plan: Plan, msg: Message) -> bool:
 
 
 # -- deadlock ----------------------------------------------------------------------------------------------------
-def _check_deadlock_free(plan: Plan, graph: PlanGraph) -> None:
-    """Event-driven execution of all ranks (linear time); raises :class:`PlanError` when some rank never finishes."""
+def execution_order(plan: Plan) -> list[tuple[int, int, int]]:
+    """A deadlock-free execution of all ranks as segments ``(rank, lo, hi)``: rank ``rank`` runs its actions with
+    global indices ``lo..hi-1`` (see :class:`PlanGraph`) once every earlier segment has run.
+
+    The segments form a topological order of the program-order and message edges, so any cost model can be
+    evaluated by one pass over them (the simulator does).  Found by an event-driven execution in linear time: a rank
+    runs until it needs a message not produced yet and resumes when the producer passes that action.  Cached on
+    the plan.
+
+    Raises:
+        PlanError: the plan is invalid or deadlocks (names the first stuck rank's action and the wait cycle).
+    """
+    cached = plan.__dict__.get("_execution_order")
+    if cached is None:
+        graph = plan_graph(plan)
+        cached = _execute(plan, graph)
+        plan.__dict__["_execution_order"] = cached
+    return cached
+
+
+def _execute(plan: Plan, graph: PlanGraph) -> list[tuple[int, int, int]]:
     deps, base, owner = graph.deps, graph.base, graph.owner
     pp = len(base) - 1
     done = bytearray(graph.num_actions + 1)
@@ -302,13 +315,17 @@ def _check_deadlock_free(plan: Plan, graph: PlanGraph) -> None:
     blocked_on = [-1] * pp
     waiters: list[list[int]] = [[] for _ in range(pp)]
     ready = list(range(pp - 1, -1, -1))
+    segments = []
     while ready:
         rank = ready.pop()
-        i, end = at[rank], base[rank + 1]
+        lo = i = at[rank]
+        end = base[rank + 1]
         while i < end and done[deps[i]]:
             done[i] = 1
             i += 1
-        at[rank] = i
+        if i > lo:
+            segments.append((rank, lo, i))
+            at[rank] = i
         if waiters[rank]:
             still = []
             for w in waiters[rank]:
@@ -320,6 +337,7 @@ def _check_deadlock_free(plan: Plan, graph: PlanGraph) -> None:
     stuck = [r for r in range(pp) if at[r] < base[r + 1]]
     if stuck:
         raise deadlock_error(plan, graph, at, stuck[0])
+    return segments
 
 
 def deadlock_error(plan: Plan, graph: PlanGraph, at: list[int], rank: int) -> PlanError:

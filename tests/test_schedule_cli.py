@@ -1,0 +1,84 @@
+"""``pipecast schedule`` run in-process through ``engine.cli.main``."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.cli import main
+from engine.plan import build_plan
+from engine.plotting import Span, plot_timeline
+from engine.simulate import simulate
+
+
+def _exit_code(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+def test_prints_grid_and_bubble(capsys):
+    assert main(["schedule", "--pp", "4", "--vp", "2", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan("interleaved", 4, 8, 2)
+    for rank in range(4):
+        assert " ".join(plan.compute_order(rank)) in out  # the full per-rank action grid
+    sim = simulate(plan, 1.0, 2.0)
+    assert f"makespan {sim.makespan:g}, overall bubble {100 * sim.bubble_overall:.1f}%" in out
+    assert out.count("bubble ") >= 5  # one per rank and the total
+    assert "peak in-flight activations 11" in out  # rank 0: W=10, +1
+
+
+def test_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "plan.json", tmp_path / "plan.png"
+    code = main(["schedule", "--pp", "2", "--vp", "2", "--microbatches", "5", "--group-size", "3",
+                 "--forward-time", "1", "--backward-time", "2", "--transfer-time", "0.5", "--json", str(out_json),
+                 "--plot", str(out_png)])
+    assert code == 0
+    data = json.loads(out_json.read_text())
+    plan = build_plan("interleaved", 2, 5, 2, 3)
+    sim = simulate(plan, 1.0, 2.0, 0.5)
+    assert data["group_size"] == 3 and data["makespan"] == sim.makespan
+    assert [r["actions"] for r in data["ranks"]] == [plan.compute_order(r) for r in range(2)]
+    assert data["ranks"][1]["start"] == sim.start[1]
+    assert data["ranks"][0]["warmup"] == 5
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out_png.stat().st_size > 10_000
+    assert str(out_png) in capsys.readouterr().out
+
+
+def test_default_schedules(capsys):
+    assert main(["schedule", "--pp", "1", "--microbatches", "3"]) == 0
+    assert "schedule no_pipelining" in capsys.readouterr().out
+    assert main(["schedule", "--pp", "3", "--microbatches", "3", "--forward-only"]) == 0
+    out = capsys.readouterr().out
+    assert "schedule 1f1b" in out and "(forward-only)" in out and "B0.0" not in out
+    assert main(["schedule", "--pp", "2", "--vp", "1", "--schedule", "interleaved", "-m", "4"]) == 0
+    assert "schedule interleaved" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--pp", "0"], "argument --pp: 0 must be >= 1"),
+    (["--microbatches", "two"], "argument --microbatches/-m: 'two' is not an integer"),
+    (["--forward-time", "-1"], "argument --forward-time: -1.0 must be a finite number >= 0"),
+    (["--pp", "4", "--vp", "2", "--microbatches", "7"], "num_microbatches=7"),
+    (["--pp", "4", "--vp", "2", "--microbatches", "8", "--group-size", "3"], "microbatch_group_size_per_vp_stage=3"),
+    (["--pp", "4", "--group-size", "4"], "--group-size 4 only applies to interleaved"),
+    (["--pp", "1", "--vp", "2"], "pp_size=1"),
+    (["--unknown"], "unrecognized arguments: --unknown"),
+])
+def test_bad_values_exit_2_with_a_clear_message(argv, message, capsys):
+    assert _exit_code(["schedule", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plot_timeline_generic_spans(tmp_path):
+    """Measured timelines (the profiler) use the same chart: arbitrary kinds, tuples or Spans, bubbles by rank."""
+    rows = [Span(0, 0.0, 1.0, "a", "F"), (1, 0.5, 2.0, "b", "B"), Span(1, 2.0, 2.5, "", "comm")]
+    path = plot_timeline(rows, tmp_path / "t.png", "measured", bubbles={0: 0.6, 1: 0.0}, time_unit="ms")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="no spans"):
+        plot_timeline([], tmp_path / "x.png", "empty")
+    with pytest.raises(ValueError, match="end >= start"):
+        plot_timeline([Span(0, 2.0, 1.0, "x", "F")], tmp_path / "x.png", "bad")
