@@ -296,13 +296,13 @@ def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_micr
                         adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, comm=comm, pgc=pgc)
     except (ValueError, TypeError, RuntimeError, AssertionError, AttributeError) as exc:
         error = exc
-    agree_comm = comm if comm is not None else (call.comm if call is not None else
-                                                 (None if schedule == _NO_PIPELINING else
-                                                  _communicator(pgc.pp, None)))
     if schedule == _NO_PIPELINING:
-        agree_comm = None
-    _agree(agree_comm, error, None if error is not None else
-           _fingerprint(call, schedule, num_microbatches, forward_only))
+        if error is not None:
+            raise error
+    else:
+        agree_comm = comm or (call.comm if call is not None else _communicator(pgc.pp, None))
+        _agree(agree_comm, error, None if error is not None else
+               _fingerprint(call, schedule, num_microbatches, forward_only))
 
     config, comm = call.config, call.comm
     pp_size, rank = (1, 0) if comm is None else (comm.size, comm.rank)

@@ -1,0 +1,210 @@
+"""Rank-side harness for the multi-process schedule tests: run many schedule calls in one spawned job.
+
+A *case* is a dict of settings (see :data:`DEFAULTS`); :func:`job` runs a list of cases on every rank of a gloo job
+(one pipeline group of all ranks, or ``pp`` smaller than the world for several pipelines) and returns, per case, a
+result dict per rank: the error raised (if any), the largest relative gradient error against the single-process
+reference, the stored losses' error, the recorded compute order and hook events, the plan's order, etc.
+Spawning costs seconds, so the tests group many cases into one job.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+
+import torch
+
+from engine.model_parallel_config import ModelParallelConfig
+from engine.plan import build_plan
+from engine.process_groups import build_process_groups
+from engine import schedules
+from tests import models as tm
+
+DEFAULTS = dict(pp=None, chunks=None, M=4, G=None, batch=True, overlap=False, dealloc=False, forward_only=False,
+                mode=2, per_token=False, grad_scale=None, repeats=1, seq=4, mbs=2, hidden=8, kind="linear",
+                layers=1, variable=False, seqs=None, zero_mb=None, moe=False, collect=False, first_val_step=None,
+                ckpt=None, hooks=False, sleep=0.0, dtype="float32", tokens=None, sequence=None, explicit=True,
+                M_by_rank=None, seed=0, func=None)
+
+
+def case(**kw) -> dict:
+    unknown = set(kw) - set(DEFAULTS)
+    if unknown:
+        raise KeyError(f"unknown case keys {unknown}")
+    return {**DEFAULTS, **kw}
+
+
+class _Recorder:
+    """no_sync / grad_sync / param_sync / finalize hooks that append Megatron-trace-style events to ``log``."""
+
+    def __init__(self, log, chunks, hooks: bool):
+        self.log, self.active = log, False
+        self.tokens = None
+        self.chunk_of = {id(next(c.parameters())): c.chunk for c in chunks}
+        self.hooks = hooks
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.log.append("no_sync enter")
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+            self.log.append("no_sync exit")
+
+    def _chunk(self, params):
+        return self.chunk_of[id(next(iter(params)))]
+
+    def grad_sync(self, params):
+        self.log.append(f"grad_sync_func(params_c{self._chunk(params)})")
+
+    def param_sync(self, params):
+        self.log.append(f"param_sync_func(params_c{self._chunk(params)})")
+
+    def finalize(self, models, num_tokens, pg_collection=None, force_all_reduce=False):
+        self.tokens = None if num_tokens is None else int(num_tokens)
+        self.log.append(f"finalize_model_grads_func(num_model_chunks={len(models)}, num_tokens="
+                        f"{None if num_tokens is None else int(num_tokens)})")
+
+
+def _config(c, world_pp, recorder_hooks=None):
+    dtype = getattr(torch, c["dtype"])
+    cfg = ModelParallelConfig(pipeline_model_parallel_size=world_pp,
+                              virtual_pipeline_model_parallel_size=c["chunks"], pipeline_dtype=dtype,
+                              hidden_size=c["hidden"], batch_p2p_comm=c["batch"], overlap_p2p_comm=c["overlap"],
+                              deallocate_pipeline_outputs=c["dealloc"], microbatch_group_size_per_vp_stage=c["G"],
+                              variable_seq_lengths=c["variable"], calculate_per_token_loss=c["per_token"],
+                              num_microbatches_with_partial_activation_checkpoints=c["ckpt"],
+                              num_moe_experts=2 if c["moe"] else None, params_dtype=dtype)
+    if c["grad_scale"] is not None:
+        cfg.grad_scale_func = lambda t, s=c["grad_scale"]: t * s
+    return cfg
+
+
+class _TraceLog(list):
+    """The compute log in the Megatron traces' notation: "F m<mb> c<c>[ first][ ckpt=..][ last_stage]",
+    "B m<mb> c<c>[ grad_sync_enabled]", hook events in between."""
+
+    def __init__(self):
+        super().__init__()
+        self.rec = None
+
+    def append(self, entry):
+        if entry[0] == "B" and "." in entry:
+            mb, c = entry[1:].split(".")
+            entry = f"B m{mb} c{c}" + ("" if self.rec.active else " grad_sync_enabled")
+        super().append(entry)
+
+    def compute_order(self):
+        out = []
+        for e in self:
+            if e.startswith(("F m", "B m")):
+                op, mb, c = e.split()[:3]
+                out.append(f"{op}{mb[1:]}.{c[1:]}")
+        return out
+
+
+def run_case(rank: int, pgc, c: dict) -> dict:
+    pp, pp_rank = pgc.pipeline_model_parallel_size, pgc.pipeline_model_parallel_rank
+    C = c["chunks"] or 1
+    cfg = _config(c, pp)
+    log = _TraceLog()
+    chunks, _ = tm.build_chunks(cfg, pp, pp_rank, C, hidden=c["hidden"], layers_per_stage=c["layers"],
+                                kind=c["kind"], dtype=getattr(torch, c["dtype"]), seed=c["seed"], log=log)
+    rec = _Recorder(log, chunks, c["hooks"])
+    log.rec = rec
+    cfg.no_sync_func = rec.no_sync
+    cfg.finalize_model_grads_func = rec.finalize
+    if c["hooks"]:
+        cfg.grad_sync_func, cfg.param_sync_func = rec.grad_sync, rec.param_sync
+    for ch in chunks:  # record is_first_microbatch like the Megatron traces ("first")
+        ch.first_flag = False
+        ch.set_is_first_microbatch = (lambda ch=ch: setattr(ch, "first_flag", True))
+    sleep = None
+    if c["sleep"]:
+        rnd = random.Random(rank * 7919 + c["M"])
+        sleep = lambda mb: time.sleep(rnd.random() * c["sleep"])  # noqa: E731
+    fsf = tm.make_forward_step(c["mode"], sleep)
+
+    def forward_step_func(data_iterator, model, checkpoint_activations_microbatch=None):
+        out, loss = fsf(data_iterator, model, checkpoint_activations_microbatch)
+        mb = model.seen[-1][0]
+        flags = f"F m{mb} c{model.chunk}" + (" first" if model.first_flag else "")
+        if checkpoint_activations_microbatch is not None:
+            flags += f" ckpt={checkpoint_activations_microbatch}"
+        if model.is_last:
+            flags += " last_stage"
+        model.first_flag = False
+        log[-1] = flags
+        return out, loss
+
+    steps = c["sequence"] or [(c["forward_only"], c["M"], c["seq"])]
+    result = {"rank": rank, "pp_rank": pp_rank, "error": None, "stores": [], "grad_err": 0.0, "loss_err": 0.0,
+              "calls": []}
+    func = getattr(schedules, c["func"]) if c["func"] else schedules.get_forward_backward_func(pp, c["chunks"])
+    schedule = {"forward_backward_no_pipelining": "no_pipelining",
+                "forward_backward_pipelining_without_interleaving": "1f1b",
+                "forward_backward_pipelining_with_interleaving": "interleaved"}[func.__name__]
+    comm = schedules.P2PCommunicator(pgc.pp, cfg) if c["explicit"] else None
+    accumulated = None
+    for fo, M, seq in steps:
+        if c["M_by_rank"] is not None:
+            M = c["M_by_rank"][pp_rank]
+        data = tm.make_data(M, seq, c["mbs"], c["hidden"], seed=M * 31 + seq, zero_mb=c["zero_mb"], seqs=c["seqs"],
+                            dtype=getattr(torch, c["dtype"]), tokens=c["tokens"])
+        before = {k: (w.clone(), b.clone()) for k, (w, b) in tm.chunk_grads(chunks, c["layers"]).items()
+                  if w is not None}
+        log.clear()
+        try:
+            for _ in range(c["repeats"] if not fo else 1):
+                store = func(forward_step_func=forward_step_func, data_iterator=tm.iterators(data, C),
+                             model=chunks if c["chunks"] else chunks[0], num_microbatches=M, seq_length=seq,
+                             micro_batch_size=c["mbs"], forward_only=fo, collect_non_loss_data=c["collect"],
+                             first_val_step=c["first_val_step"], p2p_communicator=comm,
+                             pg_collection=pgc if c["explicit"] else None)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            result["error"] = (type(exc).__name__, str(exc))
+            return result
+        call = {"forward_only": fo, "M": M, "store_len": len(store), "order": log.compute_order(), "events": list(log),
+                "plan_order": build_plan(schedule, pp, M, C, c["G"] if c["chunks"] else None,
+                                         fo).compute_order(pp_rank) * (1 if fo else c["repeats"]),
+                "seen_ok": all(mb == cur for ch in chunks for mb, cur, _ in ch.seen),
+                "input_dtypes": sorted({str(d) for ch in chunks for d in ch.input_dtypes}),
+                "sent_numels": sorted({o.numel() for ch in chunks for o in ch.sent}),
+                "inputs_alive": sum(1 for ch in chunks for r in ch.inputs if r() is not None),
+                "tokens": rec.tokens, "collected": store if c["collect"] else None}
+        losses, ref = tm.reference(None, pp, C, data, hidden=c["hidden"], layers_per_stage=c["layers"],
+                                   kind=c["kind"], mode=c["mode"], per_token=c["per_token"],
+                                   grad_scale=c["grad_scale"] or 1.0, repeats=c["repeats"],
+                                   dtype=getattr(torch, c["dtype"]), seed=c["seed"])
+        if not c["collect"] and store:
+            call["loss_err"] = max(abs(s["loss"].item() - l.item()) / max(abs(l.item()), 1e-6)
+                                   for s, l in zip(store, losses))
+            call["store_mbs"] = [s["mb"] for s in store]
+        got = tm.chunk_grads(chunks, c["layers"])
+        if fo:
+            after = {k: (w.clone(), b.clone()) for k, (w, b) in got.items() if w is not None}
+            call["grads_unchanged"] = (before.keys() == after.keys() and
+                                       all(torch.equal(before[k][i], after[k][i]) for k in before for i in (0, 1)))
+        else:
+            if accumulated is None:
+                accumulated = {k: ref[k] for k in got}
+            else:
+                accumulated = {k: (accumulated[k][0] + ref[k][0], accumulated[k][1] + ref[k][1]) for k in got}
+            call["grad_err"] = tm.max_rel_error(got, accumulated)
+        for ch in chunks:
+            ch.seen.clear()
+            ch.input_dtypes.clear()
+            ch.sent.clear()
+            ch.inputs.clear()
+        result["calls"].append(call)
+    result["grad_err"] = max((k.get("grad_err", 0.0) for k in result["calls"]), default=0.0)
+    result["loss_err"] = max((k.get("loss_err", 0.0) for k in result["calls"]), default=0.0)
+    return result
+
+
+def job(rank: int, world: int, cases: list, pp: int | None = None) -> list:
+    """Run every case on this rank; ``pp`` (default: the world) builds ``world // pp`` pipelines."""
+    pgc = build_process_groups(pp or world)
+    return [run_case(rank, pgc, c) for c in cases]
