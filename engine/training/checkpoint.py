@@ -18,7 +18,6 @@ import shutil
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
            "checkpoint_keys"]
@@ -68,6 +67,7 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier()
+    import torch.distributed.checkpoint as dcp  # heavy (DTensor); only when checkpointing
     dcp.save(state, checkpoint_id=str(tmp))
     _barrier()
     if _rank() == 0:
@@ -90,6 +90,7 @@ def checkpoint_keys(path: str | os.PathLike) -> set[str]:
     if not (p / ".metadata").is_file():
         raise CheckpointError(f"{str(p)!r} is not a complete checkpoint (no .metadata file); it may be truncated "
                               f"or still being written -- delete it or resume from an older one")
+    import torch.distributed.checkpoint as dcp
     try:
         return set(dcp.FileSystemReader(str(p)).read_metadata().state_dict_metadata)
     except Exception as exc:  # noqa: BLE001 - any read failure is a corrupt checkpoint
@@ -103,9 +104,12 @@ def load_checkpoint(state: dict, path: str | os.PathLike) -> None:
     Raises:
         CheckpointError: missing / corrupt / truncated files, or keys the checkpoint lacks (a different model).
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException on every rank
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises CheckpointException (a
+        # BaseException) on every rank when any rank fails to read
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: it is corrupt, truncated or was written for "
                               f"another model ({type(exc).__name__}: {str(exc).strip()[:500]}); delete it or "
                               f"resume from an older one") from None

@@ -3,9 +3,10 @@
 Sources (``data.source``):
 
 * ``stdlib`` (default, needs no download): the ``.py`` files of this Python's standard library
-  (``sysconfig.get_paths()["stdlib"]``, without ``site-packages``), sorted by relative path, concatenated as bytes.
-* ``text``: the files in ``data.paths`` (folders are walked recursively, keeping ``data.suffixes``), in the given
-  order, each folder sorted; bytes.
+  (``sysconfig.get_paths()["stdlib"]``, without ``site-packages``), concatenated as bytes in a fixed order (a
+  folder's files sorted by name, then its sub-folders sorted by name, depth first).
+* ``text``: the files in ``data.paths`` (folders are walked the same way, keeping ``data.suffixes``), in the given
+  order; bytes.
 * ``bin``: pre-tokenized uint16 tokens in nanoGPT's layout -- a folder with ``train.bin`` and ``val.bin``, or one
   ``.bin`` file whose last ``val_fraction`` becomes the validation split.  Read with ``np.memmap`` (no copy).
 
@@ -20,10 +21,11 @@ Validation uses fixed, evenly spaced windows.  Only the first stage reads tokens
 from __future__ import annotations
 
 import logging
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -48,12 +50,21 @@ class Corpus:
         return 256 if self.train.dtype == np.uint8 else 65536
 
 
-def stdlib_files() -> list[Path]:
-    """The standard library's ``.py`` files, sorted by path relative to the stdlib root."""
+def _walk(root: Path, keep) -> Iterator[Path]:
+    """Files under ``root`` in a fixed depth-first order: a folder's files (sorted), then its sub-folders (sorted)."""
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(folder) / name
+            if keep(path):
+                yield path
+
+
+def stdlib_files() -> Iterator[Path]:
+    """The standard library's ``.py`` files (without ``site-packages`` / ``__pycache__``) in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [f for f in root.rglob("*.py")
-             if not {"site-packages", "dist-packages", "__pycache__"} & set(f.relative_to(root).parts)]
-    return sorted(files, key=lambda f: f.relative_to(root).as_posix())
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    return _walk(root, lambda f: f.suffix == ".py" and not skip & set(f.relative_to(root).parts))
 
 
 def _expand(paths: list[str], suffixes: list[str]) -> list[Path]:
@@ -61,15 +72,14 @@ def _expand(paths: list[str], suffixes: list[str]) -> list[Path]:
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            out.extend(sorted((f for f in p.rglob("*") if f.is_file() and f.suffix in suffixes),
-                              key=lambda f: f.relative_to(p).as_posix()))
+            out.extend(_walk(p, lambda f: f.suffix in suffixes))
         else:
             out.append(p)
     return out
 
 
-def read_text_files(files: list[Path], max_bytes: int | None = None) -> np.ndarray:
-    """Concatenate files as bytes (``uint8``), stopping after ``max_bytes``."""
+def read_text_files(files: Iterable[Path], max_bytes: int | None = None) -> tuple[np.ndarray, int]:
+    """Concatenate files as bytes (``uint8``), stopping after ``max_bytes``; returns the bytes and the file count."""
     parts, total = [], 0
     for f in files:
         data = f.read_bytes()
@@ -78,11 +88,12 @@ def read_text_files(files: list[Path], max_bytes: int | None = None) -> np.ndarr
         if max_bytes is not None and total >= max_bytes:
             break
     blob = b"".join(parts)
-    return np.frombuffer(blob[:max_bytes] if max_bytes else blob, dtype=np.uint8)
+    return np.frombuffer(blob[:max_bytes] if max_bytes else blob, dtype=np.uint8), len(parts)
 
 
 def _block_split(tokens: np.ndarray, val_fraction: float, block: int) -> tuple[np.ndarray, np.ndarray]:
     k = max(2, round(1 / val_fraction))
+    block = max(1, min(block, len(tokens) // (4 * k)))  # small corpora: at least 4 validation blocks
     n_blocks = len(tokens) // block
     body = tokens[: n_blocks * block].reshape(n_blocks, block)
     is_val = (np.arange(n_blocks) % k) == k - 1
@@ -100,13 +111,13 @@ def load_corpus(cfg: DataConfig, seq_length: int, vocab_size: int) -> Corpus:
         corpus = _load_bin(cfg)
     else:
         files = stdlib_files() if cfg.source == "stdlib" else _expand(cfg.paths, cfg.suffixes)
-        if not files:
+        tokens, count = read_text_files(files, cfg.max_bytes)
+        if not count:
             where = "the standard library" if cfg.source == "stdlib" else f"data.paths={cfg.paths}"
             raise ConfigError(f"no input files found in {where} (data.suffixes={cfg.suffixes}); point data.paths at "
                               f"text files or folders")
-        tokens = read_text_files(files, cfg.max_bytes)
         train, val = _block_split(tokens, cfg.val_fraction, cfg.split_block_bytes)
-        corpus = Corpus(train, val, f"{len(files)} files ({cfg.source}), {len(tokens):,} bytes")
+        corpus = Corpus(train, val, f"{count} files ({cfg.source}), {len(tokens):,} bytes")
     for name, split in (("train", corpus.train), ("val", corpus.val)):
         if len(split) < seq_length + 2:
             raise ConfigError(f"the {name} split has {len(split)} tokens, fewer than model.seq_length + 2 = "

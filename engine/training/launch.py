@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config file (e.g. configs/default.yaml)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest complete checkpoint in checkpoint.dir (fresh start if none)")
+    parser.add_argument("--timeline", metavar="DIR", default=None,
+                        help="record every rank's timeline; write a Chrome/Perfetto trace, a Gantt chart and the "
+                             "measured vs simulated bubble to DIR")
+    parser.add_argument("--nvtx", action="store_true", help="NVTX ranges per action / P2P call (for nsys)")
     parser.epilog = ("Override any config field with --section.key=value, e.g. --schedule.steps=50 "
                      "--parallel.pipeline=4. Under torchrun each process joins the job; otherwise the configured "
                      "number of local ranks is spawned.")
@@ -54,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if under_torchrun():
-        return _join_torchrun(config, args.resume)
+        return _join_torchrun(config, args.resume, args.timeline, args.nvtx)
     try:
-        spawn(train_worker, config, args.resume)
+        spawn(train_worker, config, args.resume, args.timeline, args.nvtx)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
         print(f"error: training failed: {exc}", file=sys.stderr)
         return 1
@@ -74,24 +78,27 @@ def _backend(config: TrainConfig) -> str:
     return "nccl" if cuda else "gloo"
 
 
-def _join_torchrun(config: TrainConfig, resume: bool) -> int:
+def _join_torchrun(config: TrainConfig, resume: bool, timeline=None, nvtx: bool = False) -> int:
     dist.init_process_group(_backend(config), timeout=datetime.timedelta(seconds=config.parallel.timeout_s))
     try:
-        train_worker(config, resume)
+        train_worker(config, resume, timeline, nvtx)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
 
 
-def train_worker(config: TrainConfig, resume: bool = False) -> None:
-    """What every rank runs: build the :class:`~engine.training.trainer.Trainer`, optionally resume, train."""
+def train_worker(config: TrainConfig, resume: bool = False, timeline=None, nvtx: bool = False) -> None:
+    """What every rank runs: build the :class:`~engine.training.trainer.Trainer`, optionally resume, train
+    (with ``engine.profiling`` around the steps when ``timeline`` / ``nvtx`` / ``profile.enabled`` ask for it)."""
+    from ..profiling.session import TrainerProfiling
     from .trainer import Trainer
     t0 = time.perf_counter()
     with Trainer(config) as trainer:
         if resume and trainer.load() is None and trainer.is_log_rank:
             log.info("--resume: no checkpoint in %s; starting from step 0", config.checkpoint_dir)
-        trainer.train()
+        with TrainerProfiling(trainer, timeline, nvtx):
+            trainer.train()
         if trainer.is_log_rank and trainer.val_history:
             first, last = trainer.val_history[0][1], trainer.val_history[-1][1]
             log.info("done: step %d in %.1f s | val loss %.4f -> %.4f (%.1f%% lower)", trainer.step,
