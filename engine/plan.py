@@ -185,7 +185,8 @@ class Plan:
     def action_keys(self) -> tuple[list[int], ...]:
         """Per rank, one integer per action: ``op*C*M + chunk*M + microbatch`` (op F=0, B=1, W=2).
 
-        ``-1`` marks an action outside the plan (chunk not in ``[0, C)`` or microbatch not in ``[0, M)``).
+        ``-1`` marks an entry that is not an action of this plan (not an :class:`Action`, chunk not in ``[0, C)``
+        or microbatch not in ``[0, M)``).
         The validator and the simulator work on these keys instead of the action objects (about 1M actions for
         P=64, C=8, M=1024).  Plans from :func:`build_plan` come with the keys precomputed.
         """
@@ -197,7 +198,8 @@ class Plan:
             distinct.update(zip(map(id, acts), acts))
         key_of = {}
         for ident, a in distinct.items():
-            valid = 0 <= a.chunk < chunks and 0 <= a.microbatch < microbatches and a.op in op_index
+            valid = (isinstance(a, Action) and isinstance(a.chunk, int) and isinstance(a.microbatch, int)
+                     and 0 <= a.chunk < chunks and 0 <= a.microbatch < microbatches and a.op in op_index)
             key_of[ident] = op_index[a.op] * stride + a.chunk * microbatches + a.microbatch if valid else -1
         return tuple(list(map(key_of.__getitem__, map(id, acts))) for acts in self.actions)
 

@@ -51,14 +51,15 @@ class PlanError(ValueError):
 
     def __init__(self, rank: int | None, index: int | None, action: Action | None, reason: str):
         self.rank, self.index, self.action, self.reason = rank, index, action, reason
+        shown = action if isinstance(action, Action) else repr(action)
         if rank is None:
             where = "plan"
         elif action is None:
             where = f"rank {rank}"
         elif index is None:
-            where = f"rank {rank}, action {action}"
+            where = f"rank {rank}, action {shown}"
         else:
-            where = f"rank {rank}, action {index} ({action})"
+            where = f"rank {rank}, action {index} ({shown})"
         super().__init__(f"{where}: {reason}")
 
 
@@ -221,42 +222,49 @@ def _message_deps(plan: Plan, base, keys, pos, ops_on, total: int) -> list[int]:
     # messages of microbatch 0 per (rank, op, chunk); the microbatch carries through (module doc)
     inputs = {k: plan.input_message(k[0], Action(_OPS[k[1]], k[2], 0)) for k in kinds}
     outputs = {k: plan.output_message(k[0], Action(_OPS[k[1]], k[2], 0)) for k in kinds}
+    receivers: dict[Message, list] = {}
+    senders: dict[Message, list] = {}
     for k in kinds:
         _check_fits(plan, pos, base, k, inputs[k], "input")
         _check_fits(plan, pos, base, k, outputs[k], "output")
+        if inputs[k] is not None:
+            receivers.setdefault(inputs[k], []).append(k)
+        if outputs[k] is not None:
+            senders.setdefault(outputs[k], []).append(k)
     deps = np.full(total + 1, total, dtype=np.int64)
+    by_rank: dict[int, list] = {}
+    for k in kinds:
+        by_rank.setdefault(k[0], []).append(k)
     for rank in range(pp):
         src_of = np.zeros(3 * chunks, dtype=np.int64)
         delta_of = np.zeros(3 * chunks, dtype=np.int64)
         receives = np.zeros(3 * chunks, dtype=bool)
-        for (r, op, chunk) in (k for k in kinds if k[0] == rank):
-            sent = outputs[(r, op, chunk)]
-            if sent is not None:
-                consumers = [o for o in range(3) if inputs.get((sent.dst, o, sent.dst_chunk)) == sent]
-                if len(consumers) != 1:
-                    i, action = _first_action(plan, pos, base, r, op, chunk)
-                    why = "no action" if not consumers else f"{len(consumers)} action kinds"
-                    raise PlanError(r, i, action, f"sends {sent} but {why} of rank {sent.dst} chunk "
-                                                  f"{sent.dst_chunk} receive(s) it; every sent message needs exactly "
-                                                  f"one receiver")
+        for (r, op, chunk) in by_rank.get(rank, ()):
             msg = inputs[(r, op, chunk)]
             if msg is None:
                 continue
-            candidates = [outputs.get((msg.src, o, msg.src_chunk)) for o in range(3)]
-            senders = [o for o in range(3) if candidates[o] == msg]
-            if len(senders) != 1:
+            found = senders.get(msg, [])
+            if len(found) != 1:
                 i, action = _first_action(plan, pos, base, r, op, chunk)
-                names = ", ".join(str(m) for m in candidates if m is not None) or "nothing"
-                why = "no action" if not senders else f"{len(senders)} action kinds"
+                names = ", ".join(str(outputs[(msg.src, o, msg.src_chunk)]) for o in range(3)
+                                  if outputs.get((msg.src, o, msg.src_chunk)) is not None) or "nothing"
+                why = "no action" if not found else f"{len(found)} action kinds"
                 raise PlanError(r, i, action, f"receives {msg} but {why} of rank {msg.src} chunk {msg.src_chunk} "
                                               f"send(s) it (that chunk sends {names}): wrong producer")
             kind = op * chunks + chunk
             receives[kind], src_of[kind] = True, msg.src
-            delta_of[kind] = (senders[0] - op) * stride + (msg.src_chunk - chunk) * mbs
+            delta_of[kind] = (found[0][1] - op) * stride + (msg.src_chunk - chunk) * mbs
         lo, hi = base[rank], base[rank + 1]
         kind = keys[lo:hi] // mbs
         take = receives[kind]
         deps[lo:hi][take] = pos[src_of[kind[take]], keys[lo:hi][take] + delta_of[kind[take]]]
+    for k in kinds:  # every sent message has exactly one receiving action kind
+        sent = outputs[k]
+        if sent is not None and len(receivers.get(sent, ())) != 1:
+            i, action = _first_action(plan, pos, base, *k)
+            why = "no action" if sent not in receivers else f"{len(receivers[sent])} action kinds"
+            raise PlanError(k[0], i, action, f"sends {sent} but {why} of rank {sent.dst} chunk {sent.dst_chunk} "
+                                             f"receive(s) it; every sent message needs exactly one receiver")
     return deps.tolist()
 
 

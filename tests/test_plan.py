@@ -200,7 +200,9 @@ def test_build_plan_rejects_bad_input_with_named_fields():
         build_plan("1f1b", 2, 4, 2)
     with pytest.raises(ValueError, match="pp_size=2"):
         build_plan("no_pipelining", 2, 4)
-    with pytest.raises(ValueError, match=r"microbatch_group_size_per_vp_stage=5 .*\[4, 8\]"):
+    with pytest.raises(ValueError, match=r"microbatch_group_size_per_vp_stage=9 .*\[4, 8\]"):
+        build_plan("interleaved", 4, 8, 2, 9)
+    with pytest.raises(RuntimeError, match="last group of 3 microbatches"):
         build_plan("interleaved", 4, 8, 2, 5)
     with pytest.raises(RuntimeError, match="num_microbatches=7"):
         build_plan("interleaved", 4, 7, 2)

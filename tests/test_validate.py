@@ -139,6 +139,8 @@ def test_missing_and_duplicate_actions_are_rejected():
         validate_plan(_with_actions(plan, {1: _acts("F0.0 B0.0 F0.0 F1.0 B1.0")}))
     with pytest.raises(PlanError, match=r"rank 0, action 1 \(F0.2\): is not an action of this plan"):
         validate_plan(_with_actions(plan, {0: _acts("F0.0 F0.2 F1.0 B0.0 B1.0")}))
+    with pytest.raises(PlanError, match=r"rank 1, action 0 \('F0.0'\): is not an action of this plan"):
+        validate_plan(_with_actions(plan, {1: ["F0.0", *plan.actions[1][1:]]}))
     with pytest.raises(PlanError, match=r"plan: has action lists for 1 ranks but pp_size=2"):
         validate_plan(dataclasses.replace(plan, actions=plan.actions[:1]))
 
