@@ -211,3 +211,26 @@ def test_step_profiler_writes_one_trace_per_window(tmp_path):
     assert not (tmp_path / "off").exists()
     with pytest.raises(ValueError, match="profile.active"):
         StepProfiler(tmp_path, active=0)
+
+
+# -- pipecast train --timeline -------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_pipecast_train_writes_timeline_and_torch_profile(tmp_path):
+    from engine.cli import main
+    run_dir, tl = tmp_path / "run", tmp_path / "timeline"
+    status = main(["train", "configs/default.yaml", "--parallel.pipeline=1", "--parallel.virtual=1",
+                   "--schedule.steps=2", "--schedule.eval_interval=0", "--schedule.eval_iters=1",
+                   "--schedule.micro_batch_size=2", "--schedule.num_microbatches=3", "--model.num_layers=1",
+                   "--model.hidden_size=32", "--model.num_attention_heads=2", "--model.seq_length=16",
+                   "--data.max_bytes=200000", "--checkpoint.save_at_end=false", f"--logging.run_dir={run_dir}",
+                   "--profile.enabled=true", "--profile.wait=1", "--profile.warmup=0", "--profile.active=1",
+                   "--timeline", str(tl), "--nvtx"])
+    assert status == 0
+    summary = json.loads((tl / "timeline_summary.json").read_text())
+    assert [s["step"] for s in summary["steps"]] == [0, 1]
+    assert summary["schedule"] == "no_pipelining" and summary["num_microbatches"] == 3
+    trace = json.loads((tl / "timeline.json").read_text())
+    labels = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "compute"]
+    assert labels == ["F c0 mb0", "B c0 mb0", "F c0 mb1", "B c0 mb1", "F c0 mb2", "B c0 mb2"] * 2
+    assert (tl / "timeline.png").is_file()
+    assert [p.name for p in (run_dir / "profile").iterdir()] == ["torch_profile_rank0_step2.json"]  # after wait + active steps

@@ -26,7 +26,7 @@ from .bubble import measured_bubble, step_window, steps_of
 from .chrome_trace import gather_spans, write_chrome_trace
 from .timeline import TimelineRecorder
 
-__all__ = ["TimelineSession"]
+__all__ = ["TimelineSession", "TrainerProfiling"]
 
 
 class TimelineSession:
@@ -88,6 +88,90 @@ class TimelineSession:
             chart = plot_measured_timeline(rank_spans, self.out_dir / f"timeline{self.suffix}.png", self.plan)
             summary.update(chart=chart["path"], chart_step=chart["step"],
                            measured_bubble=chart["measured_bubble"], simulated_bubble=chart["simulated_bubble"])
-        summary.update(meta)
+        summary = {**meta, **summary}  # the measured fields win over metadata of the same name
         (self.out_dir / f"timeline_summary{self.suffix}.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+
+class TrainerProfiling:
+    """Profiling of a :class:`engine.training.trainer.Trainer` run: what ``pipecast train --timeline DIR`` and the
+    ``profile:`` config section turn on, around every ``train_step`` (evaluation steps are not recorded).
+
+    * ``timeline`` (a folder): a :class:`TimelineSession` over the pipeline group, installed with
+      :func:`engine.tracing.use_tracer` for each training step; files written at :meth:`close` (collective).
+    * ``nvtx``: NVTX ranges for every span (also without a timeline).
+    * ``config.profile.enabled``: ``torch.profiler`` traces per rank in ``<run_dir>/profile`` (wait / warmup /
+      active steps, see :class:`StepProfiler`).
+
+    The trainer's ``tracer`` attribute is set to the tracer in use.  Use as a context manager around
+    ``trainer.train()``.
+    """
+
+    def __init__(self, trainer, timeline: str | os.PathLike | None = None, nvtx: bool = False):
+        from ..plan import build_plan
+        from .torch_profiler import StepProfiler
+        c, p = trainer.config, trainer.config.parallel
+        self.trainer = trainer
+        self.session = None
+        tracers = []
+        if nvtx or getattr(c.profile, "nvtx", False):
+            from .nvtx_ranges import NvtxTracer
+            tracers.append(NvtxTracer())
+        if timeline is not None:
+            plan = build_plan(c.schedule_name, p.pipeline, c.schedule.num_microbatches, p.virtual,
+                              p.microbatch_group_size_per_vp_stage if p.virtual > 1 else None)
+            self.session = TimelineSession(timeline, plan, group=trainer.pg.pp,
+                                           device="cuda" if trainer.device.type == "cuda" else "cpu",
+                                           pipeline_index=trainer.dp_rank)
+            tracers.append(self.session.recorder)
+        self.tracer = tracers[0] if len(tracers) == 1 else (FanoutTracer(*tracers) if tracers else None)
+        trainer.tracer = self.tracer
+        self.profiler = StepProfiler.from_config(c.profile, trainer.run_dir / "profile", trainer.rank)
+        self._inner = trainer.train_step
+        trainer.train_step = self._train_step  # instance attribute: the class is untouched
+
+    def _train_step(self) -> dict:
+        from ..tracing import use_tracer
+        step = self.trainer.step
+        scope = self.session.step(step) if self.session is not None else _NULL_SCOPE
+        with scope, use_tracer(self.tracer):
+            metrics = self._inner()
+        self.profiler.step()
+        return metrics
+
+    def __enter__(self) -> "TrainerProfiling":
+        self.profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(failed=exc[0] is not None)
+
+    def close(self, failed: bool = False) -> dict | None:
+        """Stop the profiler, restore ``train_step`` and (collective, unless ``failed``) write the timeline."""
+        self.profiler.__exit__(None, None, None)
+        self.trainer.train_step = self._inner
+        self.trainer.tracer = None
+        if self.session is None or failed:
+            return None
+        summary = self.session.finish({"trained_to_step": self.trainer.step})
+        if summary is not None:  # the pipeline's first rank, which is not the logging rank: print
+            import sys
+            print(f"timeline: wrote {self.session.out_dir} (bubble per rank measured "
+                  f"{_pct(summary.get('measured_bubble'))}, simulated {_pct(summary.get('simulated_bubble'))})",
+                  file=sys.stderr, flush=True)
+        return summary
+
+
+def _pct(values) -> str:
+    return "-" if not values else "/".join(f"{100 * v:.1f}%" for v in values)
+
+
+class _NullScope:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+_NULL_SCOPE = _NullScope()

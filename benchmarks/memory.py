@@ -1,0 +1,199 @@
+"""Memory of pipecast's schedules: peak in-flight microbatch activations per rank, and bytes held by sent outputs.
+
+Measured inside the ranks, without touching the engine:
+
+* **In-flight activations.**  The forward step runs each model chunk under ``torch.autograd.graph.saved_tensors_hooks``
+  and tags every tensor autograd saves (parameters excluded) with its ``(model chunk, microbatch)``; a tag is
+  in flight while any of its saved tensors is alive (autograd frees them when that microbatch's backward has run).
+  The peak number of live tags per rank is compared with the theory: ``min(P - r, M)`` for 1F1B and
+  ``min(W_r + 1, M*C)`` for interleaved 1F1B (``W_r`` the rank's warmup count), i.e. the simulator's
+  ``peak_in_flight`` for the plan (Narayanan et al., SC'21; Megatron-Core's warmup counts).
+* **Bytes held by sent outputs.**  Each chunk's output is produced by an identity autograd function that allocates
+  it from a numpy array, so the lifetime of its *storage* (not of one tensor object) is observable through a weak
+  reference; a probe tracer (``engine.tracing.use_tracer``) samples the live output bytes at every span the executor
+  reports.  Peak per rank with ``deallocate_pipeline_outputs`` off and on: with it on, a sent output should hold only
+  its ``[1]`` placeholder once the send no longer needs the data.
+
+    python benchmarks/memory.py            # pp=2 and pp=4, 1F1B and interleaved (about a minute)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import weakref
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.common import Workload, launch, write_json  # noqa: E402
+
+CASES = [  # pp, model chunks
+    (2, 1), (2, 2), (4, 1), (4, 2),
+]
+
+
+class _NumpyBacked(torch.autograd.Function):
+    """Identity whose output storage is a numpy array (weak-referenceable: its death is the storage's)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        arr = np.empty(tuple(x.shape), dtype=np.float32)
+        out = torch.from_numpy(arr)
+        out.copy_(x)
+        _NumpyBacked.last = arr
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class Meter:
+    """Live saved activations by (chunk, microbatch) and live output storages of one rank."""
+
+    def __init__(self, params):
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.live: dict[tuple[int, int], int] = {}     # tag -> live saved tensors
+        self.peak_tags = 0
+        self.outputs: list[tuple[weakref.ref, int]] = []
+        self.peak_output_bytes = 0
+        self.output_bytes_one = 0
+
+    def hooks(self, tag):
+        meter = self
+
+        class Handle:
+            __slots__ = ("t",)
+
+            def __init__(self, t):
+                self.t = t
+                meter.live[tag] = meter.live.get(tag, 0) + 1
+                meter.peak_tags = max(meter.peak_tags, sum(1 for v in meter.live.values() if v > 0))
+
+            def __del__(self):
+                meter.live[tag] -= 1
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() in self.param_ptrs:
+                return t
+            return Handle(t)
+
+        def unpack(h):
+            return h.t if isinstance(h, Handle) else h
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def track_output(self, out):
+        arr = _NumpyBacked.last
+        self.outputs.append((weakref.ref(arr), arr.nbytes))
+        self.output_bytes_one = arr.nbytes
+        self.sample()
+
+    def sample(self):
+        alive = [(r, n) for r, n in self.outputs if r() is not None]
+        self.outputs = alive
+        self.peak_output_bytes = max(self.peak_output_bytes, sum(n for _, n in alive))
+
+    # tracer protocol: sample whenever the executor reports a span
+    def span(self, category, label):
+        self.sample()
+        return _NULL
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+_NULL = _Null()
+
+
+def job(rank: int, world: int, chunks: int, deallocate: bool, w: Workload):
+    from benchmarks.engines import build_pipecast
+    from engine.tracing import use_tracer
+    engine = build_pipecast(rank, world, w, chunks=chunks, deallocate=deallocate)
+    mods = engine.modules
+    meter = Meter([p for m in mods for p in m.parameters()])
+    n_stages = world * chunks
+    # wrap each chunk: saved tensors tagged by (chunk, microbatch), output made numpy-backed on sending chunks
+    counters = [0] * chunks
+    for c, mod in enumerate(mods):
+        inner = mod.forward
+        sends = c * world + rank < n_stages - 1
+
+        def forward(x, _inner=inner, _c=c, _sends=sends):
+            mb = counters[_c]
+            counters[_c] += 1
+            with meter.hooks((_c, mb)):
+                out = _inner(x)
+            if _sends:
+                out = _NumpyBacked.apply(out)
+                meter.track_output(out)
+            return out
+        mod.forward = forward
+    with use_tracer(meter):
+        for _ in range(2):
+            counters[:] = [0] * chunks
+            engine.step()
+    meter.sample()
+    return {"peak_in_flight": meter.peak_tags, "peak_output_bytes": meter.peak_output_bytes,
+            "output_bytes": meter.output_bytes_one, "live_after_step": sum(1 for v in meter.live.values() if v > 0)}
+
+
+def theory(pp: int, chunks: int, m: int) -> list[int]:
+    """Closed-form peak in-flight (chunk, microbatch) activations per rank (see module docstring)."""
+    from engine.schedule_table import pp_rank_microbatches
+    out = []
+    for r in range(pp):
+        if chunks == 1:
+            out.append(min(pp - r, m))
+        else:
+            w = pp_rank_microbatches(m, chunks, pp, pp, r, chunks).num_warmup_microbatches
+            out.append(min(w + 1, m * chunks))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from engine.plan import build_plan
+    from engine.simulate import simulate
+    rows = []
+    for pp, chunks in CASES:
+        w = Workload(hidden=512, layers=8, sequences=2 * args.microbatches, seq_length=64,
+                     microbatches=args.microbatches)
+        plan = build_plan("interleaved" if chunks > 1 else "1f1b", pp, w.microbatches, chunks)
+        sim = list(simulate(plan).peak_in_flight)
+        th = theory(pp, chunks, w.microbatches)
+        res = {d: launch(job, pp, chunks, d, w) for d in (False, True)}
+        measured = [r["peak_in_flight"] for r in res[False]]
+        row = {"pp": pp, "chunks": chunks, "microbatches": w.microbatches, "theory": th, "simulator": sim,
+               "measured": measured, "measured_dealloc": [r["peak_in_flight"] for r in res[True]],
+               "exact": measured == th == sim and [r["peak_in_flight"] for r in res[True]] == th,
+               "output_bytes": res[False][0]["output_bytes"],
+               "sent_output_bytes_peak": [r["peak_output_bytes"] for r in res[False]],
+               "sent_output_bytes_peak_dealloc": [r["peak_output_bytes"] for r in res[True]],
+               "leaked_after_step": [r["live_after_step"] for r in res[False] + res[True]]}
+        rows.append(row)
+        print(f"pp={pp} vp={chunks} m={w.microbatches}: in-flight measured {measured} theory {th} simulator {sim} "
+              f"{'exact' if row['exact'] else 'MISMATCH'}; sent-output bytes peak "
+              f"{row['sent_output_bytes_peak']} -> {row['sent_output_bytes_peak_dealloc']} with deallocation "
+              f"(one output {row['output_bytes']} B)", flush=True)
+    goals = [{"goal": "peak in-flight activations exactly the theory", "value": float(all(r["exact"] for r in rows)),
+              "met": all(r["exact"] for r in rows)}]
+    path = write_json("memory", {"rows": rows, "goals": goals}, args.out)
+    print(f"wrote {path}")
+    return 0 if goals[0]["met"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Regenerate the README's results tables (markdown) from the JSON the benchmarks wrote.
+
+Reads ``benchmarks/results/*.json`` (or the files given), prints the markdown and writes it to
+``benchmarks/results/RESULTS.md``.  Each table says the machine, load average and the command that produced it.
+
+    python benchmarks/results_table.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _machine(d: dict) -> str:
+    m = d.get("machine", {})
+    load = m.get("loadavg")
+    load_s = f", load average {load[0]:.2f}" if load else ""
+    return (f"*{m.get('cpu', '?')}, {m.get('cores', '?')} cores, torch {m.get('torch', '?')}, "
+            f"{m.get('date_utc', '?')} UTC, commit {m.get('git', '?')}{load_s}.*  \n"
+            f"*Command:* `{d.get('command', '?')}`")
+
+
+def _goals(d: dict) -> list[str]:
+    return [f"- {'met' if g['met'] else '**missed**'}: {g['goal']} (measured {g['value']:.3f})"
+            for g in d.get("goals", [])]
+
+
+def vs_torch(d: dict) -> list[str]:
+    w = d["workload"]
+    out = [f"### Step time vs torch.distributed.pipelining",
+           f"MLP stack hidden {w['hidden']}, {w['layers']} layers, {w['sequences']} sequences x {w['seq_length']} "
+           f"tokens in {w['microbatches']} microbatches, fp32, 2 ranks on gloo, {d['threads']} thread per rank; "
+           f"median over {d['repeats']} fresh-process repeats of the median of {d['steps']} steps.", "",
+           "| engine | step (ms) | range over repeats (ms) | speedup vs 1 process | bound | of bound | loss |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        bound = f"{r['bound']:.3f}" if "bound" in r else ""
+        of = f"{r['of_bound']:.3f}" if "of_bound" in r else ""
+        ok = "" if r["loss_matches"] else " (mismatch)"
+        out.append(f"| {r['engine']} | {r['step_ms']:.1f} | {r['min_ms']:.1f}-{r['max_ms']:.1f} | "
+                   f"{r['speedup']:.3f} | {bound} | {of} | {r['loss']:.6f}{ok} |")
+    return out + [""] + _goals(d) + ["", _machine(d)]
+
+
+def overhead(d: dict) -> list[str]:
+    ms = d["microbatches"]
+    out = ["### Runtime overhead per action",
+           f"Tiny model (hidden {d['hidden']}, {d['layers']} layers, {d['seq_length']} tokens per microbatch); "
+           f"slope of the median step time over M = {', '.join(map(str, ms))}, minus the single-process compute "
+           f"slope, per action (one forward + one backward per microbatch and rank); median of {d['repeats']} "
+           "fresh-process repeats.", "",
+           "| case | " + " | ".join(f"M={m} (ms)" for m in ms) + " | slope (us/microbatch) | overhead (us/action) |",
+           "|---|" + "---:|" * (len(ms) + 2)]
+    for r in d["rows"]:
+        ov = r.get("overhead_us_per_action")
+        out.append(f"| {r['case']} | " + " | ".join(f"{r['step_ms'][str(m)] if str(m) in r['step_ms'] else r['step_ms'][m]:.2f}"
+                                                 for m in ms) +
+                   f" | {r['slope_us_per_microbatch']:.1f} | {'' if ov is None else f'{ov:.1f}'} |")
+    if d.get("gloo_one_way_us") is not None:
+        out += ["", f"gloo one-way latency of the activation message, same run: {d['gloo_one_way_us']:.1f} us."]
+    return out + [""] + _goals(d) + ["", _machine(d)]
+
+
+def memory(d: dict) -> list[str]:
+    out = ["### Memory: in-flight activations and sent outputs",
+           "Peak (model chunk, microbatch) activations alive per rank, measured from autograd's saved tensors, "
+           "against the closed form and the simulator; peak bytes held by sent outputs (their storage), without and "
+           "with `deallocate_pipeline_outputs`.", "",
+           "| pp | vp | m | measured | theory | simulator | one output (B) | sent-output bytes peak | with deallocation |",
+           "|---:|---:|---:|---|---|---|---:|---|---|"]
+    for r in d["rows"]:
+        out.append(f"| {r['pp']} | {r['chunks']} | {r['microbatches']} | {r['measured']} | {r['theory']} | "
+                   f"{r['simulator']} | {r['output_bytes']} | {r['sent_output_bytes_peak']} | "
+                   f"{r['sent_output_bytes_peak_dealloc']} |")
+    return out + [""] + _goals(d) + ["", _machine(d)]
+
+
+def generic(d: dict) -> list[str]:
+    out = [f"### {d.get('benchmark', 'benchmark')}"]
+    rows = d.get("rows")
+    if isinstance(rows, list) and rows and isinstance(rows[0], dict):
+        keys = [k for k in rows[0] if not isinstance(rows[0][k], (dict, list))]
+        out += ["", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        for r in rows:
+            out.append("| " + " | ".join(f"{r.get(k):.4g}" if isinstance(r.get(k), float) else str(r.get(k))
+                                          for k in keys) + " |")
+    else:
+        out += ["", "```", json.dumps({k: v for k, v in d.items() if k not in ("machine", "command")}, indent=1)[:2000],
+                "```"]
+    return out + [""] + _goals(d) + ["", _machine(d)]
+
+
+RENDER = {"vs_torch_pipelining": vs_torch, "runtime_overhead": overhead, "memory": memory}
+ORDER = ["vs_torch_pipelining", "runtime_overhead", "memory"]
+
+
+def render(paths) -> str:
+    docs = []
+    for p in paths:
+        try:
+            d = json.loads(Path(p).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{p}: not a benchmark JSON ({e}); rerun the benchmark that writes it") from None
+        docs.append(d)
+    docs.sort(key=lambda d: (ORDER.index(d.get("benchmark")) if d.get("benchmark") in ORDER else len(ORDER),
+                             str(d.get("benchmark"))))
+    lines = ["## Results", "", "Regenerate with `python benchmarks/results_table.py` after running the benchmarks.", ""]
+    for d in docs:
+        lines += RENDER.get(d.get("benchmark"), generic)(d) + [""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="*", help="benchmark JSON files (default: benchmarks/results/*.json)")
+    ap.add_argument("--out", default=str(RESULTS / "RESULTS.md"))
+    args = ap.parse_args(argv)
+    files = args.files or sorted(RESULTS.glob("*.json"))
+    if not files:
+        print("no benchmark results found; run benchmarks/vs_torch_pipelining.py, runtime_overhead.py, memory.py",
+              file=sys.stderr)
+        return 1
+    text = render(files)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

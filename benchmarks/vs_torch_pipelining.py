@@ -1,0 +1,143 @@
+"""pipecast's 1F1B and interleaved 1F1B against torch.distributed.pipelining's schedules, side by side.
+
+Same model (``benchmarks.common``: MLP stack, hidden 512, 8 layers), same data (16 sequences of 64 tokens in 8
+microbatches, fp32), 2 ranks on gloo, 1 thread per rank, same process priority.  Every engine runs in fresh
+processes, once per repeat, in an order rotated between repeats; each job reports the median of its timed steps and
+the figures are medians over repeats.  Prints and writes ``benchmarks/results/vs_torch_pipelining.json``.
+
+Figures: step time (ms); speedup over the single-process loop; ratio of that speedup to the bound of the schedule
+with equal stage costs and free communication, ``P*M/(M+P-1)`` for 1F1B (``2m/(m+1)`` at P=2) and
+``P*M/(M+(P-1)/V)`` for interleaved 1F1B with V chunks per rank (``2m/(m+1/2)`` at P=2, V=2) (Narayanan et al.,
+SC'21, section 2.2); and the mean microbatch loss, which must agree across engines.
+
+    python benchmarks/vs_torch_pipelining.py                 # full run (about 5 minutes on 2 cores)
+    python benchmarks/vs_torch_pipelining.py --repeats 1 --steps 2 --warmup 1   # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import Workload, launch, median, write_json  # noqa: E402
+from benchmarks.engines import BUILDERS  # noqa: E402
+
+TORCH_SCHEDULES = {  # name -> model chunks per rank
+    "Schedule1F1B": 1, "ScheduleGPipe": 1, "ScheduleInterleaved1F1B": 2, "ScheduleLoopedBFS": 2,
+    "ScheduleInterleavedZeroBubble": 2, "ScheduleZBVZeroBubble": 2, "ScheduleDualPipeV": 2,
+}
+
+
+def engines(torch_schedules) -> list[tuple[str, str, int, dict]]:
+    """``(label, builder, world, options)`` of every engine in the comparison."""
+    out = [("single process", "single", 1, {}),
+           ("pipecast 1F1B", "pipecast", 2, {"chunks": 1}),
+           ("pipecast interleaved 1F1B", "pipecast", 2, {"chunks": 2})]
+    out += [(f"torch {s}", "torch", 2, {"schedule": s, "chunks": TORCH_SCHEDULES[s]}) for s in torch_schedules]
+    return out
+
+
+def job(rank: int, world: int, builder: str, options: dict, workload: Workload, warmup: int, steps: int):
+    from benchmarks.common import timed_steps
+    engine = BUILDERS[builder](rank, world, workload, **options)
+    losses = engine.step()
+    times = timed_steps(engine.step, warmup, steps)
+    loss = float(sum(float(l) for l in losses) / len(losses)) if losses else None
+    return {"times": times, "loss": loss}
+
+
+def bound(schedule: str, pp: int, m: int, chunks: int) -> float:
+    """Speedup bound with equal stage costs and free communication (see module docstring)."""
+    if "interleaved" in schedule.lower() or chunks > 1:
+        return pp * m / (m + (pp - 1) / chunks)
+    return pp * m / (m + pp - 1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5, help="fresh-process jobs per engine (default 5)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per job (default 10)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per job after the first (default 3)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    ap.add_argument("--torch-schedules", nargs="*", default=list(TORCH_SCHEDULES), choices=list(TORCH_SCHEDULES))
+    ap.add_argument("--only", nargs="*", default=None, help="run only engines whose label contains one of these")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/vs_torch_pipelining.json)")
+    args = ap.parse_args(argv)
+
+    w = Workload()
+    todo = engines(args.torch_schedules)
+    if args.only:
+        todo = [e for e in todo if e[0] == "single process" or any(o in e[0] for o in args.only)]
+    runs: dict[str, list[dict]] = {label: [] for label, *_ in todo}
+    for rep in range(args.repeats):
+        shift = rep % len(todo)
+        for label, builder, world, options in todo[shift:] + todo[:shift]:
+            res = launch(job, world, builder, options, w, args.warmup, args.steps, threads=args.threads)
+            last = res[-1] if res[-1]["loss"] is not None else res[0]
+            runs[label].append({"median_s": median(res[0]["times"]), "times": res[0]["times"], "loss": last["loss"]})
+            print(f"  repeat {rep + 1}/{args.repeats} {label:<38} {runs[label][-1]['median_s'] * 1e3:8.1f} ms",
+                  flush=True)
+
+    single = median([r["median_s"] for r in runs["single process"]])
+    ref_loss = runs["single process"][0]["loss"]
+    rows = []
+    for label, builder, world, options in todo:
+        t = median([r["median_s"] for r in runs[label]])
+        chunks = options.get("chunks", 1)
+        row = {"engine": label, "world": world, "chunks": chunks, "step_ms": t * 1e3,
+               "min_ms": min(r["median_s"] for r in runs[label]) * 1e3,
+               "max_ms": max(r["median_s"] for r in runs[label]) * 1e3,
+               "speedup": single / t, "loss": runs[label][0]["loss"],
+               "loss_matches": all(abs(r["loss"] - ref_loss) <= 1e-5 * abs(ref_loss) for r in runs[label])}
+        if world > 1:
+            b = bound(label, world, w.microbatches, chunks)
+            row.update(bound=b, of_bound=row["speedup"] / b)
+        rows.append(row)
+    by = {r["engine"]: r for r in rows}
+    goals = _goals(by)
+
+    print(f"\n{'engine':<38} {'step ms':>8} {'range':>15} {'speedup':>8} {'bound':>6} {'of bound':>8}  loss")
+    for r in rows:
+        rng = f"{r['min_ms']:.1f}-{r['max_ms']:.1f}"
+        print(f"{r['engine']:<38} {r['step_ms']:8.1f} {rng:>15} {r['speedup']:8.3f} {r.get('bound', 0):6.3f} "
+              f"{r.get('of_bound', 0):8.3f}  {r['loss']:.6f}{'' if r['loss_matches'] else '  MISMATCH'}")
+    for g in goals:
+        print(f"goal {g['goal']:<52} {g['value']:.3f} {'met' if g['met'] else 'MISSED'}")
+    path = write_json("vs_torch_pipelining", {
+        "workload": w.__dict__, "repeats": args.repeats, "steps": args.steps, "warmup": args.warmup,
+        "threads": args.threads, "rows": rows, "goals": goals,
+        "runs": {k: [{"median_s": r["median_s"], "loss": r["loss"]} for r in v] for k, v in runs.items()}},
+        args.out)
+    print(f"wrote {path}")
+    return 0 if all(r["loss_matches"] for r in rows) else 1
+
+
+def _goals(by: dict) -> list[dict]:
+    goals = []
+
+    def add(goal, value, met):
+        goals.append({"goal": goal, "value": value, "met": bool(met)})
+    p1, pi = by.get("pipecast 1F1B"), by.get("pipecast interleaved 1F1B")
+    t1, ti = by.get("torch Schedule1F1B"), by.get("torch ScheduleInterleaved1F1B")
+    torch_rows = [r for k, r in by.items() if k.startswith("torch ")]
+    if p1 and t1:
+        v = p1["step_ms"] / t1["step_ms"]
+        add("pipecast 1F1B / torch Schedule1F1B <= 0.95", v, v <= 0.95)
+    if pi and ti:
+        v = pi["step_ms"] / ti["step_ms"]
+        add("pipecast interleaved / torch ScheduleInterleaved1F1B <= 0.80", v, v <= 0.80)
+    if pi and torch_rows:
+        fastest = min(torch_rows, key=lambda r: r["step_ms"])
+        v = pi["step_ms"] / fastest["step_ms"]
+        add(f"pipecast interleaved / fastest torch ({fastest['engine'][6:]}) < 1", v, v < 1)
+    for r in (p1, pi):
+        if r:
+            add(f"{r['engine']} speedup / bound >= 0.93", r["of_bound"], r["of_bound"] >= 0.93)
+    return goals
+
+
+if __name__ == "__main__":
+    sys.exit(main())
