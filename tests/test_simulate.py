@@ -141,3 +141,53 @@ def test_timeline_is_consistent():
 def test_bad_costs_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         simulate(build_plan("1f1b", 2, 2), **kwargs)
+
+
+def _reference_times(plan, forward, backward, transfer):
+    """Independent fixed-point evaluation straight from the plan's messages (quadratic; small plans only)."""
+    producer = {}
+    for rank, acts in enumerate(plan.actions):
+        for i, a in enumerate(acts):
+            msg = plan.output_message(rank, a)
+            if msg is not None:
+                producer[msg] = (rank, i)
+    cost = {"F": forward, "B": backward}
+    end = [[None] * len(acts) for acts in plan.actions]
+    start = [[None] * len(acts) for acts in plan.actions]
+    changed = True
+    while changed:
+        changed = False
+        for rank, acts in enumerate(plan.actions):
+            for i, a in enumerate(acts):
+                if end[rank][i] is not None:
+                    continue
+                ready = end[rank][i - 1] if i else 0.0
+                msg = plan.input_message(rank, a)
+                if ready is None:
+                    break
+                if msg is not None:
+                    src = end[producer[msg][0]][producer[msg][1]]
+                    if src is None:
+                        break
+                    ready = max(ready, src + transfer)
+                start[rank][i] = ready
+                end[rank][i] = ready + cost[a.op.value][rank][a.chunk]
+                changed = True
+    return start, end
+
+
+def test_simulate_matches_reference_on_random_costs():
+    import random
+    rng = random.Random(7)
+    cases = [("1f1b", 3, 5, 1, None), ("interleaved", 2, 5, 2, 3), ("interleaved", 3, 6, 3, 3),
+             ("interleaved", 4, 8, 2, 4), ("no_pipelining", 1, 3, 1, None)]
+    for schedule, pp, microbatches, chunks, group in cases:
+        plan = build_plan(schedule, pp, microbatches, chunks, group)
+        for _ in range(3):
+            forward = [[rng.choice((0.5, 1.0, 1.5, 3.0)) for _ in range(chunks)] for _ in range(pp)]
+            backward = [[rng.choice((1.0, 2.0, 2.5)) for _ in range(chunks)] for _ in range(pp)]
+            transfer = rng.choice((0.0, 0.25, 1.0))
+            sim = simulate(plan, forward, backward, transfer)
+            start, end = _reference_times(plan, forward, backward, transfer)
+            assert list(sim.start) == start and list(sim.end) == end
+            assert sim.makespan == max(e[-1] for e in end)

@@ -189,3 +189,51 @@ def test_message_dataclass_round_trip():
     """The validator compares messages by value; Message is a value type."""
     assert Message("act", 0, 0, 1, 0, 3) == Message("act", 0, 0, 1, 0, 3)
     assert str(Message("grad", 1, 0, 0, 0, 2)) == "grad[r1c0m2->r0c0]"
+
+
+def _reference_runs(plan) -> bool:
+    """Naive deadlock check straight from the plan's messages: sweep ranks until nobody can move."""
+    produced = set()
+    at = [0] * plan.pp_size
+    moved = True
+    while moved:
+        moved = False
+        for rank, acts in enumerate(plan.actions):
+            while at[rank] < len(acts):
+                msg = plan.input_message(rank, acts[at[rank]])
+                if msg is not None and msg not in produced:
+                    break
+                out = plan.output_message(rank, acts[at[rank]])
+                if out is not None:
+                    produced.add(out)
+                at[rank] += 1
+                moved = True
+    return all(at[r] == len(acts) for r, acts in enumerate(plan.actions))
+
+
+def test_deadlock_check_matches_reference_on_perturbed_plans():
+    """Random reorderings that keep each F before its B: the validator accepts exactly the runnable ones."""
+    import random
+    rng = random.Random(11)
+    verdicts = set()
+    for schedule, pp, microbatches, chunks in [("1f1b", 3, 4, 1), ("interleaved", 2, 4, 2), ("interleaved", 3, 3, 2)]:
+        plan = build_plan(schedule, pp, microbatches, chunks)
+        for _ in range(60):
+            rank = rng.randrange(pp)
+            acts = list(plan.actions[rank])
+            for _ in range(rng.randint(1, 4)):
+                i = rng.randrange(len(acts) - 1)
+                a, b = acts[i], acts[i + 1]
+                if not (a.op is F and b.op is B and (a.chunk, a.microbatch) == (b.chunk, b.microbatch)):
+                    acts[i], acts[i + 1] = b, a
+            candidate = _with_actions(plan, {rank: acts})
+            expected = _reference_runs(candidate)
+            try:
+                validate_plan(candidate)
+                accepted = True
+            except PlanError as exc:
+                assert "deadlock" in str(exc), exc
+                accepted = False
+            assert accepted == expected, (rank, [str(a) for a in acts])
+            verdicts.add(accepted)
+    assert verdicts == {True, False}  # both outcomes were exercised
