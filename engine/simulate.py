@@ -14,7 +14,8 @@ Closed forms the tests check (uniform costs, no transfer time; ``p`` ranks, ``m`
 * Peak in-flight activations (forwards done whose backward has not finished): ``p-r`` on rank ``r`` for 1F1B
   (``m >= p``); ``W+1`` (warmup count + 1) for interleaved ranks whose warmup is below the total.
 
-Cost: one linear pass over the actions (about 0.3 s for 1M actions on one CPU core).
+Cost: one linear pass over the validator's execution order (:func:`engine.validate.execution_order`, computed and
+cached if the plan was not validated yet): about 0.2 s of CPU for 1M actions (P=64, C=8, M=1024).
 """
 from __future__ import annotations
 
