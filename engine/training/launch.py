@@ -5,8 +5,14 @@
 * Otherwise it spawns ``parallel.pipeline x parallel.data`` local ranks itself (``torch.multiprocessing``, rendezvous
   on 127.0.0.1), each with ``cpu_count // ranks`` threads; a one-rank config runs in this process.
 
-The config is loaded and validated before any process is started or group created: a bad config exits with
-status 2 and one ``error:`` line.  :func:`spawn` is the same launcher for Python code (the README example).
+The config is loaded and validated before any process is started or group created (and before torch is imported,
+so it takes well under a second): a bad config exits with status 2 and one ``error:`` line.  :func:`spawn` is the
+same launcher for Python code (the README example).
+
+Failure behaviour of spawned ranks: the launcher watches every rank; when one raises or dies (e.g. SIGKILL) it stops
+the others (SIGTERM, then SIGKILL) and ``pipecast train`` exits with status 1 and an ``error:`` line naming the
+failed rank.  Ranks also die with the launcher (``PR_SET_PDEATHSIG`` on Linux), so killing it leaves no rank behind.
+A rank that is alive but stuck is caught by the communication timeout ``parallel.timeout_s``.
 """
 from __future__ import annotations
 
@@ -18,14 +24,9 @@ import socket
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from .checkpoint import CheckpointError
 from .config import ConfigError, TrainConfig, load_config, parse_override_args, validate_world_size
 
-__all__ = ["add_arguments", "run", "spawn", "train_worker", "under_torchrun"]
+__all__ = ["add_arguments", "run", "run_spawned", "spawn", "train_worker", "under_torchrun"]
 
 log = logging.getLogger("pipecast.train")
 
@@ -59,10 +60,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if under_torchrun():
         return _join_torchrun(config, args.resume, args.timeline, args.nvtx)
+    return run_spawned(train_worker, config, args.resume, args.timeline, args.nvtx)
+
+
+def run_spawned(fn, config: TrainConfig, *args) -> int:
+    """:func:`spawn` ``fn(config, *args)`` and turn a failure into an exit status and one ``error:`` line on stderr
+    (1: a rank raised or died, named with its error; 2: bad config / checkpoint in a one-rank run)."""
+    import torch.multiprocessing as mp
+    from .checkpoint import CheckpointError
     try:
-        spawn(train_worker, config, args.resume, args.timeline, args.nvtx)
+        spawn(fn, config, *args)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-        print(f"error: training failed: {exc}", file=sys.stderr)
+        print(f"error: {_describe_failure(exc, config.world_size)}", file=sys.stderr)
         return 1
     except (ConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -70,7 +79,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _describe_failure(exc, world: int) -> str:
+    """One line naming the failed rank and what happened, then (for a raise) the rank's traceback."""
+    import torch.multiprocessing as mp
+    rank = exc.error_index
+    others = ", ".join(str(r) for r in range(world) if r != rank) or "none"
+    stopped = f"the launcher stopped the other ranks ({others})"
+    if isinstance(exc, mp.ProcessExitedException):
+        how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with status {exc.exit_code}"
+        return f"rank {rank} (pid {exc.error_pid}) {how}; {stopped}"
+    trace = str(exc).strip()
+    last = trace.splitlines()[-1] if trace else type(exc).__name__
+    return f"rank {rank} failed: {last}; {stopped}\n{trace}"
+
+
 def _backend(config: TrainConfig) -> str:
+    import torch
     p = config.parallel
     if p.backend != "auto":
         return p.backend
@@ -79,6 +103,7 @@ def _backend(config: TrainConfig) -> str:
 
 
 def _join_torchrun(config: TrainConfig, resume: bool, timeline=None, nvtx: bool = False) -> int:
+    import torch.distributed as dist
     dist.init_process_group(_backend(config), timeout=datetime.timedelta(seconds=config.parallel.timeout_s))
     try:
         train_worker(config, resume, timeline, nvtx)
@@ -111,7 +136,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(local_rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn, args) -> None:
+def _die_with_launcher(launcher_pid: int) -> None:
+    """Ask Linux to SIGKILL this rank when the launcher process dies (no orphaned ranks after ``kill <launcher>``)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != launcher_pid:  # the launcher died before the request took effect
+        os._exit(1)
+
+
+def _entry(local_rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn, args,
+           launcher_pid: int = 0) -> None:
+    import torch
+    import torch.distributed as dist
+    if launcher_pid:
+        _die_with_launcher(launcher_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -127,8 +171,12 @@ def spawn(fn, config: TrainConfig, *args) -> None:
     """Run ``fn(config, *args)`` on ``config.world_size`` local ranks with torch.distributed initialised.
 
     ``fn`` must be importable (a module-level function).  A one-rank config runs in this process.  When a rank
-    raises, the others are terminated and ``torch.multiprocessing.ProcessRaisedException`` is raised here.
+    raises or dies, the others are terminated (SIGTERM, then SIGKILL) and
+    ``torch.multiprocessing.ProcessRaisedException`` / ``ProcessExitedException`` is raised here; its
+    ``error_index`` is the failed rank (a rank killed by a signal is preferred over ranks that merely lost it).
     """
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
     world = config.world_size
     backend = _backend(config)
     if world == 1 and not dist.is_initialized():
@@ -139,5 +187,25 @@ def spawn(fn, config: TrainConfig, *args) -> None:
         finally:
             dist.destroy_process_group()
         return
-    mp.start_processes(_entry, args=(world, _free_port(), backend, config.parallel.timeout_s, fn, (config, *args)),
-                       nprocs=world, join=True, start_method="spawn")
+    context = mp.start_processes(_entry, args=(world, _free_port(), backend, config.parallel.timeout_s, fn,
+                                               (config, *args), os.getpid()),
+                                 nprocs=world, join=False, start_method="spawn")
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessRaisedException as exc:
+        _blame_killed_rank(context, exc)
+        raise
+
+
+def _blame_killed_rank(context, exc) -> None:
+    """If the reported rank raised only because another rank was killed by a signal (its peer connection closed),
+    report the killed rank instead.  Ranks stopped by the launcher exit by SIGTERM and are not blamed."""
+    import signal
+    import torch.multiprocessing as mp
+    for rank, proc in enumerate(context.processes):
+        code = proc.exitcode
+        if rank != exc.error_index and code is not None and code < 0 and -code != signal.SIGTERM:
+            name = signal.Signals(-code).name
+            raise mp.ProcessExitedException(f"process {rank} terminated with signal {name}", error_index=rank,
+                                            error_pid=proc.pid, exit_code=code, signal_name=name) from exc
