@@ -105,6 +105,10 @@ class Plan:
     warmup: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
 
+    def __getstate__(self) -> dict:
+        """Pickle only the fields: derived caches (keys, dependency graph, execution order) are rebuilt on demand."""
+        return {f: self.__dict__[f] for f in self.__dataclass_fields__}
+
     # -- topology -------------------------------------------------------------------------------------------
     @property
     def num_stages(self) -> int:

@@ -378,8 +378,12 @@ def max_buffered_messages(plan: Plan, simulation=None, **costs) -> tuple[int, ..
 
     Raises:
         PlanError: the plan is invalid.
+        ValueError: ``simulation`` belongs to another plan.
     """
     from .simulate import simulate  # simulate builds on this module
+    if simulation is not None and simulation.plan is not plan:
+        raise ValueError("simulation is of another plan: pass the Simulation that simulate(plan) returned for this "
+                         "plan, or no simulation (it is then computed from the cost keywords)")
     sim = simulate(plan, **costs) if simulation is None else simulation
     graph = plan_graph(plan)
     n = graph.num_actions

@@ -237,3 +237,15 @@ def test_deadlock_check_matches_reference_on_perturbed_plans():
             assert accepted == expected, (rank, [str(a) for a in acts])
             verdicts.add(accepted)
     assert verdicts == {True, False}  # both outcomes were exercised
+
+
+def test_caches_stay_out_of_pickles_and_simulation_must_match_plan():
+    import pickle
+    plan = build_plan("interleaved", 2, 4, 2)
+    validate_plan(plan)
+    assert {"_plan_graph", "_execution_order", "action_keys"} <= set(plan.__dict__)
+    copy = pickle.loads(pickle.dumps(plan))
+    assert copy == plan and not {"_plan_graph", "_execution_order", "action_keys"} & set(copy.__dict__)
+    validate_plan(copy)
+    with pytest.raises(ValueError, match="simulation is of another plan"):
+        max_buffered_messages(copy, simulate(plan))
