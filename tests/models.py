@@ -197,7 +197,7 @@ def reference(config_like, pp_size: int, num_chunks: int, data, *, hidden: int =
             elif per_token:
                 scaled = raw
             else:
-                scaled = raw / max(item["tokens"], 1) / M
+                scaled = raw / max(float(item["tokens"]), 1.0) / M
             total = total + scaled * grad_scale
         total.backward()
     return losses, {i: (w.grad.clone(), b.grad.clone()) for i, (w, b) in enumerate(leaves)}

@@ -24,7 +24,7 @@ DEFAULTS = dict(pp=None, chunks=None, M=4, G=None, batch=True, overlap=False, de
                 mode=2, per_token=False, grad_scale=None, repeats=1, seq=4, mbs=2, hidden=8, kind="linear",
                 layers=1, variable=False, seqs=None, zero_mb=None, moe=False, collect=False, first_val_step=None,
                 ckpt=None, hooks=False, sleep=0.0, dtype="float32", tokens=None, sequence=None, explicit=True,
-                M_by_rank=None, seed=0, func=None)
+                M_by_rank=None, seed=0, func=None, seq_by_dp=None)
 
 
 def case(**kw) -> dict:
@@ -140,9 +140,16 @@ def run_case(rank: int, pgc, c: dict) -> dict:
         return out, loss
 
     steps = c["sequence"] or [(c["forward_only"], c["M"], c["seq"])]
+    probe = schedules.P2PCommunicator(pgc.pp, cfg)
     result = {"rank": rank, "pp_rank": pp_rank, "error": None, "stores": [], "grad_err": 0.0, "loss_err": 0.0,
-              "calls": []}
-    func = getattr(schedules, c["func"]) if c["func"] else schedules.get_forward_backward_func(pp, c["chunks"])
+              "calls": [], "next_rank": probe.next_rank, "prev_rank": probe.prev_rank,
+              "pp_ranks": list(pgc.pp_ranks)}
+    if c["func"]:
+        func = getattr(schedules, c["func"])
+    elif c["explicit"]:
+        func = schedules.get_forward_backward_func(pp, c["chunks"])
+    else:
+        func = schedules.get_forward_backward_func()  # sizes from engine.parallel_state
     schedule = {"forward_backward_no_pipelining": "no_pipelining",
                 "forward_backward_pipelining_without_interleaving": "1f1b",
                 "forward_backward_pipelining_with_interleaving": "interleaved"}[func.__name__]
@@ -151,6 +158,8 @@ def run_case(rank: int, pgc, c: dict) -> dict:
     for fo, M, seq in steps:
         if c["M_by_rank"] is not None:
             M = c["M_by_rank"][pp_rank]
+        if c["seq_by_dp"] is not None:
+            seq = c["seq_by_dp"][pgc.data_parallel_rank]
         data = tm.make_data(M, seq, c["mbs"], c["hidden"], seed=M * 31 + seq, zero_mb=c["zero_mb"], seqs=c["seqs"],
                             dtype=getattr(torch, c["dtype"]), tokens=c["tokens"])
         before = {k: (w.clone(), b.clone()) for k, (w, b) in tm.chunk_grads(chunks, c["layers"]).items()
@@ -171,9 +180,9 @@ def run_case(rank: int, pgc, c: dict) -> dict:
                                          fo).compute_order(pp_rank) * (1 if fo else c["repeats"]),
                 "seen_ok": all(mb == cur for ch in chunks for mb, cur, _ in ch.seen),
                 "input_dtypes": sorted({str(d) for ch in chunks for d in ch.input_dtypes}),
-                "sent_numels": sorted({o.numel() for ch in chunks for o in ch.sent}),
-                "inputs_alive": sum(1 for ch in chunks for r in ch.inputs if r() is not None),
+                "inputs_alive": _alive_inputs(chunks),
                 "tokens": rec.tokens, "collected": store if c["collect"] else None}
+        call["sent_numels"] = sorted({n for ch in chunks for n in ch.sent_numels})
         losses, ref = tm.reference(None, pp, C, data, hidden=c["hidden"], layers_per_stage=c["layers"],
                                    kind=c["kind"], mode=c["mode"], per_token=c["per_token"],
                                    grad_scale=c["grad_scale"] or 1.0, repeats=c["repeats"],
@@ -204,7 +213,61 @@ def run_case(rank: int, pgc, c: dict) -> dict:
     return result
 
 
-def job(rank: int, world: int, cases: list, pp: int | None = None) -> list:
-    """Run every case on this rank; ``pp`` (default: the world) builds ``world // pp`` pipelines."""
-    pgc = build_process_groups(pp or world)
-    return [run_case(rank, pgc, c) for c in cases]
+def _alive_inputs(chunks) -> int:
+    """Received inputs still alive after the step, once the test model drops its own references to outputs."""
+    for ch in chunks:
+        ch.sent_numels = sorted({o.numel() for o in ch.sent})
+        ch.sent.clear()
+    return sum(1 for ch in chunks for r in ch.inputs if r() is not None)
+
+
+def job(rank: int, world: int, entries: list) -> list:
+    """Run every entry on this rank and return one result per entry.
+
+    An entry is a case dict (run in a pipeline of ``case["pp"]`` ranks, default the world, built with
+    ``build_process_groups`` -- or through ``engine.parallel_state`` when ``explicit=False``) or a
+    ``("module", "function")`` pair naming a rank function ``fn(rank, world)`` to call.  Groups are created in the
+    order the entries need them, identically on every rank.
+    """
+    import importlib
+
+    from engine import parallel_state as ps
+    groups = {}
+    out = []
+    try:
+        for e in entries:
+            if isinstance(e, tuple):
+                out.append(getattr(importlib.import_module(e[0]), e[1])(rank, world))
+                continue
+            key = (e["pp"] or world, e["explicit"])
+            if key not in groups:
+                if key[1]:
+                    groups[key] = build_process_groups(key[0])
+                else:
+                    ps.initialize_model_parallel(pipeline_model_parallel_size=key[0])
+                    groups[key] = ps.get_pg_collection()
+            out.append(run_case(rank, groups[key], e))
+    finally:
+        ps.destroy_model_parallel()
+    return out
+
+
+# ---- one job per world size for the whole pytest session ----------------------------------------------------------
+_REGISTRY: dict = {}
+_RESULTS: dict = {}
+
+
+def register(world: int, entries: list) -> slice:
+    """Add entries to the session's job of ``world`` ranks (call at import time); returns their slice."""
+    lst = _REGISTRY.setdefault(world, [])
+    start = len(lst)
+    lst.extend(entries)
+    return slice(start, len(lst))
+
+
+def shared_results(world: int, timeout: float = 240) -> list:
+    """Per entry, the tuple of per-rank results of the session's job of ``world`` ranks (run once, on first use)."""
+    if world not in _RESULTS:
+        from tests.distributed import run_ranks
+        _RESULTS[world] = list(zip(*run_ranks(job, world, _REGISTRY[world], timeout=timeout)))
+    return _RESULTS[world]

@@ -1,6 +1,7 @@
 """Pipelined schedules equal the single-process unpipelined reference, and run Megatron-Core's orders.
 
-Two spawned jobs (PP = 2 on 2 ranks, PP = 4 on 4 ranks) each run many schedule calls in one process group:
+Two spawned jobs (PP = 2 on 2 ranks, PP = 4 on 4 ranks; shared with ``tests/test_public_bugs.py`` through
+``tests/pipeline_jobs.py``) each run many schedule calls in one process group:
 
 * equivalence grid: 1F1B and interleaved 1F1B (VP = 2), several M (M < PP for 1F1B, M = PP, M not a multiple of
   G with a valid remainder), every P2P mode (batched, unbatched even/odd, overlapped), output deallocation on and
@@ -18,9 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_ranks
 from tests.megatron_vectors import VECTORS, vectors
-from tests.pipeline_jobs import case, job, run_case
+from tests.pipeline_jobs import case, register, run_case, shared_results
 
 TOL = 1e-5
 MODES = [dict(batch=True, overlap=False), dict(batch=False, overlap=False), dict(batch=False, overlap=True)]
@@ -70,22 +70,29 @@ def _trace_cases(pp: int):
     return out
 
 
-def _run(pp: int):
+def _register(pp: int):
     traces = _trace_cases(pp)
     grid = _grid(pp)
-    results = run_ranks(job, pp, grid + [c for _, c in traces], timeout=150)
-    per_case = list(zip(*results))  # per case: tuple of per-rank results
-    return grid, per_case[:len(grid)], traces, per_case[len(grid):]
+    return grid, register(pp, grid), traces, register(pp, [c for _, c in traces])
+
+
+_JOBS = {pp: _register(pp) for pp in (2, 4)}  # run in the session's shared jobs (tests/pipeline_jobs.py)
+
+
+def _results(pp: int):
+    grid, grid_slice, traces, trace_slice = _JOBS[pp]
+    results = shared_results(pp)
+    return grid, results[grid_slice], traces, results[trace_slice]
 
 
 @pytest.fixture(scope="module")
 def pp2():
-    return _run(2)
+    return _results(2)
 
 
 @pytest.fixture(scope="module")
 def pp4():
-    return _run(4)
+    return _results(4)
 
 
 def _label(c):
@@ -115,19 +122,19 @@ def _check_equivalence(grid, per_case, pp):
     print(f"\nlargest relative error PP={pp}: {worst:.3g} over {len(grid)} configurations")
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(280)
 def test_equivalence_pp2(pp2):
     grid, per_case, _, _ = pp2
     _check_equivalence(grid, per_case, 2)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(280)
 def test_equivalence_pp4(pp4):
     grid, per_case, _, _ = pp4
     _check_equivalence(grid, per_case, 4)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(280)
 @pytest.mark.parametrize("fixture", ["pp2", "pp4"])
 def test_compute_order_equals_plan(fixture, request):
     grid, per_case, _, _ = request.getfixturevalue(fixture)
@@ -137,7 +144,7 @@ def test_compute_order_equals_plan(fixture, request):
                 assert call["order"] == call["plan_order"], f"{_label(c)} rank {r['rank']}"
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(280)
 def test_dealloc_shrinks_sent_outputs(pp2):
     grid, per_case, _, _ = pp2
     for c, ranks in zip(grid, per_case):
@@ -155,7 +162,7 @@ def _megatron_events(events):
     return [e for e in events if e.startswith(KEEP)]
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(280)
 @pytest.mark.parametrize("fixture", ["pp2", "pp4"])
 def test_megatron_traces(fixture, request):
     _, _, traces, per_case = request.getfixturevalue(fixture)
