@@ -18,6 +18,7 @@ This module is pure: it imports nothing from torch.
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -186,8 +187,8 @@ class Plan:
         return sum(len(a) for a in self.actions)
 
     @cached_property
-    def action_keys(self) -> tuple[list[int], ...]:
-        """Per rank, one integer per action: ``op*C*M + chunk*M + microbatch`` (op F=0, B=1, W=2).
+    def action_keys(self) -> tuple[array, ...]:
+        """Per rank, one integer per action (an ``array('q')``): ``op*C*M + chunk*M + microbatch`` (op F=0, B=1, W=2).
 
         ``-1`` marks an entry that is not an action of this plan (not an :class:`Action`, chunk not in ``[0, C)``
         or microbatch not in ``[0, M)``).
@@ -205,7 +206,7 @@ class Plan:
             valid = (isinstance(a, Action) and isinstance(a.chunk, int) and isinstance(a.microbatch, int)
                      and 0 <= a.chunk < chunks and 0 <= a.microbatch < microbatches and a.op in op_index)
             key_of[ident] = op_index[a.op] * stride + a.chunk * microbatches + a.microbatch if valid else -1
-        return tuple(list(map(key_of.__getitem__, map(id, acts))) for acts in self.actions)
+        return tuple(array("q", map(key_of.__getitem__, map(id, acts))) for acts in self.actions)
 
     def grid(self) -> str:
         """A text grid: one row per pipeline rank, one column per action slot."""
@@ -288,20 +289,20 @@ def _table_actions(table, num_model_chunks: int, num_microbatches: int):
     forwards = [Action(Op.FORWARD, c, mb) for mb, c in table]
     backwards = [Action(Op.BACKWARD, num_model_chunks - 1 - c, mb) for mb, c in table]
     stride = num_model_chunks * num_microbatches
-    forward_keys = [c * num_microbatches + mb for mb, c in table]
-    backward_keys = [stride + (num_model_chunks - 1 - c) * num_microbatches + mb for mb, c in table]
+    forward_keys = array("q", [c * num_microbatches + mb for mb, c in table])
+    backward_keys = array("q", [stride + (num_model_chunks - 1 - c) * num_microbatches + mb for mb, c in table])
     return forwards, backwards, forward_keys, backward_keys
 
 
-def _one_f_one_b(forwards: list, backwards: list, warmup: int) -> list:
+def _one_f_one_b(forwards, backwards, warmup: int):
     """Warmup forwards, then steady 1F1B (forward ``i`` then backward ``i - W``), then cooldown backwards.
 
-    The same order as :func:`convert_schedule_table_to_order` (spec 1.14), built by slicing.
+    The same order as :func:`convert_schedule_table_to_order` (spec 1.14), built by slicing (lists or arrays).
     """
     total = len(forwards)
     warmup = min(warmup, total)
     steady = total - warmup
-    middle = [None] * (2 * steady)
+    middle = forwards[warmup:] + backwards[:steady]  # the right length and type; overwritten below
     middle[0::2] = forwards[warmup:]
     middle[1::2] = backwards[:steady]
     return forwards[:warmup] + middle + backwards[steady:]
