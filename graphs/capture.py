@@ -117,7 +117,8 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
             specs: dict[tuple[int, int], CallSpec] | None = None, backend: str = "auto", num_warmup_iters: int = 1,
             order: Sequence[int] | None = None, check: bool = True, share_graphs: bool = False,
             allow_unsafe_sharing: bool = False, clone_param_grads: bool = True, pool=None,
-            generators: Sequence[torch.Generator] = (), group=None, tracer=None) -> GraphedLayers:
+            generators: Sequence[torch.Generator] = (), group=None, tracer=None,
+            veto: str | None = None) -> GraphedLayers:
     """Capture the graphs of pipeline rank ``rank`` of ``plan`` and install them on its layers.
 
     Args:
@@ -141,6 +142,8 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
         generators: extra CUDA generators to register with every graph (dropout under a TP RNG tracker).
         group: process group of the collective decision (default: the world, if initialised).
         tracer: receives ``"graph"`` spans around replays.
+        veto: a reason this rank must not capture (found by the caller, e.g. variable shapes); it joins the
+            collective decision so every rank runs eagerly.  Sample arguments are not needed then.
 
     Returns:
         The :class:`GraphedLayers` (``.report`` is a :class:`CaptureReport`; ``.active`` tells graphs from eager).
@@ -152,9 +155,13 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
     created = not isinstance(modules_per_chunk, GraphedLayers)
     layers = GraphedLayers(modules_per_chunk, tracer=tracer) if created else modules_per_chunk
     try:
-        order, layer_specs, sample_args, sample_kwargs = _validate(
-            layers, backend, plan, rank, sample_args, sample_kwargs, specs, order, check, share_graphs,
-            allow_unsafe_sharing, num_warmup_iters)
+        if veto is not None:
+            resolve_backend_name(backend)
+            order = graph_order(plan, rank) if order is None else list(order)
+        else:
+            order, layer_specs, sample_args, sample_kwargs = _validate(
+                layers, backend, plan, rank, sample_args, sample_kwargs, specs, order, check, share_graphs,
+                allow_unsafe_sharing, num_warmup_iters)
     except BaseException:
         if created:
             layers.remove()
@@ -165,7 +172,9 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
     report = CaptureReport(requested=backend, backend="eager", order=list(order))
     layers.report = report
     chosen, reason = resolve_backend(backend)
-    if chosen in ("torch", "te") and reason is None:
+    if veto is not None:
+        reason = veto
+    elif chosen in ("torch", "te") and reason is None:
         reason = _local_problem(layers, sample_args)
     ok, reason = decision.agree(reason is None and chosen != "eager", reason, group)
     if not ok:

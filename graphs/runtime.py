@@ -1,0 +1,173 @@
+"""The trainer's CUDA-graph hook: eager warmup steps, record, check, capture collectively, recapture on change.
+
+Lifecycle (Megatron's ``cuda_graph_warmup_steps`` then ``create_cudagraphs``, ``shared/spec/cuda_graphs.md`` 2.1),
+driven by one call, :meth:`GraphRuntime.before_step`, at the start of every training step:
+
+* steps ``0 .. warmup_steps-2`` run eagerly (lazy initialisation, allocator warm-up);
+* step ``warmup_steps-1`` runs eagerly while the layer dispatchers *record* every pass: the
+  ``(F|B, chunk, microbatch, layer)`` sequence the executor really runs and each call's argument layout;
+* at the start of step ``warmup_steps`` the recording is checked -- its passes must equal the plan's (the capture
+  order equals the runtime order, B15), and every microbatch must have the same shapes (no variable sequence
+  lengths) -- and the graphs are captured from the recorded layouts.  Every check and the capture itself feed one
+  collective decision: all ranks replay graphs or all run eagerly, with one log line saying why;
+* if the microbatch count or the step's shape key changes later, the graphs are dropped, one step is recorded
+  eagerly and the graphs are recaptured -- never a silent wrap-around.
+
+``current_microbatch``: Megatron's ``set_current_microbatch`` writes it on ``chunk.decoder.layers``.  For chunks
+without a ``decoder`` (pipecast's ``GPTChunk`` keeps its blocks in ``.layers``) a forward pre-hook on the *chunk*
+(not on a graphed layer) counts the chunk's training forwards within the step -- the ``k``-th forward of chunk ``c``
+is microbatch ``k`` in every schedule, which is also TE's convention (spec 1.2) -- and writes it on the layers.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Hashable, Sequence
+
+import torch
+
+from engine.plan import Op, build_plan
+
+from .capture import BACKENDS, capture
+from .dispatch import GraphedLayers, layers_of_chunk
+
+__all__ = ["GraphRuntime"]
+
+log = logging.getLogger("pipecast.graphs")
+
+
+class GraphRuntime:
+    """CUDA graphs for the model chunks of one pipeline rank, managed across training steps.
+
+    Args:
+        model_chunks: this rank's model chunks (``len == num_model_chunks``).
+        schedule: ``"no_pipelining"``, ``"1f1b"`` or ``"interleaved"`` (``engine.plan.SCHEDULES``).
+        pp_size, pp_rank: pipeline size and this rank.
+        num_model_chunks: model chunks per rank.
+        group_size: ``microbatch_group_size_per_vp_stage`` (interleaved; default ``pp_size``).
+        backend: ``auto``, ``te``, ``torch`` (= ``pipecast``), ``emulate`` or ``eager``.
+        warmup_steps: eager steps before capture (>= 1: the last one records the passes).
+        num_warmup_iters: warmup rounds inside the capture.
+        group: process group of the collective decision (default: the world).
+        tracer: gets ``"graph"`` spans around replays.
+        layers_of: ``chunk -> list of layers to graph`` (default ``.decoder.layers`` or ``.layers``).
+
+    Raises:
+        ValueError: unknown backend, ``warmup_steps < 1``, chunk count not matching.
+    """
+
+    def __init__(self, model_chunks: Sequence[torch.nn.Module], schedule: str, pp_size: int, pp_rank: int,
+                 num_model_chunks: int = 1, group_size: int | None = None, backend: str = "auto",
+                 warmup_steps: int = 2, num_warmup_iters: int = 1, group=None, tracer=None,
+                 layers_of: Callable[[torch.nn.Module], list] = layers_of_chunk):
+        if backend not in BACKENDS:
+            raise ValueError(f"cuda_graphs.backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"cuda_graphs.warmup_steps={warmup_steps!r}: at least 1 eager step is needed before "
+                             f"capture (it records the passes and shapes the graphs are captured for)")
+        if len(model_chunks) != num_model_chunks:
+            raise ValueError(f"{len(model_chunks)} model chunks but num_model_chunks={num_model_chunks}")
+        self.chunks = list(model_chunks)
+        self.schedule, self.pp_size, self.pp_rank = schedule, pp_size, pp_rank
+        self.num_model_chunks = num_model_chunks
+        self.group_size = group_size
+        self.backend, self.warmup_steps, self.num_warmup_iters = backend, warmup_steps, num_warmup_iters
+        self.group, self.tracer = group, tracer
+        self.layers = GraphedLayers([layers_of(c) for c in self.chunks], tracer=tracer)
+        self.disabled_reason: str | None = None
+        self.steps_seen = 0
+        self._eager_steps = 0  # eager steps since (re)start of the warmup
+        self._captured_key: tuple | None = None
+        self._record_key = None
+        self.last_recording = None  # the Recording the current graphs were captured from
+        self._counters = [0] * num_model_chunks
+        self._hooks = [c.register_forward_pre_hook(self._counting_hook(i))
+                       for i, c in enumerate(self.chunks) if getattr(c, "decoder", None) is None]
+
+    # -- microbatch ids for chunks without Megatron's decoder -----------------------------------------------------
+    def _counting_hook(self, chunk: int):
+        def hook(module, args):
+            if not module.training or self.layers.suspended:
+                return None
+            self.layers.set_current_microbatch(chunk, self._counters[chunk])
+            self._counters[chunk] += 1
+            return None
+        return hook
+
+    # -- the per-step call ------------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        """Graphs are captured and replay in training steps."""
+        return self.layers.active
+
+    def before_step(self, num_microbatches: int, shape_key: Hashable = None) -> None:
+        """Call at the start of every training step, on every rank (the capture decision is collective).
+
+        Args:
+            num_microbatches: microbatches of this step.
+            shape_key: anything that changes when the per-microbatch shapes change (e.g. ``(seq_length,
+                micro_batch_size)``); a change triggers recapture.
+        """
+        self.steps_seen += 1
+        self._counters = [0] * self.num_model_chunks
+        if self.disabled_reason is not None:
+            return
+        if not self.layers.guard.at_step_boundary:
+            raise RuntimeError("the previous training step ended in the middle of the captured order; graphs "
+                               "cannot be replayed from there (an exception inside a step?) -- rebuild the trainer")
+        key = (num_microbatches, shape_key)
+        if self.layers.active and key == self._captured_key:
+            return
+        if self.layers.active:  # microbatch count or shapes changed: drop graphs, record one step, recapture
+            log.info("CUDA graphs: recapturing (num_microbatches/shapes %s -> %s)", self._captured_key, key)
+            self.layers.clear_graphs()
+            self._eager_steps = self.warmup_steps - 1
+        if self.layers.recording is not None:
+            self._capture(num_microbatches, key)
+            return
+        if self._eager_steps >= self.warmup_steps - 1:
+            self.layers.start_recording()
+            self._record_key = key
+        self._eager_steps += 1
+
+    def _capture(self, num_microbatches: int, key) -> None:
+        rec = self.last_recording = self.layers.stop_recording()
+        if self._record_key != key:  # the recorded step had other sizes: record again
+            self.layers.start_recording()
+            self._record_key = key
+            return
+        plan = build_plan(self.schedule, self.pp_size, num_microbatches, self.num_model_chunks, self.group_size)
+        veto = None
+        expected = [(a.op.value, a.chunk, a.microbatch) for a in plan.actions[self.pp_rank] if a.op is not Op.WEIGHT]
+        passes = rec.microbatch_passes()
+        if passes != expected:
+            first = next((i for i, (a, b) in enumerate(zip(passes, expected)) if a != b), min(len(passes),
+                                                                                              len(expected)))
+            veto = (f"the executor's passes differ from the {self.schedule} plan at pass {first} "
+                    f"({passes[first] if first < len(passes) else 'end'} vs "
+                    f"{expected[first] if first < len(expected) else 'end'}); graphs captured in plan order would "
+                    f"replay out of order")
+        specs, shape_reason = rec.layer_specs()
+        veto = veto or shape_reason
+        if specs is None or veto is not None:
+            specs = None
+        layers = capture(self.layers, plan, self.pp_rank, specs=specs, backend=self.backend,
+                         num_warmup_iters=self.num_warmup_iters, group=self.group, tracer=self.tracer, veto=veto)
+        report = layers.report
+        if layers.active:
+            self._captured_key = key
+            log.info("CUDA graphs: %d graph pairs captured with backend %s in %.2fs (order %s)", report.num_graphs,
+                     report.backend, report.seconds, report.order)
+        else:
+            self.disabled_reason = report.reason
+            log.debug("CUDA graphs disabled for this run: %s", report.reason)
+
+    def suspend(self):
+        """Context manager: eager and unrecorded (e.g. an evaluation pass in training mode)."""
+        return self.layers.suspend()
+
+    def close(self) -> None:
+        """Release graphs, remove dispatchers and hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.layers.remove()
