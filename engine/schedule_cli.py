@@ -93,9 +93,10 @@ def run(args) -> int:
         print(f"wrote {args.json}")
     if args.plot is not None:
         from .plotting import plot_timeline
-        title = (f"{schedule} pp={plan.pp_size} vp={plan.num_model_chunks} m={plan.num_microbatches} "
-                 f"G={plan.group_size}{' forward-only' if plan.forward_only else ''}: makespan "
-                 f"{sim.makespan:g}, bubble {100 * sim.bubble_overall:.1f}%")
+        group = f" G={plan.group_size}" if plan.schedule == "interleaved" else ""
+        title = (f"{schedule} pp={plan.pp_size} vp={plan.num_model_chunks} m={plan.num_microbatches}{group}"
+                 f"{' forward-only' if plan.forward_only else ''}: makespan "
+                 f"{sim.makespan:g}, bubble {100 * sim.bubble_overall:.1f}% (bars: microbatch.chunk)")
         plot_timeline(sim.spans(), args.plot, title, bubbles=sim.bubble)
         print(f"wrote {args.plot}")
     return 0
@@ -104,8 +105,9 @@ def run(args) -> int:
 def report(plan: Plan, sim: Simulation, buffered, args) -> str:
     """The text printed by ``pipecast schedule``: header, action grid, per-rank simulation figures."""
     mode = "forward-only" if plan.forward_only else "training"
+    group = f" group_size={plan.group_size}" if plan.schedule == "interleaved" else ""
     lines = [f"schedule {plan.schedule}: pp={plan.pp_size} vp={plan.num_model_chunks} "
-             f"microbatches={plan.num_microbatches} group_size={plan.group_size} ({mode}); "
+             f"microbatches={plan.num_microbatches}{group} ({mode}); "
              f"action F<microbatch>.<chunk> / B<microbatch>.<chunk>, W = warmup forwards",
              plan.grid(), "",
              f"simulated: forward {args.forward_time:g}, backward {args.backward_time:g}, transfer "
