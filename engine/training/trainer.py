@@ -180,11 +180,9 @@ class Trainer:
         from .. import schedules  # the public API; imported late so that `engine` never imports the trainer eagerly
         p = self.config.parallel
         fb = schedules.get_forward_backward_func(p.pipeline, p.virtual if p.virtual > 1 else None)
-        p2p = None
-        if p.pipeline > 1:
-            from ..p2p import P2PCommunicator
-            p2p = P2PCommunicator(self.pg.pp, self.mp_config)
-        return fb, p2p
+        from ..p2p import P2PCommunicator
+        # no pipelining ignores it (Megatron's contract); pipelined schedules need it next to pg_collection
+        return fb, P2PCommunicator(self.pg.pp, self.mp_config)
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
@@ -201,9 +199,8 @@ class Trainer:
         kwargs: dict[str, Any] = dict(
             forward_step_func=self._forward_step, data_iterator=self._iterators(microbatches), model=self.model,
             num_microbatches=num_microbatches, seq_length=c.model.seq_length,
-            micro_batch_size=c.schedule.micro_batch_size, forward_only=forward_only, pg_collection=self.pg)
-        if self._p2p is not None:
-            kwargs["p2p_communicator"] = self._p2p
+            micro_batch_size=c.schedule.micro_batch_size, forward_only=forward_only, pg_collection=self.pg,
+            p2p_communicator=self._p2p)
         return self._forward_backward(**kwargs)
 
     def _data(self, step: int):
