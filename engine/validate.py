@@ -19,7 +19,8 @@ Checks, in this order (the first violation raises :class:`PlanError` naming the 
 
 Messages are derived per ``(rank, op, chunk)``: the validator asks the plan for the messages of microbatch 0 and
 carries the microbatch through (a message of microbatch ``m`` connects actions of microbatch ``m``), which holds
-for every plan whose communication follows its virtual-stage topology.
+for every plan whose communication follows its virtual-stage topology; the last microbatch's messages are checked
+against that rule, and a plan that breaks it is refused rather than misjudged.
 
 Cost: linear in the number of actions (the deadlock check is one event-driven pass over the ranks: a rank runs
 until it needs a message that is not produced yet, and is resumed when the producer passes that action); about
@@ -29,7 +30,7 @@ execution order are cached on the plan, so :func:`engine.simulate.simulate` reus
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -228,6 +229,7 @@ def _message_deps(plan: Plan, base, keys, pos, ops_on, total: int) -> list[int]:
     for k in kinds:
         _check_fits(plan, pos, base, k, inputs[k], "input")
         _check_fits(plan, pos, base, k, outputs[k], "output")
+        _check_carries_microbatch(plan, pos, base, k, inputs[k], outputs[k])
         if inputs[k] is not None:
             receivers.setdefault(inputs[k], []).append(k)
         if outputs[k] is not None:
@@ -287,6 +289,24 @@ def _check_fits(plan: Plan, pos, base, kind, msg: Message | None, side: str) -> 
         i, action = _first_action(plan, pos, base, rank, op, chunk)
         raise PlanError(rank, i, action, f"its {side} message {msg} does not fit the plan (pp_size={plan.pp_size},"
                                          f" num_model_chunks={plan.num_model_chunks}) or this action")
+
+
+def _check_carries_microbatch(plan: Plan, pos, base, kind, first_in, first_out) -> None:
+    """Spot check of the per-stage routing the validator relies on: the last microbatch's messages are the first
+    microbatch's with the microbatch replaced."""
+    last = plan.num_microbatches - 1
+    if last == 0:
+        return
+    rank, op, chunk = kind
+    action = Action(_OPS[op], chunk, last)
+    for side, first, got in (("input", first_in, plan.input_message(rank, action)),
+                             ("output", first_out, plan.output_message(rank, action))):
+        expected = None if first is None else replace(first, microbatch=last)
+        if got != expected:
+            i = int(pos[rank, (op * plan.num_model_chunks + chunk) * plan.num_microbatches + last]) - base[rank]
+            raise PlanError(rank, i, plan.actions[rank][i], f"its {side} message {got} is not microbatch {last}'s "
+                                                            f"copy of microbatch 0's ({first}); the validator needs "
+                                                            f"messages routed per (rank, op, chunk)")
 
 
 def _inside(plan: Plan, msg: Message) -> bool:

@@ -249,3 +249,16 @@ def test_caches_stay_out_of_pickles_and_simulation_must_match_plan():
     validate_plan(copy)
     with pytest.raises(ValueError, match="simulation is of another plan"):
         max_buffered_messages(copy, simulate(plan))
+
+
+def test_microbatch_dependent_routing_is_rejected():
+    """The validator derives messages per (rank, op, chunk); a plan routing by microbatch is refused, not misjudged."""
+    class ByMicrobatch(Plan):
+        def input_message(self, rank, action):
+            msg = super().input_message(rank, action)
+            return None if msg is not None and action.microbatch == self.num_microbatches - 1 else msg
+
+    built = build_plan("1f1b", 2, 3)
+    plan = ByMicrobatch(*(getattr(built, f.name) for f in dataclasses.fields(Plan)))
+    with pytest.raises(PlanError, match=r"rank 0, action \d+ \(B2.0\): its input message None is not microbatch 2's"):
+        validate_plan(plan)
