@@ -209,19 +209,23 @@ class Trainer:
         return self.batches.train(step, self._reads_tokens, self._reads_labels)
 
     def _maybe_capture_graphs(self) -> None:
-        """Call site for CUDA-graph capture (``cuda_graphs:`` section), run at the start of every train step.
+        """Call site for CUDA graphs (``cuda_graphs:`` section), run at the start of every train step.
 
-        Does nothing unless ``cuda_graphs.enabled``; then decides once and logs one line.
+        Does nothing unless ``cuda_graphs.enabled``; then ``graphs.runtime.GraphRuntime`` runs ``warmup_steps`` eager
+        steps, captures per (chunk, microbatch, layer) in this rank's order (collectively; one log line if it falls
+        back to eager) and recaptures if the microbatch count or shapes change.
         """
         cg = self.config.cuda_graphs
-        if not cg.enabled or self._graphs_checked:
+        if not cg.enabled:
             return
-        self._graphs_checked = True
-        if self.device.type != "cuda":
-            log.info("cuda_graphs.enabled=true but this run is on %s: CUDA graphs need a CUDA device; running "
-                     "eagerly", self.device)
-        else:
-            log.info("cuda_graphs.enabled=true: graph capture is not available in this build; running eagerly")
+        if getattr(self, "_graphs", None) is None:
+            from graphs.runtime import GraphRuntime  # the one engine -> graphs call site
+            p = self.config.parallel
+            self._graphs = GraphRuntime(self.model, self.config.schedule_name, self.pp_size, self.pp_rank, p.virtual,
+                                        p.microbatch_group_size_per_vp_stage, backend=cg.backend,
+                                        warmup_steps=cg.warmup_steps, tracer=self.tracer)
+        self._graphs.before_step(self.config.schedule.num_microbatches,
+                                 (self.config.model.seq_length, self.config.schedule.micro_batch_size))
 
     def train_step(self) -> dict:
         """Run one optimizer step; returns ``{step, loss, grad_norm, lr, tokens_per_s, step_time_s}`` (same on every
