@@ -80,6 +80,7 @@ def _data(M: int, step: int):
 
 
 def _job(rank, world, cases):
+    import sys
     from engine import schedules
     from engine.model_parallel_config import ModelParallelConfig
     from engine.plan import build_plan
@@ -102,6 +103,12 @@ def _job(rank, world, cases):
         copies = {name: [Chunk(cfg, c * world + rank, world * C, layers) for c in range(C)]
                   for name in ("eager", "graphed")}
         runtime = GraphRuntime(copies["graphed"], schedule, world, rank, C, G, backend="emulate", warmup_steps=1)
+        capture_mod = sys.modules["graphs.capture"]
+        real_capturer = capture_mod._CAPTURERS["emulate"]
+        if case.get("fail_rank") == rank:  # a capture error on one rank only: every rank must fall back
+            def boom(*args, **kwargs):
+                raise RuntimeError("injected capture failure")
+            capture_mod._CAPTURERS["emulate"] = boom
         res = {"rank": rank, "case": case, "steps": [], "recorded": None}
         for step, M in enumerate(Ms):
             data = _data(M, step)
@@ -139,6 +146,8 @@ def _job(rank, world, cases):
                     w = pp_rank_microbatches(M, C, G or world, world, rank, C).num_warmup_microbatches
                     res["megatron_order"] = convert_schedule_table_to_order(w, C, get_schedule_table(M, C, G or world))
         res["backend"] = runtime.layers.report.backend
+        res["reason"] = runtime.layers.report.reason
+        capture_mod._CAPTURERS["emulate"] = real_capturer
         runtime.close()
         out.append(res)
     return out
@@ -148,6 +157,14 @@ def _check(results, world):
     for per_rank in zip(*results):
         for res in per_rank:
             case = res["case"]
+            steps = res["steps"]
+            if case.get("fail_rank") is not None:  # collective fallback: eager everywhere, same numbers
+                assert res["backend"] == "eager" and "injected capture failure" in res["reason"], res
+                if res["rank"] != case["fail_rank"]:
+                    assert f"rank {case['fail_rank']}: capture error" in res["reason"], res
+                assert not any(s["active"] for s in steps)
+                assert all(s["finite"] and s["losses_equal"] and s["grads_equal"] for s in steps)
+                continue
             assert res["backend"] == "emulate", res
             assert res["recorded"] == res["graph_order"], (case, res["rank"])
             assert res["passes_ok"], (case, res["rank"])
@@ -170,7 +187,7 @@ def _check(results, world):
 def test_emulated_graphs_in_pipeline_pp2_vp2_bitwise_equal_eager():
     cases = [dict(chunks=2, G=2, M=[4, 4, 4, 6, 6]),
              dict(chunks=2, G=3, M=[5, 5, 5], layers=1, dealloc=True),
-             dict(chunks=1, M=[3, 3, 3])]
+             dict(chunks=1, M=[3, 3, 3]), dict(chunks=2, G=2, M=[2, 2], layers=1, fail_rank=1)]
     _check(run_ranks(_job, 2, cases, timeout=110), 2)
 
 
