@@ -19,7 +19,7 @@ def tiny(**parallel) -> dict:
             "model.seq_length": 16, "data.max_bytes": 200_000, "schedule.micro_batch_size": 2,
             "schedule.num_microbatches": 4 // parallel.get("data", 1), "schedule.steps": STEPS,
             "schedule.eval_interval": 0, "optimizer.lr": 1e-2, "optimizer.min_lr": 1e-3,
-            "optimizer.warmup_steps": 3, "logging.progress_bar": "off", "logging.level": "WARNING",
+            "optimizer.warmup_steps": 3, "logging.progress_bar": False, "logging.level": "WARNING",
             **{f"parallel.{k}": v for k, v in parallel.items()}}
 
 

@@ -123,7 +123,7 @@ class CheckpointConfig:
 class LoggingConfig:
     run_dir: str = "runs/default"
     log_interval: int = 1
-    progress_bar: Literal["auto", "on", "off"] = "auto"  # auto: only when stderr is a terminal
+    progress_bar: bool | Literal["auto"] = "auto"  # tqdm bar on the logging rank; auto: when stderr is a terminal
     level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
 
 

@@ -319,14 +319,14 @@ class Trainer:
     @contextlib.contextmanager
     def _progress(self, start: int, end: int):
         mode = self.config.logging.progress_bar
-        on = self.is_log_rank and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
+        on = self.is_log_rank and (mode is True or (mode == "auto" and sys.stderr.isatty()))
         if not on:
             yield None
             return
         from tqdm import tqdm
         from tqdm.contrib.logging import logging_redirect_tqdm
-        with logging_redirect_tqdm(loggers=[logging.getLogger("pipecast")]), tqdm(total=end, initial=start, desc="train", unit="step",
-                                                        dynamic_ncols=True) as bar:
+        with logging_redirect_tqdm(loggers=[logging.getLogger("pipecast")]), \
+                tqdm(total=end, initial=start, desc="train", unit="step", dynamic_ncols=True) as bar:
             yield bar
 
     def _log_step(self, m: dict) -> None:
