@@ -1,0 +1,299 @@
+"""Eager vs ordered CUDA graphs (``torch`` backend) on one GPU: bitwise equality, step time, memory.
+
+One pipeline rank of an interleaved schedule (default PP=2 x VP=2, rank 0, 8 microbatches) runs in a single process:
+its model chunks get fixed "received" activations and gradients (``graphs.local_rank``), so the graphs see the same
+passes, order and buffer lifetimes as in a real pipeline.  Two configurations:
+
+* ``launch``: small hidden size, many layers per chunk (kernel-launch bound; graphs should win clearly);
+* ``compute``: large hidden size (GEMM bound; expect about 1.0x).
+
+For each: eager and graphed copies of the same model train ``--check-steps`` SGD steps on the same data and every
+per-microbatch loss, chunk-input gradient and parameter gradient is compared bitwise; then ``--steps`` timed steps
+each (median ms per step, speedup), peak memory of one step each and the memory the capture holds.  ``launch`` also
+runs a negative control (one graph per layer shared by all microbatches, which must NOT match) and, if Transformer
+Engine is importable, the same comparison through ``backend="te"``.
+
+Without CUDA the graph part is skipped (said so in the output and the JSON); the emulate backend then runs a tiny
+version so the script itself is exercised.  Exit status: 0 when every compared run is bitwise equal (within
+``--tolerance``) and the negative control is detected, 1 otherwise.
+
+    python benchmarks/cuda_graphs_bench.py --json cuda_graphs_bench.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from engine.plan import build_plan  # noqa: E402
+from graphs import capture  # noqa: E402
+from graphs.local_rank import make_rank_data, run_rank_step  # noqa: E402
+
+CONFIGS = {  # name: hidden, ffn, seq, micro batch, layers per chunk
+    "launch": dict(hidden=256, ffn=1024, seq=128, mbs=2, layers=8),
+    "compute": dict(hidden=4096, ffn=16384, seq=2048, mbs=2, layers=1),
+    "cpu_tiny": dict(hidden=16, ffn=32, seq=4, mbs=2, layers=2),
+}
+
+
+class Block(nn.Module):
+    """LayerNorm -> Linear -> GELU -> Linear, plus the residual: ``[s, b, h] -> [s, b, h]``."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.fc2 = nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def build(cfg: dict, chunks: int, device, dtype, seed: int = 0):
+    torch.manual_seed(seed)
+    return [[Block(cfg["hidden"], cfg["ffn"]).to(device=device, dtype=dtype) for _ in range(cfg["layers"])]
+            for _ in range(chunks)]
+
+
+def params(model):
+    return [p for chunk in model for layer in chunk for p in layer.parameters()]
+
+
+@torch.no_grad()
+def sgd(model, lr=1e-3):
+    for p in params(model):
+        if p.grad is not None:
+            p.add_(p.grad, alpha=-lr)
+            p.grad = None
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train(model, plan, rank, data, steps):
+    """``steps`` SGD steps; per step the losses, input grads and parameter grads (cloned)."""
+    out = []
+    for _ in range(steps):
+        r = run_rank_step(model, plan, rank, data)
+        out.append((r, [p.grad.clone() for p in params(model)]))
+        sgd(model)
+    return out
+
+
+def compare(ref, got) -> dict:
+    """Bitwise flags and the largest relative difference over losses, input grads and parameter grads."""
+    flags = {"losses": True, "input_grads": True, "param_grads": True}
+    worst = 0.0
+    for (ra, ga), (rb, gb) in zip(ref, got):
+        pairs = [("losses", ra.losses[k], rb.losses[k]) for k in ra.losses]
+        pairs += [("input_grads", ra.input_grads[k], rb.input_grads[k]) for k in ra.input_grads]
+        pairs += [("param_grads", a, b) for a, b in zip(ga, gb)]
+        for kind, a, b in pairs:
+            if not torch.equal(a, b):
+                flags[kind] = False
+                scale = a.float().abs().max().item() or 1.0
+                worst = max(worst, (a.float() - b.float()).abs().max().item() / scale)
+    return {**flags, "bitwise": all(flags.values()), "max_rel_diff": worst}
+
+
+def time_steps(model, plan, rank, data, steps, device) -> float:
+    """Median wall time of one step (forward/backward of every action), grads dropped in between (ms)."""
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        run_rank_step(model, plan, rank, data)
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+        for p in params(model):
+            p.grad = None
+    return statistics.median(times)
+
+
+def peak_step_mib(model, plan, rank, data, device) -> float | None:
+    if device.type != "cuda":
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run_rank_step(model, plan, rank, data)
+    sync(device)
+    for p in params(model):
+        p.grad = None
+    return torch.cuda.max_memory_allocated(device) / 2 ** 20
+
+
+def run_config(name: str, cfg: dict, args, device, dtype, backend: str) -> dict:
+    plan = build_plan("interleaved", args.pp, args.microbatches, args.vp, args.group)
+    rank = args.rank
+    data = make_rank_data(args.vp, args.microbatches, (cfg["seq"], cfg["mbs"], cfg["hidden"]), dtype, device)
+    eager = build(cfg, args.vp, device, dtype)
+    graphed = copy.deepcopy(eager)
+    res: dict = {"config": cfg, "backend": backend, "pp": args.pp, "vp": args.vp, "rank": rank,
+                 "microbatches": args.microbatches, "order": plan.order(rank)}
+
+    # warm up cuBLAS/allocator on a throwaway copy, so the eager reference is not the first run
+    scratch = copy.deepcopy(eager)
+    run_rank_step(scratch, plan, rank, data)
+    del scratch
+
+    sample = [(torch.ones(cfg["seq"], cfg["mbs"], cfg["hidden"], device=device, dtype=dtype, requires_grad=True),)
+              for _ in range(args.vp * args.microbatches * cfg["layers"])]
+    mem0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    t0 = time.perf_counter()
+    layers = capture(graphed, plan, rank, sample, backend=backend, num_warmup_iters=args.warmup_iters)
+    sync(device)
+    res["capture_s"] = time.perf_counter() - t0
+    res["capture_held_mib"] = ((torch.cuda.memory_allocated(device) - mem0) / 2 ** 20
+                               if device.type == "cuda" else None)
+    res["graphs_active"] = layers.active
+    res["num_graph_pairs"] = layers.report.num_graphs
+    res["fallback_reason"] = layers.report.reason
+    if not layers.active:
+        print(f"[{name}] capture fell back to eager: {layers.report.reason}")
+        res["ok"] = False
+        return res
+
+    ref = train(eager, plan, rank, data, args.check_steps)
+    got = train(graphed, plan, rank, data, args.check_steps)
+    res["graph_vs_eager"] = compare(ref, got)
+    if name != "compute":  # eager twice: is eager itself deterministic here?
+        again = build(cfg, args.vp, device, dtype)
+        res["eager_vs_eager"] = compare(ref, train(again, plan, rank, data, args.check_steps))
+
+    res["eager_ms"] = time_steps(eager, plan, rank, data, args.steps, device)
+    res["graph_ms"] = time_steps(graphed, plan, rank, data, args.steps, device)
+    res["speedup"] = res["eager_ms"] / res["graph_ms"] if res["graph_ms"] else None
+    res["eager_peak_mib"] = peak_step_mib(eager, plan, rank, data, device)
+    res["graph_peak_mib"] = peak_step_mib(graphed, plan, rank, data, device)
+    diff = res["graph_vs_eager"]
+    res["ok"] = diff["bitwise"] or diff["max_rel_diff"] <= args.tolerance
+
+    if name in ("launch", "cpu_tiny"):
+        res["negative_control"] = negative_control(cfg, args, device, dtype, backend, plan, rank, data)
+        res["ok"] = res["ok"] and res["negative_control"]["detected"]
+        if device.type == "cuda" and not args.no_te:
+            res["te"] = te_comparison(cfg, args, device, dtype, plan, rank, data)
+    layers.remove()
+    return res
+
+
+def negative_control(cfg, args, device, dtype, backend, plan, rank, data) -> dict:
+    """One graph per layer shared by all microbatches (wrong with >1 microbatch in flight) must differ."""
+    eager = build(cfg, args.vp, device, dtype, seed=1)
+    shared = copy.deepcopy(eager)
+    sample = [(torch.ones(cfg["seq"], cfg["mbs"], cfg["hidden"], device=device, dtype=dtype, requires_grad=True),)
+              for _ in range(args.vp * args.microbatches * cfg["layers"])]
+    layers = capture(shared, plan, rank, sample, backend=backend, share_graphs=True, allow_unsafe_sharing=True)
+    diff = compare(train(eager, plan, rank, data, 1), train(shared, plan, rank, data, 1))
+    layers.remove()
+    return {"detected": not diff["bitwise"], "max_rel_diff": diff["max_rel_diff"]}
+
+
+def te_comparison(cfg, args, device, dtype, plan, rank, data) -> dict:
+    from graphs.backends.te import te_unavailable_reason
+    reason = te_unavailable_reason()
+    if reason is not None:
+        return {"skipped": reason}
+    try:
+        eager = build(cfg, args.vp, device, dtype, seed=2)
+        graphed = copy.deepcopy(eager)
+        sample = [(torch.ones(cfg["seq"], cfg["mbs"], cfg["hidden"], device=device, dtype=dtype,
+                              requires_grad=True),) for _ in range(args.vp * args.microbatches * cfg["layers"])]
+        layers = capture(graphed, plan, rank, sample, backend="te")
+        if not layers.active:
+            return {"skipped": layers.report.reason}
+        diff = compare(train(eager, plan, rank, data, args.check_steps),
+                       train(graphed, plan, rank, data, args.check_steps))
+        out = {"graph_vs_eager": diff, "features": layers.report.te_features,
+               "eager_ms": time_steps(eager, plan, rank, data, args.steps, device),
+               "graph_ms": time_steps(graphed, plan, rank, data, args.steps, device)}
+        layers.remove()
+        return out
+    except Exception as exc:  # noqa: BLE001 - report, never abort the benchmark for the optional TE part
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def fmt(x, spec=".3f"):
+    return "n/a" if x is None else format(x, spec)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the results to this path")
+    ap.add_argument("--configs", default="launch,compute", help="comma-separated: launch, compute")
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--vp", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--group", type=int, default=None, help="microbatch_group_size_per_vp_stage (default pp)")
+    ap.add_argument("--rank", type=int, default=0, help="which pipeline rank's order to run")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    ap.add_argument("--check-steps", type=int, default=3, help="SGD steps compared bitwise")
+    ap.add_argument("--warmup-iters", type=int, default=1, help="warmup rounds inside the capture")
+    ap.add_argument("--tolerance", type=float, default=0.0, help="max relative difference accepted (0: bitwise)")
+    ap.add_argument("--no-te", action="store_true", help="skip the optional Transformer Engine comparison")
+    args = ap.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = getattr(torch, args.dtype)
+    report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
+                    "dtype": args.dtype, "argv": sys.argv[1:], "configs": {}}
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        names, backend = [c.strip() for c in args.configs.split(",") if c.strip()], "torch"
+        report["skipped_graphs"] = False
+    else:
+        print("no CUDA device: skipping the CUDA-graph part; running a tiny emulate-backend check of the script")
+        names, backend, dtype = ["cpu_tiny"], "emulate", torch.float32
+        args.steps, args.microbatches = min(args.steps, 3), min(args.microbatches, 4)
+        report["skipped_graphs"] = True
+        torch.set_num_threads(1)
+    for name in names:
+        if name not in CONFIGS:
+            ap.error(f"unknown config {name!r}; use launch, compute")
+        t0 = time.perf_counter()
+        res = run_config(name, CONFIGS[name], args, device, dtype, backend)
+        res["wall_s"] = time.perf_counter() - t0
+        report["configs"][name] = res
+        d = res.get("graph_vs_eager", {})
+        print(f"[{name}] {res['config']} backend={backend} graphs={res['num_graph_pairs']} "
+              f"capture={res['capture_s']:.2f}s held={fmt(res['capture_held_mib'], '.1f')}MiB")
+        print(f"[{name}] graph_vs_eager bitwise={d.get('bitwise')} losses={d.get('losses')} "
+              f"input_grads={d.get('input_grads')} param_grads={d.get('param_grads')} "
+              f"max_rel_diff={fmt(d.get('max_rel_diff'), '.3g')}")
+        if "eager_vs_eager" in res:
+            print(f"[{name}] eager_vs_eager bitwise={res['eager_vs_eager']['bitwise']}")
+        print(f"[{name}] step eager={fmt(res.get('eager_ms'))}ms graph={fmt(res.get('graph_ms'))}ms "
+              f"speedup={fmt(res.get('speedup'), '.2f')}x peak eager={fmt(res.get('eager_peak_mib'), '.1f')}MiB "
+              f"graph={fmt(res.get('graph_peak_mib'), '.1f')}MiB")
+        if "negative_control" in res:
+            print(f"[{name}] negative_control (shared graph per layer) detected={res['negative_control']['detected']}")
+        if "te" in res:
+            print(f"[{name}] te: {json.dumps(res['te'], default=str)}")
+        print(f"[{name}] {'PASS' if res['ok'] else 'FAIL'} in {res['wall_s']:.1f}s")
+    ok = all(r["ok"] for r in report["configs"].values())
+    report["status"] = "PASS" if ok else "FAIL"
+    print(f"STATUS overall {report['status']}" + (" (graph part skipped: no CUDA)" if not cuda else ""))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+        print(f"wrote {args.json}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
