@@ -1,0 +1,161 @@
+"""Worker functions for the reliability tests: training runs with an injected fault, and tiny pipeline jobs.
+
+They live in an importable module (not in a test file) because ``engine.training.launch.spawn`` and
+``tests.distributed.run_ranks`` start ranks with the ``spawn`` method, which imports the function by name.
+
+Faults (``Fault``): a rank SIGKILLs itself, or raises in its forward step, at the start of a given training step
+(1-based, counted by the trainer).  Each rank writes ``<record_dir>/rank<r>.json`` after every step (pid, the step
+losses so far, and a digest of its model weights), so the parent can compare runs and check that no process is
+left behind.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Fault", "tiny_overrides", "write_corpus", "faulty_train_worker", "weights_digest", "read_records"]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Inject ``kind`` (``"sigkill"`` or ``"raise"``) on global rank ``rank`` when it starts step ``step``."""
+
+    kind: str
+    rank: int
+    step: int
+
+
+def write_corpus(path: Path, size: int = 60_000) -> Path:
+    """A small deterministic byte corpus (repeated, slightly varied English-ish text)."""
+    words = [b"pipeline", b"stage", b"microbatch", b"warmup", b"cooldown", b"bubble", b"gradient", b"tensor",
+             b"rank", b"chunk", b"the", b"a", b"of", b"and", b"schedule", b"forward", b"backward"]
+    out, i = bytearray(), 0
+    while len(out) < size:
+        out += words[(i * 7 + i // 5) % len(words)] + (b".\n" if i % 11 == 10 else b" ")
+        i += 1
+    path.write_bytes(bytes(out[:size]))
+    return path
+
+
+def tiny_overrides(corpus: Path, run_dir: Path, **extra) -> dict:
+    """A tiny GPT config (4 layers, h=32, s=16) that trains 20 steps in a few seconds on 4 CPU ranks."""
+    base = {"model.num_layers": 4, "model.hidden_size": 32, "model.num_attention_heads": 2,
+            "model.seq_length": 16, "data.source": "text", "data.paths": [str(corpus)],
+            "schedule.micro_batch_size": 2, "schedule.num_microbatches": 4, "schedule.steps": 20,
+            "schedule.eval_interval": 0, "optimizer.lr": 1e-2, "optimizer.min_lr": 1e-3,
+            "optimizer.warmup_steps": 3, "logging.level": "WARNING",
+            "logging.run_dir": str(run_dir), "checkpoint.dir": str(run_dir / "checkpoints"),
+            "parallel.timeout_s": 20}
+    base.update(extra)
+    return base
+
+
+def weights_digest(trainer) -> str:
+    """sha256 over this rank's parameters (layout-independent names, sorted)."""
+    h = hashlib.sha256()
+    for name, t in sorted(trainer.canonical.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _record(record_dir: Path, rank: int, payload: dict) -> None:
+    tmp = record_dir / f".rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, record_dir / f"rank{rank}.json")
+
+
+def read_records(record_dir: Path) -> dict[int, dict]:
+    out = {}
+    for f in sorted(Path(record_dir).glob("rank*.json")):
+        out[int(f.stem[4:])] = json.loads(f.read_text())
+    return out
+
+
+def faulty_train_worker(config, resume: bool, record_dir: str, fault: Fault | None = None,
+                        steps: int | None = None) -> None:
+    """``engine.training.launch.train_worker`` with a fault and a per-step record.
+
+    ``resume``: load the latest checkpoint first.  ``steps``: train at most this many steps in this call (the LR
+    schedule still spans ``schedule.steps``); checkpoints follow ``checkpoint.interval``.
+    """
+    from engine.training.trainer import Trainer
+    rank = dist.get_rank()
+    record_dir = Path(record_dir)
+    record = {"pid": os.getpid(), "losses": {}, "digest": None, "resumed_at": 0}
+    _record(record_dir, rank, record)
+    with Trainer(config) as trainer:
+        record.update(pp_rank=trainer.pp_rank, dp_rank=trainer.dp_rank)
+        if resume:
+            trainer.load()
+            record["resumed_at"] = trainer.step
+        if fault is not None and fault.rank == rank:
+            _arm(trainer, fault, lambda: _record(record_dir, rank, {**record, "fault_at": time.time()}))
+        end = config.schedule.steps if steps is None else min(config.schedule.steps, trainer.step + steps)
+        while trainer.step < end:
+            metrics = trainer.train_step()
+            record["losses"][str(trainer.step)] = metrics["loss"]
+            if config.checkpoint.interval and trainer.step % config.checkpoint.interval == 0:
+                trainer.save()
+            record["digest"] = weights_digest(trainer)
+            _record(record_dir, rank, record)
+    _fast_exit()
+
+
+def _fast_exit() -> None:
+    """End a finished rank without the interpreter's multi-second torch teardown (test speed only): wait until every
+    rank is done, flush, ``os._exit(0)``."""
+    import logging
+    import sys
+    dist.barrier()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _arm(trainer, fault: Fault, before) -> None:
+    """Wrap the trainer's forward step so that the fault fires in the first forward of step ``fault.step``
+    (``before()`` runs first: it records the time of the fault)."""
+    inner = trainer._forward_step
+
+    def forward_step(data_iterator, model):
+        if trainer.step + 1 == fault.step:  # trainer.step counts completed steps
+            before()
+            if fault.kind == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected fault: rank {dist.get_rank()} raises in its forward step "
+                               f"(step {fault.step})")
+        return inner(data_iterator, model)
+
+    trainer._forward_step = forward_step  # the trainer looks it up per schedule call
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.reliability_jobs JSON``: a ``pipecast train``-like launcher process running
+    :func:`faulty_train_worker` under ``engine.training.launch.run_spawned``.
+
+    JSON keys: ``overrides`` (config overrides), ``record_dir``, ``resume`` (bool), ``fault`` (``[kind, rank, step]``
+    or null), ``steps`` (int or null).  Exits with the launcher's status.
+    """
+    import sys
+
+    from engine.training.config import load_config
+    from engine.training.launch import run_spawned
+    spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    config = load_config(None, spec["overrides"])
+    fault = Fault(*spec["fault"]) if spec.get("fault") else None
+    return run_spawned(faulty_train_worker, config, bool(spec.get("resume")), spec["record_dir"], fault,
+                       spec.get("steps"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""Reliability of whole training jobs under the launcher (``engine.training.launch.run_spawned``, what ``pipecast
+train`` runs), each job a separate launcher process with a timeout:
+
+* SIGKILL one rank of 4 (pipeline 2 x data 2) mid-training: the launcher exits 1 within 60 s of the kill with an
+  ``error:`` line naming the killed rank; every rank process is gone.
+* Exact resume: 20 steps straight == 10 steps (+ checkpoint) + SIGKILL in step 13 + ``--resume`` + the rest,
+  bitwise on CPU (every step loss and every rank's weights).  The first 12 steps of the killed run equal the straight
+  run too: two runs with the same seed and config give bitwise-identical losses (determinism across processes).
+* A rank raises in its forward step: the launcher exits 1 naming that rank and the exception; no process is left.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.reliability_jobs import read_records, tiny_overrides, write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _launch(spec: dict, timeout: float = 90) -> tuple[int, str, float]:
+    """Run one launcher process; returns (exit status, stderr, seconds)."""
+    t0 = time.time()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    proc = subprocess.run([sys.executable, "-m", "tests.reliability_jobs", json.dumps(spec)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stderr, time.time() - t0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _error_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+    assert lines, f"no error line in:\n{stderr[-3000:]}"
+    return lines[0]
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_one_of_four_ranks_then_exact_resume(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    layout = {"parallel.pipeline": 2, "parallel.data": 2, "checkpoint.interval": 10, "checkpoint.keep": 3}
+    straight_dir, killed_dir, resumed_dir = (tmp_path / n for n in ("straight", "killed", "resumed"))
+    for d in (straight_dir, killed_dir, resumed_dir):
+        d.mkdir()
+    run_dir = tmp_path / "run"  # the killed run and its resume share checkpoints
+
+    rc, err, _ = _launch({"overrides": tiny_overrides(corpus, tmp_path / "run_straight", **layout),
+                          "record_dir": str(straight_dir)})
+    assert rc == 0, err[-3000:]
+    straight = read_records(straight_dir)
+    assert sorted(straight) == [0, 1, 2, 3] and all(len(r["losses"]) == 20 for r in straight.values())
+
+    # SIGKILL rank 2 (pipeline rank 1 of data-parallel replica 1) at the start of step 13
+    rc, err, _ = _launch({"overrides": tiny_overrides(corpus, run_dir, **layout), "record_dir": str(killed_dir),
+                          "fault": ["sigkill", 2, 13]})
+    ended = time.time()
+    killed = read_records(killed_dir)
+    assert rc == 1, err[-3000:]
+    line = _error_line(err)
+    assert "rank 2" in line and "SIGKILL" in line, line
+    assert ended - killed[2]["fault_at"] < 60, "the launcher took too long to notice the dead rank"
+    assert not any(_alive(r["pid"]) for r in killed.values()), "a rank process was left behind"
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert "step_00000010" in ckpts and "step_00000020" not in ckpts, ckpts
+
+    # determinism: the killed run repeats the straight run bitwise until the kill
+    for rank, rec in killed.items():
+        assert list(rec["losses"]) == [str(s) for s in range(1, 13)]
+        assert all(rec["losses"][s] == straight[rank]["losses"][s] for s in rec["losses"]), f"rank {rank}"
+
+    rc, err, _ = _launch({"overrides": tiny_overrides(corpus, run_dir, **layout), "record_dir": str(resumed_dir),
+                          "resume": True})
+    assert rc == 0, err[-3000:]
+    resumed = read_records(resumed_dir)
+    for rank, rec in resumed.items():
+        assert rec["resumed_at"] == 10
+        assert list(rec["losses"]) == [str(s) for s in range(11, 21)]
+        assert [rec["losses"][s] for s in rec["losses"]] == [straight[rank]["losses"][s] for s in rec["losses"]], \
+            f"rank {rank}: resumed losses differ from the straight run"
+        assert rec["digest"] == straight[rank]["digest"], f"rank {rank}: resumed weights differ bitwise"
+    # data-parallel replicas of a pipeline stage hold bitwise-equal weights; the two stages differ
+    by_stage = {}
+    for rec in straight.values():
+        by_stage.setdefault(rec["pp_rank"], set()).add(rec["digest"])
+    assert sorted(by_stage) == [0, 1] and all(len(d) == 1 for d in by_stage.values())
+    assert by_stage[0] != by_stage[1]
+
+
+@pytest.mark.timeout(120)
+def test_raise_in_one_ranks_forward(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    overrides = tiny_overrides(corpus, tmp_path / "run", **{"parallel.pipeline": 2, "schedule.steps": 5})
+    rc, err, _ = _launch({"overrides": overrides, "record_dir": str(tmp_path), "fault": ["raise", 1, 3]})
+    ended = time.time()
+    records = read_records(tmp_path)
+    assert rc == 1, err[-3000:]
+    line = _error_line(err)
+    assert "rank 1 failed" in line and "injected fault: rank 1 raises in its forward step" in line, line
+    assert ended - records[1]["fault_at"] < 60
+    assert not any(_alive(r["pid"]) for r in records.values()), "a rank process was left behind"
+    assert all(list(r["losses"]) == ["1", "2"] for r in records.values())
