@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -99,6 +100,7 @@ class Trainer:
         self.history: list[dict] = []
         self.val_history: list[tuple[int, float]] = []
         self._graphs_checked = False
+        self._resumed = False
         self._forward_backward, self._p2p = self._schedule()
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +130,6 @@ class Trainer:
         if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
             if not torch.cuda.is_available():
                 raise RuntimeError("parallel.device=cuda but CUDA is not available; set parallel.device=cpu or auto")
-            import os
             local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
             torch.cuda.set_device(local)
             return torch.device("cuda", local)
@@ -295,7 +296,7 @@ class Trainer:
         c = self.config
         end = c.schedule.steps if steps is None else min(c.schedule.steps, self.step + steps)
         start = self.step
-        if self.step == 0 and not self.val_history:
+        if not self.val_history and not self._resumed:
             self._log_eval(self.evaluate())
         with self._progress(start, end) as bar:
             while self.step < end:
@@ -394,7 +395,7 @@ class Trainer:
         self._set_schedule_position(self.step)
         if "rng" in target:
             torch.set_rng_state(target["rng"][f"rank{self.rank}"]["cpu"])
-        self.val_history = [(self.step, math.nan)]  # a resumed run does not re-evaluate at its first step
+        self._resumed = True  # train() does not re-evaluate at the resumed step
         if self.is_log_rank:
             log.info("resumed from %s at step %d", path, self.step)
         return Path(path)
