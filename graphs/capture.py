@@ -344,11 +344,9 @@ def _capture_torch(layers, order, lpc, M, sample_args, sample_kwargs, layer_spec
                    clone_param_grads, pool, generators, tracer, report) -> GraphSet:
     def prepare(slots):
         torch.cuda.synchronize()
-        gc.collect()
+        gc.collect()  # before GC is disabled for the capture: no stale graph may die during it
         torch.cuda.empty_cache()
-        report_pool = torch_cuda.capture_context(slots, pool, generators)
-        report.te_features = None
-        return report_pool
+        torch_cuda.capture_context(slots, pool, generators)  # one shared pool for every graph of this rank
 
     gs = _slot_capture(torch_cuda.CudaGraphSlot, torch_cuda.warmup_context, layers, order, lpc, M, sample_args,
                        sample_kwargs, layer_specs, num_warmup_iters, share, clone_param_grads, tracer,

@@ -142,3 +142,34 @@ def test_causality_is_exactly_megatron_realisability():
 def test_max_in_flight():
     assert max_in_flight([1, -1] * 4) == 1
     assert max_in_flight(graph_order(build_plan("1f1b", 4, 8), 0)) == 4
+
+
+@pytest.mark.parametrize("schedule,pp,vp,m,g", GRID)
+def test_pool_model_capture_in_runtime_order_has_no_conflicts(schedule, pp, vp, m, g):
+    from graphs.liveness import pool_conflicts
+    plan = build_plan(schedule, pp, m, vp, g)
+    for rank in range(pp):
+        order = graph_order(plan, rank)
+        assert pool_conflicts(order, order, [2] * vp).conflicts == []
+
+
+def test_pool_model_detects_capture_order_differing_from_runtime():
+    """Negative control (B15, spec 3.2): torch's fixed capture order, or one swapped (F, B) pair at runtime, lets a
+    replay overwrite live activations of another microbatch in the shared pool."""
+    from graphs.liveness import pool_conflicts
+    plan = build_plan("interleaved", 4, 8, 4, 4)
+    order = graph_order(plan, 1)
+    torch_style = [e for e in order if e > 0] + [e for e in reversed(order) if e < 0]
+    same, torch_model = pool_conflicts(order, order, [1] * 4), pool_conflicts(torch_style, order, [1] * 4)
+    assert torch_model.conflicts and torch_model.num_blocks > same.num_blocks
+    swapped_with_conflict = 0
+    for i in range(len(order) - 1):
+        if (order[i] > 0) != (order[i + 1] > 0):
+            runtime = list(order)
+            runtime[i], runtime[i + 1] = runtime[i + 1], runtime[i]
+            try:
+                check_order(runtime, num_model_chunks=4, num_microbatches=8)
+            except ValueError:
+                continue  # not a realisable runtime order
+            swapped_with_conflict += bool(pool_conflicts(order, runtime, [1] * 4).conflicts)
+    assert swapped_with_conflict > 0
