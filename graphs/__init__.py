@@ -12,11 +12,12 @@ from .capture import BACKENDS, CaptureReport, capture, make_sample_args, resolve
 from .dispatch import GraphedLayers, GraphSet, Recording, ReplayGuard, layers_of_chunk
 from .order import (LayerEvent, check_order, flat_index, graph_order, layer_events, max_in_flight, order_events,
                     unflat_index)
+from .runtime import GraphRuntime
 from .specs import CallSpec, TensorSpec
 
 __all__ = [
     "BACKENDS", "CaptureReport", "capture", "make_sample_args", "resolve_backend",
     "GraphedLayers", "GraphSet", "Recording", "ReplayGuard", "layers_of_chunk",
     "LayerEvent", "check_order", "flat_index", "graph_order", "layer_events", "max_in_flight", "order_events",
-    "unflat_index", "CallSpec", "TensorSpec",
+    "unflat_index", "CallSpec", "TensorSpec", "GraphRuntime",
 ]

@@ -261,7 +261,11 @@ class GraphedLayers:
             raise RuntimeError(f"chunk {chunk} layer {layer} microbatch {m}: {problem}; a graph replays with its "
                                f"captured shapes only -- recapture for the new shapes or run eagerly")
         self.guard.expect(LayerEvent("F", chunk, m, layer))
-        out = graphs.call(chunk, m, layer, args, kwargs)
+        if self.tracer is not None and graphs.backend == "te":  # torch/emulate slots report their own spans
+            with self.tracer.span("graph", f"replay F c{chunk} mb{m} l{layer}"):
+                out = graphs.call(chunk, m, layer, args, kwargs)
+        else:
+            out = graphs.call(chunk, m, layer, args, kwargs)
         self._on_backward(out, LayerEvent("B", chunk, m, layer), self.guard.expect)
         return out
 

@@ -50,6 +50,8 @@ class GraphRuntime:
         group: process group of the collective decision (default: the world).
         tracer: gets ``"graph"`` spans around replays.
         layers_of: ``chunk -> list of layers to graph`` (default ``.decoder.layers`` or ``.layers``).
+        variable_seq_lengths: the run varies sequence lengths (Megatron's config flag): graphs are off, decided at
+            the capture point with one log line.
 
     Raises:
         ValueError: unknown backend, ``warmup_steps < 1``, chunk count not matching.
@@ -58,7 +60,7 @@ class GraphRuntime:
     def __init__(self, model_chunks: Sequence[torch.nn.Module], schedule: str, pp_size: int, pp_rank: int,
                  num_model_chunks: int = 1, group_size: int | None = None, backend: str = "auto",
                  warmup_steps: int = 2, num_warmup_iters: int = 1, group=None, tracer=None,
-                 layers_of: Callable[[torch.nn.Module], list] = layers_of_chunk):
+                 layers_of: Callable[[torch.nn.Module], list] = layers_of_chunk, variable_seq_lengths: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"cuda_graphs.backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
@@ -72,6 +74,7 @@ class GraphRuntime:
         self.group_size = group_size
         self.backend, self.warmup_steps, self.num_warmup_iters = backend, warmup_steps, num_warmup_iters
         self.group, self.tracer = group, tracer
+        self.variable_seq_lengths = variable_seq_lengths
         self.layers = GraphedLayers([layers_of(c) for c in self.chunks], tracer=tracer)
         self.disabled_reason: str | None = None
         self.steps_seen = 0
@@ -111,9 +114,10 @@ class GraphRuntime:
         self._counters = [0] * self.num_model_chunks
         if self.disabled_reason is not None:
             return
-        if not self.layers.guard.at_step_boundary:
-            raise RuntimeError("the previous training step ended in the middle of the captured order; graphs "
-                               "cannot be replayed from there (an exception inside a step?) -- rebuild the trainer")
+        if not self.layers.guard.at_step_boundary:  # the previous step raised half-way: start the order afresh
+            log.warning("CUDA graphs: the previous step stopped at pass %d of the captured order; restarting the "
+                        "order (every replay rewrites its own buffers)", self.layers.guard.position)
+            self.layers.guard.reset()
         key = (num_microbatches, shape_key)
         if self.layers.active and key == self._captured_key:
             return
@@ -136,10 +140,11 @@ class GraphRuntime:
             self._record_key = key
             return
         plan = build_plan(self.schedule, self.pp_size, num_microbatches, self.num_model_chunks, self.group_size)
-        veto = None
+        veto = ("variable sequence lengths (variable_seq_lengths=True): graphs replay fixed shapes only"
+                if self.variable_seq_lengths else None)
         expected = [(a.op.value, a.chunk, a.microbatch) for a in plan.actions[self.pp_rank] if a.op is not Op.WEIGHT]
         passes = rec.microbatch_passes()
-        if passes != expected:
+        if veto is None and passes != expected:
             first = next((i for i, (a, b) in enumerate(zip(passes, expected)) if a != b), min(len(passes),
                                                                                               len(expected)))
             veto = (f"the executor's passes differ from the {self.schedule} plan at pass {first} "
