@@ -69,8 +69,13 @@ def get_pp_rank_microbatches(num_microbatches, num_model_chunks, microbatch_grou
 _NO_PIPELINING, _ONE_F_ONE_B, _INTERLEAVED = "no_pipelining", "1f1b", "interleaved"
 _SCHEDULE_ID = {_NO_PIPELINING: 0, _ONE_F_ONE_B: 1, _INTERLEAVED: 2}
 _FINGERPRINT = ("schedule", "num_microbatches", "forward_only", "num_model_chunks",
-                "microbatch_group_size_per_vp_stage", "variable_seq_lengths", "activation shape", "gradient shape")
+                "microbatch_group_size_per_vp_stage", "variable_seq_lengths", "activation shape", "gradient shape",
+                "config.pipeline_dtype")
 _SHAPE_SLOTS = 4
+# pipeline_dtype in the fingerprint: ranks with different P2P dtypes would exchange messages of different byte sizes
+# (gloo aborts the process on a larger message and silently half-fills the buffer on a smaller one)
+_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+           *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)))
 
 
 def _as_list(x, name: str):
@@ -249,8 +254,10 @@ def _fingerprint(call, schedule, num_microbatches, forward_only) -> list[int]:
         shape = list(shape or ())
         return shape + [-1] * (_SHAPE_SLOTS - len(shape))
     variable = bool(call.comm.negotiates_shapes)
+    dtype = call.config.pipeline_dtype
+    dtype_id = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
     return ([_SCHEDULE_ID[schedule], num_microbatches, int(bool(forward_only)), len(call.models), call.group or 0,
-             int(variable)] + slots(call.act_shape) + slots(call.grad_shape))
+             int(variable)] + slots(call.act_shape) + slots(call.grad_shape) + [dtype_id])
 
 
 def _agree(comm, error, values) -> None:
@@ -260,7 +267,7 @@ def _agree(comm, error, values) -> None:
         if error is not None:
             raise error
         return
-    width = 6 + 2 * _SHAPE_SLOTS
+    width = 7 + 2 * _SHAPE_SLOTS
     vec = torch.tensor([int(error is not None)] + (list(values) if error is None else [0] * width),
                        dtype=torch.int64, device=comm.device)
     gathered = [torch.empty_like(vec) for _ in range(comm.size)]
@@ -273,11 +280,13 @@ def _agree(comm, error, values) -> None:
         raise RuntimeError(f"pipeline rank(s) {rejected} rejected this schedule call (see the error raised there); "
                            f"pipeline rank {comm.rank} stops too instead of waiting for them")
     columns = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 6 + _SHAPE_SLOTS),
-               (6 + _SHAPE_SLOTS, 6 + 2 * _SHAPE_SLOTS)]
+               (6 + _SHAPE_SLOTS, 6 + 2 * _SHAPE_SLOTS), (6 + 2 * _SHAPE_SLOTS, 7 + 2 * _SHAPE_SLOTS)]
     for name, (a, b) in zip(_FINGERPRINT, columns):
         per_rank = [tuple(row[1 + a:1 + b]) for row in rows]
         if len(set(per_rank)) > 1:
             shown = [v[0] if len(v) == 1 else tuple(d for d in v if d >= 0) for v in per_rank]
+            if name == "config.pipeline_dtype":
+                shown = [str(_DTYPES[v]) if v < len(_DTYPES) else "another dtype" for v in shown]
             raise ValueError(f"the pipeline ranks called the schedule with different {name}: {shown} (index = "
                              f"pipeline rank); every pipeline rank must pass the same {name}")
 
