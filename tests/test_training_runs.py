@@ -42,10 +42,11 @@ def _train(rank, world, overrides, run_dir, steps=STEPS):
     config = load_config(None, {**overrides, "logging.run_dir": str(run_dir)})
     losses, tied = [], []
     with Trainer(config) as trainer:
+        reads_data = trainer.batches is not None
         for _ in range(steps):
             losses.append(trainer.train_step()["loss"])
             tied.append(_tied_weights(trainer))
-    return losses, tied
+    return losses, tied, reads_data
 
 
 def _train_layouts(rank, world, layouts, run_dir):
@@ -72,21 +73,25 @@ def test_losses_equal_across_layouts(world, reference, tmp_path):
     results = run_ranks(_train_layouts, world, LAYOUTS[world], tmp_path, timeout=140)
     for name in LAYOUTS[world]:
         per_rank = [r[name] for r in results]
-        for losses, _ in per_rank:  # every rank reports the same (broadcast) loss
+        for losses, _, _ in per_rank:  # every rank reports the same (broadcast) loss
             assert losses == per_rank[0][0]
         diff = max(abs(a - b) for a, b in zip(reference, per_rank[0][0]))
         assert diff <= 1e-4, f"{name}: max |loss - pp1 loss| = {diff:.3g}"
         # the first and last stage copies of the tied embedding are bitwise equal after every step
         for step in range(STEPS):
-            entries = [kv for _, tied in per_rank for kv in tied[step]]
+            entries = [kv for _, tied, _ in per_rank for kv in tied[step]]
             assert {role for role, _ in entries} == {"first", "last"}
             assert len({digest for _, digest in entries}) == 1, f"{name}: tied copies differ after step {step + 1}"
+    if world == 4:  # only the first and last pipeline stage read data
+        assert [r["pp4"][2] for r in results] == [True, False, False, True]
 
 
 def _resume(rank, world, overrides, run_dir):
     from engine import Trainer
     from engine.training.checkpoint import CheckpointError
-    config = load_config(None, {**overrides, "logging.run_dir": str(run_dir), "schedule.steps": 6})
+    # dropout on: the resumed run must also restore each rank's RNG state to match bitwise
+    config = load_config(None, {**overrides, "logging.run_dir": str(run_dir), "schedule.steps": 6,
+                                "model.dropout": 0.1})
     with Trainer(config) as straight:
         straight_losses = [straight.train_step()["loss"] for _ in range(6)]
         straight_weights = {k: _digest(v) for k, v in straight.canonical.state_dict().items()}
