@@ -5,7 +5,10 @@ writes into ``<dir>/.step_00000100.tmp`` and rank 0 renames it once every rank h
 on a file system all ranks share), so a crash mid-write leaves only a ``.tmp`` folder that is never loaded; the
 previous checkpoint stays valid.  ``keep`` completed checkpoints are kept.
 
-Only tensors are stored (step, scheduler step and RNG states included), so loading needs no pickle.  Model and
+Only tensors are stored (step, scheduler step and RNG states included).  Loading unpickles nothing a file can
+choose: tensors are read by DCP with ``weights_only=True``, and DCP's ``.metadata`` (itself a pickle) is read by
+:class:`_MetadataUnpickler`, which only builds DCP's metadata records, ``torch.Size`` / dtypes / layouts and paths;
+metadata that declares a pickled-object entry (which DCP would load with ``weights_only=False``) is rejected.  Model and
 optimizer state are keyed by layout-independent names (``engine.training.model.canonical_module``): the two
 bitwise-equal copies of the tied embedding share one key, data-parallel replicas are deduplicated by DCP.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -80,6 +84,60 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
     return final
 
 
+# (module, name) globals a DCP ``.metadata`` pickle may reference (torch 2.x); everything else is refused
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
+        "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+     ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+     ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickler for DCP ``.metadata`` files that can only construct the allow-listed globals (and torch dtypes)."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch":
+            import torch
+            if isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in checkpoint metadata (pipecast "
+                                     f"checkpoints hold tensors only)")
+
+
+def _read_metadata(path: Path):
+    """DCP metadata of the checkpoint folder ``path`` through :class:`_MetadataUnpickler`."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+    with open(path, "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise pickle.UnpicklingError(f"entry {key!r} is a {type(entry).__name__}, not a tensor")
+    return metadata
+
+
+def _safe_reader(path: str | os.PathLike):
+    """A DCP ``FileSystemReader`` for ``path`` whose metadata is read by :func:`_read_metadata`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _SafeFileSystemReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            rank = kwargs.get("rank")
+            metadata = _read_metadata(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return _SafeFileSystemReader(str(path))
+
+
 def checkpoint_keys(path: str | os.PathLike) -> set[str]:
     """The flattened keys a checkpoint holds (from its ``.metadata``).
 
@@ -90,9 +148,8 @@ def checkpoint_keys(path: str | os.PathLike) -> set[str]:
     if not (p / ".metadata").is_file():
         raise CheckpointError(f"{str(p)!r} is not a complete checkpoint (no .metadata file); it may be truncated "
                               f"or still being written -- delete it or resume from an older one")
-    import torch.distributed.checkpoint as dcp
     try:
-        return set(dcp.FileSystemReader(str(p)).read_metadata().state_dict_metadata)
+        return set(_read_metadata(p / ".metadata").state_dict_metadata)
     except Exception as exc:  # noqa: BLE001 - any read failure is a corrupt checkpoint
         raise CheckpointError(f"checkpoint {str(p)!r} has corrupt metadata ({type(exc).__name__}: {exc}); delete "
                               f"it or resume from an older one") from None
@@ -107,7 +164,7 @@ def load_checkpoint(state: dict, path: str | os.PathLike) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=_safe_reader(path))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises CheckpointException (a
         # BaseException) on every rank when any rank fails to read
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: it is corrupt, truncated or was written for "
