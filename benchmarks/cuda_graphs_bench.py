@@ -266,9 +266,17 @@ def main(argv=None) -> int:
         if name not in CONFIGS:
             ap.error(f"unknown config {name!r}; use launch, compute")
         t0 = time.perf_counter()
-        res = run_config(name, CONFIGS[name], args, device, dtype, backend)
+        try:
+            res = run_config(name, CONFIGS[name], args, device, dtype, backend)
+        except Exception as exc:  # noqa: BLE001 - keep going: report the error, the other config and the JSON
+            import traceback
+            traceback.print_exc()
+            res = {"config": CONFIGS[name], "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                   "num_graph_pairs": 0, "capture_s": 0.0, "capture_held_mib": None}
         res["wall_s"] = time.perf_counter() - t0
         report["configs"][name] = res
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         d = res.get("graph_vs_eager", {})
         print(f"[{name}] {res['config']} backend={backend} graphs={res['num_graph_pairs']} "
               f"capture={res['capture_s']:.2f}s held={fmt(res['capture_held_mib'], '.1f')}MiB")

@@ -142,7 +142,9 @@ class GraphRuntime:
         plan = build_plan(self.schedule, self.pp_size, num_microbatches, self.num_model_chunks, self.group_size)
         veto = ("variable sequence lengths (variable_seq_lengths=True): graphs replay fixed shapes only"
                 if self.variable_seq_lengths else None)
-        expected = [(a.op.value, a.chunk, a.microbatch) for a in plan.actions[self.pp_rank] if a.op is not Op.WEIGHT]
+        graphed_chunks = {c for c, n in enumerate(self.layers.layers_per_chunk) if n > 0}
+        expected = [(a.op.value, a.chunk, a.microbatch) for a in plan.actions[self.pp_rank]
+                    if a.op is not Op.WEIGHT and a.chunk in graphed_chunks]
         passes = rec.microbatch_passes()
         if veto is None and passes != expected:
             first = next((i for i, (a, b) in enumerate(zip(passes, expected)) if a != b), min(len(passes),

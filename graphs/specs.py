@@ -59,6 +59,11 @@ class CallSpec:
         conv = (lambda v: TensorSpec.of(v) if isinstance(v, torch.Tensor) else v)
         return cls(tuple(conv(a) for a in args), tuple((k, conv(v)) for k, v in kwargs.items()))
 
+    def __str__(self) -> str:
+        parts = [str(a) if isinstance(a, TensorSpec) else _short(a) for a in self.args]
+        parts += [f"{k}={v if isinstance(v, TensorSpec) else _short(v)}" for k, v in self.kwargs]
+        return f"({', '.join(parts)})"
+
     @property
     def tensor_specs(self) -> list[TensorSpec]:
         """Specs of the tensor arguments in flattening order (positional, then keyword)."""

@@ -253,3 +253,34 @@ def test_bad_arguments_raise_before_capture():
     bad[5] = (torch.ones(S + 1, B, H, requires_grad=True),)
     with pytest.raises(ValueError, match="differ between microbatches"):
         capture(chunks, plan, 0, bad, backend="emulate")
+
+
+class MaskedBlock(Block):
+    """Takes a tensor keyword argument and a constant one (frozen at capture, like in a real graph)."""
+
+    def forward(self, x, *, mask=None, scale=1.0):
+        return super().forward(x) * mask * scale
+
+
+def test_keyword_tensors_and_frozen_constants():
+    from graphs.specs import CallSpec
+    plan = build_plan("1f1b", 2, 2)
+    torch.manual_seed(0)
+    eager = [[MaskedBlock()]]
+    graphed = copy.deepcopy(eager)
+    mask = torch.ones(S, B, 1)
+    spec = CallSpec.of((torch.ones(S, B, H, requires_grad=True),), {"mask": mask, "scale": 2.0})
+    layers = capture(graphed, plan, 0, specs={(0, 0): spec}, backend="emulate")
+    layer = graphed[0][0]
+    for m in (0, 1):
+        layer.current_microbatch = m
+        x = torch.randn(S, B, H, requires_grad=True)
+        m_in = torch.rand(S, B, 1)
+        assert torch.equal(layer(x, mask=m_in, scale=2.0), eager[0][0](x, mask=m_in, scale=2.0))
+    layer.current_microbatch = 0
+    with pytest.raises(RuntimeError, match="differs from the captured constant"):
+        layer(x, mask=m_in, scale=3.0)
+    with pytest.raises(RuntimeError, match="keyword arguments"):
+        layer(x)
+    assert spec.mismatch((x,), {"mask": m_in.double(), "scale": 2.0}).startswith("kwargs['mask'] is float64")
+    layers.remove()
