@@ -103,6 +103,8 @@ def _resume(rank, world, overrides, run_dir):
         resumed_losses = [second.train_step()["loss"] for _ in range(3)]
         resumed_weights = {k: _digest(v) for k, v in second.canonical.state_dict().items()}
         lr = second.optimizer.param_groups[0]["lr"]
+        second.save(run_dir / "reshard")  # for the layout-change test in the parent (pp=1)
+        val_loss = second.evaluate()
     # a truncated checkpoint is a clear error on every rank, not a hang
     torch.distributed.barrier()
     if rank == 0:
@@ -115,14 +117,21 @@ def _resume(rank, world, overrides, run_dir):
             error = None
         except CheckpointError as exc:
             error = str(exc)
-    return straight_losses, resumed_losses, straight_weights == resumed_weights, lr, error
+    return straight_losses, resumed_losses, straight_weights == resumed_weights, lr, error, val_loss
 
 
 @pytest.mark.timeout(120)
 def test_checkpoint_resume_is_bitwise(tmp_path):
     results = run_ranks(_resume, 2, tiny(pipeline=2, virtual=2), tmp_path, timeout=100)
-    for straight, resumed, same_weights, lr, error in results:
+    for straight, resumed, same_weights, lr, error, _ in results:
         assert resumed == straight[3:], "resumed losses differ from the straight run"
         assert same_weights, "resumed weights differ from the straight run"
         assert error is not None and "corrupt, truncated" in error
     assert (tmp_path / "config.yaml").is_file()
+    # checkpoint names do not depend on the layout: the pp=2 x vp=2 checkpoint loads into pp=1 (this process)
+    from engine import Trainer
+    config = load_config(None, {**tiny(), "logging.run_dir": str(tmp_path / "pp1"), "model.dropout": 0.1})
+    with Trainer(config) as trainer:
+        trainer.load(tmp_path / "reshard" / "step_00000006")
+        assert trainer.step == 6
+        assert abs(trainer.evaluate() - results[0][5]) < 1e-5
