@@ -250,7 +250,10 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype)
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
-                    "dtype": args.dtype, "argv": sys.argv[1:], "configs": {}}
+                    "dtype": args.dtype, "argv": sys.argv[1:], "configs": {},
+                    "notes": "eager_peak_mib / graph_peak_mib: max_memory_allocated during one step of each copy; both "
+                             "include everything alive in the process (both model copies, the graph pool); "
+                             "capture_held_mib is what capturing added (static buffers + pool)"}
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
