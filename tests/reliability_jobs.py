@@ -159,3 +159,93 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# ---- schedule-API jobs: one spawn, many cases, each in fresh pipeline groups with a short timeout -------------------
+
+class _Stage(torch.nn.Module):
+    """Pipeline stage ``[s, b, h] -> [s, b, h]`` (``tanh(x W^T)``); ``out_hidden`` / ``out_dtype`` make it send a
+    wrong shape / dtype downstream."""
+
+    def __init__(self, config, rank: int, hidden: int, out_hidden: int | None = None, out_dtype=None):
+        super().__init__()
+        self.config = config
+        self.is_first = rank == 0
+        g = torch.Generator().manual_seed(rank)
+        self.weight = torch.nn.Parameter(torch.randn(out_hidden or hidden, hidden, generator=g) / hidden ** 0.5)
+        self.out_dtype = out_dtype
+        self.input_tensor = None
+
+    def set_input_tensor(self, tensor) -> None:
+        self.input_tensor = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
+
+    def forward(self, x):
+        x = x if self.is_first else self.input_tensor
+        y = torch.tanh(x.to(self.weight.dtype) @ self.weight.t())
+        return y.to(self.out_dtype) if self.out_dtype is not None else y
+
+
+def _forward_step(data_iterator, model):
+    x = next(data_iterator) if data_iterator is not None else None
+    y = model(x)
+
+    def loss_func(out):
+        loss = out.float().square().mean()
+        return loss, {"loss": loss.detach()}
+    return y, loss_func
+
+
+def pipeline_case(rank: int, case: dict) -> dict:
+    """Run one 2-rank 1F1B schedule call described by ``case`` in fresh pipeline groups (timeout
+    ``case["timeout_s"]``); returns how this rank ended: ``{"ok": bool, "error": "Type: message", "seconds": t}``.
+
+    ``case`` keys (each a value, or ``{rank: value}`` for a per-rank value): ``hidden``, ``out_hidden``,
+    ``out_dtype``, ``pipeline_dtype``, ``variable_seq_lengths``, ``num_microbatches``, ``seq_length``,
+    ``micro_batch_size``, ``skip`` (this rank does not call the schedule: it sleeps ``skip`` seconds instead).
+    """
+    import datetime
+
+    from engine.model_parallel_config import ModelParallelConfig
+    from engine.p2p import P2PCommunicator
+    from engine.process_groups import build_process_groups
+    from engine.schedules import get_forward_backward_func
+
+    def pick(key, default=None):
+        value = case.get(key, default)
+        return value.get(rank, default) if isinstance(value, dict) else value
+
+    pgc = build_process_groups(2, timeout=datetime.timedelta(seconds=case.get("timeout_s", 3)))
+    hidden, seq, mbs, m = pick("hidden", 8), pick("seq_length", 4), pick("micro_batch_size", 2), \
+        pick("num_microbatches", 3)
+    dtype = getattr(torch, pick("pipeline_dtype", "float32"))
+    config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=dtype, hidden_size=hidden,
+                                 variable_seq_lengths=bool(pick("variable_seq_lengths", False)))
+    out_dtype = pick("out_dtype")
+    model = _Stage(config, rank, hidden, pick("out_hidden"), getattr(torch, out_dtype) if out_dtype else None)
+    if dtype != torch.float32 and out_dtype is None:
+        model = model.to(dtype)
+    data = iter([torch.randn(seq, mbs, hidden, generator=torch.Generator().manual_seed(i)) for i in range(8)])
+    t0 = time.monotonic()
+    result = {"ok": True, "error": None}
+    try:
+        if pick("skip"):
+            time.sleep(pick("skip"))
+            result["error"] = "skipped"
+        else:
+            get_forward_backward_func(2, None)(
+                forward_step_func=_forward_step, data_iterator=data if rank == 0 else None, model=model,
+                num_microbatches=m, seq_length=seq, micro_batch_size=mbs,
+                p2p_communicator=P2PCommunicator(pgc.pp, config), pg_collection=pgc)
+    except Exception as exc:  # noqa: BLE001 - the outcome is the result
+        result.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+    result["seconds"] = time.monotonic() - t0
+    return result
+
+
+def pipeline_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Every case in order on this rank; ranks re-synchronise on the default group between cases."""
+    out = []
+    for case in cases:
+        out.append(pipeline_case(rank, case))
+        dist.barrier()
+    return out
