@@ -130,7 +130,9 @@ class LoggingConfig:
 @dataclass
 class CudaGraphsConfig:
     enabled: bool = False
-    backend: Literal["auto", "te", "pipecast"] = "auto"
+    # auto: Transformer Engine when importable, else pipecast's own capture (torch = pipecast); emulate: the CPU
+    # backend with static-buffer semantics (for tests)
+    backend: Literal["auto", "te", "torch", "pipecast", "emulate"] = "auto"
     warmup_steps: int = 2
 
 

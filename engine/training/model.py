@@ -208,7 +208,8 @@ class GPTChunk(nn.Module):
         for layer in self.layers:
             x = layer(x)
         if not self.is_last:
-            return x
+            dtype = getattr(self.config, "pipeline_dtype", None)
+            return x if dtype is None else x.to(dtype)  # autocast (e.g. TE layers) may hand back bf16
         logits = F.linear(self.final_norm(x), self.output_weight())  # [s, b, V]
         if labels is None:
             return logits
