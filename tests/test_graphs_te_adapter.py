@@ -19,7 +19,7 @@ import torch
 
 from engine.plan import build_plan
 from graphs import capture, flat_index, graph_order, layer_events
-from graphs.local_rank import make_rank_data, run_rank_step
+from graphs.local_rank import make_rank_data
 from tests.test_graphs_emulate import Block, bitwise_equal, make_chunks, run_steps, samples
 
 S, B, H = 3, 2, 8

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-import torch
 
 from tests.distributed import run_ranks
 
