@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     :func:`faulty_train_worker` under ``engine.training.launch.run_spawned``.
 
     JSON keys: ``overrides`` (config overrides), ``record_dir``, ``resume`` (bool), ``fault`` (``[kind, rank, step]``
-    or null), ``steps`` (int or null).  Exits with the launcher's status.
+    or null), ``steps`` (int or null), ``sleep`` (run :func:`sleeper` instead).  Exits with the launcher's status.
     """
     import sys
 
@@ -152,13 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     from engine.training.launch import run_spawned
     spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
     config = load_config(None, spec["overrides"])
+    if spec.get("sleep"):
+        return run_spawned(sleeper, config, spec["record_dir"])
     fault = Fault(*spec["fault"]) if spec.get("fault") else None
     return run_spawned(faulty_train_worker, config, bool(spec.get("resume")), spec["record_dir"], fault,
                        spec.get("steps"))
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 # ---- schedule-API jobs: one spawn, many cases, each in fresh pipeline groups with a short timeout -------------------
@@ -249,3 +248,14 @@ def pipeline_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         out.append(pipeline_case(rank, case))
         dist.barrier()
     return out
+
+
+def sleeper(config, record_dir: str) -> None:
+    """A rank that records its pid and then blocks inside gloo (a receive nobody sends, until the group timeout):
+    where a Python-level signal (torch's default parent-death SIGINT) would wait for the timeout."""
+    _record(Path(record_dir), dist.get_rank(), {"pid": os.getpid()})
+    dist.recv(torch.empty(1), src=1 - dist.get_rank())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -111,3 +111,49 @@ def test_raise_in_one_ranks_forward(tmp_path):
     assert ended - records[1]["fault_at"] < 60
     assert not any(_alive(r["pid"]) for r in records.values()), "a rank process was left behind"
     assert all(list(r["losses"]) == ["1", "2"] for r in records.values())
+
+
+@pytest.mark.timeout(60)
+def test_ranks_die_with_the_launcher(tmp_path):
+    """SIGKILL the launcher itself (what a CI cancel or an OOM killer does): its ranks must not live on."""
+    import signal
+    overrides = tiny_overrides(write_corpus(tmp_path / "corpus.txt"), tmp_path / "run", **{"parallel.pipeline": 2})
+    proc = subprocess.Popen([sys.executable, "-m", "tests.reliability_jobs",
+                             json.dumps({"overrides": overrides, "record_dir": str(tmp_path), "sleep": True})],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 40
+        while len(read_records(tmp_path)) < 2 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        pids = [r["pid"] for r in read_records(tmp_path).values()]
+        assert len(pids) == 2, "the ranks did not start"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.time() + 10
+        while any(_alive(p) for p in pids) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), "ranks outlived their launcher"
+    finally:
+        proc.kill()
+
+
+def test_failure_message_blames_the_killed_rank():
+    """A rank that raised because its peer vanished is not the culprit when another rank was killed by a signal;
+    ranks stopped by the launcher (SIGTERM) are never blamed."""
+    import signal
+    from types import SimpleNamespace
+
+    import torch.multiprocessing as mp
+
+    from engine.training.launch import _blame_killed_rank, _describe_failure
+    raised = mp.ProcessRaisedException("Traceback ...\nRuntimeError: Connection closed by peer", 0, 100)
+    procs = [SimpleNamespace(exitcode=1, pid=100), SimpleNamespace(exitcode=-int(signal.SIGTERM), pid=101),
+             SimpleNamespace(exitcode=-int(signal.SIGKILL), pid=102), SimpleNamespace(exitcode=-15, pid=103)]
+    with pytest.raises(mp.ProcessExitedException) as info:
+        _blame_killed_rank(SimpleNamespace(processes=procs), raised)
+    assert info.value.error_index == 2 and info.value.signal_name == "SIGKILL"
+    assert _describe_failure(info.value, 4) == ("rank 2 (pid 102) was killed by SIGKILL; the launcher stopped the "
+                                                "other ranks (0, 1, 3)")
+    _blame_killed_rank(SimpleNamespace(processes=procs[:2]), raised)  # no killed rank: the raise stands
+    assert _describe_failure(raised, 2).startswith("rank 0 failed: RuntimeError: Connection closed by peer; the "
+                                                   "launcher stopped the other ranks (1)")
