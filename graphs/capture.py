@@ -28,7 +28,7 @@ from .backends import common, emulate as emulate_backend, te as te_backend, torc
 from .dispatch import GraphedLayers, GraphSet
 from .order import (LayerEvent, check_order, flat_index, graph_order, layer_events, max_in_flight, num_graphs,
                     order_events)
-from .specs import CallSpec
+from .specs import AutocastState, CallSpec, autocast_context, current_autocast
 
 __all__ = ["BACKENDS", "CaptureReport", "capture", "resolve_backend", "make_sample_args"]
 
@@ -118,7 +118,7 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
             order: Sequence[int] | None = None, check: bool = True, share_graphs: bool = False,
             allow_unsafe_sharing: bool = False, clone_param_grads: bool = True, pool=None,
             generators: Sequence[torch.Generator] = (), group=None, tracer=None,
-            veto: str | None = None) -> GraphedLayers:
+            veto: str | None = None, autocast: AutocastState | None = None) -> GraphedLayers:
     """Capture the graphs of pipeline rank ``rank`` of ``plan`` and install them on its layers.
 
     Args:
@@ -142,6 +142,9 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
         generators: extra CUDA generators to register with every graph (dropout under a TP RNG tracker).
         group: process group of the collective decision (default: the world, if initialised).
         tracer: receives ``"graph"`` spans around replays.
+        autocast: the autocast state the layers run in at training time (``graphs.specs.current_autocast()``
+            inside the forward step); default: the state at this call.  Capture runs under it with the cast cache
+            off, and replay checks it.
         veto: a reason this rank must not capture (found by the caller, e.g. variable shapes); it joins the
             collective decision so every rank runs eagerly.  Sample arguments are not needed then.
 
@@ -184,7 +187,8 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
 
     start = time.perf_counter()
     graphs, error = None, None
-    with layers.suspend():
+    autocast = current_autocast() if autocast is None else autocast
+    with layers.suspend(), autocast_context(autocast):
         try:
             graphs = _CAPTURERS[chosen](layers, order, lpc, M, sample_args, sample_kwargs, layer_specs,
                                         num_warmup_iters, share_graphs, clone_param_grads, pool, generators,
@@ -202,6 +206,7 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
     report.backend = chosen
     report.seconds = time.perf_counter() - start
     report.num_graphs = sum(lpc) if share_graphs else num_graphs(lpc, M)
+    graphs.autocast = autocast
     layers.set_graphs(graphs)
     return layers
 

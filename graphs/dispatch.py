@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .order import LayerEvent, flat_index, layer_events
-from .specs import CallSpec
+from .specs import AutocastState, CallSpec, current_autocast
 
 __all__ = ["GraphedLayers", "GraphSet", "ReplayGuard", "Recording", "layers_of_chunk"]
 
@@ -92,6 +92,7 @@ class GraphSet:
     callables: Sequence[Callable]
     shared: bool = False
     release: Callable[[], None] = lambda: None
+    autocast: AutocastState = AutocastState()
     extra: dict[str, Any] = field(default_factory=dict)
 
     def index(self, chunk: int, microbatch: int, layer: int) -> int:
@@ -110,6 +111,7 @@ class Recording:
     layers_per_chunk: list[int] = field(default_factory=list)
     events: list[LayerEvent] = field(default_factory=list)
     specs: dict[tuple[int, int, int], CallSpec] = field(default_factory=dict)
+    autocast: set[AutocastState] = field(default_factory=set)
 
     def _starts_pass(self, ev: LayerEvent) -> bool:
         return ev.layer == (0 if ev.kind == "F" else self.layers_per_chunk[ev.chunk] - 1)
@@ -124,6 +126,8 @@ class Recording:
 
     def layer_specs(self) -> tuple[dict[tuple[int, int], CallSpec] | None, str | None]:
         """One spec per ``(chunk, layer)`` if every microbatch had the same argument layout, else a reason."""
+        if len(self.autocast) > 1:
+            return None, f"layers ran under different autocast states ({', '.join(map(str, self.autocast))})"
         out: dict[tuple[int, int], CallSpec] = {}
         for (c, m, l), spec in sorted(self.specs.items()):
             if out.setdefault((c, l), spec) != spec:
@@ -257,6 +261,8 @@ class GraphedLayers:
                                f"num_microbatches={graphs.num_microbatches}; recapture when the microbatch count "
                                f"changes (graphs.runtime.GraphRuntime does) -- graphs never wrap around")
         problem = graphs.specs[(chunk, layer)].mismatch(args, kwargs)
+        if problem is None and current_autocast() != graphs.autocast:
+            problem = f"autocast is '{current_autocast()}', the graphs were captured under '{graphs.autocast}'"
         if problem is not None:
             raise RuntimeError(f"chunk {chunk} layer {layer} microbatch {m}: {problem}; a graph replays with its "
                                f"captured shapes only -- recapture for the new shapes or run eagerly")
@@ -274,6 +280,7 @@ class GraphedLayers:
         rec = self.recording
         rec.events.append(LayerEvent("F", chunk, m, layer))
         rec.specs[(chunk, m, layer)] = CallSpec.of(args, kwargs)
+        rec.autocast.add(current_autocast())
         out = original(*args, **kwargs)
         self._on_backward(out, LayerEvent("B", chunk, m, layer), rec.events.append)
         return out

@@ -45,7 +45,7 @@ class GraphRuntime:
         num_model_chunks: model chunks per rank.
         group_size: ``microbatch_group_size_per_vp_stage`` (interleaved; default ``pp_size``).
         backend: ``auto``, ``te``, ``torch`` (= ``pipecast``), ``emulate`` or ``eager``.
-        warmup_steps: eager steps before capture (>= 1: the last one records the passes).
+        warmup_steps: eager steps before capture (the last one records the passes; 0 counts as 1).
         num_warmup_iters: warmup rounds inside the capture.
         group: process group of the collective decision (default: the world).
         tracer: gets ``"graph"`` spans around replays.
@@ -54,7 +54,7 @@ class GraphRuntime:
             the capture point with one log line.
 
     Raises:
-        ValueError: unknown backend, ``warmup_steps < 1``, chunk count not matching.
+        ValueError: unknown backend, ``warmup_steps < 0``, chunk count not matching.
     """
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module], schedule: str, pp_size: int, pp_rank: int,
@@ -63,9 +63,12 @@ class GraphRuntime:
                  layers_of: Callable[[torch.nn.Module], list] = layers_of_chunk, variable_seq_lengths: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"cuda_graphs.backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"cuda_graphs.warmup_steps={warmup_steps!r}: at least 1 eager step is needed before "
-                             f"capture (it records the passes and shapes the graphs are captured for)")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"cuda_graphs.warmup_steps={warmup_steps!r}: use an int >= 1 (eager steps before "
+                             f"capture; the last one records the passes and shapes the graphs are captured for)")
+        if warmup_steps == 0:
+            log.info("cuda_graphs.warmup_steps=0: using 1 -- one eager step records the passes and shapes to capture")
+            warmup_steps = 1
         if len(model_chunks) != num_model_chunks:
             raise ValueError(f"{len(model_chunks)} model chunks but num_model_chunks={num_model_chunks}")
         self.chunks = list(model_chunks)
@@ -157,8 +160,10 @@ class GraphRuntime:
         veto = veto or shape_reason
         if specs is None or veto is not None:
             specs = None
+        autocast = next(iter(rec.autocast)) if len(rec.autocast) == 1 else None
         layers = capture(self.layers, plan, self.pp_rank, specs=specs, backend=self.backend,
-                         num_warmup_iters=self.num_warmup_iters, group=self.group, tracer=self.tracer, veto=veto)
+                         num_warmup_iters=self.num_warmup_iters, group=self.group, tracer=self.tracer, veto=veto,
+                         autocast=autocast)
         report = layers.report
         if layers.active:
             self._captured_key = key

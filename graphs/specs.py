@@ -13,7 +13,45 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["TensorSpec", "CallSpec", "flatten_outputs", "unflatten_outputs"]
+__all__ = ["TensorSpec", "CallSpec", "AutocastState", "current_autocast", "autocast_context", "flatten_outputs",
+           "unflatten_outputs"]
+
+
+@dataclass(frozen=True, slots=True)
+class AutocastState:
+    """Which autocast regions are active: ``(device_type, dtype)`` pairs, e.g. ``(("cuda", torch.bfloat16),)``.
+
+    A graph freezes the dtypes its kernels were captured with, so it must be captured under the autocast state it
+    is replayed in (with the cast cache off, which capture requires: torch and TE reject autocast caching).
+    """
+
+    regions: tuple[tuple[str, torch.dtype], ...] = ()
+
+    def __str__(self) -> str:
+        return ", ".join(f"{d}:{str(t).replace('torch.', '')}" for d, t in self.regions) or "off"
+
+
+def current_autocast() -> AutocastState:
+    """The autocast state of the calling thread (CUDA and CPU regions)."""
+    regions = []
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            regions.append((device, torch.get_autocast_dtype(device)))
+    return AutocastState(tuple(regions))
+
+
+def autocast_context(state: AutocastState):
+    """A context entering exactly ``state`` (regions not in it are switched off), cache disabled."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    enabled = dict(state.regions)
+    for device in ("cuda", "cpu"):
+        if device in enabled:
+            stack.enter_context(torch.autocast(device, dtype=enabled[device], cache_enabled=False))
+        elif torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,3 +79,15 @@ def test_failed_capture_falls_back_to_eager(caplog):
     assert len([r for r in caplog.records if r.name == "pipecast.graphs"]) == 1
     data = make_rank_data(1, 2, (S, B, H), device="cuda")
     assert bitwise_equal(run_steps(eager, plan, 0, data, 1), run_steps(graphed, plan, 0, data, 1))
+
+
+def test_torch_backend_under_bf16_autocast():
+    """Captured under the caller's autocast state (cast cache off), replayed under autocast with the cache on."""
+    plan = build_plan("interleaved", 2, 4, 2, 2)
+    eager = cuda_chunks(2, 2)
+    graphed = copy.deepcopy(eager)
+    data = make_rank_data(2, 4, (S, B, H), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        layers = capture(graphed, plan, 0, cuda_samples(graphed, 4), backend="torch")
+        assert layers.active, layers.report
+        assert bitwise_equal(run_steps(eager, plan, 0, data, 2), run_steps(graphed, plan, 0, data, 2))

@@ -113,7 +113,8 @@ def test_variable_seq_lengths_flag_and_bad_arguments():
     assert not runtime.active and "variable sequence lengths" in runtime.disabled_reason
     runtime.close()
     with pytest.raises(ValueError, match="warmup_steps"):
-        GraphRuntime([MegatronChunk(c) for c in chunks], "1f1b", 2, 0, warmup_steps=0)
+        GraphRuntime([MegatronChunk(c) for c in chunks], "1f1b", 2, 0, warmup_steps=-1)
+    assert GraphRuntime([MegatronChunk(c) for c in make_chunks(1, 1)], "1f1b", 2, 0, warmup_steps=0).warmup_steps == 1
     with pytest.raises(ValueError, match="backend"):
         GraphRuntime([MegatronChunk(c) for c in chunks], "1f1b", 2, 0, backend="cuda")
 
@@ -129,3 +130,23 @@ def test_executor_order_differing_from_plan_vetoes_capture():
         runtime.before_step(4)
         run_rank_step(chunks, plan, 0, data, order_override=other)
     assert not runtime.active and "differ from the interleaved plan at pass" in runtime.disabled_reason
+
+
+def test_graphs_capture_under_the_recorded_autocast_state():
+    """The executor runs forward steps under autocast (bf16 runs): capture must use the same state (cache off) and
+    replay outside it is an error, not a silent fp32/bf16 mix."""
+    eager = make_chunks(2, 1)
+    graphed = copy.deepcopy(eager)
+    runtime = GraphRuntime([MegatronChunk(c) for c in graphed], "interleaved", 2, 1, 2, 2, backend="emulate",
+                           warmup_steps=1)
+    plan = build_plan("interleaved", 2, 4, 2, 2)
+    data = make_rank_data(2, 4, (S, B, H))
+    for _ in range(3):
+        runtime.before_step(4)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref, got = run_steps(eager, plan, 1, data, 1), run_steps(graphed, plan, 1, data, 1)
+        assert bitwise_equal(ref, got)
+    assert runtime.active and str(runtime.layers.graphs.autocast) == "cpu:bfloat16"
+    runtime.layers.guard.reset()
+    with pytest.raises(RuntimeError, match="autocast is 'off'"):
+        run_rank_step(graphed, plan, 1, data)
