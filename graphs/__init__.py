@@ -5,6 +5,8 @@
   returns :class:`graphs.dispatch.GraphedLayers` (layers dispatch on ``current_microbatch``).
 * :class:`graphs.runtime.GraphRuntime`: the trainer's hook -- eager warmup steps, recording, collective capture,
   recapture when the microbatch count or shapes change.
+* :mod:`graphs.liveness`: a shared-pool model showing why the capture order must equal the runtime order.
+* :mod:`graphs.local_rank`: run one rank's plan in one process (fixed received tensors), for tests and benchmarks.
 
 Dependencies run graphs -> ``engine.plan`` / ``engine.schedule_table`` (the pure layer) only.
 """
