@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..model_parallel_config import ModelParallelConfig
-from ..process_groups import ProcessGroupCollection, build_process_groups, group_size
+from ..process_groups import ProcessGroupCollection, build_process_groups
 from .checkpoint import checkpoint_keys, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, dump_config, validate, validate_world_size
 from .data import Batches, load_corpus
@@ -82,7 +82,7 @@ class Trainer:
         self.dp_rank, self.dp_size = self.pg.data_parallel_rank, self.pg.data_parallel_size
         self.is_log_rank = self.pp_rank == self.pp_size - 1 and self.dp_rank == 0
         self.run_dir = Path(config.logging.run_dir)
-        _setup_logging(config, self.is_log_rank, self.run_dir)
+        self._log_file = _setup_logging(config, self.is_log_rank, self.run_dir)
         set_seed_and_determinism(config.schedule.seed, self.pp_rank, config.schedule.deterministic)
 
         self.tracer = None  # an engine.tracing.Tracer; the profiling tools set it
@@ -411,6 +411,9 @@ class Trainer:
     def close(self) -> None:
         """Release hooks and process groups (and the default group if this trainer created it)."""
         self.grad_sync.close()
+        if self._log_file is not None:
+            logging.getLogger("pipecast").removeHandler(self._log_file)
+            self._log_file.close()
         self.pg.destroy()
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -449,8 +452,9 @@ def _collective_device(group) -> torch.device:
         else torch.device("cpu")
 
 
-def _setup_logging(config: TrainConfig, is_log_rank: bool, run_dir: Path) -> None:
-    """stdlib logging: INFO lines on the logging rank (stderr and ``<run_dir>/train.log``), warnings elsewhere."""
+def _setup_logging(config: TrainConfig, is_log_rank: bool, run_dir: Path) -> logging.Handler | None:
+    """stdlib logging: INFO lines on the logging rank (stderr and ``<run_dir>/train.log``), warnings elsewhere.
+    Returns the file handler this call added (removed by :meth:`Trainer.close`)."""
     logger = logging.getLogger("pipecast")
     logger.setLevel(getattr(logging, config.logging.level) if is_log_rank else logging.WARNING)
     if not any(getattr(h, "_pipecast", False) for h in logger.handlers):
@@ -459,10 +463,13 @@ def _setup_logging(config: TrainConfig, is_log_rank: bool, run_dir: Path) -> Non
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
         logger.propagate = False
-    if is_log_rank:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        target = str((run_dir / "train.log").resolve())
-        if not any(getattr(h, "baseFilename", None) == target for h in logger.handlers):
-            fh = logging.FileHandler(target)
-            fh.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-            logger.addHandler(fh)
+    if not is_log_rank:
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = str((run_dir / "train.log").resolve())
+    if any(getattr(h, "baseFilename", None) == target for h in logger.handlers):
+        return None
+    fh = logging.FileHandler(target)
+    fh.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    logger.addHandler(fh)
+    return fh
