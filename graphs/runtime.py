@@ -29,6 +29,7 @@ from engine.plan import Op, build_plan
 
 from .capture import BACKENDS, capture
 from .dispatch import GraphedLayers, layers_of_chunk
+from .order import max_in_flight
 
 __all__ = ["GraphRuntime"]
 
@@ -161,9 +162,13 @@ class GraphRuntime:
         if specs is None or veto is not None:
             specs = None
         autocast = next(iter(rec.autocast)) if len(rec.autocast) == 1 else None
+        # without pipelining forward and backward alternate and nothing is sent to a neighbour, so one graph per
+        # layer serves every microbatch (Megatron captures M=1 for PP=1); otherwise one per (chunk, microbatch,
+        # layer) -- also on a 1F1B rank without warmup, whose static input grads may still be in flight in a send
+        share = self.pp_size == 1 and max_in_flight(plan.order(self.pp_rank)) == 1
         layers = capture(self.layers, plan, self.pp_rank, specs=specs, backend=self.backend,
                          num_warmup_iters=self.num_warmup_iters, group=self.group, tracer=self.tracer, veto=veto,
-                         autocast=autocast)
+                         autocast=autocast, share_graphs=share)
         report = layers.report
         if layers.active:
             self._captured_key = key

@@ -150,3 +150,16 @@ def test_graphs_capture_under_the_recorded_autocast_state():
     runtime.layers.guard.reset()
     with pytest.raises(RuntimeError, match="autocast is 'off'"):
         run_rank_step(graphed, plan, 1, data)
+
+
+def test_no_pipelining_shares_one_graph_per_layer():
+    eager = make_chunks(1, 2)
+    graphed = copy.deepcopy(eager)
+    runtime = GraphRuntime([MegatronChunk(c) for c in graphed], "no_pipelining", 1, 0, backend="emulate",
+                           warmup_steps=1)
+    plan = build_plan("no_pipelining", 1, 4)
+    data = make_rank_data(1, 4, (S, B, H))
+    for _ in range(3):
+        runtime.before_step(4)
+        assert bitwise_equal(run_steps(eager, plan, 0, data, 1), run_steps(graphed, plan, 0, data, 1))
+    assert runtime.active and runtime.layers.graphs.shared and runtime.layers.report.num_graphs == 2
