@@ -151,7 +151,8 @@ def run_config(name: str, cfg: dict, args, device, dtype, backend: str) -> dict:
               for _ in range(args.vp * args.microbatches * cfg["layers"])]
     mem0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     t0 = time.perf_counter()
-    layers = capture(graphed, plan, rank, sample, backend=backend, num_warmup_iters=args.warmup_iters)
+    layers = capture(graphed, plan, rank, sample, backend=backend, num_warmup_iters=args.warmup_iters,
+                     tracer=args.tracer)
     sync(device)
     res["capture_s"] = time.perf_counter() - t0
     res["capture_held_mib"] = ((torch.cuda.memory_allocated(device) - mem0) / 2 ** 20
@@ -243,10 +244,16 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-iters", type=int, default=1, help="warmup rounds inside the capture")
     ap.add_argument("--tolerance", type=float, default=0.0, help="max relative difference accepted (0: bitwise)")
     ap.add_argument("--no-te", action="store_true", help="skip the optional Transformer Engine comparison")
+    ap.add_argument("--nvtx", action="store_true",
+                    help="NVTX range per graph replay (engine.profiling.nvtx_ranges), for nsys --cuda-graph-trace=node")
     args = ap.parse_args(argv)
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
+    args.tracer = None
+    if args.nvtx:
+        from engine.profiling.nvtx_ranges import NvtxTracer
+        args.tracer = NvtxTracer()
     dtype = getattr(torch, args.dtype)
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
                     "dtype": args.dtype, "argv": sys.argv[1:], "configs": {},
