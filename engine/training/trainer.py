@@ -107,8 +107,8 @@ class Trainer:
             dump_config(config, self.run_dir / "config.yaml")
         n_params = sum(p.numel() for c in self.model for p in c.parameters())
         log.info("pipecast: %s schedule, pipeline=%d virtual=%d data=%d, %d layers, %.2fM parameters on this "
-                 "rank, device %s, data: %s", config.schedule_name, p.pipeline, p.virtual, self.dp_size,
-                 config.model.num_layers, n_params / 1e6, self.device,
+                 "rank, device %s, simulated bubble %.1f%%, data: %s", config.schedule_name, p.pipeline, p.virtual,
+                 self.dp_size, config.model.num_layers, n_params / 1e6, self.device, 100 * self.simulated_bubble(),
                  self.batches.corpus.description if self.batches else "(not read on this stage)")
 
     # ---- setup ------------------------------------------------------------------------------------------------
@@ -160,6 +160,16 @@ class Trainer:
     def _lr_multiplier(self, step: int) -> float:
         o = self.config.optimizer
         return lr_lambda(step, o.lr, o.min_lr, o.warmup_steps, self.config.schedule.steps)
+
+    def simulated_bubble(self) -> float:
+        """Bubble fraction of one training step from the plan simulator (``engine.simulate``; uniform costs,
+        backward = 2 x forward, no transfer time): idle / makespan over all pipeline ranks."""
+        from ..plan import build_plan
+        from ..simulate import simulate
+        c, p = self.config, self.config.parallel
+        plan = build_plan(c.schedule_name, p.pipeline, c.schedule.num_microbatches, p.virtual,
+                          p.microbatch_group_size_per_vp_stage if p.virtual > 1 else None)
+        return simulate(plan).bubble_overall
 
     @property
     def _reads_tokens(self) -> bool:
@@ -249,6 +259,8 @@ class Trainer:
         tokens = self.config.global_batch_size * self.config.model.seq_length
         metrics = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / dt,
                    "step_time_s": dt}
+        if self.device.type == "cuda":
+            metrics["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.history.append(metrics)
         return metrics
 
@@ -332,9 +344,10 @@ class Trainer:
 
     def _log_step(self, m: dict) -> None:
         if self.is_log_rank:
-            log.info("step %d/%d | loss %.4f | grad norm %.3f | lr %.3e | %.0f tokens/s | step %.3f s",
+            memory = f" | mem {m['max_memory_gib']:.2f} GiB" if "max_memory_gib" in m else ""
+            log.info("step %d/%d | loss %.4f | grad norm %.3f | lr %.3e | %.0f tokens/s | step %.3f s%s",
                      m["step"], self.config.schedule.steps, m["loss"], m["grad_norm"], m["lr"], m["tokens_per_s"],
-                     m["step_time_s"])
+                     m["step_time_s"], memory)
 
     def _log_eval(self, loss: float) -> None:
         if self.is_log_rank:
