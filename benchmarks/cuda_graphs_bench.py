@@ -162,6 +162,9 @@ def run_config(name: str, cfg: dict, args, device, dtype, backend: str) -> dict:
     res["fallback_reason"] = layers.report.reason
     if not layers.active:
         print(f"[{name}] capture fell back to eager: {layers.report.reason}")
+        if layers.report.traceback:
+            print(layers.report.traceback)
+            res["traceback"] = layers.report.traceback
         res["ok"] = False
         return res
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -59,6 +60,7 @@ class CaptureReport:
     te_kwargs: dict[str, Any] | None = None
     te_features: str | None = None
     log_line: str | None = None
+    traceback: str | None = None  # of a local capture error, for diagnosis (not logged)
 
 
 def resolve_backend_name(requested: str) -> str:
@@ -195,6 +197,7 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
                                         tracer, report)
         except Exception as exc:  # noqa: BLE001 - any capture failure means eager, collectively
             error = f"capture error: {type(exc).__name__}: {exc}"
+            report.traceback = traceback.format_exc()
             _cleanup_after_failure()
     ok, reason = decision.agree(error is None, error, group)
     if not ok:
