@@ -4,8 +4,10 @@ The schedule functions of ``engine.schedules`` (and anyone with a :class:`~engin
 executor derives everything else from the plan's actions:
 
 * **Communication** (``Plan.input_message`` / ``output_message`` / ``link_order``).  A send is posted non-blocking
-  right after the action that produced the tensor and never waits for the receiver; send handles are waited at the
-  end of the step (gloo offers no completion poll).  Receives are posted in the *sender's* order on every link
+  right after the action that produced the tensor and never waits for the receiver.  Its handle is waited (and the
+  sent storage released) at the first later step where the receiver has provably posted the matching receive -- the
+  step consuming a message the receiver sent after posting it (gloo offers no completion poll) -- else at the end
+  of the step; so a wait never depends on the receiver's progress.  Receives are posted in the *sender's* order on every link
   (``Plan.link_order(src, dst)``), so they match one to one even on a transport that ignores tags -- also with
   ``P = 2`` and interleaving, where activations and gradients share one pair of ranks (public bug B02) -- and each is
   waited just before the action that consumes it.  Each message kind also has its own tag (``engine.p2p``).
@@ -35,6 +37,7 @@ Per-rank communication schedules are compiled once per (plan, rank, prefetch) an
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 from dataclasses import dataclass, field
@@ -43,7 +46,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .p2p import TAG_ACT, TAG_ACT_SHAPE, TAG_GRAD, TAG_GRAD_SHAPE, decode_shape, encode_shape
-from .plan import Op, Plan, build_plan
+from .plan import Message, Op, Plan, build_plan
 from .step import backward_step, check_first_val_step, deallocate_output_tensor, forward_step
 from .tracing import current_tracer
 
@@ -69,6 +72,7 @@ class Recv:
     shape_tag: int
     label: str         # "recv act c0 mb2" (destination chunk and microbatch)
     consumer: int      # index of the step that consumes it
+    message: Message = None
 
 
 @dataclass(slots=True)
@@ -88,6 +92,8 @@ class Step:
     last_stage: bool      # this chunk computes the loss
     posts: tuple          # receives to post at the exchange point after this step
     send_order: int       # position of the send among the exchange point's ops (batched / even-odd)
+    send_id: int = -1     # index of this step's send among the rank's sends
+    reap: tuple = ()      # sends whose handles are waited at this step (their receive is known to be posted)
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,7 @@ class RankProgram:
     initial_posts: tuple
     num_forwards: int
     warmup: int
+    num_sends: int = 0
     hook_cache: dict = field(default_factory=dict, compare=False, repr=False)  # (grad?, param?) -> hook events
 
 
@@ -128,7 +135,7 @@ def _consumer_map(plan: Plan, rank: int):
             kind = m.kind
             recvs.append(Recv(kind, src, TAG_ACT if kind == "act" else TAG_GRAD,
                               TAG_ACT_SHAPE if kind == "act" else TAG_GRAD_SHAPE,
-                              f"recv {kind} c{m.dst_chunk} mb{m.microbatch}", consumer))
+                              f"recv {kind} c{m.dst_chunk} mb{m.microbatch}", consumer, m))
             step_recv[consumer] = len(recvs) - 1
             idx.append(len(recvs) - 1)
         links[src] = idx
@@ -153,11 +160,53 @@ def compile_rank(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True)
     if prefetch < 1:
         raise ValueError(f"prefetch={prefetch}: receives must be posted at least one action ahead")
     acts = plan.actions[rank]
+    recvs, step_recv, posts_at = _receive_schedule(plan, rank, prefetch, batched)
+    order_of = _BATCHED_ORDER if batched else (_EVEN_ORDER if rank % 2 == 0 else _ODD_ORDER)
+    reap_at = _reap_points(plan, rank, prefetch, batched, recvs)
+
+    fwd_slot, steps = {}, []
+    n_fwd = n_bwd = n_send = 0
+    reaps = [[] for _ in acts]
+    for i, a in enumerate(acts):
+        out = plan.output_message(rank, a)
+        forward = a.op is Op.FORWARD
+        if a.op is Op.WEIGHT:
+            raise ValueError(f"plan has a W (weight-gradient) action {a} on rank {rank}; the executor runs F and B "
+                             "actions only")
+        if forward:
+            index = slot = n_fwd
+            fwd_slot[(a.chunk, a.microbatch)] = n_fwd
+            n_fwd += 1
+        else:
+            index = n_bwd
+            n_bwd += 1
+            slot = fwd_slot.get((a.chunk, a.microbatch), -1)
+            if slot < 0:
+                raise ValueError(f"plan is invalid: rank {rank} runs {a} before the forward of the same microbatch")
+        kind = "" if out is None else out.kind
+        send_id = -1
+        if out is not None:
+            send_id, n_send = n_send, n_send + 1
+            j = reap_at.get(out)
+            if j is not None and max(j, i + 1) < len(acts):  # else: waited at the end of the step
+                reaps[max(j, i + 1)].append(send_id)
+        steps.append(Step(forward, a.chunk, a.microbatch, a.label, index, slot, step_recv[i],
+                          -1 if out is None else out.dst, kind, plan.is_first_stage(rank, a.chunk),
+                          plan.is_last_stage(rank, a.chunk), posts_at[i + 1],
+                          order_of[(True, kind)] if kind else 0, send_id))
+    for st, r in zip(steps, reaps):
+        st.reap = tuple(r)
+    return RankProgram(plan, rank, prefetch, tuple(steps), tuple(recvs), posts_at[0], n_fwd, plan.warmup[rank],
+                       n_send)
+
+
+def _receive_schedule(plan: Plan, rank: int, prefetch: int, batched: bool):
+    """``(recvs, step_recv, posts_at)``: the rank's incoming messages (sender order per link), the message each step
+    consumes, and the receives posted at each exchange point (``posts_at[e + 1]``: after step ``e``; ``e = -1`` is
+    the start): per link in sender order, every message consumed by steps ``e+1 .. e+prefetch``."""
+    acts = plan.actions[rank]
     recvs, step_recv, links = _consumer_map(plan, rank)
     order_of = _BATCHED_ORDER if batched else (_EVEN_ORDER if rank % 2 == 0 else _ODD_ORDER)
-
-    # receive postings: at exchange point e (-1 = start, i = after step i) post, per link in sender order,
-    # every message consumed by steps e+1 .. e+prefetch
     position = {}
     for src, idx in links.items():
         for pos, r in enumerate(idx):
@@ -176,31 +225,38 @@ def compile_rank(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True)
                 next_unposted[src] += 1
         batch.sort(key=lambda r: order_of[(False, recvs[r].kind)])  # stable: keeps link order within a kind
         posts_at.append(tuple(batch))
+    return recvs, step_recv, posts_at
 
-    fwd_slot, steps = {}, []
-    n_fwd = n_bwd = 0
-    for i, a in enumerate(acts):
-        out = plan.output_message(rank, a)
-        forward = a.op is Op.FORWARD
-        if a.op is Op.WEIGHT:
-            raise ValueError(f"plan has a W (weight-gradient) action {a} on rank {rank}; the executor runs F and B "
-                             "actions only")
-        if forward:
-            index = slot = n_fwd
-            fwd_slot[(a.chunk, a.microbatch)] = n_fwd
-            n_fwd += 1
-        else:
-            index = n_bwd
-            n_bwd += 1
-            slot = fwd_slot.get((a.chunk, a.microbatch), -1)
-            if slot < 0:
-                raise ValueError(f"plan is invalid: rank {rank} runs {a} before the forward of the same microbatch")
-        kind = "" if out is None else out.kind
-        steps.append(Step(forward, a.chunk, a.microbatch, a.label, index, slot, step_recv[i],
-                          -1 if out is None else out.dst, kind, plan.is_first_stage(rank, a.chunk),
-                          plan.is_last_stage(rank, a.chunk), posts_at[i + 1],
-                          order_of[(True, kind)] if kind else 0))
-    return RankProgram(plan, rank, prefetch, tuple(steps), tuple(recvs), posts_at[0], n_fwd, plan.warmup[rank])
+
+def _reap_points(plan: Plan, rank: int, prefetch: int, batched: bool, recvs) -> dict:
+    """For each message this rank sends: the first of its steps at which the receiver has *provably* posted the
+    matching receive -- the step that consumes a message the receiver sent at or after the exchange point where it
+    posted that receive.  Waiting the send handle there never waits for the receiver's progress (the model the
+    plan validator assumes); sends without such a point are waited at the end of the step."""
+    out = {}
+    peers = {m.dst for a in plan.actions[rank] if (m := plan.output_message(rank, a)) is not None}
+    for q in peers:
+        q_recvs, _, q_posts = _receive_schedule(plan, q, prefetch, batched)
+        posted = {q_recvs[r].message: e for e, batch in enumerate(q_posts, start=-1) for r in batch}
+        # messages q -> rank: (exchange index of q's send, step of this rank that consumes it)
+        sent_by_q = {}
+        for j, a in enumerate(plan.actions[q]):
+            m = plan.output_message(q, a)
+            if m is not None and m.dst == rank:
+                sent_by_q[m] = j
+        pairs = sorted((sent_by_q[rec.message], rec.consumer) for rec in recvs if rec.peer == q)
+        suffix_min, best = [0] * len(pairs), None
+        for k in range(len(pairs) - 1, -1, -1):
+            best = pairs[k][1] if best is None else min(best, pairs[k][1])
+            suffix_min[k] = best
+        keys = [e for e, _ in pairs]
+        for m, e_post in posted.items():
+            if m.src != rank:
+                continue
+            k = bisect.bisect_left(keys, e_post)
+            if k < len(keys):
+                out[m] = suffix_min[k]
+    return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -369,8 +425,8 @@ def execute(program: RankProgram, ctx: ExecutionContext) -> list:
 
 
 class _Runner:
-    __slots__ = ("p", "ctx", "comm", "config", "tracer", "bufs", "works", "shape_works", "pending", "sync",
-                 "negotiate", "batched", "hooks")
+    __slots__ = ("p", "ctx", "comm", "config", "tracer", "bufs", "works", "shape_works", "send_works", "sync",
+                 "negotiate", "batched", "hooks", "order_of")
 
     def __init__(self, program: RankProgram, ctx: ExecutionContext):
         self.p = program
@@ -382,10 +438,11 @@ class _Runner:
         self.bufs = [None] * n
         self.works = [None] * n
         self.shape_works = [None] * n
-        self.pending = []  # (work, tensor) of posted sends, waited at the end
+        self.send_works = [None] * program.num_sends  # per send: its handles until reaped (or the end)
         self.sync = _GradSync(ctx.config, ctx.models, self.tracer)
         self.negotiate = bool(n or any(s.send_peer >= 0 for s in program.steps)) and self.comm.negotiates_shapes
         self.batched = bool(ctx.config.batch_p2p_comm)
+        self.order_of = _BATCHED_ORDER if self.batched else (_EVEN_ORDER if program.rank % 2 == 0 else _ODD_ORDER)
         key = (ctx.config.grad_sync_func is not None, ctx.config.param_sync_func is not None)
         hooks = program.hook_cache.get(key)
         if hooks is None:
@@ -394,7 +451,7 @@ class _Runner:
 
     # -- communication ----------------------------------------------------------------------------------------
     def _exchange(self, send: Optional[tuple], posts: tuple) -> None:
-        """Post an exchange point: the send ``(tensor, peer, kind, order)`` (or None) and the receives ``posts``."""
+        """Post an exchange point: the send ``(tensor, step)`` (or None) and the receives ``posts``."""
         comm, recvs = self.comm, self.p.recvs
         ops, targets = [], []
         for r in posts:
@@ -410,7 +467,8 @@ class _Runner:
                 ops.append((False, buf, rec.peer, rec.tag))
             targets.append(r)
         if send is not None:
-            tensor, peer, kind, order = send
+            tensor, st = send
+            peer, kind, order = st.send_peer, st.send_kind, st.send_order
             tag = TAG_ACT if kind == "act" else TAG_GRAD
             sends = []
             if self.negotiate:
@@ -418,20 +476,31 @@ class _Runner:
                               TAG_ACT_SHAPE if kind == "act" else TAG_GRAD_SHAPE))
             sends.append((True, tensor, peer, tag))
             # place the send by its exchange-point order among the receives (receives of a kind keep link order)
-            order_of = _BATCHED_ORDER if self.batched else (_EVEN_ORDER if self.comm.rank % 2 == 0 else _ODD_ORDER)
+            order_of = self.order_of
             at = sum(1 for r in targets if order_of[(False, recvs[r].kind)] < order)
             ops[at:at] = sends
             targets[at:at] = [-1] * len(sends)
         if not ops:
             return
         works = comm.post(ops, self.batched)
-        for (is_send, t, _, _), r, w in zip(ops, targets, works):
+        if send is not None:
+            self.send_works[send[1].send_id] = [w for r, w in zip(targets, works) if r < 0]
+        for r, w in zip(targets, works):
             if r < 0:
-                self.pending.append((w, t))
-            elif self.negotiate:
+                continue
+            if self.negotiate:
                 self.shape_works[r] = w
             else:
                 self.works[r] = w
+
+    def _reap(self, send_ids) -> None:
+        """Wait the handles of sends whose receives are known to be posted (frees sent / deallocated storage)."""
+        with self.tracer.span("p2p", "wait send"):
+            works = self.send_works
+            for sid in send_ids:
+                for w in works[sid]:
+                    w.wait()
+                works[sid] = None
 
     def _take(self, r: int):
         """Wait for incoming message ``r`` and return its tensor."""
@@ -498,6 +567,8 @@ class _Runner:
             if st.forward:
                 c = st.chunk
                 x = take(st.recv) if st.recv >= 0 else None
+                if st.reap:
+                    self._reap(st.reap)
                 ckpt = None if k_ckpt is None else (st.index % window) >= k_ckpt
                 first_mb = check_first_val_step(fvs, forward_only, st.microbatch == 0)
                 with tracer.span("compute", st.label):
@@ -511,7 +582,7 @@ class _Runner:
                     self._check_send(y, st)
                     if not y.is_contiguous():
                         y = y.contiguous()
-                    send = (y.detach() if dealloc else y, st.send_peer, st.send_kind, st.send_order)
+                    send = (y.detach() if dealloc else y, st)
                 if send is not None or st.posts:
                     exchange(send, st.posts)
                 if training:
@@ -521,6 +592,8 @@ class _Runner:
                     saved_out[st.slot] = y
             else:
                 gy = take(st.recv) if st.recv >= 0 else None
+                if st.reap:
+                    self._reap(st.reap)
                 slot = st.slot
                 x, y = saved_in[slot], saved_out[slot]
                 saved_in[slot] = saved_out[slot] = None
@@ -529,17 +602,15 @@ class _Runner:
                 send = None
                 if st.send_peer >= 0:
                     self._check_send(gx, st)
-                    send = (gx, st.send_peer, st.send_kind, st.send_order)
+                    send = (gx, st)
                 if send is not None or st.posts:
                     exchange(send, st.posts)
             if after[i]:
                 sync.run(after[i])
 
-        if self.pending:
-            with tracer.span("p2p", "wait sends"):
-                for w, _ in self.pending:
-                    w.wait()
-            self.pending.clear()
+        left = [sid for sid, w in enumerate(self.send_works) if w is not None]
+        if left:
+            self._reap(left)
         if any(w is not None for w in self.works) or any(w is not None for w in self.shape_works):
             raise RuntimeError(f"pipeline rank {p.rank}: receives left unconsumed at the end of the step (plan bug)")
         sync.run(end)

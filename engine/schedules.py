@@ -17,7 +17,7 @@ Deliberate deviations from Megatron-Core 0.16.1:
 * ``config`` is not mutated (Megatron turns single ``grad_sync_func`` / ``param_sync_func`` into per-chunk lists);
   both forms are accepted.  ``no_sync`` is left at the end of forward-only calls too.
 * Before communicating, the pipeline ranks all-gather a small fingerprint of the call (``num_microbatches``,
-  ``forward_only``, model chunks, group size, tensor shapes) and an error flag: a rank whose input is rejected makes
+  ``forward_only``, model chunks, group size, P2P modes, tensor shapes) and an error flag: a rank whose input is rejected makes
   every rank raise instead of leaving its peers blocked, and ranks that disagree raise ``ValueError`` naming the
   field and the per-rank values.
 * The interleaved schedule requires ``config.virtual_pipeline_model_parallel_size == len(model)`` (Megatron
