@@ -81,11 +81,12 @@ def read_records(record_dir: Path) -> dict[int, dict]:
 
 
 def faulty_train_worker(config, resume: bool, record_dir: str, fault: Fault | None = None,
-                        steps: int | None = None) -> None:
+                        then_straight: bool = False) -> None:
     """``engine.training.launch.train_worker`` with a fault and a per-step record.
 
-    ``resume``: load the latest checkpoint first.  ``steps``: train at most this many steps in this call (the LR
-    schedule still spans ``schedule.steps``); checkpoints follow ``checkpoint.interval``.
+    ``resume``: load the latest checkpoint first.  Checkpoints follow ``checkpoint.interval``.  ``then_straight``:
+    afterwards, train a fresh :class:`Trainer` for all ``schedule.steps`` without checkpoints in the same processes
+    and record it as ``straight`` (the reference an interrupted + resumed run must equal).
     """
     from engine.training.trainer import Trainer
     rank = dist.get_rank()
@@ -99,15 +100,25 @@ def faulty_train_worker(config, resume: bool, record_dir: str, fault: Fault | No
             record["resumed_at"] = trainer.step
         if fault is not None and fault.rank == rank:
             _arm(trainer, fault, lambda: _record(record_dir, rank, {**record, "fault_at": time.time()}))
-        end = config.schedule.steps if steps is None else min(config.schedule.steps, trainer.step + steps)
-        while trainer.step < end:
-            metrics = trainer.train_step()
-            record["losses"][str(trainer.step)] = metrics["loss"]
-            if config.checkpoint.interval and trainer.step % config.checkpoint.interval == 0:
-                trainer.save()
-            record["digest"] = weights_digest(trainer)
-            _record(record_dir, rank, record)
+        _train(trainer, record, lambda: _record(record_dir, rank, record), save=True)
+    if then_straight:
+        straight = record["straight"] = {"losses": {}, "digest": None}
+        with Trainer(config) as trainer:
+            _train(trainer, straight, lambda: None, save=False)
+        _record(record_dir, rank, record)
     _fast_exit()
+
+
+def _train(trainer, record: dict, flush, save: bool) -> None:
+    """Train to ``schedule.steps``, recording each step's loss and the weights digest."""
+    interval = trainer.config.checkpoint.interval
+    while trainer.step < trainer.config.schedule.steps:
+        loss = trainer.train_step()["loss"]
+        record["losses"][str(trainer.step)] = loss
+        if save and interval and trainer.step % interval == 0:
+            trainer.save()
+        record["digest"] = weights_digest(trainer)
+        flush()
 
 
 def _fast_exit() -> None:
@@ -144,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     :func:`faulty_train_worker` under ``engine.training.launch.run_spawned``.
 
     JSON keys: ``overrides`` (config overrides), ``record_dir``, ``resume`` (bool), ``fault`` (``[kind, rank, step]``
-    or null), ``steps`` (int or null), ``sleep`` (run :func:`sleeper` instead).  Exits with the launcher's status.
+    or null), ``then_straight`` (bool), ``sleep`` (run :func:`sleeper` instead).  Exits with the launcher's status.
     """
     import sys
 
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_spawned(sleeper, config, spec["record_dir"])
     fault = Fault(*spec["fault"]) if spec.get("fault") else None
     return run_spawned(faulty_train_worker, config, bool(spec.get("resume")), spec["record_dir"], fault,
-                       spec.get("steps"))
+                       bool(spec.get("then_straight")))
 
 
 

@@ -4,8 +4,9 @@ train`` runs), each job a separate launcher process with a timeout:
 * SIGKILL one rank of 4 (pipeline 2 x data 2) mid-training: the launcher exits 1 within 60 s of the kill with an
   ``error:`` line naming the killed rank; every rank process is gone.
 * Exact resume: 20 steps straight == 10 steps (+ checkpoint) + SIGKILL in step 13 + ``--resume`` + the rest,
-  bitwise on CPU (every step loss and every rank's weights).  The first 12 steps of the killed run equal the straight
-  run too: two runs with the same seed and config give bitwise-identical losses (determinism across processes).
+  bitwise on CPU (every step loss and every rank's weights); the straight reference is trained from scratch by the
+  resuming job after it finishes.  The first 12 steps of the killed job equal the reference too: two runs (separate
+  processes) with the same seed and config give bitwise-identical losses.
 * A rank raises in its forward step: the launcher exits 1 naming that rank and the exception; no process is left.
 """
 from __future__ import annotations
@@ -47,24 +48,17 @@ def _error_line(stderr: str) -> str:
     return lines[0]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_sigkill_one_of_four_ranks_then_exact_resume(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.txt")
     layout = {"parallel.pipeline": 2, "parallel.data": 2, "checkpoint.interval": 10, "checkpoint.keep": 3}
-    straight_dir, killed_dir, resumed_dir = (tmp_path / n for n in ("straight", "killed", "resumed"))
-    for d in (straight_dir, killed_dir, resumed_dir):
-        d.mkdir()
-    run_dir = tmp_path / "run"  # the killed run and its resume share checkpoints
+    overrides = tiny_overrides(corpus, tmp_path / "run", **layout)
+    killed_dir, resumed_dir = tmp_path / "killed", tmp_path / "resumed"
+    killed_dir.mkdir()
+    resumed_dir.mkdir()
 
-    rc, err, _ = _launch({"overrides": tiny_overrides(corpus, tmp_path / "run_straight", **layout),
-                          "record_dir": str(straight_dir)})
-    assert rc == 0, err[-3000:]
-    straight = read_records(straight_dir)
-    assert sorted(straight) == [0, 1, 2, 3] and all(len(r["losses"]) == 20 for r in straight.values())
-
-    # SIGKILL rank 2 (pipeline rank 1 of data-parallel replica 1) at the start of step 13
-    rc, err, _ = _launch({"overrides": tiny_overrides(corpus, run_dir, **layout), "record_dir": str(killed_dir),
-                          "fault": ["sigkill", 2, 13]})
+    # run 1: SIGKILL rank 2 at the start of step 13 (after the checkpoint of step 10)
+    rc, err, _ = _launch({"overrides": overrides, "record_dir": str(killed_dir), "fault": ["sigkill", 2, 13]})
     ended = time.time()
     killed = read_records(killed_dir)
     assert rc == 1, err[-3000:]
@@ -72,27 +66,31 @@ def test_sigkill_one_of_four_ranks_then_exact_resume(tmp_path):
     assert "rank 2" in line and "SIGKILL" in line, line
     assert ended - killed[2]["fault_at"] < 60, "the launcher took too long to notice the dead rank"
     assert not any(_alive(r["pid"]) for r in killed.values()), "a rank process was left behind"
-    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert "step_00000010" in ckpts and "step_00000020" not in ckpts, ckpts
 
-    # determinism: the killed run repeats the straight run bitwise until the kill
-    for rank, rec in killed.items():
-        assert list(rec["losses"]) == [str(s) for s in range(1, 13)]
-        assert all(rec["losses"][s] == straight[rank]["losses"][s] for s in rec["losses"]), f"rank {rank}"
-
-    rc, err, _ = _launch({"overrides": tiny_overrides(corpus, run_dir, **layout), "record_dir": str(resumed_dir),
-                          "resume": True})
+    # run 2: --resume to the end, then 20 steps straight from scratch in the same processes (the reference)
+    rc, err, _ = _launch({"overrides": overrides, "record_dir": str(resumed_dir), "resume": True,
+                          "then_straight": True})
     assert rc == 0, err[-3000:]
     resumed = read_records(resumed_dir)
+    assert sorted(resumed) == [0, 1, 2, 3]
     for rank, rec in resumed.items():
+        straight = rec["straight"]
+        assert list(straight["losses"]) == [str(s) for s in range(1, 21)]
+        # determinism: two runs (separate processes) with the same seed and config, bitwise equal until the kill
+        assert list(killed[rank]["losses"]) == [str(s) for s in range(1, 13)]
+        assert all(killed[rank]["losses"][s] == straight["losses"][s] for s in killed[rank]["losses"]), \
+            f"rank {rank}: two runs of the same config differ"
+        # exact resume: 10 steps + SIGKILL + resume + 10 steps == 20 steps straight (losses and weights, bitwise)
         assert rec["resumed_at"] == 10
         assert list(rec["losses"]) == [str(s) for s in range(11, 21)]
-        assert [rec["losses"][s] for s in rec["losses"]] == [straight[rank]["losses"][s] for s in rec["losses"]], \
+        assert [rec["losses"][s] for s in rec["losses"]] == [straight["losses"][s] for s in rec["losses"]], \
             f"rank {rank}: resumed losses differ from the straight run"
-        assert rec["digest"] == straight[rank]["digest"], f"rank {rank}: resumed weights differ bitwise"
+        assert rec["digest"] == straight["digest"], f"rank {rank}: resumed weights differ bitwise"
     # data-parallel replicas of a pipeline stage hold bitwise-equal weights; the two stages differ
     by_stage = {}
-    for rec in straight.values():
+    for rec in resumed.values():
         by_stage.setdefault(rec["pp_rank"], set()).add(rec["digest"])
     assert sorted(by_stage) == [0, 1] and all(len(d) == 1 for d in by_stage.values())
     assert by_stage[0] != by_stage[1]
