@@ -188,6 +188,11 @@ def compile_rank(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True)
         if out is not None:
             send_id, n_send = n_send, n_send + 1
             j = reap_at.get(out)
+            if j is None and plan.forward_only and plan.schedule in ("1f1b", "interleaved"):
+                # nothing flows back in evaluation: every rank runs the schedule table in order, so the receiver
+                # reaches this message without any later action of ours; waiting it 2*P*C steps later is safe
+                # and keeps at most that many sent outputs alive
+                j = i + 2 * plan.num_stages
             if j is not None and max(j, i + 1) < len(acts):  # else: waited at the end of the step
                 reaps[max(j, i + 1)].append(send_id)
         steps.append(Step(forward, a.chunk, a.microbatch, a.label, index, slot, step_recv[i],
@@ -223,7 +228,8 @@ def _receive_schedule(plan: Plan, rank: int, prefetch: int, batched: bool):
             while next_unposted[src] <= pos:
                 batch.append(links[src][next_unposted[src]])
                 next_unposted[src] += 1
-        batch.sort(key=lambda r: order_of[(False, recvs[r].kind)])  # stable: keeps link order within a kind
+        if plan.pp_size > 2:  # each neighbour sends one kind: sorting by kind keeps every link's order
+            batch.sort(key=lambda r: order_of[(False, recvs[r].kind)])
         posts_at.append(tuple(batch))
     return recvs, step_recv, posts_at
 

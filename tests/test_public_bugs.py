@@ -268,3 +268,51 @@ def test_b20_variable_lengths_keep_every_microbatch(pp2):
 def test_b21_unbatched_large_messages_do_not_deadlock(fixture, request):
     for c, ranks in request.getfixturevalue(fixture)["B21"]:
         _ok(c, ranks)
+
+
+PURE_PLANS = [("1f1b", 2, 8, 1, None), ("1f1b", 4, 3, 1, None), ("1f1b", 4, 16, 1, None),
+              ("interleaved", 2, 8, 2, 2), ("interleaved", 2, 5, 2, 3), ("interleaved", 4, 16, 2, 4),
+              ("interleaved", 4, 10, 2, 5), ("interleaved", 4, 8, 3, 4), ("interleaved", 8, 16, 2, 8)]
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+@pytest.mark.parametrize("batched", [True, False])
+def test_b02_receives_posted_in_the_senders_order(prefetch, batched):
+    """Matching by order alone (NCCL ignores tags) pairs every receive with the right send, on every link."""
+    from engine.executor import compile_rank
+    for args in PURE_PLANS:
+        for fo in (False, True):
+            plan = build_plan(*args, forward_only=fo)
+            for rank in range(plan.pp_size):
+                prog = compile_rank(plan, rank, prefetch, batched)
+                posted = [prog.recvs[r] for batch in (prog.initial_posts, *(s.posts for s in prog.steps))
+                          for r in batch]
+                assert len(posted) == len(prog.recvs)
+                for src in {r.peer for r in posted}:
+                    got = [r.message for r in posted if r.peer == src]
+                    assert got == plan.link_order(src, rank), (args, fo, rank, src)
+                for i, st in enumerate(prog.steps):  # every receive is posted before its consumer runs
+                    if st.recv >= 0:
+                        where = [k for k, b in enumerate((prog.initial_posts, *(s.posts for s in prog.steps)))
+                                 if st.recv in b]
+                        assert where and where[0] <= i
+
+
+def test_b13_sent_outputs_released_during_the_step():
+    """Send handles (which keep sent storage alive) are waited while the step runs: at most W + 1 (1F1B) or W + 2
+    (interleaved) sent tensors per rank are held in training -- about the activations in flight -- and at most
+    2*P*C in evaluation, instead of all M*C until the end of the step."""
+    from engine.executor import compile_rank
+    for args in PURE_PLANS:
+        for fo in (False, True):
+            plan = build_plan(*args, forward_only=fo)
+            for rank in range(plan.pp_size):
+                prog = compile_rank(plan, rank)
+                pending, peak = set(), 0
+                for st in prog.steps:
+                    pending -= set(st.reap)
+                    if st.send_id >= 0:
+                        pending.add(st.send_id)
+                    peak = max(peak, len(pending))
+                bound = 2 * plan.num_stages if fo else plan.warmup[rank] + 1 + (plan.schedule == "interleaved")
+                assert peak <= bound, (args, fo, rank, peak, bound)
