@@ -51,17 +51,17 @@ class _Bucket:
         self.ready: set[int] = set()
         self.handle = None
         self.flat: torch.Tensor | None = None
-        self.versions: list[int] = []
+        self.snapshot: list[tuple[torch.Tensor, int]] = []
 
     def flatten(self) -> torch.Tensor:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self.versions = [p.grad._version for p in self.params]
+        self.snapshot = [(p.grad, p.grad._version) for p in self.params]
         return torch.cat([p.grad.reshape(-1) for p in self.params])
 
     def changed_since_flatten(self) -> bool:
-        return any(p.grad._version != v for p, v in zip(self.params, self.versions))
+        return any(p.grad is not g or g._version != v for p, (g, v) in zip(self.params, self.snapshot))
 
     def unflatten(self, flat: torch.Tensor) -> None:
         offset = 0
@@ -73,6 +73,7 @@ class _Bucket:
     def reset(self) -> None:
         self.ready.clear()
         self.handle = self.flat = None
+        self.snapshot = []
 
 
 class GradSync:
