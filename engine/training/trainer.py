@@ -99,7 +99,7 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
         self.val_history: list[tuple[int, float]] = []
-        self._graphs_checked = False
+        self._graphs = None  # graphs.runtime.GraphRuntime, created by _maybe_capture_graphs when enabled
         self._resumed = False
         self._forward_backward, self._p2p = self._schedule()
         if self.rank == 0:
