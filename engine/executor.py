@@ -113,7 +113,9 @@ class RankProgram:
 
 
 def _consumer_map(plan: Plan, rank: int):
-    """For every incoming message: its link position; returns (recvs, recv_index_of_step)."""
+    """The rank's incoming messages: ``(recvs, step_recv, links)`` -- the :class:`Recv` records grouped by sending
+    rank, each link in the sender's order; the recv index each step consumes (-1: none); per sender, its recv
+    indices in order.  Raises ``ValueError`` when messages do not pair up."""
     acts = plan.actions[rank]
     wanted = {}
     for i, a in enumerate(acts):
@@ -432,7 +434,7 @@ def execute(program: RankProgram, ctx: ExecutionContext) -> list:
 
 class _Runner:
     __slots__ = ("p", "ctx", "comm", "config", "tracer", "bufs", "works", "shape_works", "send_works", "sync",
-                 "negotiate", "batched", "hooks", "order_of")
+                 "negotiate", "batched", "hooks", "order_of", "next_data", "late")
 
     def __init__(self, program: RankProgram, ctx: ExecutionContext):
         self.p = program
@@ -445,6 +447,10 @@ class _Runner:
         self.works = [None] * n
         self.shape_works = [None] * n
         self.send_works = [None] * program.num_sends  # per send: its handles until reaped (or the end)
+        self.late = []  # negotiated shapes: data-send handles waited at the end of the step
+        self.next_data = {}  # negotiated shapes: per sender, the first recv whose data receive is not posted yet
+        for r, rec in enumerate(program.recvs):
+            self.next_data.setdefault(rec.peer, r)
         self.sync = _GradSync(ctx.config, ctx.models, self.tracer)
         self.negotiate = bool(n or any(s.send_peer >= 0 for s in program.steps)) and self.comm.negotiates_shapes
         self.batched = bool(ctx.config.batch_p2p_comm)
@@ -499,13 +505,21 @@ class _Runner:
             else:
                 self.works[r] = w
 
-    def _reap(self, send_ids) -> None:
-        """Wait the handles of sends whose receives are known to be posted (frees sent / deallocated storage)."""
+    def _reap(self, send_ids, final: bool = False) -> None:
+        """Wait the handles of sends whose receives are known to be posted (frees sent / deallocated storage).
+
+        With negotiated shapes only the shape message's receive is posted ahead (the data receive follows once the
+        shape is read), so before the end of the step only the shape send is waited; the data send is kept."""
         with self.tracer.span("p2p", "wait send"):
             works = self.send_works
             for sid in send_ids:
-                for w in works[sid]:
-                    w.wait()
+                handles = works[sid]
+                if self.negotiate and not final:
+                    handles[0].wait()
+                    self.late.append(handles[1])
+                else:
+                    for w in handles:
+                        w.wait()
                 works[sid] = None
 
     def _take(self, r: int):
@@ -513,17 +527,26 @@ class _Runner:
         rec = self.p.recvs[r]
         with self.tracer.span("p2p", rec.label):
             if self.negotiate:
-                self.shape_works[r].wait()
-                shape = decode_shape(self.bufs[r])
-                buf = self.comm.new_buffer(shape)
-                self.comm.irecv(buf, rec.peer, rec.tag).wait()
-                self.shape_works[r] = None
-            else:
-                self.works[r].wait()
-                buf = self.bufs[r]
-                self.works[r] = None
+                self._post_data_upto(rec.peer, r)
+            self.works[r].wait()
+            buf = self.bufs[r]
+            self.works[r] = None
         self.bufs[r] = None
         return buf
+
+    def _post_data_upto(self, peer: int, r: int) -> None:
+        """Negotiated shapes: read the shapes and post the data receives of ``peer``'s messages up to ``r``, in the
+        sender's order (recvs of one sender are contiguous and in link order)."""
+        recvs, comm = self.p.recvs, self.comm
+        k = self.next_data[peer]
+        while k <= r:
+            self.shape_works[k].wait()
+            self.shape_works[k] = None
+            buf = comm.new_buffer(decode_shape(self.bufs[k]))
+            self.bufs[k] = buf
+            self.works[k] = comm.irecv(buf, peer, recvs[k].tag)
+            k += 1
+        self.next_data[peer] = k
 
     def _check_send(self, tensor, st) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -616,7 +639,10 @@ class _Runner:
 
         left = [sid for sid, w in enumerate(self.send_works) if w is not None]
         if left:
-            self._reap(left)
+            self._reap(left, final=True)
+        for w in self.late:
+            w.wait()
+        self.late.clear()
         if any(w is not None for w in self.works) or any(w is not None for w in self.shape_works):
             raise RuntimeError(f"pipeline rank {p.rank}: receives left unconsumed at the end of the step (plan bug)")
         sync.run(end)

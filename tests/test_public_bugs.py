@@ -49,7 +49,8 @@ PP2 = {
     # B20: variable sequence lengths (per call and per microbatch) never drop accumulated microbatch grads
     "B20": [case(M=4, variable=True, seqs=[4, 7, 2, 5], zero_mb=3, repeats=2),
             case(chunks=2, M=4, G=2, variable=True, seqs=[3, 6, 2, 5], zero_mb=3),
-            case(M=4, variable=True, zero_mb=3, sequence=[(False, 4, 4), (False, 4, 7)])],
+            case(M=4, variable=True, zero_mb=3, sequence=[(False, 4, 4), (False, 4, 7)]),
+            case(chunks=2, M=4, G=2, variable=True, batch=False, overlap=True, seqs=[3, 6, 2, 5], zero_mb=1)],
     # B21: unbatched P2P with large activations and random per-rank delays: no ordering deadlock
     "B21": [case(M=3, batch=False, sleep=0.01, **BIG),
             case(chunks=2, M=2, G=2, batch=False, overlap=True, sleep=0.01, **BIG)],
@@ -62,6 +63,8 @@ PP4 = {
     "B14": [case(chunks=2, M=3), case(chunks=2, M=7), case(chunks=2, M=3, forward_only=True)],
     "B15": [case(chunks=2, M=4), case(chunks=2, M=8)],
     "B21": [case(M=4, batch=False, sleep=0.01, **BIG)],
+    "B20": [case(chunks=2, M=8, variable=True, batch=False, overlap=True, seqs=[3, 6, 2, 5, 4, 4, 7, 1], zero_mb=5,
+                 dealloc=True)],
     # B04: two pipelines {0, 2} and {1, 3} through engine.parallel_state, shapes negotiated on the pipeline group
     "B04": [case(pp=2, explicit=False, M=4, variable=True, seq_by_dp=[4, 9]),
             case(pp=2, explicit=False, M=4, seq_by_dp=[5, 3], batch=False)],
@@ -258,8 +261,9 @@ def test_b18_receivers_use_the_senders_dtype(pp2):
 
 
 @pytest.mark.timeout(280)
-def test_b20_variable_lengths_keep_every_microbatch(pp2):
-    for c, ranks in pp2["B20"]:
+@pytest.mark.parametrize("fixture", ["pp2", "pp4"])
+def test_b20_variable_lengths_keep_every_microbatch(fixture, request):
+    for c, ranks in request.getfixturevalue(fixture)["B20"]:
         _ok(c, ranks)
 
 
