@@ -49,6 +49,11 @@ def _grid(pp: int) -> list[dict]:
                                              (True, 2 * pp, 4), (False, 3 * pp, 6), (False, 2 * pp, 2)]),
               case(M=3, sequence=[(True, 3, 4), (False, 5, 4), (True, 2, 6), (False, 1, 3)], batch=False),
               case(M=pp, layers=2, hidden=16, dealloc=True)]
+    # negotiated shapes (variable_seq_lengths) in every P2P mode
+    for mode in MODES:
+        if not mode["overlap"]:
+            cases.append(case(M=3, variable=True, dealloc=True, **mode))
+        cases.append(case(chunks=2, M=interleaved[2][0], G=interleaved[2][1], variable=True, dealloc=True, **mode))
     return cases
 
 
@@ -207,6 +212,32 @@ def test_megatron_traces_one_rank():
         assert r["grad_err"] <= TOL
         checked += 1
     assert checked >= 3
+
+
+@pytest.mark.timeout(60)
+def test_tracer_spans_one_rank():
+    """The executor reports one "compute" span per action, labelled like the plan, to the installed tracer."""
+    import contextlib
+
+    from engine.plan import build_plan
+    from engine.process_groups import ProcessGroupCollection
+    from engine.tracing import use_tracer
+
+    class Recorder:
+        def __init__(self):
+            self.spans = []
+
+        @contextlib.contextmanager
+        def span(self, category, label):
+            self.spans.append((category, label))
+            yield
+
+    rec = Recorder()
+    with use_tracer(rec):
+        r = run_case(0, ProcessGroupCollection(), case(M=3))
+    assert r["error"] is None
+    plan = build_plan("no_pipelining", 1, 3)
+    assert [label for cat, label in rec.spans if cat == "compute"] == [a.label for a in plan.actions[0]]
 
 
 def test_largest_error_recorded(pp2, pp4):

@@ -114,17 +114,39 @@ def test_b02_pp2_interleaved_never_swaps_activation_and_gradient(pp2):
 
 
 def _api_exchange(rank, world):
-    """Megatron's 4-way exchange at P = 2: send-next and send-prev go to the same peer."""
+    """Megatron's public P2P methods at P = 2 (send-next and send-prev go to the same peer), every mode."""
     from engine.model_parallel_config import ModelParallelConfig
     pgc = build_process_groups(2)
     out = {}
-    for batch in (True, False):
-        cfg = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, batch_p2p_comm=batch)
+    for batch, variable in ((True, False), (False, False), (True, True)):
+        cfg = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, batch_p2p_comm=batch,
+                                  variable_seq_lengths=variable)
         comm = P2PCommunicator(pgc.pp, cfg)
-        act = torch.full((2, 1, 3), 10.0 + rank)    # activation to next
-        grad = torch.full((2, 1, 3), -20.0 - rank)  # gradient to prev (the same rank at P = 2)
-        got_act, got_grad = comm.send_forward_backward_recv_forward_backward(act, grad, True, True, (2, 1, 3))
-        out[batch] = (got_act[0, 0, 0].item(), got_grad[0, 0, 0].item(), got_act.dtype, got_act.requires_grad)
+        shape = (2, 1, 3) if not variable else (4, 1, 3)  # negotiated: the declared shape is not used
+        act = torch.full((2 + rank, 1, 3) if variable else (2, 1, 3), 10.0 + rank)  # activation to next
+        grad = torch.full((2 + rank, 1, 3) if variable else (2, 1, 3), -20.0 - rank)  # gradient to prev
+        got_act, got_grad = comm.send_forward_backward_recv_forward_backward(act, grad, True, True, shape)
+        res = [got_act[0, 0, 0].item(), got_grad[0, 0, 0].item(), tuple(got_act.shape), got_act.dtype,
+               got_act.requires_grad]
+        # one-directional calls: rank 0 -> rank 1 activation, rank 1 -> rank 0 gradient
+        if rank == 0:
+            comm.send_forward(torch.full((2, 1, 3), 1.5))
+            g = comm.recv_backward((2, 1, 3))
+            g2 = comm.send_forward_recv_backward(torch.full((2, 1, 3), 2.5), (2, 1, 3))
+            res += [g[0, 0, 0].item(), g2[0, 0, 0].item(), comm.recv_forward((2, 1, 3)) is None]
+        else:
+            a = comm.recv_forward((2, 1, 3))
+            comm.send_backward(torch.full((2, 1, 3), -1.5))
+            a2 = comm.send_backward_recv_forward(torch.full((2, 1, 3), -2.5), (2, 1, 3))
+            res += [a[0, 0, 0].item(), a2[0, 0, 0].item(), comm.recv_backward((2, 1, 3)) is None]
+        out[(batch, variable)] = res
+    cfg = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, batch_p2p_comm=False)
+    comm = P2PCommunicator(pgc.pp, cfg)  # overlapped: handles returned, buffers valid after wait
+    x, handles = comm.send_forward_recv_forward(torch.full((2, 1, 3), 7.0 + rank), True, (2, 1, 3),
+                                                overlap_p2p_comm=True)
+    for h in handles.values():
+        h.wait()
+    out["overlap"] = [x[0, 0, 0].item(), sorted(handles)]
     return out
 
 
@@ -133,9 +155,13 @@ def test_b02_p2p_api_pairs_activations_with_activations(pp2):
     (_, res), = pp2["API"]
     for rank, out in enumerate(res):
         peer = 1 - rank
-        for batch, (a, g, dtype, rg) in out.items():
-            assert a == 10.0 + peer and g == -20.0 - peer, (rank, batch, a, g)
-            assert dtype == torch.float32 and rg
+        for (batch, variable), r in ((k, v) for k, v in out.items() if k != "overlap"):
+            a, g, shape, dtype, requires_grad = r[:5]
+            assert a == 10.0 + peer and g == -20.0 - peer, (rank, batch, variable, a, g)
+            assert shape == ((2 + peer, 1, 3) if variable else (2, 1, 3))
+            assert dtype == torch.float32 and requires_grad
+            assert r[5:] == ([-1.5, -2.5, True] if rank == 0 else [1.5, 2.5, True])
+        assert out["overlap"] == [7.0 + peer, ["recv_prev", "send_next"]]
 
 
 @pytest.mark.timeout(280)
