@@ -523,14 +523,26 @@ class _Runner:
                 works[sid] = None
 
     def _take(self, r: int):
-        """Wait for incoming message ``r`` and return its tensor."""
+        """Wait for incoming message ``r`` and return its tensor.
+
+        Raises ``RuntimeError`` naming the sending pipeline rank when the wait fails (it died, raised, or did not send
+        within the pipeline group's timeout), and when a negotiated shape cannot be a pipeline message."""
         rec = self.p.recvs[r]
-        with self.tracer.span("p2p", rec.label):
-            if self.negotiate:
-                self._post_data_upto(rec.peer, r)
-            self.works[r].wait()
-            buf = self.bufs[r]
-            self.works[r] = None
+        try:
+            with self.tracer.span("p2p", rec.label):
+                if self.negotiate:
+                    self._post_data_upto(rec.peer, r)
+                self.works[r].wait()
+                buf = self.bufs[r]
+                self.works[r] = None
+        except RuntimeError as exc:
+            if "pipeline message" in str(exc):
+                raise
+            ranks = getattr(self.comm, "global_ranks", None)
+            peer = f"pipeline rank {rec.peer}" + (f" (global rank {ranks[rec.peer]})" if ranks else "")
+            raise RuntimeError(f"pipeline rank {self.p.rank}: {rec.label} from {peer} failed: {exc} -- {peer} died, "
+                               "raised or is stuck (see its error); waits end after the pipeline group's timeout"
+                               ) from exc
         self.bufs[r] = None
         return buf
 
@@ -542,11 +554,24 @@ class _Runner:
         while k <= r:
             self.shape_works[k].wait()
             self.shape_works[k] = None
-            buf = comm.new_buffer(decode_shape(self.bufs[k]))
+            shape = decode_shape(self.bufs[k])
+            self._check_negotiated(shape, f"the shape handshake of {recvs[k].label} from pipeline rank {peer} "
+                                          "announced")
+            buf = comm.new_buffer(shape)
             self.bufs[k] = buf
             self.works[k] = comm.irecv(buf, peer, recvs[k].tag)
             k += 1
         self.next_data[peer] = k
+
+    def _check_negotiated(self, shape: tuple, what: str) -> None:
+        """``variable_seq_lengths``: a pipeline message is ``[s, b, hidden_size]``; the hidden size is the one
+        dimension that cannot vary between microbatches (checked when ``config.hidden_size`` is set), so a wrong
+        tensor is caught here instead of being received silently at its wrong size."""
+        hidden = getattr(self.config, "hidden_size", 0) or 0
+        if not shape or min(shape) < 0 or (hidden > 0 and shape[-1] != hidden):
+            raise RuntimeError(f"{what} shape {tuple(shape)} on pipeline rank {self.p.rank}, but a pipeline message "
+                               f"is [s, b, hidden_size={hidden or 'any'}] with variable_seq_lengths; the sending model "
+                               "chunk must return [s, b, h] activations with h = config.hidden_size")
 
     def _check_send(self, tensor, st) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -557,7 +582,9 @@ class _Runner:
             raise RuntimeError(f"{st.label} on pipeline rank {self.p.rank} produced a {tensor.dtype} "
                                f"{'activation' if st.forward else 'gradient'} but config.pipeline_dtype={dtype}; "
                                "the receiver would misread it: cast the chunk output or set pipeline_dtype")
-        if not self.negotiate:
+        if self.negotiate:
+            self._check_negotiated(tuple(tensor.shape), f"{st.label} produced")
+        else:
             # an activation has this rank's output shape (= the shape its gradient comes back in), a gradient this
             # rank's input shape (= the activation receive shape)
             expected = self.ctx.grad_shape if st.forward else self.ctx.act_shape
