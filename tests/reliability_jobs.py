@@ -26,7 +26,8 @@ __all__ = ["Fault", "tiny_overrides", "write_corpus", "faulty_train_worker", "we
 
 @dataclass(frozen=True)
 class Fault:
-    """Inject ``kind`` (``"sigkill"`` or ``"raise"``) on global rank ``rank`` when it starts step ``step``."""
+    """Inject ``kind`` (``"sigkill"``, ``"raise"`` or ``"hang"``) on global rank ``rank`` when it starts step
+    ``step``."""
 
     kind: str
     rank: int
@@ -143,6 +144,8 @@ def _arm(trainer, fault: Fault, before) -> None:
             before()
             if fault.kind == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if fault.kind == "hang":  # alive but stuck: only the peers' communication timeout ends the job
+                time.sleep(3600)
             raise RuntimeError(f"injected fault: rank {dist.get_rank()} raises in its forward step "
                                f"(step {fault.step})")
         return inner(data_iterator, model)
@@ -210,7 +213,8 @@ def pipeline_case(rank: int, case: dict) -> dict:
     ``case["timeout_s"]``); returns how this rank ended: ``{"ok": bool, "error": "Type: message", "seconds": t}``.
 
     ``case`` keys (each a value, or ``{rank: value}`` for a per-rank value): ``hidden``, ``out_hidden``,
-    ``out_dtype``, ``pipeline_dtype``, ``variable_seq_lengths``, ``num_microbatches``, ``seq_length``,
+    ``out_dtype``, ``pipeline_dtype``, ``config_hidden`` (``config.hidden_size``; default ``hidden``),
+    ``variable_seq_lengths``, ``num_microbatches``, ``seq_length``,
     ``micro_batch_size``, ``skip`` (this rank does not call the schedule: it sleeps ``skip`` seconds instead).
     """
     import datetime
@@ -228,7 +232,8 @@ def pipeline_case(rank: int, case: dict) -> dict:
     hidden, seq, mbs, m = pick("hidden", 8), pick("seq_length", 4), pick("micro_batch_size", 2), \
         pick("num_microbatches", 3)
     dtype = getattr(torch, pick("pipeline_dtype", "float32"))
-    config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=dtype, hidden_size=hidden,
+    config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=dtype,
+                                 hidden_size=pick("config_hidden", hidden),
                                  variable_seq_lengths=bool(pick("variable_seq_lengths", False)))
     out_dtype = pick("out_dtype")
     model = _Stage(config, rank, hidden, pick("out_hidden"), getattr(torch, out_dtype) if out_dtype else None)

@@ -30,6 +30,9 @@ CASES = {
     "wrong_dtype": dict(out_dtype={0: "float64"}, timeout_s=T),
     "variable_ok": dict(variable_seq_lengths=True, seq_length={0: 5, 1: 5}),
     "variable_wrong_hidden": dict(out_hidden={0: 9}, variable_seq_lengths=True, timeout_s=T),
+    # the sender does not know the hidden size (config.hidden_size=0): the receiver's handshake check catches it
+    "variable_wrong_hidden_receiver": dict(out_hidden={0: 9}, config_hidden={0: 0}, variable_seq_lengths=True,
+                                           timeout_s=T),
     "peer_absent": dict(skip={1: T + 1}, timeout_s=T),
 }
 
@@ -77,20 +80,23 @@ def test_wrong_shape_or_dtype_is_a_clear_error_not_a_hang(outcomes):
         and "expects (4, 2, 8)" in sender["error"], sender
     assert sender["seconds"] < T
     assert not receiver["ok"] and receiver["seconds"] < 3 * T, receiver  # the group timeout, not a hang
+    assert "recv act c0 mb0 from pipeline rank 0 (global rank 0) failed" in receiver["error"], receiver
     sender, receiver = outcomes["wrong_dtype"]
     assert "torch.float64" in sender["error"] and "pipeline_dtype=torch.float32" in sender["error"], sender
     assert not receiver["ok"] and receiver["seconds"] < 3 * T, receiver
 
 
-@pytest.mark.xfail(strict=True, reason="the executor does not yet check negotiated shapes against the receiver's "
-                   "expectation (the receiver fails later inside its model)")
 @pytest.mark.timeout(160)
 def test_shape_handshake_catches_a_wrong_shape(outcomes):
-    sender, receiver = outcomes["variable_wrong_hidden"]
-    failed = [r for r in (sender, receiver) if not r["ok"]]
-    assert len(failed) == 2 and all(r["seconds"] < 3 * T for r in failed), (sender, receiver)
-    clear = [r["error"] for r in failed if "(5, 2, 9)" in r["error"] or "(4, 2, 9)" in r["error"]]
-    assert clear and any("hidden" in e for e in clear), (sender["error"], receiver["error"])
+    sender, receiver = outcomes["variable_wrong_hidden"]  # caught where it is made, before it is sent
+    assert "F c0 mb0 produced shape (4, 2, 9) on pipeline rank 0" in sender["error"] \
+        and "hidden_size=8" in sender["error"], sender
+    assert not receiver["ok"] and "from pipeline rank 0 (global rank 0) failed" in receiver["error"], receiver
+    sender, receiver = outcomes["variable_wrong_hidden_receiver"]  # caught by the receiver's handshake check
+    assert "shape handshake of recv act c0 mb0 from pipeline rank 0 announced shape (4, 2, 9)" in receiver["error"] \
+        and "hidden_size=8" in receiver["error"], receiver
+    assert receiver["seconds"] < T
+    assert not sender["ok"] and sender["seconds"] < 3 * T, sender  # its gradient never comes: the group timeout
 
 
 @pytest.mark.timeout(160)
