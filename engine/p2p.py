@@ -21,12 +21,15 @@ Transport notes (what is and is not verified):
 
 * gloo (CPU): verified by the multi-process tests.  gloo has no grouped p2p, so ``batch_p2p_comm`` posts the ops of
   an exchange point one after the other, in Megatron's batched order (send-prev, recv-prev, send-next, recv-next);
-  without it they are posted in Megatron's even/odd order.  A gloo send never completes before it is waited, so
-  send handles are waited lazily by the caller.
-* NCCL (CUDA): not tested here (one GPU only).  ``batch_p2p_comm`` then goes through
-  ``torch.distributed.batch_isend_irecv`` (one NCCL group per exchange point).  Both directions of a rank pair share
-  one NCCL stream, so an unmatched posted send can hold back a later receive on the same pair; keep
-  ``batch_p2p_comm=True`` on NCCL so every exchange point's sends and receives form one group.
+  without it they are posted in Megatron's even/odd order.  A gloo send never reports completion before it is
+  waited, so send handles are waited lazily by the caller.
+* NCCL (CUDA): **not tested** (the development machine has no GPU; one GPU could not host two NCCL ranks anyway).
+  Both directions of a rank pair share one NCCL stream, so an unmatched posted send can hold back a later receive on
+  the same pair; therefore every exchange point's sends and receives are issued as one
+  ``torch.distributed.batch_isend_irecv`` group on NCCL, whatever ``batch_p2p_comm`` says (its op order is kept).
+  For Megatron's plans the exchange points of neighbouring ranks pair up much like Megatron's lock-step calls; this
+  is argued, not run.  The data receive of a
+  negotiated-shape message (``variable_seq_lengths``) is posted on its own after its shape arrived.
 """
 from __future__ import annotations
 
@@ -140,9 +143,10 @@ class P2PCommunicator:
 
     def post(self, ops: Sequence[tuple[bool, torch.Tensor, int, int]], batched: bool) -> list:
         """Post the transfers of one exchange point; ``ops`` are ``(is_send, tensor, peer, tag)`` already in posting
-        order.  ``batched`` on NCCL issues them as one ``batch_isend_irecv`` group; otherwise one by one.
+        order (``batched``: Megatron's batched order, else even/odd -- the caller orders them).  On NCCL they are
+        issued as one ``batch_isend_irecv`` group whatever ``batched`` says; on gloo one by one.
         Returns one handle per op (in order)."""
-        if batched and self.grouped and len(ops) > 1:
+        if self.grouped and len(ops) > 1:  # NCCL: always one group (see the module docstring)
             group = self.pp_group
             p2p = [dist.P2POp(dist.isend if s else dist.irecv, t, self.global_ranks[p], group, tag)
                    for s, t, p, tag in ops]
