@@ -78,10 +78,6 @@ _DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64, to
            *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)))
 
 
-def _as_list(x, name: str):
-    return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
 def _single_model(model, data_iterator, schedule: str):
     """Unwrap the one-element lists the non-interleaved schedules accept (Megatron asserts length 1)."""
     if isinstance(model, list):

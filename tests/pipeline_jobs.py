@@ -28,6 +28,7 @@ DEFAULTS = dict(pp=None, chunks=None, M=4, G=None, batch=True, overlap=False, de
 
 
 def case(**kw) -> dict:
+    """A case: :data:`DEFAULTS` updated with ``kw`` (unknown keys are a ``KeyError``)."""
     unknown = set(kw) - set(DEFAULTS)
     if unknown:
         raise KeyError(f"unknown case keys {unknown}")
@@ -37,11 +38,10 @@ def case(**kw) -> dict:
 class _Recorder:
     """no_sync / grad_sync / param_sync / finalize hooks that append Megatron-trace-style events to ``log``."""
 
-    def __init__(self, log, chunks, hooks: bool):
+    def __init__(self, log, chunks):
         self.log, self.active = log, False
         self.tokens = None
         self.chunk_of = {id(next(c.parameters())): c.chunk for c in chunks}
-        self.hooks = hooks
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -68,7 +68,7 @@ class _Recorder:
                         f"{None if num_tokens is None else int(num_tokens)})")
 
 
-def _config(c, world_pp, recorder_hooks=None):
+def _config(c, world_pp):
     dtype = getattr(torch, c["dtype"])
     cfg = ModelParallelConfig(pipeline_model_parallel_size=world_pp,
                               virtual_pipeline_model_parallel_size=c["chunks"], pipeline_dtype=dtype,
@@ -106,13 +106,14 @@ class _TraceLog(list):
 
 
 def run_case(rank: int, pgc, c: dict) -> dict:
+    """Run case ``c`` on this rank in the pipeline of ``pgc``; compare with the reference computed here."""
     pp, pp_rank = pgc.pipeline_model_parallel_size, pgc.pipeline_model_parallel_rank
     C = c["chunks"] or 1
     cfg = _config(c, pp)
     log = _TraceLog()
     chunks, _ = tm.build_chunks(cfg, pp, pp_rank, C, hidden=c["hidden"], layers_per_stage=c["layers"],
                                 kind=c["kind"], dtype=getattr(torch, c["dtype"]), seed=c["seed"], log=log)
-    rec = _Recorder(log, chunks, c["hooks"])
+    rec = _Recorder(log, chunks)
     log.rec = rec
     cfg.no_sync_func = rec.no_sync
     cfg.finalize_model_grads_func = rec.finalize
@@ -141,7 +142,7 @@ def run_case(rank: int, pgc, c: dict) -> dict:
 
     steps = c["sequence"] or [(c["forward_only"], c["M"], c["seq"])]
     probe = schedules.P2PCommunicator(pgc.pp, cfg)
-    result = {"rank": rank, "pp_rank": pp_rank, "error": None, "stores": [], "grad_err": 0.0, "loss_err": 0.0,
+    result = {"rank": rank, "pp_rank": pp_rank, "error": None, "grad_err": 0.0, "loss_err": 0.0,
               "calls": [], "next_rank": probe.next_rank, "prev_rank": probe.prev_rank,
               "pp_ranks": list(pgc.pp_ranks)}
     if c["func"]:

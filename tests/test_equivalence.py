@@ -17,7 +17,6 @@ Two spawned jobs (PP = 2 on 2 ranks, PP = 4 on 4 ranks; shared with ``tests/test
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.megatron_vectors import VECTORS, vectors
 from tests.pipeline_jobs import case, register, run_case, shared_results

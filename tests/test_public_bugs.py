@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import schedules
 from engine.p2p import P2PCommunicator
 from engine.process_groups import build_process_groups
 from engine.schedule_table import convert_schedule_table_to_order, get_schedule_table
