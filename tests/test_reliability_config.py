@@ -22,7 +22,7 @@ import yaml
 from engine.training.config import load_config, validate_world_size
 
 ROOT = Path(__file__).resolve().parents[1]
-FIX_WORDS = ("use ", "set ", "choose", "pass ", "start ", "remove", "fix ", "change", "write ", "must ", "needs",
+FIX_WORDS = ("use ", "set ", "choose", "pass ", "start ", "remove", "fix ", "change", "write ", "must ", "needs", "call ",
              "accepts", "expected", "allowed", "are: ", "one of")
 
 
@@ -165,3 +165,48 @@ def test_cli_exits_nonzero_within_10s(tmp_path):
         for part in parts:
             assert part in lines[0], f"{name}: {part!r} not in {lines[0]!r}"
         assert not (tmp_path / name).exists(), f"{name}: the run folder was created before validation failed"
+
+
+# ---- the Megatron-style API: the same contract for Python callers ------------------------------------------------
+
+def _api_rows():
+    import torch
+
+    from engine.model_parallel_config import ModelParallelConfig as MPC
+    from engine.process_groups import build_process_groups
+    from engine.schedule_table import validate_interleaved_microbatches
+    from engine.schedules import get_forward_backward_func
+    f32 = torch.float32
+    return [
+        ("pp_zero", lambda: MPC(pipeline_model_parallel_size=0), ValueError,
+         ["pipeline_model_parallel_size", "got 0", ">= 1"]),
+        ("pp_wrong_type", lambda: MPC(pipeline_model_parallel_size="2"), TypeError,
+         ["pipeline_model_parallel_size", "'2'", "int"]),
+        ("pp_without_dtype", lambda: MPC(pipeline_model_parallel_size=2), ValueError, ["pipeline_dtype", "set "]),
+        ("vp_zero", lambda: MPC(pipeline_model_parallel_size=2, pipeline_dtype=f32,
+                                virtual_pipeline_model_parallel_size=0), ValueError,
+         ["virtual_pipeline_model_parallel_size", "got 0"]),
+        ("group_size_zero", lambda: MPC(pipeline_model_parallel_size=2, pipeline_dtype=f32,
+                                        microbatch_group_size_per_vp_stage=0), ValueError,
+         ["microbatch_group_size_per_vp_stage", "got 0"]),
+        ("negative_checkpoint_count", lambda: MPC(num_microbatches_with_partial_activation_checkpoints=-1),
+         ValueError, ["num_microbatches_with_partial_activation_checkpoints", "-1"]),
+        ("group_size_out_of_range", lambda: validate_interleaved_microbatches(3, 4, 4), ValueError,
+         ["microbatch_group_size_per_vp_stage=4", "num_microbatches=3", "pipeline_model_parallel_size=4"]),
+        ("leftover_group", lambda: validate_interleaved_microbatches(7, 3, 3), RuntimeError,
+         ["num_microbatches=7", "last group of 1"]),
+        ("pipelining_without_process_group", lambda: build_process_groups(2), RuntimeError,
+         ["pipeline_model_parallel_size=2", "init_process_group"]),
+        ("vp_without_pp", lambda: get_forward_backward_func(None, 2), TypeError, ["vp_size=2", "pp_size"]),
+    ]
+
+
+def test_bad_api_arguments_raise_clear_errors():
+    import torch.distributed as dist
+    for name, call, exc, parts in _api_rows():
+        with pytest.raises(exc) as info:
+            call()
+        message = str(info.value)
+        assert all(p in message for p in parts), f"{name}: {parts} not all in {message!r}"
+        assert _teaches(message) or "got" in message, f"{name}: message gives no fix: {message!r}"
+    assert not dist.is_initialized()
