@@ -54,6 +54,7 @@ PP2 = {
     "B21": [case(M=3, batch=False, sleep=0.01, **BIG),
             case(chunks=2, M=2, G=2, batch=False, overlap=True, sleep=0.01, **BIG)],
     "API": [("tests.test_public_bugs", "_api_exchange")],
+    "CUSTOM": [("tests.pipeline_jobs", "custom_plans")],
 }
 PP4 = {
     "B01": [case(M=M, forward_only=fo) for M in (1, 2, 3, 4, 5) for fo in (False, True)],
@@ -161,6 +162,17 @@ def test_b02_p2p_api_pairs_activations_with_activations(pp2):
             assert dtype == torch.float32 and requires_grad
             assert r[5:] == ([-1.5, -2.5, True] if rank == 0 else [1.5, 2.5, True])
         assert out["overlap"] == [7.0 + peer, ["recv_prev", "send_next"]]
+
+
+@pytest.mark.timeout(280)
+def test_executor_runs_plans_megatron_does_not_have(pp2):
+    """One executor for any valid plan: GPipe, and a plan whose receiver consumes gradients in another order than
+    they are sent (receives are posted in the sender's order, so the right buffer still gets each gradient)."""
+    (_, res), = pp2["CUSTOM"]
+    for rank, plans in enumerate(res):
+        for p in plans:
+            assert p["grad_err"] <= TOL and p["order"] == p["plan_order"], (rank, p)
+            assert p["store_len"] == (4 if rank == 1 else 0)
 
 
 @pytest.mark.timeout(280)
