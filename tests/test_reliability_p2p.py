@@ -17,15 +17,18 @@ import pytest
 from tests.distributed import run_ranks
 from tests.reliability_jobs import pipeline_cases
 
-T = 1.5  # pipeline-group timeout of the cases that must wait for a peer (seconds)
+T = 2.0  # pipeline-group timeout of the cases that must wait for a peer (seconds)
+SLOW = 10  # pipeline-group timeout of the cases that must fail before any wait: failing after FAST s proves it
+FAST = 5
 
 CASES = {
     "ok": dict(),
-    "M_zero_on_one_rank": dict(num_microbatches={1: 0}),
-    "M_differs": dict(num_microbatches={1: 2}),
-    "seq_length_differs": dict(seq_length={0: 6}),
-    "pipeline_dtype_differs": dict(pipeline_dtype={0: "float64"}),
-    "pipeline_dtype_differs_variable": dict(pipeline_dtype={0: "float64"}, variable_seq_lengths=True),
+    "M_zero_on_one_rank": dict(num_microbatches={1: 0}, timeout_s=SLOW),
+    "M_differs": dict(num_microbatches={1: 2}, timeout_s=SLOW),
+    "seq_length_differs": dict(seq_length={0: 6}, timeout_s=SLOW),
+    "pipeline_dtype_differs": dict(pipeline_dtype={0: "float64"}, timeout_s=SLOW),
+    "pipeline_dtype_differs_variable": dict(pipeline_dtype={0: "float64"}, variable_seq_lengths=True,
+                                            timeout_s=SLOW),
     "wrong_shape": dict(out_hidden={0: 9}, timeout_s=T),
     "wrong_dtype": dict(out_dtype={0: "float64"}, timeout_s=T),
     "variable_ok": dict(variable_seq_lengths=True, seq_length={0: 5, 1: 5}),
@@ -47,7 +50,7 @@ def outcomes():
 def _both_fail_fast(out, *parts):
     for rank, r in enumerate(out):
         assert not r["ok"], f"rank {rank} did not fail"
-        assert r["seconds"] < T, f"rank {rank} took {r['seconds']:.1f}s: it waited for a peer instead of " \
+        assert r["seconds"] < FAST, f"rank {rank} took {r['seconds']:.1f}s: it waited for a peer instead of " \
                                  "failing before any P2P"
         for part in parts:
             assert part in r["error"], f"rank {rank}: {part!r} not in {r['error']!r}"
@@ -64,7 +67,7 @@ def test_bad_input_on_one_rank_fails_every_rank_before_p2p(outcomes):
     rank0, rank1 = outcomes["M_zero_on_one_rank"]
     assert rank1["error"].startswith("ValueError: num_microbatches=0") and "num_microbatches >= 1" in rank1["error"]
     assert "pipeline rank(s) [1] rejected" in rank0["error"]
-    assert max(rank0["seconds"], rank1["seconds"]) < T
+    assert max(rank0["seconds"], rank1["seconds"]) < FAST
     _both_fail_fast(outcomes["M_differs"], "ValueError", "different num_microbatches: [3, 2]")
     _both_fail_fast(outcomes["seq_length_differs"], "ValueError", "different activation shape", "(6, 2, 8)",
                     "(4, 2, 8)")
