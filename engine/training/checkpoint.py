@@ -62,7 +62,7 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
     """Collectively save ``state`` (nested dicts of tensors) as ``<directory>/step_<step>``; returns the path.
 
     Every rank calls it.  Writes to a temporary folder, then rank 0 renames it and removes checkpoints beyond
-    the newest ``keep``.
+    the newest ``keep`` and temporary folders left by crashed saves.
     """
     d = Path(directory)
     final, tmp = d / f"step_{step:08d}", d / f".step_{step:08d}.tmp"
@@ -80,6 +80,8 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
         os.replace(tmp, final)
         for old in list_checkpoints(d)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+        for stale in d.glob(".step_*.tmp"):  # left by saves that crashed mid-write
+            shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return final
 
