@@ -58,11 +58,11 @@ def test_crash_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert _equal(loaded, _state(1))
 
     monkeypatch.setattr(dcp, "save", real_save)
-    second = save_checkpoint(_state(2), tmp_path, step=2)  # the stale temporary folder is replaced
-    assert latest_checkpoint(tmp_path) == second and not (tmp_path / ".step_00000002.tmp").exists()
+    third = save_checkpoint(_state(3), tmp_path, step=3)  # the next save also removes the stale temporary folder
+    assert latest_checkpoint(tmp_path) == third and not (tmp_path / ".step_00000002.tmp").exists()
     loaded = _empty()
-    load_checkpoint(loaded, second)
-    assert _equal(loaded, _state(2))
+    load_checkpoint(loaded, third)
+    assert _equal(loaded, _state(3))
 
 
 def test_keep_removes_only_old_complete_checkpoints(tmp_path):
