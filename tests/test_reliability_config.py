@@ -210,3 +210,11 @@ def test_bad_api_arguments_raise_clear_errors():
         assert all(p in message for p in parts), f"{name}: {parts} not all in {message!r}"
         assert _teaches(message) or "got" in message, f"{name}: message gives no fix: {message!r}"
     assert not dist.is_initialized()
+
+
+def test_default_communication_timeout_is_short():
+    """A lost peer must fail a job (and a CI run) in about a minute, not after torch's 30-minute default."""
+    from engine.training.config import ParallelConfig, load_config
+    assert 0 < ParallelConfig().timeout_s <= 60
+    for preset in sorted((ROOT / "configs").glob("*.yaml")):
+        assert load_config(preset).parallel.timeout_s <= 300, preset.name

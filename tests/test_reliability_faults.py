@@ -8,6 +8,8 @@ train`` runs), each job a separate launcher process with a timeout:
   resuming job after it finishes.  The first 12 steps of the killed job equal the reference too: two runs (separate
   processes) with the same seed and config give bitwise-identical losses.
 * A rank raises in its forward step: the launcher exits 1 naming that rank and the exception; no process is left.
+* A rank is stuck (alive, never sends): the peer fails after ``parallel.timeout_s`` naming it; the job ends.
+* The launcher itself is SIGKILLed: its ranks (blocked inside gloo) die with it.
 """
 from __future__ import annotations
 
@@ -155,3 +157,21 @@ def test_failure_message_blames_the_killed_rank():
     _blame_killed_rank(SimpleNamespace(processes=procs[:2]), raised)  # no killed rank: the raise stands
     assert _describe_failure(raised, 2).startswith("rank 0 failed: RuntimeError: Connection closed by peer; the "
                                                    "launcher stopped the other ranks (1)")
+
+
+@pytest.mark.timeout(120)
+def test_stuck_rank_ends_the_job_after_the_communication_timeout(tmp_path):
+    """A rank that is alive but stuck (never sends): its peer's receive fails after ``parallel.timeout_s``, naming
+    the stuck rank, and the launcher stops everything."""
+    timeout_s = 3
+    overrides = tiny_overrides(write_corpus(tmp_path / "corpus.txt"), tmp_path / "run",
+                               **{"parallel.pipeline": 2, "schedule.steps": 5, "parallel.timeout_s": timeout_s})
+    rc, err, _ = _launch({"overrides": overrides, "record_dir": str(tmp_path), "fault": ["hang", 1, 2]})
+    ended = time.time()
+    records = read_records(tmp_path)
+    assert rc == 1, err[-3000:]
+    line = _error_line(err)
+    assert "rank 0 failed" in line and "from pipeline rank 1 (global rank 1) failed" in line, line
+    waited = ended - records[1]["fault_at"]
+    assert timeout_s <= waited < timeout_s + 30, f"job ended {waited:.1f}s after the rank got stuck"
+    assert not any(_alive(r["pid"]) for r in records.values()), "a rank process was left behind"
