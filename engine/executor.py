@@ -12,9 +12,10 @@ executor derives everything else from the plan's actions:
   ``P = 2`` and interleaving, where activations and gradients share one pair of ranks (public bug B02) -- and each is
   waited just before the action that consumes it.  Each message kind also has its own tag (``engine.p2p``).
   This is the communication model of the plan validator: a plan it accepts cannot deadlock here.
-* Receives are posted ``prefetch`` actions ahead: with ``config.overlap_p2p_comm`` the receives of the next
-  :data:`OVERLAP_PREFETCH` actions are kept posted (prefetched, waited right before use), otherwise those of the
-  next action.  ``config.batch_p2p_comm`` posts the ops of one exchange point (the send of an action plus the
+* Receives are posted ``prefetch`` actions ahead (:func:`default_prefetch`): with ``config.overlap_p2p_comm`` the
+  receives of the next :data:`OVERLAP_PREFETCH` actions are kept posted (prefetched, waited right before use);
+  otherwise those of the next action on NCCL (Megatron's lock-step pairing) and of the next two on gloo (gloo
+  transfers a message only once its receive is posted).  ``config.batch_p2p_comm`` posts the ops of one exchange point (the send of an action plus the
   receives posted after it) as one batch (one NCCL group; gloo has none), in Megatron's batched order; otherwise
   in Megatron's even/odd order.
 * ``deallocate_pipeline_outputs``: a sent output is shrunk right after its send is posted (the send holds an alias
@@ -50,11 +51,25 @@ from .plan import Message, Op, Plan, build_plan
 from .step import backward_step, check_first_val_step, deallocate_output_tensor, forward_step
 from .tracing import current_tracer
 
-__all__ = ["OVERLAP_PREFETCH", "RankProgram", "Step", "Recv", "compile_rank", "program_for", "cached_program",
+__all__ = ["OVERLAP_PREFETCH", "GLOO_PREFETCH", "NCCL_PREFETCH", "default_prefetch", "RankProgram", "Step", "Recv", "compile_rank", "program_for", "cached_program",
            "ExecutionContext", "execute"]
 
 OVERLAP_PREFETCH = 3
-"""Actions ahead whose receives are kept posted with ``overlap_p2p_comm`` (1 without it)."""
+"""Actions ahead whose receives are kept posted with ``overlap_p2p_comm``."""
+GLOO_PREFETCH = 2
+"""Without ``overlap_p2p_comm`` on gloo: receives of the next two actions are posted.  gloo moves a message only
+once its receive is posted (measured here: an 8 MiB message posted late costs ~10 ms of transfer on the critical
+path, posted early ~0.03 ms), so posting one action early lets the transfer run during the current action."""
+NCCL_PREFETCH = 1
+"""Without ``overlap_p2p_comm`` on NCCL: only the next action's receives, grouped with the current send -- the
+pairing of Megatron's lock-step exchanges (a receive posted earlier would hold the pair's stream)."""
+
+
+def default_prefetch(config, communicator) -> int:
+    """Actions ahead whose receives the executor posts, for ``config`` on ``communicator``'s transport."""
+    if config.overlap_p2p_comm:
+        return OVERLAP_PREFETCH
+    return NCCL_PREFETCH if getattr(communicator, "grouped", False) else GLOO_PREFETCH
 
 # posting order of an exchange point's ops: key = (is_send, kind) -> rank within the exchange point
 _BATCHED_ORDER = {(True, "grad"): 0, (False, "act"): 1, (True, "act"): 2, (False, "grad"): 3}  # Megatron batched

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .executor import OVERLAP_PREFETCH, ExecutionContext, cached_program, execute
+from .executor import ExecutionContext, cached_program, default_prefetch, execute
 from .p2p import P2PCommunicator
 from .process_groups import group_size
 
@@ -311,7 +311,7 @@ def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_micr
 
     config, comm = call.config, call.comm
     pp_size, rank = (1, 0) if comm is None else (comm.size, comm.rank)
-    prefetch = OVERLAP_PREFETCH if config.overlap_p2p_comm else 1
+    prefetch = default_prefetch(config, comm)
     program = cached_program(schedule, pp_size, num_microbatches, len(call.models), call.group,
                              bool(forward_only), rank, prefetch, bool(config.batch_p2p_comm))
     training = not forward_only

@@ -277,31 +277,38 @@ def shared_results(world: int, timeout: float = 240) -> list:
 def custom_plans(rank: int, world: int) -> list:
     """The executor on plans no Megatron schedule produces (``engine.executor.execute`` directly): GPipe (all
     forwards, then all backwards), and GPipe whose last rank runs its backwards in reverse microbatch order -- so
-    the previous rank receives the gradients in another order than it consumes them.  Returns, per plan, the
+    the previous rank receives the gradients in another order than it consumes them; plus Megatron's 1F1B and
+    interleaved plans with the NCCL posting depth (receives one action ahead) run on gloo.  Returns, per plan, the
     largest relative gradient error against the reference and the recorded vs planned compute order."""
-    from engine.executor import ExecutionContext, execute, program_for
+    from engine.executor import NCCL_PREFETCH, ExecutionContext, execute, program_for
     from engine.plan import Action, Op, Plan
     pgc = build_process_groups(world)
-    M, out = 4, []
+    M, plans = 4, []
     for reverse_last in (False, True):
         per_rank = []
         for r in range(world):
             backward_order = range(M - 1, -1, -1) if reverse_last and r == world - 1 else range(M)
             per_rank.append(tuple([Action(Op.FORWARD, 0, m) for m in range(M)]
                                   + [Action(Op.BACKWARD, 0, m) for m in backward_order]))
-        plan = Plan("gpipe", world, 1, M, M, False, (M,) * world, tuple(per_rank))
-        c = case(M=M)
+        plans.append((Plan("gpipe", world, 1, M, M, False, (M,) * world, tuple(per_rank)), 2))
+    plans += [(build_plan("1f1b", world, M), NCCL_PREFETCH), (build_plan("interleaved", world, M, 2, world),
+                                                               NCCL_PREFETCH)]
+    out = []
+    for plan, prefetch in plans:
+        C = plan.num_model_chunks
+        c = case(M=M, chunks=C if plan.schedule == "interleaved" else None, dealloc=True)
         cfg = _config(c, world)
         log = _TraceLog()
-        chunks, _ = tm.build_chunks(cfg, world, rank, 1, log=log)
+        chunks, _ = tm.build_chunks(cfg, world, rank, C, log=log)
         log.rec = _Recorder(log, chunks)
         data = tm.make_data(M, c["seq"], c["mbs"], c["hidden"])
-        ctx = ExecutionContext(forward_step_func=tm.make_forward_step(2), data_iterators=tm.iterators(data, 1),
+        shape = (c["seq"], c["mbs"], c["hidden"])
+        ctx = ExecutionContext(forward_step_func=tm.make_forward_step(2), data_iterators=tm.iterators(data, C),
                                models=chunks, config=cfg, communicator=schedules.P2PCommunicator(pgc.pp, cfg),
-                               num_microbatches=M, act_shape=(c["seq"], c["mbs"], c["hidden"]),
-                               grad_shape=(c["seq"], c["mbs"], c["hidden"]), pg_collection=pgc)
-        store = execute(program_for(plan, rank), ctx)
-        _, ref = tm.reference(None, world, 1, data)
+                               num_microbatches=M, act_shape=shape, grad_shape=shape, pg_collection=pgc,
+                               vp_stages=C > 1)
+        store = execute(program_for(plan, rank, prefetch), ctx)
+        _, ref = tm.reference(None, world, C, data)
         order = [e if e[0] == "F" else f"B{e.split()[1][1:]}.{e.split()[2][1:]}" for e in log if e[0] in "FB"]
         out.append({"grad_err": tm.max_rel_error(tm.chunk_grads(chunks), ref), "order": order,
                     "plan_order": plan.compute_order(rank), "store_len": len(store)})

@@ -167,7 +167,8 @@ def test_b02_p2p_api_pairs_activations_with_activations(pp2):
 @pytest.mark.timeout(280)
 def test_executor_runs_plans_megatron_does_not_have(pp2):
     """One executor for any valid plan: GPipe, and a plan whose receiver consumes gradients in another order than
-    they are sent (receives are posted in the sender's order, so the right buffer still gets each gradient)."""
+    they are sent (receives are posted in the sender's order, so the right buffer still gets each gradient); and
+    Megatron's plans with receives posted only one action ahead (the NCCL depth)."""
     (_, res), = pp2["CUSTOM"]
     for rank, plans in enumerate(res):
         for p in plans:
@@ -316,7 +317,7 @@ PURE_PLANS = [("1f1b", 2, 8, 1, None), ("1f1b", 4, 3, 1, None), ("1f1b", 4, 16, 
               ("interleaved", 4, 10, 2, 5), ("interleaved", 4, 8, 3, 4), ("interleaved", 8, 16, 2, 8)]
 
 
-@pytest.mark.parametrize("prefetch", [1, 3])
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
 @pytest.mark.parametrize("batched", [True, False])
 def test_b02_receives_posted_in_the_senders_order(prefetch, batched):
     """Matching by order alone (NCCL ignores tags) pairs every receive with the right send, on every link."""
@@ -339,7 +340,8 @@ def test_b02_receives_posted_in_the_senders_order(prefetch, batched):
                         assert where and where[0] <= i
 
 
-def test_b13_sent_outputs_released_during_the_step():
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+def test_b13_sent_outputs_released_during_the_step(prefetch):
     """Send handles (which keep sent storage alive) are waited while the step runs: at most W + 1 (1F1B) or W + 2
     (interleaved) sent tensors per rank are held in training -- about the activations in flight -- and at most
     2*P*C in evaluation, instead of all M*C until the end of the step."""
@@ -348,7 +350,7 @@ def test_b13_sent_outputs_released_during_the_step():
         for fo in (False, True):
             plan = build_plan(*args, forward_only=fo)
             for rank in range(plan.pp_size):
-                prog = compile_rank(plan, rank)
+                prog = compile_rank(plan, rank, prefetch)
                 pending, peak = set(), 0
                 for st in prog.steps:
                     pending -= set(st.reap)
