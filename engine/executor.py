@@ -6,18 +6,20 @@ executor derives everything else from the plan's actions:
 * **Communication** (``Plan.input_message`` / ``output_message`` / ``link_order``).  A send is posted non-blocking
   right after the action that produced the tensor and never waits for the receiver.  Its handle is waited (and the
   sent storage released) at the first later step where the receiver has provably posted the matching receive -- the
-  step consuming a message the receiver sent after posting it (gloo offers no completion poll) -- else at the end
-  of the step; so a wait never depends on the receiver's progress.  Receives are posted in the *sender's* order on every link
-  (``Plan.link_order(src, dst)``), so they match one to one even on a transport that ignores tags -- also with
-  ``P = 2`` and interleaving, where activations and gradients share one pair of ranks (public bug B02) -- and each is
-  waited just before the action that consumes it.  Each message kind also has its own tag (``engine.p2p``).
-  This is the communication model of the plan validator: a plan it accepts cannot deadlock here.
+  step consuming a message the receiver sent after posting it (gloo offers no completion poll); in evaluation, where
+  nothing flows back, ``2*P*C`` steps later; else at the end of the step.  Receives are posted in the *sender's*
+  order on every link (``Plan.link_order(src, dst)``), so they match one to one even on a transport that ignores
+  tags -- also with ``P = 2`` and interleaving, where activations and gradients share one pair of ranks (public bug
+  B02) -- and each is waited just before the action that consumes it.  Each message kind also has its own tag
+  (``engine.p2p``).  This is the communication model of the plan validator: a plan it accepts cannot deadlock here.
 * Receives are posted ``prefetch`` actions ahead (:func:`default_prefetch`): with ``config.overlap_p2p_comm`` the
   receives of the next :data:`OVERLAP_PREFETCH` actions are kept posted (prefetched, waited right before use);
   otherwise those of the next action on NCCL (Megatron's lock-step pairing) and of the next two on gloo (gloo
-  transfers a message only once its receive is posted).  ``config.batch_p2p_comm`` posts the ops of one exchange point (the send of an action plus the
-  receives posted after it) as one batch (one NCCL group; gloo has none), in Megatron's batched order; otherwise
-  in Megatron's even/odd order.
+  transfers a message only once its receive is posted).  The ops of one exchange point (the send of an action plus
+  the receives posted after it) go out in Megatron's batched order with ``config.batch_p2p_comm`` (one
+  ``batch_isend_irecv`` group on NCCL; gloo has no groups), otherwise in Megatron's even/odd order.
+* Negotiated shapes (``variable_seq_lengths``): each message is preceded by a shape message; the shape receives
+  follow the rules above, the data receive is posted (in the sender's order) once its shape has been read.
 * ``deallocate_pipeline_outputs``: a sent output is shrunk right after its send is posted (the send holds an alias
   of its storage until it is waited), and its backward runs through ``custom_backward``.
 * Partial activation checkpointing by microbatch (``checkpoint_activations_microbatch = (k mod (W+1)) >= K`` for
@@ -31,7 +33,7 @@ executor derives everything else from the plan's actions:
   ``finalize_model_grads_func(models, total_num_tokens or None, pg_collection=..., force_all_reduce=...)`` at the end
   of a training step.
 * Spans to a tracer (``engine.tracing``): ``"compute"`` around each action (label ``"F c1 mb3"``), ``"p2p"`` around
-  each receive wait (``"recv act c0 mb2"``) and the final send wait, ``"sync"`` around hooks.
+  each receive wait (``"recv act c0 mb2"``) and send wait (``"wait send"``), ``"sync"`` around hooks.
 
 Per-rank communication schedules are compiled once per (plan, rank, prefetch) and cached (:func:`compile_rank`,
 :func:`program_for`); the per-action path does list indexing only.
