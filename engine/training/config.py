@@ -131,8 +131,8 @@ class LoggingConfig:
 class CudaGraphsConfig:
     enabled: bool = False
     # auto: Transformer Engine when importable, else pipecast's own capture (torch = pipecast); emulate: the CPU
-    # backend with static-buffer semantics (for tests)
-    backend: Literal["auto", "te", "torch", "pipecast", "emulate"] = "auto"
+    # backend with static-buffer semantics (for tests); eager: no graphs
+    backend: Literal["auto", "te", "torch", "pipecast", "emulate", "eager"] = "auto"
     warmup_steps: int = 2
 
 
@@ -380,10 +380,11 @@ def validate(config: TrainConfig) -> None:
         _positive(where, value, "use a positive integer")
     for where, value in [("schedule.eval_interval", s.eval_interval), ("checkpoint.interval",
                          config.checkpoint.interval), ("optimizer.warmup_steps", o.warmup_steps),
-                         ("cuda_graphs.warmup_steps", config.cuda_graphs.warmup_steps),
                          ("profile.wait", config.profile.wait), ("profile.warmup", config.profile.warmup)]:
         _positive(where, value, "use 0 or a positive integer", minimum=0)
     _positive("profile.active", config.profile.active, "profile at least one step")
+    _positive("cuda_graphs.warmup_steps", config.cuda_graphs.warmup_steps,
+              "capture needs at least one eager step to record the passes it captures")
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
                           f"{m.num_attention_heads}; choose heads that divide the hidden size")

@@ -146,6 +146,11 @@ class GPTChunk(nn.Module):
     when ``labels`` is given (logits ``[s, b, V]`` otherwise); every other stage returns ``[s, b, h]``.
     """
 
+    @property
+    def decoder(self) -> "GPTChunk":
+        """Megatron's ``model.decoder``: ``set_current_microbatch`` reaches ``decoder.layers`` (this chunk's blocks)."""
+        return self
+
     def __init__(self, cfg: ModelConfig, ffn_hidden_size: int, stage: int, num_stages: int, seed: int,
                  mp_config=None, use_te: bool = False):
         super().__init__()

@@ -234,7 +234,8 @@ class Trainer:
             p = self.config.parallel
             self._graphs = GraphRuntime(self.model, self.config.schedule_name, self.pp_size, self.pp_rank, p.virtual,
                                         p.microbatch_group_size_per_vp_stage, backend=cg.backend,
-                                        warmup_steps=cg.warmup_steps, tracer=self.tracer)
+                                        warmup_steps=cg.warmup_steps, tracer=self.tracer,
+                                        variable_seq_lengths=self.mp_config.variable_seq_lengths)
         self._graphs.before_step(self.config.schedule.num_microbatches,
                                  (self.config.model.seq_length, self.config.schedule.micro_batch_size))
 
@@ -424,6 +425,8 @@ class Trainer:
     def close(self) -> None:
         """Release hooks and process groups (and the default group if this trainer created it)."""
         self.grad_sync.close()
+        if self._graphs is not None:
+            self._graphs.close()
         if self._log_file is not None:
             logging.getLogger("pipecast").removeHandler(self._log_file)
             self._log_file.close()
