@@ -268,13 +268,10 @@ def _agree(comm, error, values) -> None:
                        dtype=torch.int64, device=comm.device)
     gathered = [torch.empty_like(vec) for _ in range(comm.size)]
     dist.all_gather(gathered, vec, group=comm.pp_group)
-    if error is not None:
-        raise error
     rows = torch.stack(gathered).tolist()
     rejected = [r for r, row in enumerate(rows) if row[0]]
     if rejected:
-        raise RuntimeError(f"pipeline rank(s) {rejected} rejected this schedule call (see the error raised there); "
-                           f"pipeline rank {comm.rank} stops too instead of waiting for them")
+        _raise_shared(comm, error, rejected)
     columns = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 6 + _SHAPE_SLOTS),
                (6 + _SHAPE_SLOTS, 6 + 2 * _SHAPE_SLOTS), (6 + 2 * _SHAPE_SLOTS, 7 + 2 * _SHAPE_SLOTS)]
     for name, (a, b) in zip(_FINGERPRINT, columns):
@@ -285,6 +282,33 @@ def _agree(comm, error, values) -> None:
                 shown = [str(_DTYPES[v]) if v < len(_DTYPES) else "another dtype" for v in shown]
             raise ValueError(f"the pipeline ranks called the schedule with different {name}: {shown} (index = "
                              f"pipeline rank); every pipeline rank must pass the same {name}")
+
+
+_ERROR_BYTES = 1024
+_SHARED_TYPES = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
+
+
+def _raise_shared(comm, error, rejected: list) -> None:
+    """Some pipeline ranks rejected the call: gather their messages (a second small collective, only on this error
+    path) so that every rank raises the first rejecting rank's error -- same type, same field / value / fix -- and
+    the log of every rank shows the cause."""
+    text = "" if error is None else f"{type(error).__name__}\0{error}"
+    data = text.encode("utf-8", "replace")[:_ERROR_BYTES]
+    buf = torch.zeros(_ERROR_BYTES, dtype=torch.uint8)
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = buf.to(comm.device)
+    gathered = [torch.empty_like(buf) for _ in range(comm.size)]
+    dist.all_gather(gathered, buf, group=comm.pp_group)
+    if error is not None:
+        raise error
+    first = rejected[0]
+    raw = bytes(gathered[first].cpu().tolist()).rstrip(b"\0").decode("utf-8", "replace")
+    kind, _, message = raw.partition("\0")
+    others = f" (and pipeline rank(s) {rejected[1:]})" if len(rejected) > 1 else ""
+    raise _SHARED_TYPES.get(kind, RuntimeError)(
+        f"{message} [raised on pipeline rank {first}{others}; pipeline rank {comm.rank} stops too instead of "
+        f"waiting for it]")
 
 
 def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_microbatches, seq_length,
