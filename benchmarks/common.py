@@ -118,9 +118,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, threads, fn, args, results):
+def _entry(rank, world, port, threads, pin, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
+    if pin:  # each rank (all its threads, gloo's included) on its own core
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
@@ -132,8 +134,11 @@ def _entry(rank, world, port, threads, fn, args, results):
             dist.destroy_process_group()
 
 
-def launch(fn, world: int, *args, threads: int = 1, timeout: float = 600.0) -> list:
+def launch(fn, world: int, *args, threads: int = 1, pin: bool = False, timeout: float = 600.0) -> list:
     """Run ``fn(rank, world, *args)`` in ``world`` fresh gloo processes; return per-rank results in rank order.
+
+    ``threads``: torch threads per rank.  ``pin``: pin rank ``r`` (every thread of the process) to CPU
+    ``r mod cpu_count`` with ``os.sched_setaffinity``; the same for every engine of a benchmark.
 
     Raises:
         RuntimeError: a rank raised (its traceback in the message) or the job timed out.
@@ -141,7 +146,7 @@ def launch(fn, world: int, *args, threads: int = 1, timeout: float = 600.0) -> l
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, threads, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world, port, threads, pin, fn, args, results), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -109,22 +109,23 @@ def build_pipecast(rank: int, world: int, w: Workload, chunks: int = 1, dealloca
                    tracer=None, **config_overrides) -> Engine:
     """pipecast through its Megatron-Core API (``get_forward_backward_func``): 1F1B (``chunks=1``), interleaved
     1F1B (``chunks>1``) or no pipelining (``world=1``)."""
-    from engine import parallel_state as ps
     from engine.model_parallel_config import ModelParallelConfig
-    from engine.schedules import get_forward_backward_func
+    from engine.process_groups import build_process_groups
+    from engine.schedules import P2PCommunicator, get_forward_backward_func
     from engine.tracing import use_tracer
     w.validate(world, chunks)
     vp = chunks if chunks > 1 else None
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=vp)
+    pgc = build_process_groups(world, vp)  # this engine's own groups, passed explicitly
     config = ModelParallelConfig(pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=vp,
                                  pipeline_dtype=torch.float32, hidden_size=w.hidden,
                                  deallocate_pipeline_outputs=deallocate, **config_overrides)
+    comm = P2PCommunicator(pgc.pp, config) if world > 1 else None
     idx = [c * world + rank for c in range(chunks)]
     mods = [_Chunk(stage_layers(w, world, chunks, k), k == 0, config) for k in idx]
     mbs = microbatches_sbh(w)
     n_stages = world * chunks
-    fb = get_forward_backward_func()
+    fb = get_forward_backward_func(world, vp)
+    explicit = {"pg_collection": pgc} if comm is None else {"p2p_communicator": comm, "pg_collection": pgc}
 
     def forward_step(data_iterator, model):
         x, y = next(data_iterator)
@@ -143,7 +144,8 @@ def build_pipecast(rank: int, world: int, w: Workload, chunks: int = 1, dealloca
         with use_tracer(tracer):
             store = fb(forward_step_func=forward_step, data_iterator=iters if chunks > 1 else iters[0],
                        model=mods if chunks > 1 else mods[0], num_microbatches=w.microbatches,
-                       seq_length=w.seq_length, micro_batch_size=w.micro_batch_size, forward_only=False)
+                       seq_length=w.seq_length, micro_batch_size=w.micro_batch_size, forward_only=False,
+                       **explicit)
         _zero(mods)
         return [d["loss"] for d in store]
 

@@ -56,16 +56,46 @@ def gloo_one_way_us(rank: int, numel: int, pings: int) -> float:
     return median(rtts) / 2 * 1e6
 
 
-def job(rank: int, world: int, builder: str, options: dict, ms: list[int], warmup: int, steps: int, pings: int):
-    from benchmarks.common import timed_steps
+def job(rank: int, world: int, cases: list, ms: list[int], warmup: int, steps: int, pings: int, seed: int):
+    """Build every ``(case, M)`` engine of this world size, then step them round-robin (shuffled per round) so that
+    load from elsewhere falls on all alike; ``single`` cases run on rank 0 while the other rank waits."""
+    import random
+    import torch
+    import torch.distributed as dist
     from benchmarks.engines import BUILDERS
-    out = {}
-    for m in ms:
-        engine = BUILDERS[builder](rank, world, workload(m), **options)
-        engine.step()
-        out[m] = median(timed_steps(engine.step, warmup, steps))
+    built = {}
+    for label, builder, options in cases:
+        for m in ms:
+            if builder == "single":
+                engine = BUILDERS[builder](rank, 1, workload(m), **options) if rank == 0 else None
+            else:
+                engine = BUILDERS[builder](rank, world, workload(m), **options)
+            if engine is not None:
+                engine.step()
+            built[(label, m)] = engine
+    keys = list(built)
+    times = {k: [] for k in keys}
+    rng = random.Random(seed)
+    for i in range(warmup + steps):
+        rng.shuffle(keys)
+        for k in keys:
+            if world > 1:
+                dist.barrier()
+            t0 = time.perf_counter()
+            if built[k] is not None:
+                built[k].step()
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    order = list(built)
+    flat = torch.tensor([t for k in order for t in times[k]], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    per = flat.view(len(order), steps).tolist()
+    step_s = {}
+    for (label, m), ts in zip(order, per):
+        step_s.setdefault(label, {})[m] = median(ts)
     latency = gloo_one_way_us(rank, SEQ * HIDDEN, pings) if world == 2 else None
-    return {"step_s": out, "one_way_us": latency}
+    return {"step_s": step_s, "one_way_us": latency}
 
 
 def slope(xs, ys) -> float:
@@ -74,11 +104,11 @@ def slope(xs, ys) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-CASES = [  # label, builder, world, options, compute reference (layers in the single-process loop)
+CASES = [  # label, builder, job world size, options, compute reference
     ("compute pp=1", "single", 1, {}, None),
-    ("compute pp=2 (one stage)", "single", 1, {"layers": LAYERS // 2}, None),
     ("pipecast pp=1", "pipecast", 1, {}, "compute pp=1"),
     ("torch pp=1", "torch", 1, {"schedule": "Schedule1F1B"}, "compute pp=1"),
+    ("compute pp=2 (one stage)", "single", 2, {"layers": LAYERS // 2}, None),  # rank 0 of the 2-rank job
     ("pipecast pp=2", "pipecast", 2, {}, "compute pp=2 (one stage)"),
     ("torch pp=2", "torch", 2, {"schedule": "Schedule1F1B"}, "compute pp=2 (one stage)"),
 ]
@@ -91,6 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per M (default 30)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--pings", type=int, default=500, help="ping-pongs for the gloo latency (default 500)")
+    ap.add_argument("--pin", action="store_true", help="pin each rank to its own core (same for every engine)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     ms = sorted(args.microbatches)
@@ -100,14 +131,16 @@ def main(argv=None) -> int:
     runs = {c[0]: [] for c in CASES}
     latency = []
     for rep in range(args.repeats):
-        order = CASES[rep % len(CASES):] + CASES[:rep % len(CASES)]
-        for label, builder, world, options, _ in order:
-            res = launch(job, world, builder, options, ms, args.warmup, args.steps, args.pings)
-            runs[label].append(res[0]["step_s"])
+        for world in (1, 2):
+            cases = [(label, builder, options) for label, builder, w, options, _ in CASES if w == world]
+            res = launch(job, world, cases, ms, args.warmup, args.steps, args.pings, rep, pin=args.pin)
+            for label, *_ in cases:
+                runs[label].append(res[0]["step_s"][label])
             if res[0]["one_way_us"] is not None:
                 latency.append(res[0]["one_way_us"])
-            print(f"  repeat {rep + 1}/{args.repeats} {label:<26} " +
-                  " ".join(f"M={m}:{res[0]['step_s'][m] * 1e3:.2f}ms" for m in ms), flush=True)
+        print(f"  repeat {rep + 1}/{args.repeats}: " + "; ".join(
+            f"{label} " + " ".join(f"{runs[label][-1][m] * 1e3:.2f}" for m in ms) for label in runs) + " ms",
+              flush=True)
 
     rows, slopes = [], {}
     for label, builder, world, options, ref in CASES:
@@ -135,7 +168,7 @@ def main(argv=None) -> int:
     for g in goals:
         print(f"goal {g['goal']:<52} {g['value']:.3f} {'met' if g['met'] else 'MISSED'}")
     path = write_json("runtime_overhead", {"hidden": HIDDEN, "layers": LAYERS, "seq_length": SEQ,
-                                           "microbatches": ms, "repeats": args.repeats, "steps": args.steps,
+                                           "microbatches": ms, "repeats": args.repeats, "steps": args.steps, "pin": args.pin,
                                            "rows": rows, "gloo_one_way_us": one_way, "goals": goals}, args.out)
     print(f"wrote {path}")
     return 0

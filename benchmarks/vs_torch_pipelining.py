@@ -1,9 +1,11 @@
 """pipecast's 1F1B and interleaved 1F1B against torch.distributed.pipelining's schedules, side by side.
 
 Same model (``benchmarks.common``: MLP stack, hidden 512, 8 layers), same data (16 sequences of 64 tokens in 8
-microbatches, fp32), 2 ranks on gloo, 1 thread per rank, same process priority.  Every engine runs in fresh
-processes, once per repeat, in an order rotated between repeats; each job reports the median of its timed steps and
-the figures are medians over repeats.  Prints and writes ``benchmarks/results/vs_torch_pipelining.json``.
+microbatches, fp32), 2 ranks on gloo, 1 thread per rank, same process priority.  Each repeat is one fresh 2-rank
+job that builds every engine and then runs their steps round-robin (shuffled order per round; the single-process
+reference on rank 0 while rank 1 waits), so that load from elsewhere on a shared machine falls on all engines
+alike; each job reports the median of each engine's timed steps and the figures are medians over repeats.  Prints
+and writes ``benchmarks/results/vs_torch_pipelining.json``.
 
 Figures: step time (ms); speedup over the single-process loop; ratio of that speedup to the bound of the schedule
 with equal stage costs and free communication, ``P*M/(M+P-1)`` for 1F1B (``2m/(m+1)`` at P=2) and
@@ -31,22 +33,48 @@ TORCH_SCHEDULES = {  # name -> model chunks per rank
 }
 
 
-def engines(torch_schedules) -> list[tuple[str, str, int, dict]]:
-    """``(label, builder, world, options)`` of every engine in the comparison."""
-    out = [("single process", "single", 1, {}),
-           ("pipecast 1F1B", "pipecast", 2, {"chunks": 1}),
-           ("pipecast interleaved 1F1B", "pipecast", 2, {"chunks": 2})]
-    out += [(f"torch {s}", "torch", 2, {"schedule": s, "chunks": TORCH_SCHEDULES[s]}) for s in torch_schedules]
+def engines(torch_schedules) -> list[tuple[str, str, dict]]:
+    """``(label, builder, options)`` of every engine in the comparison."""
+    out = [("single process", "single", {}),
+           ("pipecast 1F1B", "pipecast", {"chunks": 1}),
+           ("pipecast interleaved 1F1B", "pipecast", {"chunks": 2})]
+    out += [(f"torch {s}", "torch", {"schedule": s, "chunks": TORCH_SCHEDULES[s]}) for s in torch_schedules]
     return out
 
 
-def job(rank: int, world: int, builder: str, options: dict, workload: Workload, warmup: int, steps: int):
-    from benchmarks.common import timed_steps
-    engine = BUILDERS[builder](rank, world, workload, **options)
-    losses = engine.step()
-    times = timed_steps(engine.step, warmup, steps)
-    loss = float(sum(float(l) for l in losses) / len(losses)) if losses else None
-    return {"times": times, "loss": loss}
+def job(rank: int, world: int, todo: list, workload: Workload, warmup: int, steps: int, seed: int):
+    """Build every engine in this job's processes, then run their steps round-robin (a shuffled order per round),
+    so that whatever else the machine does falls on all engines alike.  ``single`` runs on rank 0 only while the
+    other rank waits at the next barrier."""
+    import random
+    import time
+    import torch
+    import torch.distributed as dist
+    built, losses = {}, {}
+    for label, builder, options in todo:
+        if builder == "single":
+            engine = BUILDERS[builder](rank, 1, workload, **options) if rank == 0 else None
+        else:
+            engine = BUILDERS[builder](rank, world, workload, **options)
+        built[label] = engine
+        out = engine.step() if engine is not None else []
+        losses[label] = float(sum(float(l) for l in out) / len(out)) if out else None
+    times = {label: [] for label in built}
+    order = list(built)
+    rng = random.Random(seed)
+    for i in range(warmup + steps):
+        rng.shuffle(order)
+        for label in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            if built[label] is not None:
+                built[label].step()
+            if i >= warmup:
+                times[label].append(time.perf_counter() - t0)
+    flat = torch.tensor([t for label in built for t in times[label]], dtype=torch.float64)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)  # a step ends when its last rank is done
+    per = flat.view(len(built), steps).tolist()
+    return {"times": dict(zip(built, per)), "loss": losses}
 
 
 def bound(schedule: str, pp: int, m: int, chunks: int) -> float:
@@ -58,10 +86,11 @@ def bound(schedule: str, pp: int, m: int, chunks: int) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=5, help="fresh-process jobs per engine (default 5)")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per job (default 10)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per job after the first (default 3)")
+    ap.add_argument("--repeats", type=int, default=5, help="fresh-process jobs (default 5)")
+    ap.add_argument("--steps", type=int, default=10, help="timed rounds per job, one step of each engine (default 10)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed rounds per job after the first step (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    ap.add_argument("--pin", action="store_true", help="pin each rank to its own core (same for every engine)")
     ap.add_argument("--torch-schedules", nargs="*", default=list(TORCH_SCHEDULES), choices=list(TORCH_SCHEDULES))
     ap.add_argument("--only", nargs="*", default=None, help="run only engines whose label contains one of these")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/vs_torch_pipelining.json)")
@@ -73,23 +102,26 @@ def main(argv=None) -> int:
         todo = [e for e in todo if e[0] == "single process" or any(o in e[0] for o in args.only)]
     runs: dict[str, list[dict]] = {label: [] for label, *_ in todo}
     for rep in range(args.repeats):
-        shift = rep % len(todo)
-        for label, builder, world, options in todo[shift:] + todo[:shift]:
-            res = launch(job, world, builder, options, w, args.warmup, args.steps, threads=args.threads)
-            last = res[-1] if res[-1]["loss"] is not None else res[0]
-            runs[label].append({"median_s": median(res[0]["times"]), "times": res[0]["times"], "loss": last["loss"]})
-            print(f"  repeat {rep + 1}/{args.repeats} {label:<38} {runs[label][-1]['median_s'] * 1e3:8.1f} ms",
-                  flush=True)
+        res = launch(job, 2, todo, w, args.warmup, args.steps, rep, threads=args.threads, pin=args.pin)
+        for label, *_ in todo:
+            times = res[0]["times"][label]
+            loss = res[0]["loss"][label] if res[0]["loss"][label] is not None else res[1]["loss"][label]
+            runs[label].append({"median_s": median(times), "times": times, "loss": loss})
+        print(f"  repeat {rep + 1}/{args.repeats}: " + ", ".join(
+            f"{label} {runs[label][-1]['median_s'] * 1e3:.1f}" for label, *_ in todo) + " ms", flush=True)
 
     single = median([r["median_s"] for r in runs["single process"]])
     ref_loss = runs["single process"][0]["loss"]
     rows = []
-    for label, builder, world, options in todo:
+    for label, builder, options in todo:
         t = median([r["median_s"] for r in runs[label]])
         chunks = options.get("chunks", 1)
+        world = 1 if builder == "single" else 2
+        all_times = [x for r in runs[label] for x in r["times"]]
         row = {"engine": label, "world": world, "chunks": chunks, "step_ms": t * 1e3,
                "min_ms": min(r["median_s"] for r in runs[label]) * 1e3,
                "max_ms": max(r["median_s"] for r in runs[label]) * 1e3,
+               "p10_ms": sorted(all_times)[len(all_times) // 10] * 1e3,
                "speedup": single / t, "loss": runs[label][0]["loss"],
                "loss_matches": all(abs(r["loss"] - ref_loss) <= 1e-5 * abs(ref_loss) for r in runs[label])}
         if world > 1:
@@ -99,16 +131,20 @@ def main(argv=None) -> int:
     by = {r["engine"]: r for r in rows}
     goals = _goals(by)
 
-    print(f"\n{'engine':<38} {'step ms':>8} {'range':>15} {'speedup':>8} {'bound':>6} {'of bound':>8}  loss")
+    print(f"\n{'engine':<38} {'step ms':>8} {'p10 ms':>7} {'repeats':>13} {'speedup':>8} {'bound':>6} {'of bound':>8}"
+          f"  loss")
     for r in rows:
         rng = f"{r['min_ms']:.1f}-{r['max_ms']:.1f}"
-        print(f"{r['engine']:<38} {r['step_ms']:8.1f} {rng:>15} {r['speedup']:8.3f} {r.get('bound', 0):6.3f} "
-              f"{r.get('of_bound', 0):8.3f}  {r['loss']:.6f}{'' if r['loss_matches'] else '  MISMATCH'}")
+        print(f"{r['engine']:<38} {r['step_ms']:8.1f} {r['p10_ms']:7.1f} {rng:>13} {r['speedup']:8.3f} "
+              f"{r.get('bound', 0):6.3f} {r.get('of_bound', 0):8.3f}  {r['loss']:.6f}"
+              f"{'' if r['loss_matches'] else '  MISMATCH'}")
     for g in goals:
-        print(f"goal {g['goal']:<52} {g['value']:.3f} {'met' if g['met'] else 'MISSED'}")
+        print(f"goal {g['goal']:<58} {g['value']:.3f} {'met' if g['met'] else 'MISSED'}")
     path = write_json("vs_torch_pipelining", {
         "workload": w.__dict__, "repeats": args.repeats, "steps": args.steps, "warmup": args.warmup,
-        "threads": args.threads, "rows": rows, "goals": goals,
+        "threads": args.threads, "pin": args.pin,
+        "design": "round-robin steps of all engines in each fresh 2-rank job",
+        "rows": rows, "goals": goals,
         "runs": {k: [{"median_s": r["median_s"], "loss": r["loss"]} for r in v] for k, v in runs.items()}},
         args.out)
     print(f"wrote {path}")
