@@ -14,7 +14,7 @@ executor derives everything else from the plan's actions:
   (``engine.p2p``).  This is the communication model of the plan validator: a plan it accepts cannot deadlock here.
 * Receives are posted ``prefetch`` actions ahead (:func:`default_prefetch`): with ``config.overlap_p2p_comm`` the
   receives of the next :data:`OVERLAP_PREFETCH` actions are kept posted (prefetched, waited right before use);
-  otherwise those of the next action on NCCL (Megatron's lock-step pairing) and of the next two on gloo (gloo
+  otherwise those of the next action on NCCL (Megatron's lock-step pairing) and of the next three on gloo (gloo
   transfers a message only once its receive is posted).  The ops of one exchange point (the send of an action plus
   the receives posted after it) go out in Megatron's batched order with ``config.batch_p2p_comm`` (one
   ``batch_isend_irecv`` group on NCCL; gloo has no groups), otherwise in Megatron's even/odd order.
@@ -58,10 +58,13 @@ __all__ = ["OVERLAP_PREFETCH", "GLOO_PREFETCH", "NCCL_PREFETCH", "default_prefet
 
 OVERLAP_PREFETCH = 3
 """Actions ahead whose receives are kept posted with ``overlap_p2p_comm``."""
-GLOO_PREFETCH = 2
-"""Without ``overlap_p2p_comm`` on gloo: receives of the next two actions are posted.  gloo moves a message only
+GLOO_PREFETCH = 3
+"""Without ``overlap_p2p_comm`` on gloo: receives of the next three actions are posted.  gloo moves a message only
 once its receive is posted (measured here: an 8 MiB message posted late costs ~10 ms of transfer on the critical
-path, posted early ~0.03 ms), so posting one action early lets the transfer run during the current action."""
+path, posted early ~0.03 ms), so posting early lets the transfer run during the current action.  Three rather than
+two: in interleaved 1F1B a wrap-around message is sent well before its consumer is the next action
+(``benchmarks/p2p_stalls.py``, P=2, V=2, M=8 on 2 cores: median step 112 vs 119 ms unpinned, 117-132 vs 138-143 ms
+pinned; 1F1B 105 vs 107 ms)."""
 NCCL_PREFETCH = 1
 """Without ``overlap_p2p_comm`` on NCCL: only the next action's receives, grouped with the current send -- the
 pairing of Megatron's lock-step exchanges (a receive posted earlier would hold the pair's stream)."""
