@@ -31,7 +31,10 @@ from benchmarks.common import Workload, launch, median, write_json  # noqa: E402
 
 VARIANTS = {
     "baseline": {},
+    "prefetch=1": {"prefetch": 1},
     "prefetch=2": {"prefetch": 2},
+    "prefetch=3": {"prefetch": 3},
+    "prefetch=4": {"prefetch": 4},
     "prefetch=all": {"prefetch": 10_000},
     "send_wait=now": {"send_wait": "now"},
     "prefetch=all send_wait=now": {"prefetch": 10_000, "send_wait": "now"},
@@ -76,10 +79,14 @@ def install_hooks(rank: int) -> None:
     S.cached_program, P.P2PCommunicator.post = cached_program, post
 
 
+PIN_ALL = False
+
+
 def set_variant(rank: int, variant: dict) -> None:
     _CURRENT.clear()
     _CURRENT.update(variant)
-    os.sched_setaffinity(0, {rank % os.cpu_count()} if variant.get("pin") else set(range(os.cpu_count())))
+    pin = variant.get("pin") or PIN_ALL
+    os.sched_setaffinity(0, {rank % os.cpu_count()} if pin else set(range(os.cpu_count())))
 
 
 def apply_variant(rank: int, variant: dict) -> None:
@@ -88,7 +95,8 @@ def apply_variant(rank: int, variant: dict) -> None:
     set_variant(rank, variant)
 
 
-def job(rank: int, world: int, chunks: int, names: list, warmup: int, steps: int, stall_ms: float, seed: int):
+def job(rank: int, world: int, chunks: int, names: list, warmup: int, steps: int, stall_ms: float, seed: int,
+        pin_all: bool = False):
     """Build one engine per variant, then run their steps round-robin (shuffled per round) so that load from
     elsewhere falls on all variants alike."""
     import random
@@ -96,6 +104,8 @@ def job(rank: int, world: int, chunks: int, names: list, warmup: int, steps: int
     import torch.distributed as dist
     from benchmarks.engines import build_pipecast, build_torch
     from engine.profiling import TimelineRecorder
+    global PIN_ALL
+    PIN_ALL = pin_all
     install_hooks(rank)
     w = Workload()
     engines, recs = {}, {}
@@ -138,11 +148,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--stall-ms", type=float, default=2.0)
+    ap.add_argument("--pin-all", action="store_true", help="pin each rank to its own core in every variant")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     res = {v: {"times": [], "stalls": 0, "waits": []} for v in args.variants}
     for rep in range(args.repeats):
-        out = launch(job, 2, args.chunks, args.variants, args.warmup, args.steps, args.stall_ms, rep, timeout=600)
+        out = launch(job, 2, args.chunks, args.variants, args.warmup, args.steps, args.stall_ms, rep, args.pin_all,
+                     timeout=600)
         for v in args.variants:
             times = [max(a, b) for a, b in zip(out[0]["times"][v], out[1]["times"][v])]
             res[v]["times"] += times
@@ -160,7 +172,8 @@ def main(argv=None) -> int:
         print(f"{v:<28} {row['median_ms']:9.1f} {row['p10_ms']:7.1f} {row['p90_ms']:7.1f} "
               f"{row['stalls_per_step']:11.2f}")
     path = write_json(f"p2p_stalls_{'interleaved' if args.chunks > 1 else '1f1b'}",
-                      {"chunks": args.chunks, "stall_ms": args.stall_ms, "rows": rows}, args.out)
+                      {"chunks": args.chunks, "stall_ms": args.stall_ms, "pin_all": args.pin_all,
+                       "rows": rows}, args.out)
     print(f"wrote {path}")
     return 0
 

@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--step", type=int, default=None, help="step to draw (default: the slowest)")
     ap.add_argument("--stall-ms", type=float, default=1.0, help="report receive waits longer than this")
     ap.add_argument("--config", nargs="*", default=[], help="ModelParallelConfig overrides, key=value (bool/int)")
+    ap.add_argument("--pin", action="store_true", help="pin each rank to its own core")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from engine.plan import build_plan
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
         options[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
     schedule = "interleaved" if args.chunks > 1 else "1f1b"
     out = Path(args.out or RESULTS / f"timeline_{schedule}")
-    res = launch(job, 2, args.chunks, args.steps, args.warmup, options)
+    res = launch(job, 2, args.chunks, args.steps, args.warmup, options, pin=args.pin)
     rank_spans = [[Span(*t) for t in r] for r in res]
     plan = build_plan(schedule, 2, Workload().microbatches, args.chunks)
     summary = analyse(rank_spans, args.stall_ms)

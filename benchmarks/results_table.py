@@ -61,7 +61,10 @@ def overhead(d: dict) -> list[str]:
                                                  for m in ms) +
                    f" | {r['slope_us_per_microbatch']:.1f} | {'' if ov is None else f'{ov:.1f}'} |")
     if d.get("gloo_one_way_us") is not None:
-        out += ["", f"gloo one-way latency of the activation message, same run: {d['gloo_one_way_us']:.1f} us."]
+        out += ["", f"gloo one-way latency in the same run: {d['gloo_one_way_us']:.1f} us for the tiny model's "
+                f"activation ({4 * d['hidden'] * d['seq_length']} B)" +
+                (f", {d['gloo_one_way_big_us']:.1f} us for {d['big_message_bytes'] // 1024} KiB (one activation of "
+                 "the vs-torch workload)." if d.get("gloo_one_way_big_us") is not None else ".")]
     return out + [""] + _goals(d) + ["", _machine(d)]
 
 

@@ -29,6 +29,7 @@ if __package__ in (None, ""):
 from benchmarks.common import Workload, launch, median, write_json  # noqa: E402
 
 HIDDEN, LAYERS, SEQ = 8, 2, 4
+BIG_MESSAGE = 2 * 64 * 512 * 4  # bytes of one activation of the vs-torch workload ([64, 2, 512] fp32)
 
 
 def workload(m: int) -> Workload:
@@ -94,8 +95,11 @@ def job(rank: int, world: int, cases: list, ms: list[int], warmup: int, steps: i
     step_s = {}
     for (label, m), ts in zip(order, per):
         step_s.setdefault(label, {})[m] = median(ts)
-    latency = gloo_one_way_us(rank, SEQ * HIDDEN, pings) if world == 2 else None
-    return {"step_s": step_s, "one_way_us": latency}
+    latency = big = None
+    if world == 2:
+        latency = gloo_one_way_us(rank, SEQ * HIDDEN, pings)
+        big = gloo_one_way_us(rank, BIG_MESSAGE // 4, max(20, pings // 5))
+    return {"step_s": step_s, "one_way_us": latency, "one_way_big_us": big}
 
 
 def slope(xs, ys) -> float:
@@ -129,7 +133,7 @@ def main(argv=None) -> int:
         ap.error("--microbatches needs at least two values to fit a slope")
 
     runs = {c[0]: [] for c in CASES}
-    latency = []
+    latency, latency_big = [], []
     for rep in range(args.repeats):
         for world in (1, 2):
             cases = [(label, builder, options) for label, builder, w, options, _ in CASES if w == world]
@@ -138,6 +142,7 @@ def main(argv=None) -> int:
                 runs[label].append(res[0]["step_s"][label])
             if res[0]["one_way_us"] is not None:
                 latency.append(res[0]["one_way_us"])
+                latency_big.append(res[0]["one_way_big_us"])
         print(f"  repeat {rep + 1}/{args.repeats}: " + "; ".join(
             f"{label} " + " ".join(f"{runs[label][-1][m] * 1e3:.2f}" for m in ms) for label in runs) + " ms",
               flush=True)
@@ -164,12 +169,17 @@ def main(argv=None) -> int:
     for r in rows:
         ov = r.get("overhead_us_per_action")
         print(f"{r['case']:<26} {r['slope_us_per_microbatch']:12.1f} {'' if ov is None else f'{ov:19.1f}'}")
-    print(f"gloo one-way latency ({SEQ * HIDDEN * 4} B): {one_way:.1f} us" if one_way else "")
+    one_way_big = median(latency_big) if latency_big else None
+    if one_way:
+        print(f"gloo one-way latency: {one_way:.1f} us ({SEQ * HIDDEN * 4} B), {one_way_big:.1f} us "
+              f"({BIG_MESSAGE // 1024} KiB, the vs-torch activation)")
     for g in goals:
         print(f"goal {g['goal']:<52} {g['value']:.3f} {'met' if g['met'] else 'MISSED'}")
     path = write_json("runtime_overhead", {"hidden": HIDDEN, "layers": LAYERS, "seq_length": SEQ,
                                            "microbatches": ms, "repeats": args.repeats, "steps": args.steps, "pin": args.pin,
-                                           "rows": rows, "gloo_one_way_us": one_way, "goals": goals}, args.out)
+                                           "rows": rows, "gloo_one_way_us": one_way,
+                                           "gloo_one_way_big_us": one_way_big, "big_message_bytes": BIG_MESSAGE,
+                                           "goals": goals}, args.out)
     print(f"wrote {path}")
     return 0
 
