@@ -24,7 +24,11 @@ from functools import cached_property
 
 from .schedule_table import get_schedule_table, pp_rank_microbatches, validate_interleaved_microbatches
 
-__all__ = ["Op", "Action", "Message", "Plan", "SCHEDULES", "build_plan", "schedule_name"]
+__all__ = ["Op", "Action", "Message", "Plan", "SCHEDULES", "MAX_PLAN_FORWARDS", "build_plan", "schedule_name"]
+
+MAX_PLAN_FORWARDS = 2 ** 24
+"""Upper bound on ``P * C * M`` (forwards per step over all ranks) accepted by :func:`build_plan`: the plan holds
+every action as a Python object (~0.5 KB each), so 2**24 forwards are already ~16 GB and minutes to build."""
 
 SCHEDULES = ("no_pipelining", "1f1b", "interleaved")
 
@@ -237,8 +241,8 @@ def build_plan(schedule: str, pp_size: int, num_microbatches: int, num_model_chu
         forward_only: evaluation plan, forwards only, in schedule-table order.
 
     Raises:
-        ValueError: unknown schedule, non-positive sizes, a chunk count the schedule does not take, or (interleaved)
-            a group size outside ``[P, M]`` (Megatron's check).
+        ValueError: unknown schedule, non-positive sizes, ``P * C * M`` above :data:`MAX_PLAN_FORWARDS`, a chunk
+            count the schedule does not take, or (interleaved) a group size outside ``[P, M]`` (Megatron's check).
         RuntimeError: (interleaved) ``0 < M mod G < P``, as Megatron raises.
     """
     if schedule not in SCHEDULES:
@@ -246,6 +250,11 @@ def build_plan(schedule: str, pp_size: int, num_microbatches: int, num_model_chu
     _check_positive("pp_size", pp_size, "the pipeline needs at least one rank")
     _check_positive("num_microbatches", num_microbatches, "a step needs at least one microbatch")
     _check_positive("num_model_chunks", num_model_chunks, "each rank holds at least one model chunk")
+    forwards = pp_size * num_model_chunks * num_microbatches
+    if forwards > MAX_PLAN_FORWARDS:
+        raise ValueError(f"pp_size={pp_size} x num_model_chunks={num_model_chunks} x num_microbatches="
+                         f"{num_microbatches} = {forwards} forwards per step is more than {MAX_PLAN_FORWARDS} (2**24): "
+                         "the plan holds every action in memory (~0.5 KB each); use fewer microbatches per step")
     if schedule == "no_pipelining" and (pp_size != 1 or num_model_chunks != 1):
         raise ValueError(f"schedule='no_pipelining' runs one model chunk on one rank, got pp_size={pp_size}, "
                          f"num_model_chunks={num_model_chunks}; use '1f1b' or 'interleaved' for pp_size > 1")

@@ -7,12 +7,23 @@ Example::
 The schedule follows Megatron's choice (``get_forward_backward_func``): ``--vp 1`` (default) gives 1F1B, or no
 pipelining with ``--pp 1``; ``--vp >= 2`` gives interleaved 1F1B (``--schedule interleaved`` also forces it for
 ``--vp 1``, as Megatron does for ``virtual_pipeline_model_parallel_size=1``).  Costs are per model chunk.
+
+Limits, checked before any work (exit status 2, naming the option): ``--pp`` at most :data:`MAX_PP` = 16384
+(validation and simulation cost grows with the ranks; 16384 ranks take ~5 s), ``P * C * M`` (forwards per step,
+all ranks)
+at most :data:`MAX_FORWARDS` = 2**20 -- the plan, its validation and the simulation hold every action as a Python
+object (about 0.5 KB each; 2**20 forwards take ~7 s and ~0.6 GB) -- and at most :data:`MAX_PLOT_FORWARDS` = 2**16
+with ``--plot`` (one bar per action; larger charts take minutes and cannot be read).  The action grid and the
+per-rank lines are printed only up to :data:`GRID_MAX_RANKS` ranks and :data:`GRID_MAX_COLUMNS` actions per rank;
+beyond that a summary is printed (``--grid`` prints them anyway, ``--json`` writes every rank's actions).
+``--plot`` / ``--json`` must name a file in an existing, writable folder.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +31,13 @@ from .plan import SCHEDULES, Plan, build_plan
 from .simulate import Simulation, simulate
 from .validate import max_buffered_messages, validate_plan
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "MAX_PP", "MAX_FORWARDS", "MAX_PLOT_FORWARDS", "GRID_MAX_RANKS", "GRID_MAX_COLUMNS"]
+
+MAX_PP = 16384
+MAX_FORWARDS = 2 ** 20
+MAX_PLOT_FORWARDS = 2 ** 16
+GRID_MAX_RANKS = 64
+GRID_MAX_COLUMNS = 256
 
 
 def _positive_int(text: str) -> int:
@@ -59,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-time", type=_time, default=0.0, help="latency of every message (default 0)")
     parser.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="draw a Gantt chart")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT.json", help="write plan and timeline")
+    parser.add_argument("--grid", action="store_true",
+                        help=f"print the action grid and per-rank lines at any size (default: only up to "
+                             f"{GRID_MAX_RANKS} ranks and {GRID_MAX_COLUMNS} actions per rank)")
     parser.set_defaults(_parser=parser)
 
 
@@ -70,15 +90,48 @@ def _schedule(args) -> str:
     return "1f1b" if args.pp > 1 else "no_pipelining"
 
 
+def _check_size(parser, args) -> None:
+    """Exit 2 if the plan is too large to build (or to plot) in reasonable time and memory."""
+    if args.pp > MAX_PP:
+        parser.error(f"--pp {args.pp} is more than {MAX_PP} pipeline ranks: validating and simulating the plan costs "
+                     f"time per rank and message (~5 s for {MAX_PP} ranks); use --pp <= {MAX_PP}")
+    forwards = args.pp * args.vp * args.microbatches
+    sizes = f"--pp {args.pp} x --vp {args.vp} x --microbatches {args.microbatches} = {forwards}"
+    if forwards > MAX_FORWARDS:
+        parser.error(f"{sizes} forwards per step is more than {MAX_FORWARDS} (2**20): the plan holds every action as "
+                     "a Python object (2**20 forwards take ~7 s and ~0.6 GB to build and simulate); reduce --pp, "
+                     "--vp or --microbatches")
+    if args.plot is not None and forwards > MAX_PLOT_FORWARDS:
+        parser.error(f"--plot {args.plot}: {sizes} forwards is more than {MAX_PLOT_FORWARDS} (2**16) bars to draw "
+                     "(minutes, unreadable); plot a smaller schedule, or use --json for the full timeline")
+
+
+def _check_output(parser, option: str, path, example: str) -> None:
+    """Exit 2 unless ``path`` can be written: its folder exists and is writable, and it is not a folder."""
+    if path is None:
+        return
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        parser.error(f"{option} {path}: is a folder; name a file, e.g. {path / example}")
+    if not folder.is_dir():
+        parser.error(f"{option} {path}: folder {folder} does not exist; create it first or choose another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        parser.error(f"{option} {path}: folder {folder} is not writable; choose another path")
+
+
 def run(args) -> int:
     """Build, validate and simulate the plan; print grid and bubbles; write the plot / JSON if asked.
 
-    Bad values exit with status 2 and a message naming the option (argparse's ``error``).
+    Bad values (including sizes above the limits and output paths that cannot be written) exit with status 2 and a
+    message naming the option (argparse's ``error``), before any work.
     """
     parser: argparse.ArgumentParser = args._parser
     schedule = _schedule(args)
     if args.group_size is not None and schedule != "interleaved":
         parser.error(f"--group-size {args.group_size} only applies to interleaved 1F1B; add --vp 2 (or more)")
+    _check_size(parser, args)
+    _check_output(parser, "--json", args.json, "plan.json")
+    _check_output(parser, "--plot", args.plot, "plan.png")
     try:
         plan = build_plan(schedule, args.pp, args.microbatches, args.vp, args.group_size, args.forward_only)
     except (ValueError, RuntimeError) as exc:  # Megatron's validation errors: bad option values
@@ -106,17 +159,31 @@ def report(plan: Plan, sim: Simulation, buffered, args) -> str:
     """The text printed by ``pipecast schedule``: header, action grid, per-rank simulation figures."""
     mode = "forward-only" if plan.forward_only else "training"
     group = f" group_size={plan.group_size}" if plan.schedule == "interleaved" else ""
+    columns = max((len(acts) for acts in plan.actions), default=0)
+    full = getattr(args, "grid", False) or (plan.pp_size <= GRID_MAX_RANKS and columns <= GRID_MAX_COLUMNS)
     lines = [f"schedule {plan.schedule}: pp={plan.pp_size} vp={plan.num_model_chunks} "
              f"microbatches={plan.num_microbatches}{group} ({mode}); "
-             f"action F<microbatch>.<chunk> / B<microbatch>.<chunk>, W = warmup forwards",
-             plan.grid(), "",
-             f"simulated: forward {args.forward_time:g}, backward {args.backward_time:g}, transfer "
-             f"{args.transfer_time:g} per model chunk"]
-    for rank in range(plan.pp_size):
-        lines.append(f"rank {rank}: busy {sim.busy[rank]:g}  idle {sim.idle[rank]:g}  bubble "
-                     f"{100 * sim.bubble[rank]:.1f}%  (of ideal {100 * sim.bubble_of_ideal[rank]:.1f}%)  "
-                     f"peak in-flight activations {sim.peak_in_flight[rank]}  peak buffered messages "
-                     f"{buffered[rank]}")
+             f"action F<microbatch>.<chunk> / B<microbatch>.<chunk>, W = warmup forwards"]
+    if full:
+        lines.append(plan.grid())
+    else:
+        lines.append(f"(action grid and per-rank lines omitted: {plan.pp_size} ranks x {columns} actions is more "
+                     f"than {GRID_MAX_RANKS} ranks or {GRID_MAX_COLUMNS} actions per rank; add --grid to print "
+                     "them, or --json OUT.json for every rank's actions and timeline)")
+    lines += ["", f"simulated: forward {args.forward_time:g}, backward {args.backward_time:g}, transfer "
+              f"{args.transfer_time:g} per model chunk"]
+    idle, bubble, of_ideal = sim.idle, sim.bubble, sim.bubble_of_ideal  # properties: compute once, not per rank
+
+    def rank_line(rank: int) -> str:
+        return (f"rank {rank}: busy {sim.busy[rank]:g}  idle {idle[rank]:g}  bubble {100 * bubble[rank]:.1f}%  "
+                f"(of ideal {100 * of_ideal[rank]:.1f}%)  peak in-flight activations {sim.peak_in_flight[rank]}  "
+                f"peak buffered messages {buffered[rank]}")
+    if full:
+        lines += [rank_line(rank) for rank in range(plan.pp_size)]
+    else:
+        lo = min(range(plan.pp_size), key=bubble.__getitem__)
+        hi = max(range(plan.pp_size), key=bubble.__getitem__)
+        lines += [f"least bubble: {rank_line(lo)}", f"most bubble:  {rank_line(hi)}"]
     lines.append(f"makespan {sim.makespan:g}, overall bubble {100 * sim.bubble_overall:.1f}%")
     return "\n".join(lines)
 

@@ -82,3 +82,42 @@ def test_plot_timeline_generic_spans(tmp_path):
         plot_timeline([], tmp_path / "x.png", "empty")
     with pytest.raises(ValueError, match="end >= start"):
         plot_timeline([Span(0, 2.0, 1.0, "x", "F")], tmp_path / "x.png", "bad")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("argv,message", [
+    (["--pp", "1000000", "--microbatches", "1"], "--pp 1000000 is more than 16384 pipeline ranks"),
+    (["--pp", "99999999999999999999"], "--pp 99999999999999999999 is more than 16384"),
+    (["--pp", "2", "--vp", "99999999999999999999"], "forwards per step is more than 1048576 (2**20)"),
+    (["--pp", "2", "--microbatches", "100000000"], "--microbatches 100000000 = 200000000 forwards per step"),
+    (["--pp", "4", "--vp", "100000"], "--vp 100000 x --microbatches 8 = 3200000 forwards"),
+    (["--pp", "64", "--microbatches", "2048", "--plot", "x.png"], "is more than 65536 (2**16) bars"),
+])
+def test_sizes_above_the_limits_exit_2_before_any_work(argv, message, capsys):
+    assert _exit_code(["schedule", *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize("option,name", [("--plot", "x.png"), ("--json", "x.json")])
+def test_unwritable_output_paths_exit_2_before_any_work(option, name, tmp_path, capsys):
+    missing = tmp_path / "no" / "such" / name
+    assert _exit_code(["schedule", "--pp", "2", option, str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert f"{option} {missing}: folder {missing.parent} does not exist" in captured.err
+    assert captured.out == ""  # checked before the grid is printed
+    assert _exit_code(["schedule", "--pp", "2", option, str(tmp_path)]) == 2
+    assert f"{option} {tmp_path}: is a folder" in capsys.readouterr().err
+
+
+def test_large_plans_print_a_summary_unless_grid_is_given(capsys):
+    assert main(["schedule", "--pp", "4", "--microbatches", "200"]) == 0  # 400 actions per rank
+    out = capsys.readouterr().out
+    assert "action grid and per-rank lines omitted: 4 ranks x 400 actions" in out and "add --grid" in out
+    assert "B199.0" not in out and "most bubble:  rank " in out and "overall bubble" in out
+    assert main(["schedule", "--pp", "4", "--microbatches", "200", "--grid"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan("1f1b", 4, 200)
+    rows = [line.split(": ", 1)[1].split() for line in out.splitlines() if line.startswith("rank ") and "(W=" in line]
+    assert rows == [plan.compute_order(rank) for rank in range(4)]
+    assert "omitted" not in out and out.count("bubble ") >= 5
