@@ -217,4 +217,4 @@ def test_default_communication_timeout_is_short():
     from engine.training.config import ParallelConfig, load_config
     assert 0 < ParallelConfig().timeout_s <= 60
     for preset in sorted((ROOT / "configs").glob("*.yaml")):
-        assert load_config(preset).parallel.timeout_s <= 300, preset.name
+        assert load_config(preset, check=False).parallel.timeout_s <= 300, preset.name

@@ -115,7 +115,15 @@ def test_yaml_is_loaded_safely(tmp_path):
 @pytest.mark.parametrize("name,world,schedule", [("default", 2, "interleaved"), ("pp2_dp2", 4, "1f1b"),
                                                  ("pp4_1f1b", 4, "1f1b"), ("gpu_cuda_graphs", 4, "interleaved")])
 def test_presets(name, world, schedule):
-    config = load_config(ROOT / "configs" / f"{name}.yaml")
+    import torch
+    path = ROOT / "configs" / f"{name}.yaml"
+    if name == "gpu_cuda_graphs" and not torch.cuda.is_available():
+        # a CUDA preset on a machine without CUDA fails in validation (before any rank is spawned), naming the fix
+        with pytest.raises(ConfigError, match=r"parallel.device='cuda' needs CUDA.*parallel.device=auto"):
+            load_config(path)
+        config = load_config(path, check=False)
+    else:
+        config = load_config(path)
     assert (config.world_size, config.schedule_name) == (world, schedule)
     if name == "gpu_cuda_graphs":
         assert config.cuda_graphs.enabled and config.parallel.device == "cuda"

@@ -3,7 +3,9 @@
 Layout: ``<dir>/step_00000100/`` (a DCP folder: ``.metadata`` + one ``.distcp`` file per writing rank).  A save
 writes into ``<dir>/.step_00000100.tmp`` and rank 0 renames it once every rank has finished (the folder must be
 on a file system all ranks share), so a crash mid-write leaves only a ``.tmp`` folder that is never loaded; the
-previous checkpoint stays valid.  ``keep`` completed checkpoints are kept.
+previous checkpoint stays valid.  ``keep`` completed checkpoints are kept (never removing the one just written).
+A save may also write ``pipecast.json`` into the folder (:data:`META_FILE`): plain JSON describing the run (the model
+settings a resume must match), read by :func:`read_checkpoint_meta` before any tensor is loaded.
 
 Only tensors are stored (step, scheduler step and RNG states included).  Loading unpickles nothing a file can
 choose: tensors are read by DCP with ``weights_only=True``, and DCP's ``.metadata`` (itself a pickle) is read by
@@ -14,6 +16,7 @@ bitwise-equal copies of the tied embedding share one key, data-parallel replicas
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -24,10 +27,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
-           "checkpoint_keys"]
+           "checkpoint_keys", "read_checkpoint_meta", "META_FILE"]
 
 log = logging.getLogger("pipecast." + __name__.rsplit(".", 1)[-1])
 _NAME = re.compile(r"^step_(\d{8})$")
+META_FILE = "pipecast.json"
 
 
 class CheckpointError(RuntimeError):
@@ -58,11 +62,13 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: int = 2) -> Path:
+def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: int = 2,
+                    meta: dict | None = None) -> Path:
     """Collectively save ``state`` (nested dicts of tensors) as ``<directory>/step_<step>``; returns the path.
 
-    Every rank calls it.  Writes to a temporary folder, then rank 0 renames it and removes checkpoints beyond
-    the newest ``keep`` and temporary folders left by crashed saves.
+    Every rank calls it.  Writes to a temporary folder (with ``meta`` as JSON in :data:`META_FILE` when given),
+    then rank 0 renames it and removes temporary folders left by crashed saves and the oldest checkpoints so that
+    ``keep`` remain -- the one just written always stays, even beside higher-step checkpoints of another run.
     """
     d = Path(directory)
     final, tmp = d / f"step_{step:08d}", d / f".step_{step:08d}.tmp"
@@ -75,15 +81,38 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
     dcp.save(state, checkpoint_id=str(tmp))
     _barrier()
     if _rank() == 0:
+        if meta is not None:
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for old in list_checkpoints(d)[:-keep]:
+        others = [p for p in list_checkpoints(d) if p != final]
+        for old in others[:max(0, len(others) - (keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)
         for stale in d.glob(".step_*.tmp"):  # left by saves that crashed mid-write
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return final
+
+
+def read_checkpoint_meta(path: str | os.PathLike) -> dict | None:
+    """The :data:`META_FILE` JSON saved with checkpoint ``path`` (None for checkpoints written without one).
+
+    Raises:
+        CheckpointError: the file exists but is not a JSON object.
+    """
+    f = Path(path) / META_FILE
+    if not f.is_file():
+        return None
+    try:
+        meta = json.loads(f.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r} has an unreadable {META_FILE} ({exc}); delete the "
+                              f"checkpoint or resume from an older one") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {META_FILE} holds a {type(meta).__name__}, not an "
+                              f"object; delete the checkpoint or resume from an older one")
+    return meta
 
 
 # (module, name) globals a DCP ``.metadata`` pickle may reference (torch 2.x); everything else is refused

@@ -1,8 +1,9 @@
 """Typed training configuration: YAML is storage, these dataclasses are the source of truth.
 
-``load_config(path, overrides)`` reads a YAML file with ``yaml.safe_load``, applies ``section.key=value`` overrides
-(values parsed as YAML scalars), checks every key and type against the dataclasses below and validates the whole
-run (:func:`validate`) before any process group exists.  Every error is a :class:`ConfigError` (a ``ValueError``)
+``load_config(path, overrides)`` reads a YAML file with a safe loader (:class:`ConfigLoader`: ``yaml.SafeLoader``
+that also reads exponent floats such as ``1e-3`` as floats and rejects duplicate keys), applies ``section.key=value``
+overrides (values parsed as YAML scalars by the same loader), checks every key and type against the dataclasses
+below and validates the whole run (:func:`validate`) before any process group exists.  Every error is a :class:`ConfigError` (a ``ValueError``)
 or ``TypeError`` that names the field, the value and the fix.
 
 Sections: ``model``, ``parallel``, ``data``, ``optimizer``, ``schedule``, ``checkpoint``, ``logging``,
@@ -12,7 +13,9 @@ reference.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,11 +29,48 @@ from ..schedule_table import validate_interleaved_microbatches
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig",
            "CheckpointConfig", "LoggingConfig", "CudaGraphsConfig", "ProfileConfig", "TrainConfig",
            "load_config", "config_from_dict", "config_to_dict", "apply_overrides", "parse_override_args",
-           "validate", "validate_world_size", "dump_config"]
+           "validate", "validate_world_size", "dump_config", "ConfigLoader", "check_fresh_run"]
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, its value and the fix."""
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` (no Python objects are ever constructed) with two changes for config files:
+
+    * exponent floats without a dot (``1e-3``, ``3E-4``, ``1e+5``) are floats, as in YAML 1.2 and Python; PyYAML's
+      YAML 1.1 resolver reads them as strings;
+    * a key given twice in one mapping is an error naming the key and its line (PyYAML keeps the last silently).
+    """
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # unhashable key: SafeLoader reports it below
+                    continue
+                if first is not None:
+                    raise ConfigError(f"duplicate key {key!r} on line {key_node.start_mark.line + 1} (first given "
+                                      f"on line {first}); remove one of them")
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def _yaml_load(text: str):
+    """Parse YAML text with :class:`ConfigLoader` (safe: plain data only)."""
+    return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 - ConfigLoader is a SafeLoader
 
 
 @dataclass
@@ -95,6 +135,9 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
+    # stop with an error when the loss or the global grad norm is NaN / inf (Megatron's
+    # check_for_nan_in_loss_and_grad, default on); the step is not applied and no checkpoint is written
+    check_for_nan_in_loss_and_grad: bool = True
 
 
 @dataclass
@@ -228,6 +271,14 @@ def _coerce(value: Any, tp, where: str):
         return None
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        try:
+            number = float(value.strip().replace("_", ""))
+        except ValueError:
+            raise TypeError(f"{where}={value!r} has type str; expected a number such as 0.001 or 1e-3") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{where}={value!r} is not a finite number; use a finite value such as 0.001")
+        return number
     if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
         raise TypeError(f"{where}={value!r} has type {type(value).__name__}; expected {_type_name(tp)}")
     return value
@@ -289,6 +340,9 @@ def parse_override_args(args: list[str]) -> list[str]:
 
 def apply_overrides(data: dict, overrides: list[str] | dict[str, Any] | None) -> dict:
     """Apply ``section.key=value`` overrides (value parsed with ``yaml.safe_load``) to a nested config dict."""
+    if isinstance(overrides, (str, bytes)):
+        raise TypeError(f"overrides={overrides!r} is a string; pass a list such as [{overrides!r}] or a dict "
+                        f"{{'section.key': value}}")
     if not overrides:
         return data
     items = overrides.items() if isinstance(overrides, dict) else [_split_override(o) for o in overrides]
@@ -308,7 +362,7 @@ def _split_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r} has no value; write {text}=VALUE")
     key, raw = text.split("=", 1)
     try:
-        return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+        return key.strip(), _yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {key}={raw!r} is not a YAML value: {exc}") from None
 
@@ -318,14 +372,19 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
     """Read a YAML config (``None``: all defaults), apply overrides, check keys and types, and validate.
 
     Args:
-        path: YAML file (``yaml.safe_load``; no Python objects are constructed).
+        path: YAML file (read by :class:`ConfigLoader`, a ``yaml.SafeLoader``: no Python objects are constructed;
+            ``1e-3`` is a float; duplicate keys are an error).
         overrides: ``["section.key=value", ...]`` or ``{"section.key": value}``.
         check: run :func:`validate` (cross-field checks, data paths).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ConfigError / TypeError: unknown keys, wrong types, invalid values (message names the field and fix).
+        ConfigError / TypeError: unknown keys, wrong types, invalid values (message names the field and fix);
+            TypeError also when ``overrides`` is a string instead of a list.
     """
+    if isinstance(overrides, (str, bytes)):
+        raise TypeError(f"load_config(overrides={overrides!r}): overrides must be a list such as [{overrides!r}] "
+                        f"or a dict {{'section.key': value}}, not a string")
     data: Any = {}
     if path is not None:
         path = Path(path)
@@ -333,9 +392,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
             raise FileNotFoundError(f"config file {str(path)!r} does not exist; pass a YAML file such as "
                                     f"configs/default.yaml")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = _yaml_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+        except ConfigError as exc:  # a duplicate key
+            raise ConfigError(f"config file {str(path)!r}: {exc}") from None
         if not isinstance(data, dict):
             raise TypeError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
     config = config_from_dict(apply_overrides(data, overrides))
@@ -367,6 +428,7 @@ def validate(config: TrainConfig) -> None:
         ConfigError (ValueError) / RuntimeError naming field, value and fix.
     """
     m, p, s, o, d = config.model, config.parallel, config.schedule, config.optimizer, config.data
+    _validate_finite(config)
     for where, value in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
                          ("model.num_attention_heads", m.num_attention_heads), ("model.ffn_hidden_size",
                          m.ffn_hidden_size), ("parallel.pipeline", p.pipeline), ("parallel.virtual", p.virtual),
@@ -406,13 +468,67 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"optimizer.lr={o.lr} must be > 0")
     if not 0 <= o.min_lr <= o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be in [0, optimizer.lr={o.lr}]")
-    if o.grad_clip < 0 or o.weight_decay < 0 or o.eps <= 0:
-        raise ConfigError(f"optimizer.grad_clip={o.grad_clip}, optimizer.weight_decay={o.weight_decay} must be "
-                          f">= 0 and optimizer.eps={o.eps} > 0")
+    if o.grad_clip < 0:
+        raise ConfigError(f"optimizer.grad_clip={o.grad_clip} must be >= 0; use a positive max grad norm (e.g. "
+                          f"1.0) or 0 to disable clipping")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optimizer.weight_decay={o.weight_decay} must be >= 0; use e.g. 0.1 (0 disables it)")
+    if o.eps <= 0:
+        raise ConfigError(f"optimizer.eps={o.eps} must be > 0; use e.g. 1e-8")
     for where, beta in [("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)]:
         if not 0.0 <= beta < 1.0:
             raise ConfigError(f"{where}={beta} must be in [0, 1)")
     _validate_data(config)
+    _validate_device(config)  # last: the only check that may import torch
+
+
+def _validate_device(config: TrainConfig) -> None:
+    """``parallel.device=cuda`` / ``parallel.backend=nccl`` need CUDA on this machine.  torch is imported only for
+    configs that ask for CUDA (so the other bad-config paths stay fast)."""
+    p = config.parallel
+    if p.device != "cuda" and p.backend != "nccl":
+        return
+    import torch
+    if torch.cuda.is_available():
+        return
+    field_, value = ("parallel.device", p.device) if p.device == "cuda" else ("parallel.backend", p.backend)
+    raise ConfigError(f"{field_}={value!r} needs CUDA, but torch.cuda.is_available() is False on this machine "
+                      f"(torch {torch.__version__}); set parallel.device=auto or parallel.device=cpu and "
+                      f"parallel.backend=auto (or gloo), or run on a machine with CUDA GPUs")
+
+
+def check_fresh_run(config: TrainConfig, resume: bool) -> None:
+    """A fresh run (no ``--resume``) must not start in a folder that already holds checkpoints: the other run's
+    newer checkpoints would outrank this run's in the keep-newest rotation and a later ``--resume`` would continue
+    the other run.  Pure (reads the folder listing); call it before spawning ranks; the trainer calls it too.
+
+    Raises:
+        ConfigError: ``checkpoint.dir`` holds complete checkpoints and ``resume`` is False.
+    """
+    if resume:
+        return
+    directory = config.checkpoint_dir
+    if not directory.is_dir():
+        return
+    found = sorted(p.name for p in directory.iterdir()
+                   if re.fullmatch(r"step_\d{8}", p.name) and (p / ".metadata").is_file())
+    if found:
+        shown = ", ".join(found[-3:]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ConfigError(f"checkpoint.dir {str(directory)!r} already holds checkpoints ({shown}) of another run "
+                          f"(logging.run_dir={config.logging.run_dir!r}); pass --resume to continue it, use a new "
+                          f"logging.run_dir (or checkpoint.dir) for a fresh run, or delete that folder")
+
+
+def _validate_finite(config: TrainConfig) -> None:
+    """Every float field is a finite number (``.nan`` / ``.inf`` in YAML parse as floats)."""
+    for section in dataclasses.fields(TrainConfig):
+        values = getattr(config, section.name)
+        for f in dataclasses.fields(values):
+            value = getattr(values, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                default = f.default if f.default is not dataclasses.MISSING else None
+                raise ConfigError(f"{section.name}.{f.name}={value!r} is not a finite number; use a finite value "
+                                  f"(the default is {default!r})")
 
 
 def _validate_parallel(config: TrainConfig) -> None:
@@ -438,6 +554,15 @@ def _validate_parallel(config: TrainConfig) -> None:
                           f"only applies to interleaved 1F1B; remove it or set parallel.virtual >= 2")
     if p.virtual > 1:
         group = p.microbatch_group_size_per_vp_stage or p.pipeline
+        if p.microbatch_group_size_per_vp_stage is not None:  # the field the user set is named first
+            for count in (s.num_microbatches, config.eval_microbatches):
+                if not p.pipeline <= group <= count:
+                    raise ConfigError(
+                        f"parallel.microbatch_group_size_per_vp_stage={group} is invalid for interleaved 1F1B "
+                        f"(parallel.pipeline={p.pipeline}, schedule.num_microbatches={s.num_microbatches}, "
+                        f"eval microbatches={config.eval_microbatches}): it must be in [parallel.pipeline, "
+                        f"num_microbatches] = [{p.pipeline}, {count}]; set it in that range or remove it (default: "
+                        f"parallel.pipeline)")
         for where, count in [("schedule.num_microbatches", s.num_microbatches),
                              ("schedule.eval_microbatches", config.eval_microbatches)]:
             try:

@@ -31,16 +31,21 @@ import torch.distributed as dist
 
 from ..model_parallel_config import ModelParallelConfig
 from ..process_groups import ProcessGroupCollection, build_process_groups
-from .checkpoint import checkpoint_keys, latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import TrainConfig, dump_config, validate, validate_world_size
+from .checkpoint import (CheckpointError, checkpoint_keys, latest_checkpoint, list_checkpoints, load_checkpoint,
+                         read_checkpoint_meta, save_checkpoint)
+from .config import TrainConfig, check_fresh_run, dump_config, validate, validate_world_size
 from .data import Batches, load_corpus
 from .grads import GradSync, clip_grad_norm
 from .model import build_model_chunks, canonical_module
 from .seed import set_seed_and_determinism
 
-__all__ = ["Trainer", "lr_lambda"]
+__all__ = ["Trainer", "lr_lambda", "NonFiniteLossError"]
 
 log = logging.getLogger("pipecast.train")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or the global grad norm of a step is NaN or infinite (the run diverged); raised on every rank."""
 
 
 def lr_lambda(step: int, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
@@ -82,7 +87,10 @@ class Trainer:
         self.dp_rank, self.dp_size = self.pg.data_parallel_rank, self.pg.data_parallel_size
         self.is_log_rank = self.pp_rank == self.pp_size - 1 and self.dp_rank == 0
         self.run_dir = Path(config.logging.run_dir)
-        self._log_file = _setup_logging(config, self.is_log_rank, self.run_dir)
+        # a folder with checkpoints belongs to another run until load() resumes it: its train.log and config.yaml
+        # are left alone (train() refuses a fresh start there, see check_fresh_run)
+        self._run_files_open = not list_checkpoints(config.checkpoint_dir)
+        self._log_file = _setup_logging(config, self.is_log_rank, self.run_dir, to_file=self._run_files_open)
         set_seed_and_determinism(config.schedule.seed, self.pp_rank, config.schedule.deterministic)
 
         self.tracer = None  # an engine.tracing.Tracer; the profiling tools set it
@@ -102,7 +110,7 @@ class Trainer:
         self._graphs = None  # graphs.runtime.GraphRuntime, created by _maybe_capture_graphs when enabled
         self._resumed = False
         self._forward_backward, self._p2p = self._schedule()
-        if self.rank == 0:
+        if self.rank == 0 and self._run_files_open:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(config, self.run_dir / "config.yaml")
         n_params = sum(p.numel() for c in self.model for p in c.parameters())
@@ -241,7 +249,12 @@ class Trainer:
 
     def train_step(self) -> dict:
         """Run one optimizer step; returns ``{step, loss, grad_norm, lr, tokens_per_s, step_time_s}`` (same on every
-        rank; ``loss`` in nats per token, averaged over the global batch)."""
+        rank; ``loss`` in nats per token, averaged over the global batch).
+
+        Raises:
+            NonFiniteLossError: NaN / inf loss or grad norm (when ``optimizer.check_for_nan_in_loss_and_grad``); the
+                optimizer step is not applied.
+        """
         self._maybe_capture_graphs()
         t0 = time.perf_counter()
         for chunk in self.model:
@@ -250,9 +263,11 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         store = self._run_schedule(self._data(self.step), self.config.schedule.num_microbatches, False)
         grad_norm = clip_grad_norm(self.model, self.config.optimizer.grad_clip, self.pg)
+        loss = self._reduce_loss(store)
+        if self.config.optimizer.check_for_nan_in_loss_and_grad:
+            self._check_finite(loss, grad_norm)
         self.optimizer.step()
         self.scheduler.step()
-        loss = self._reduce_loss(store)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -264,6 +279,22 @@ class Trainer:
             metrics["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.history.append(metrics)
         return metrics
+
+    def _check_finite(self, loss: float, grad_norm: float) -> None:
+        """Megatron's ``check_for_nan_in_loss_and_grad``: both values are global (the same on every rank), so every
+        rank raises the same error before the optimizer step -- the step is not applied and nothing is saved."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return
+        o = self.config.optimizer
+        what = " and ".join(f"{name} is {value}" for name, value in [("loss", loss), ("grad norm", grad_norm)]
+                            if not math.isfinite(value))
+        clip = (f"optimizer.grad_clip={o.grad_clip} is on" if o.grad_clip > 0 else
+                "enable optimizer.grad_clip (e.g. 1.0)")
+        raise NonFiniteLossError(
+            f"step {self.step + 1}: {what} (loss {loss}, grad norm {grad_norm}); the training diverged, so the step "
+            f"was not applied and no checkpoint was written. Try a lower optimizer.lr (now {o.lr:g}; warmup "
+            f"optimizer.warmup_steps={o.warmup_steps}) and {clip}; resume from the last checkpoint with --resume, "
+            f"or set optimizer.check_for_nan_in_loss_and_grad=false to continue anyway")
 
     def _reduce_loss(self, store: list) -> float:
         """Sum the ``[loss sum, tokens]`` pairs of the loss stage, average over data-parallel replicas and broadcast
@@ -304,12 +335,24 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------------------------
     def train(self, steps: int | None = None) -> list[dict]:
         """Train until ``schedule.steps`` (or ``steps`` more steps), evaluating every ``schedule.eval_interval``
-        steps (and before the first step of a fresh run, and at the end) and checkpointing every
-        ``checkpoint.interval`` steps and at the end.  Returns the per-step metrics of this call."""
+        steps (and before the first step of this run, fresh or resumed, and at the end) and checkpointing every
+        ``checkpoint.interval`` steps and at the end.  Returns the per-step metrics of this call.
+
+        Raises:
+            ConfigError: a fresh run (nothing loaded) whose ``checkpoint.dir`` holds another run's checkpoints.
+            NonFiniteLossError: the loss or grad norm is NaN / inf (``optimizer.check_for_nan_in_loss_and_grad``).
+        """
         c = self.config
+        if self.step == 0 and not self._resumed:
+            check_fresh_run(c, resume=False)  # every rank raises the same error (the folder is shared)
         end = c.schedule.steps if steps is None else min(c.schedule.steps, self.step + steps)
         start = self.step
-        if not self.val_history and not self._resumed:
+        if self.step >= c.schedule.steps:
+            if self.is_log_rank:
+                log.info("nothing to do: %s step %d >= schedule.steps=%d; raise schedule.steps to train further",
+                         "checkpoint" if self._resumed else "trainer", self.step, c.schedule.steps)
+            return []
+        if not self.val_history:  # also at the start of a resumed run: "val loss A -> B" covers this run
             self._log_eval(self.evaluate())
         with self._progress(start, end) as bar:
             while self.step < end:
@@ -377,17 +420,41 @@ class Trainer:
         if self.step == 0:
             raise RuntimeError("nothing to save before the first training step")
         path = save_checkpoint(self.state_dict(), directory or self.config.checkpoint_dir, self.step,
-                               self.config.checkpoint.keep)
+                               self.config.checkpoint.keep, meta=self._checkpoint_meta())
         if self.is_log_rank:
             log.info("step %d | saved checkpoint %s", self.step, path)
         return path
+
+    def _checkpoint_meta(self) -> dict:
+        """What a resume must match, saved beside the tensors: the model settings (``ffn_hidden_size`` resolved)."""
+        return {"step": self.step, "model": {k: getattr(self.config.model, k) for k in _MODEL_MUST_MATCH} |
+                {"ffn_hidden_size": self.config.ffn_hidden_size}}
+
+    def _check_checkpoint_meta(self, path: Path) -> None:
+        """Compare the model settings saved with ``path`` to this config before loading any tensor.
+
+        Raises:
+            CheckpointError: one line per differing field, with both values and the fix.
+        """
+        meta = read_checkpoint_meta(path)
+        saved = (meta or {}).get("model")
+        if not isinstance(saved, dict):
+            return  # written without pipecast.json: DCP's key / shape checks still apply
+        ours = self._checkpoint_meta()["model"]
+        diffs = [f"checkpoint has model.{k}={saved[k]!r}, the config has {ours[k]!r}"
+                 for k in ours if k in saved and saved[k] != ours[k]]
+        if diffs:
+            raise CheckpointError(f"cannot resume from {str(path)!r}: it was written for another model: "
+                                  f"{'; '.join(diffs)}; resume with the same model settings (the parallel layout "
+                                  f"may change), or start a fresh run in a new logging.run_dir")
 
     def load(self, path: str | Path | None = None) -> Path | None:
         """Collective: restore model, optimizer, LR schedule, data position and RNG from ``path`` (default: the
         latest complete checkpoint in ``checkpoint.dir``; None is returned when there is none).
 
         Raises:
-            CheckpointError: a corrupt / truncated checkpoint or one written for another model.
+            CheckpointError: a corrupt / truncated checkpoint, or one written for another model (the model settings
+                saved with it differ: each differing field is named with both values).
         """
         from torch.distributed.checkpoint.state_dict import set_state_dict
         if path is None:
@@ -395,6 +462,7 @@ class Trainer:
             if path is None:
                 return None
         keys = checkpoint_keys(path)
+        self._check_checkpoint_meta(Path(path))
         model_sd, optim_sd, options = self._dcp_state()
         target = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
                   "trainer": {"step": torch.tensor(0, dtype=torch.int64)}}
@@ -409,10 +477,20 @@ class Trainer:
         self._set_schedule_position(self.step)
         if "rng" in target:
             torch.set_rng_state(target["rng"][f"rank{self.rank}"]["cpu"])
-        self._resumed = True  # train() does not re-evaluate at the resumed step
+        self._resumed = True
+        self._open_run_files()  # this run continues the folder's run: its train.log and config.yaml are ours
         if self.is_log_rank:
             log.info("resumed from %s at step %d", path, self.step)
         return Path(path)
+
+    def _open_run_files(self) -> None:
+        if self._run_files_open:
+            return
+        self._run_files_open = True
+        self._log_file = _setup_logging(self.config, self.is_log_rank, self.run_dir)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            dump_config(self.config, self.run_dir / "config.yaml")
 
     def _set_schedule_position(self, step: int) -> None:
         self.scheduler.last_epoch = step
@@ -439,6 +517,11 @@ class Trainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# model settings that fix the parameter names and shapes (ffn_hidden_size is saved resolved)
+_MODEL_MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                     "tie_embeddings")
 
 
 def _loss_func(output: torch.Tensor):
@@ -468,9 +551,10 @@ def _collective_device(group) -> torch.device:
         else torch.device("cpu")
 
 
-def _setup_logging(config: TrainConfig, is_log_rank: bool, run_dir: Path) -> logging.Handler | None:
-    """stdlib logging: INFO lines on the logging rank (stderr and ``<run_dir>/train.log``), warnings elsewhere.
-    Returns the file handler this call added (removed by :meth:`Trainer.close`)."""
+def _setup_logging(config: TrainConfig, is_log_rank: bool, run_dir: Path,
+                   to_file: bool = True) -> logging.Handler | None:
+    """stdlib logging: INFO lines on the logging rank (stderr and, when ``to_file``, ``<run_dir>/train.log``),
+    warnings elsewhere.  Returns the file handler this call added (removed by :meth:`Trainer.close`)."""
     logger = logging.getLogger("pipecast")
     logger.setLevel(getattr(logging, config.logging.level) if is_log_rank else logging.WARNING)
     if not any(getattr(h, "_pipecast", False) for h in logger.handlers):
@@ -479,7 +563,7 @@ def _setup_logging(config: TrainConfig, is_log_rank: bool, run_dir: Path) -> log
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
         logger.propagate = False
-    if not is_log_rank:
+    if not (is_log_rank and to_file):
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
     target = str((run_dir / "train.log").resolve())
