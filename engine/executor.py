@@ -594,6 +594,11 @@ class _Runner:
                                "chunk must return [s, b, h] activations with h = config.hidden_size")
 
     def _check_send(self, tensor, st) -> None:
+        if tensor is None and not st.forward:
+            raise RuntimeError(f"{st.label} on pipeline rank {self.p.rank}: the gradient of the model chunk's input "
+                               "is None because the chunk's output does not depend on its input (the tensor given "
+                               "to set_input_tensor, which requires grad); use that tensor in forward, without "
+                               ".detach() or torch.no_grad(), so the gradient can flow to the previous stage")
         if not isinstance(tensor, torch.Tensor):
             raise RuntimeError(f"{st.label} on pipeline rank {self.p.rank} produced {type(tensor).__name__}, not a "
                                "tensor; a model chunk that feeds the next stage must return one tensor [s, b, h]")

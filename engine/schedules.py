@@ -177,6 +177,17 @@ def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, mi
                                             f"model chunks (one per virtual pipeline stage), got "
                                             f"{type(model).__name__}")
         models = list(model)
+        if not models:
+            raise ScheduleContractError("forward_backward_pipelining_with_interleaving: model is an empty list; pass "
+                                        "one model chunk per virtual pipeline stage")
+        vp = get_model_config(models[0]).virtual_pipeline_model_parallel_size
+        if vp != len(models):  # checked before data_iterator: its length follows the model list
+            fix = (f"pass model as a list of {vp} model chunks (one per virtual pipeline stage) on each rank, or set "
+                   if isinstance(vp, int) and vp >= 1 else "set ")
+            raise ScheduleContractError(
+                f"forward_backward_pipelining_with_interleaving: model is a list of {len(models)} model chunk(s) but "
+                f"config.virtual_pipeline_model_parallel_size={vp}; {fix}"
+                f"config.virtual_pipeline_model_parallel_size={len(models)}")
         iters = [None] * len(models) if data_iterator is None else data_iterator
         if not isinstance(iters, list) or len(iters) != len(models):
             raise ScheduleContractError("forward_backward_pipelining_with_interleaving: data_iterator must be a list "
@@ -211,11 +222,6 @@ def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, mi
         if config.overlap_p2p_comm and config.batch_p2p_comm:
             raise ValueError("config.overlap_p2p_comm=True and config.batch_p2p_comm=True are mutually exclusive "
                              "(Megatron-Core); set batch_p2p_comm=False to overlap P2P communication")
-        vp = config.virtual_pipeline_model_parallel_size
-        if vp != len(models):
-            raise ScheduleContractError(f"forward_backward_pipelining_with_interleaving: config."
-                                        f"virtual_pipeline_model_parallel_size={vp} but model has {len(models)} "
-                                        f"chunks; set virtual_pipeline_model_parallel_size={len(models)}")
         if pp_size < 2:
             raise ValueError("forward_backward_pipelining_with_interleaving needs a pipeline of at least 2 ranks, "
                              f"got pipeline_model_parallel_size={pp_size}; use forward_backward_no_pipelining "

@@ -15,6 +15,10 @@ Deviations from Megatron-Core 0.16.1, all on error paths or inputs Megatron woul
   a floating count into their ``int32`` total.  Integer tensors are returned unchanged, as in Megatron.
 * ``backward_step`` accepts both the 0.16.1 call ``(input, output, grad, model_type, config)`` and the newer
   ``(input, output, grad, config)``; it does not rebind the caller's list when applying ``grad_scale_func``.
+* ``backward_step`` rejects a non-scalar loss (``output_tensor_grad`` None) with a message naming ``loss_func``
+  (Megatron's error comes from ``custom_backward`` or ``torch.autograd.backward`` and blames deallocation);
+  ``forward_step`` turns a ``StopIteration`` of ``forward_step_func`` (data iterator exhausted) into a
+  ``RuntimeError`` naming the model chunk and microbatch.
 * ``forward_step`` runs autocast on ``"cuda"`` when CUDA is available and on ``"cpu"`` otherwise (Megatron always
   uses ``"cuda"``, which is a no-op without a GPU).
 * MoE / MTP auxiliary-loss scales are published on :data:`aux_loss_scale` (pipecast has no MoE layers to set them
@@ -374,8 +378,10 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
     :func:`forward_step_calc_loss`.  Returns ``(output, num_tokens)``, with ``output`` wrapped in a one-element
     list if ``input_tensor`` was a list.  Starts the ``forward-compute`` timer (stopped in the loss step).
 
-    Raises ``RuntimeError`` if no wrapper level has ``set_input_tensor``, ``TypeError`` if ``forward_step_func``
-    does not return two values, plus the errors of :func:`forward_step_calc_loss`.
+    Raises ``RuntimeError`` if no wrapper level has ``set_input_tensor`` or if ``forward_step_func`` raises
+    ``StopIteration`` (the data iterator ran out; chained, naming the model chunk, microbatch and
+    ``num_microbatches``), ``TypeError`` if ``forward_step_func`` does not return two values, plus the errors of
+    :func:`forward_step_calc_loss`.
     """
     if config.timers is not None:
         config.timers("forward-compute", log_level=2).start()
@@ -389,11 +395,20 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
         input_tensor = [input_tensor]
     get_attr_wrapped_model(model, "set_input_tensor")(input_tensor)
 
-    with _autocast(config):
-        if checkpoint_activations_microbatch is None:
-            result = forward_step_func(data_iterator, model)
-        else:
-            result = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
+    try:
+        with _autocast(config):
+            if checkpoint_activations_microbatch is None:
+                result = forward_step_func(data_iterator, model)
+            else:
+                result = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
+    except StopIteration as exc:  # a bare StopIteration would end an enclosing generator / say nothing
+        chunk = 0 if vp_stage is None else vp_stage
+        where = "" if current_microbatch is None else f" at microbatch {current_microbatch}"
+        raise RuntimeError(
+            f"the data_iterator of model chunk {chunk} ran out{where} (num_microbatches={num_microbatches}): "
+            "forward_step_func's next(data_iterator) raised StopIteration; the iterator must yield "
+            f"num_microbatches={num_microbatches} items per schedule call for each model chunk that reads data "
+            "(e.g. build a fresh iterator per step, or use itertools.cycle / a repeating loader)") from exc
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise TypeError("forward_step_func must return (output, loss_func), got "
                         f"{type(result).__name__}; return the model output and the loss function")
@@ -420,6 +435,10 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, c
 
     Both the 0.16.1 call ``backward_step(input, output, grad, model_type, config)`` and the newer
     ``backward_step(input, output, grad, config)`` are accepted (``model_type`` is unused).
+
+    Raises :class:`ScheduleContractError` on the loss stage (``output_tensor_grad`` None) when the loss requires
+    grad and has more than one element, naming ``loss_func`` and the shape (Megatron fails there inside
+    ``custom_backward`` with advice about deallocation, or in ``torch.autograd.backward``).
     """
     if config is None:
         config = model_type
@@ -435,6 +454,13 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, c
     outputs = list(output_tensor) if isinstance(output_tensor, list) else [output_tensor]
     grads = list(output_tensor_grad) if isinstance(output_tensor_grad, list) else [output_tensor_grad]
 
+    loss = outputs[0]
+    if grads[0] is None and isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() != 1:
+        raise ScheduleContractError(
+            f"backward_step: the loss of this microbatch has shape {list(loss.shape)} ({loss.numel()} elements) but "
+            "the loss stage backpropagates from a scalar: loss_func (the second value forward_step_func returns) "
+            "must return a one-element loss as its first value; reduce it there, e.g. return (loss.sum(), ...) or "
+            "(loss.mean(), ...)")
     if grads[0] is None and config.grad_scale_func is not None:
         outputs[0] = config.grad_scale_func(outputs[0])
     if outputs[0].requires_grad:
