@@ -31,18 +31,21 @@ def _goals(d: dict) -> list[str]:
 
 def vs_torch(d: dict) -> list[str]:
     w = d["workload"]
-    out = [f"### Step time vs torch.distributed.pipelining",
+    pin = " each rank pinned to its own core," if d.get("pin") else ""
+    out = [f"### Step time vs torch.distributed.pipelining{' (ranks pinned)' if d.get('pin') else ''}",
            f"MLP stack hidden {w['hidden']}, {w['layers']} layers, {w['sequences']} sequences x {w['seq_length']} "
-           f"tokens in {w['microbatches']} microbatches, fp32, 2 ranks on gloo, {d['threads']} thread per rank; "
-           f"median over {d['repeats']} fresh-process repeats of the median of {d['steps']} steps.", "",
-           "| engine | step (ms) | range over repeats (ms) | speedup vs 1 process | bound | of bound | loss |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+           f"tokens in {w['microbatches']} microbatches, fp32, 2 ranks on gloo, {d['threads']} thread per rank,{pin} "
+           f"all engines stepped round-robin inside each fresh 2-rank job; median over {d['repeats']} jobs of the "
+           f"median of {d['steps']} steps (p10: 10th percentile of all steps).", "",
+           "| engine | step (ms) | p10 (ms) | range over jobs (ms) | speedup vs 1 process | bound | of bound | loss |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in d["rows"]:
         bound = f"{r['bound']:.3f}" if "bound" in r else ""
         of = f"{r['of_bound']:.3f}" if "of_bound" in r else ""
         ok = "" if r["loss_matches"] else " (mismatch)"
-        out.append(f"| {r['engine']} | {r['step_ms']:.1f} | {r['min_ms']:.1f}-{r['max_ms']:.1f} | "
-                   f"{r['speedup']:.3f} | {bound} | {of} | {r['loss']:.6f}{ok} |")
+        out.append(f"| {r['engine']} | {r['step_ms']:.1f} | {r.get('p10_ms', float('nan')):.1f} | "
+                   f"{r['min_ms']:.1f}-{r['max_ms']:.1f} | {r['speedup']:.3f} | {bound} | {of} | "
+                   f"{r['loss']:.6f}{ok} |")
     return out + [""] + _goals(d) + ["", _machine(d)]
 
 
@@ -82,6 +85,18 @@ def memory(d: dict) -> list[str]:
     return out + [""] + _goals(d) + ["", _machine(d)]
 
 
+def stalls(d: dict) -> list[str]:
+    out = [f"### Receive posting / waiting variants ({'interleaved 1F1B' if d['chunks'] > 1 else '1F1B'}"
+           f"{', ranks pinned' if d.get('pin_all') else ''})",
+           "Same workload as above; all variants stepped round-robin inside each fresh job.", "",
+           "| variant | median (ms) | p10 (ms) | p90 (ms) | receive waits > "
+           f"{d['stall_ms']:g} ms per step |", "|---|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        out.append(f"| {r['variant']} | {r['median_ms']:.1f} | {r['p10_ms']:.1f} | {r['p90_ms']:.1f} | "
+                   f"{r['stalls_per_step']:.2f} |")
+    return out + ["", _machine(d)]
+
+
 def generic(d: dict) -> list[str]:
     out = [f"### {d.get('benchmark', 'benchmark')}"]
     rows = d.get("rows")
@@ -97,8 +112,10 @@ def generic(d: dict) -> list[str]:
     return out + [""] + _goals(d) + ["", _machine(d)]
 
 
-RENDER = {"vs_torch_pipelining": vs_torch, "runtime_overhead": overhead, "memory": memory}
-ORDER = ["vs_torch_pipelining", "runtime_overhead", "memory"]
+RENDER = {"vs_torch_pipelining": vs_torch, "vs_torch_pipelining_pinned": vs_torch, "runtime_overhead": overhead,
+          "memory": memory, "p2p_stalls_1f1b": stalls, "p2p_stalls_interleaved": stalls}
+ORDER = ["vs_torch_pipelining", "vs_torch_pipelining_pinned", "runtime_overhead", "memory", "p2p_stalls_1f1b",
+         "p2p_stalls_interleaved"]
 
 
 def render(paths) -> str:

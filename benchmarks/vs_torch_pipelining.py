@@ -140,7 +140,7 @@ def main(argv=None) -> int:
               f"{'' if r['loss_matches'] else '  MISMATCH'}")
     for g in goals:
         print(f"goal {g['goal']:<58} {g['value']:.3f} {'met' if g['met'] else 'MISSED'}")
-    path = write_json("vs_torch_pipelining", {
+    path = write_json("vs_torch_pipelining_pinned" if args.pin else "vs_torch_pipelining", {
         "workload": w.__dict__, "repeats": args.repeats, "steps": args.steps, "warmup": args.warmup,
         "threads": args.threads, "pin": args.pin,
         "design": "round-robin steps of all engines in each fresh 2-rank job",

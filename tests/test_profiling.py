@@ -198,6 +198,7 @@ def test_timeline_session_without_process_group(tmp_path):
 
 
 # -- torch.profiler ------------------------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
 def test_step_profiler_writes_one_trace_per_window(tmp_path):
     import torch
     with StepProfiler.from_config({"enabled": True, "wait": 1, "warmup": 0, "active": 1}, tmp_path, rank=1) as prof:
@@ -215,6 +216,7 @@ def test_step_profiler_writes_one_trace_per_window(tmp_path):
 
 # -- pipecast train --timeline -------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
 def test_pipecast_train_writes_timeline_and_torch_profile(tmp_path):
     from engine.cli import main
     run_dir, tl = tmp_path / "run", tmp_path / "timeline"
