@@ -560,8 +560,14 @@ class _Runner:
                 raise
             ranks = getattr(self.comm, "global_ranks", None)
             peer = f"pipeline rank {rec.peer}" + (f" (global rank {ranks[rec.peer]})" if ranks else "")
-            raise RuntimeError(f"pipeline rank {self.p.rank}: {rec.label} from {peer} failed: {exc} -- {peer} died, "
-                               "raised or is stuck (see its error); waits end after the pipeline group's timeout"
+            if any(w in str(exc).lower() for w in ("timed out", "timeout")):
+                why = (f"{peer} sent nothing within the pipeline group's timeout: it may be slow rather than dead "
+                       "(a long step, evaluation or checkpoint on that stage, or an overloaded machine) -- if it is "
+                       "healthy, raise the timeout (parallel.timeout_s in pipecast train, or the timeout of the "
+                       "process groups); else it is stuck (see its error)")
+            else:
+                why = f"{peer} died, raised or is stuck (see its error)"
+            raise RuntimeError(f"pipeline rank {self.p.rank}: {rec.label} from {peer} failed: {exc} -- {why}"
                                ) from exc
         self.bufs[r] = None
         return buf

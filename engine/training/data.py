@@ -17,6 +17,10 @@ Sample order: the training sequences of step ``t`` start at offsets drawn from a
 ``(seed, t)`` -- a pure function of the step, identical on every rank, no communication, exact on resume.  The
 ``global_batch = dp x M x b`` offsets of a step are split in data-parallel rank order, then by microbatch.
 Validation uses fixed, evenly spaced windows.  Only the first stage reads tokens and only the last reads labels.
+
+Checks (:func:`check_data`, run by ``pipecast train`` before any rank starts, and again by :func:`load_corpus` in
+every rank that reads data): the files exist and are not empty, each split holds at least ``model.seq_length + 2``
+tokens, a ``.bin`` file is a whole number of uint16 tokens, and every token id is below ``model.vocab_size``.
 """
 from __future__ import annotations
 
@@ -25,35 +29,61 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
-import torch
 
 from .config import ConfigError, DataConfig
 
-__all__ = ["Corpus", "load_corpus", "stdlib_files", "Batches", "read_text_files"]
+if TYPE_CHECKING:  # torch is imported where tensors are made, so that check_data stays cheap for the launcher
+    import torch
+
+__all__ = ["Corpus", "load_corpus", "check_data", "stdlib_files", "Batches", "read_text_files", "max_token_id"]
 
 log = logging.getLogger("pipecast." + __name__.rsplit(".", 1)[-1])
+
+BIN_DTYPE = np.uint16  # nanoGPT's token files: little-endian uint16, 2 bytes per token
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_MAX_CHUNK = 1 << 24  # tokens per np.max call when scanning a .bin file for its largest token id (32 MiB)
 
 
 @dataclass
 class Corpus:
-    """Token arrays (``uint8`` bytes or ``uint16`` tokens, 1-D) of the two splits."""
+    """Token arrays (``uint8`` bytes or ``uint16`` tokens, 1-D) of the two splits.  ``max_token``: the largest
+    token id of both splits once computed (:meth:`largest_token`)."""
 
     train: np.ndarray
     val: np.ndarray
     description: str
+    max_token: int | None = None
 
     @property
     def vocab_needed(self) -> int:
         return 256 if self.train.dtype == np.uint8 else 65536
 
+    def largest_token(self) -> int:
+        """The largest token id of both splits (one chunked pass over the arrays, cached)."""
+        if self.max_token is None:
+            self.max_token = max(max_token_id(self.train), max_token_id(self.val))
+        return self.max_token
 
+
+def max_token_id(tokens: np.ndarray, chunk: int = _MAX_CHUNK) -> int:
+    """Largest value of a 1-D token array (``-1`` if empty), read in chunks of ``chunk`` tokens so that a memmap is
+    streamed through once without a full-size temporary.  Cost: one read of the file (page cache or disk) and one
+    vectorised max, about 1 s per GiB on one CPU core."""
+    best = -1
+    for start in range(0, len(tokens), chunk):
+        best = max(best, int(tokens[start:start + chunk].max()))
+    return best
+
+
+# ---- files ----------------------------------------------------------------------------------------------------
 def _walk(root: Path, keep) -> Iterator[Path]:
-    """Files under ``root`` in a fixed depth-first order: a folder's files (sorted), then its sub-folders (sorted)."""
+    """Files under ``root`` in a fixed depth-first order: a folder's files (sorted), then its sub-folders (sorted).
+    ``site-packages``, ``dist-packages`` and ``__pycache__`` folders are not entered."""
     for folder, dirs, files in os.walk(root):
-        dirs.sort()
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
         for name in sorted(files):
             path = Path(folder) / name
             if keep(path):
@@ -62,20 +92,34 @@ def _walk(root: Path, keep) -> Iterator[Path]:
 
 def stdlib_files() -> Iterator[Path]:
     """The standard library's ``.py`` files (without ``site-packages`` / ``__pycache__``) in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "__pycache__"}
-    return _walk(root, lambda f: f.suffix == ".py" and not skip & set(f.relative_to(root).parts))
+    return _walk(Path(sysconfig.get_paths()["stdlib"]), lambda f: f.suffix == ".py")
 
 
 def _expand(paths: list[str], suffixes: list[str]) -> list[Path]:
+    """The files of ``data.paths`` (folders walked, keeping ``suffixes``).
+
+    Raises:
+        ConfigError: a path that does not exist."""
     out: list[Path] = []
-    for raw in paths:
+    for i, raw in enumerate(paths):
         p = Path(raw)
         if p.is_dir():
             out.extend(_walk(p, lambda f: f.suffix in suffixes))
-        else:
+        elif p.exists():
             out.append(p)
+        else:
+            raise ConfigError(f"data.paths[{i}]={raw!r} does not exist; point data.paths at text files or folders "
+                              f"(relative paths start from {os.getcwd()})")
     return out
+
+
+def _text_files(cfg: DataConfig) -> list[Path]:
+    files = list(stdlib_files()) if cfg.source == "stdlib" else _expand(cfg.paths, cfg.suffixes)
+    if not files:
+        where = "the standard library" if cfg.source == "stdlib" else f"data.paths={cfg.paths}"
+        raise ConfigError(f"no input files found in {where} (data.suffixes={cfg.suffixes}); point data.paths at "
+                          f"text files or folders, or add their suffix to data.suffixes")
+    return files
 
 
 def read_text_files(files: Iterable[Path], max_bytes: int | None = None) -> tuple[np.ndarray, int]:
@@ -91,59 +135,162 @@ def read_text_files(files: Iterable[Path], max_bytes: int | None = None) -> tupl
     return np.frombuffer(blob[:max_bytes] if max_bytes else blob, dtype=np.uint8), len(parts)
 
 
-def _block_split(tokens: np.ndarray, val_fraction: float, block: int) -> tuple[np.ndarray, np.ndarray]:
+def _text_size(files: list[Path], max_bytes: int | None) -> int:
+    """The length :func:`read_text_files` will return, from the file sizes (no read)."""
+    total = 0
+    for f in files:
+        total += f.stat().st_size
+        if max_bytes is not None and total >= max_bytes:
+            return max_bytes
+    return total
+
+
+# ---- splits ---------------------------------------------------------------------------------------------------
+def _split_layout(n: int, val_fraction: float, block: int) -> tuple[int, int, int]:
+    """``(k, block, n_blocks)`` of the block split of ``n`` bytes: every ``k``-th of ``n_blocks`` blocks is
+    validation."""
     k = max(2, round(1 / val_fraction))
-    block = max(1, min(block, len(tokens) // (4 * k)))  # small corpora: at least 4 validation blocks
-    n_blocks = len(tokens) // block
+    block = max(1, min(block, n // (4 * k)))  # small corpora: at least 4 validation blocks
+    return k, block, n // block
+
+
+def _split_sizes(n: int, val_fraction: float, block: int) -> tuple[int, int]:
+    """Train and validation lengths of :func:`_block_split` of ``n`` bytes."""
+    k, block, n_blocks = _split_layout(n, val_fraction, block)
+    n_val = n_blocks // k
+    return n - n_val * block, n_val * block
+
+
+def _block_split(tokens: np.ndarray, val_fraction: float, block: int) -> tuple[np.ndarray, np.ndarray]:
+    k, block, n_blocks = _split_layout(len(tokens), val_fraction, block)
     body = tokens[: n_blocks * block].reshape(n_blocks, block)
     is_val = (np.arange(n_blocks) % k) == k - 1
     train = np.concatenate([body[~is_val].reshape(-1), tokens[n_blocks * block:]])
     return train, body[is_val].reshape(-1).copy()
 
 
-def load_corpus(cfg: DataConfig, seq_length: int, vocab_size: int) -> Corpus:
-    """Read the configured corpus and split it.
-
-    Raises:
-        ConfigError: no files, a split shorter than one sequence, or token ids beyond ``vocab_size``.
-    """
-    if cfg.source == "bin":
-        corpus = _load_bin(cfg)
-    else:
-        files = stdlib_files() if cfg.source == "stdlib" else _expand(cfg.paths, cfg.suffixes)
-        tokens, count = read_text_files(files, cfg.max_bytes)
-        if not count:
-            where = "the standard library" if cfg.source == "stdlib" else f"data.paths={cfg.paths}"
-            raise ConfigError(f"no input files found in {where} (data.suffixes={cfg.suffixes}); point data.paths at "
-                              f"text files or folders")
-        train, val = _block_split(tokens, cfg.val_fraction, cfg.split_block_bytes)
-        corpus = Corpus(train, val, f"{count} files ({cfg.source}), {len(tokens):,} bytes")
-    for name, split in (("train", corpus.train), ("val", corpus.val)):
-        if len(split) < seq_length + 2:
-            raise ConfigError(f"the {name} split has {len(split)} tokens, fewer than model.seq_length + 2 = "
-                              f"{seq_length + 2}; use more data, a shorter model.seq_length or another "
-                              f"data.val_fraction")
-    if corpus.train.dtype == np.uint8 and vocab_size < 256:
-        raise ConfigError(f"model.vocab_size={vocab_size} cannot hold byte tokens; use model.vocab_size >= 256")
-    return corpus
+def _check_split_lengths(n_train: int, n_val: int, seq_length: int, cfg: DataConfig) -> None:
+    """Each split must hold one sample (``seq_length`` inputs + the next token) plus one start offset."""
+    where = "the standard library" if cfg.source == "stdlib" else f"data.paths={cfg.paths}"
+    for name, n in (("train", n_train), ("validation", n_val)):
+        if n < seq_length + 2:
+            raise ConfigError(
+                f"model.seq_length={seq_length}: the {name} split of {where} has {n} tokens, fewer than "
+                f"model.seq_length + 2 = {seq_length + 2} (one sample); use more data"
+                f"{'' if cfg.max_bytes is None else f' (data.max_bytes={cfg.max_bytes} caps it)'}, a shorter "
+                f"model.seq_length{' or a larger data.val_fraction' if name == 'validation' else ''}")
 
 
-def _load_bin(cfg: DataConfig) -> Corpus:
+# ---- nanoGPT .bin files ---------------------------------------------------------------------------------------
+def _bin_files(cfg: DataConfig) -> tuple[Path, list[Path]]:
+    """``(path, files)``: the one ``data.paths`` entry and its token files (``train.bin``, ``val.bin`` of a folder,
+    or the file itself), each checked to be a non-empty whole number of uint16 tokens."""
     if len(cfg.paths) != 1:
-        raise ConfigError(f"data.source='bin' takes one path (a folder with train.bin / val.bin or one .bin "
-                          f"file), got data.paths={cfg.paths}")
+        raise ConfigError(f"data.paths={cfg.paths}: data.source='bin' takes exactly one path (a folder with "
+                          f"train.bin and val.bin, or one .bin file); set data.paths=[FOLDER] or [FILE.bin]")
     p = Path(cfg.paths[0])
     if p.is_dir():
         files = [p / "train.bin", p / "val.bin"]
-        missing = [str(f) for f in files if not f.is_file()]
+        missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ConfigError(f"data.paths[0]={str(p)!r} lacks {', '.join(missing)} (nanoGPT layout)")
-        train, val = (np.memmap(f, dtype=np.uint16, mode="r") for f in files)
+            raise ConfigError(f"data.paths[0]={str(p)!r} has no {' and no '.join(missing)}; data.source='bin' "
+                              f"reads a folder with train.bin and val.bin (nanoGPT layout) or one .bin file")
+    elif p.is_file():
+        files = [p]
     else:
-        tokens = np.memmap(p, dtype=np.uint16, mode="r")
+        raise ConfigError(f"data.paths[0]={str(p)!r} does not exist; point it at a folder with train.bin and "
+                          f"val.bin or at one .bin file (relative paths start from {os.getcwd()})")
+    for f in files:
+        size = f.stat().st_size
+        if size == 0:
+            raise ConfigError(f"data.paths[0]: {f} is empty; write the tokens there (uint16, nanoGPT layout) or "
+                              f"point data.paths at another corpus")
+        if size % np.dtype(BIN_DTYPE).itemsize:
+            raise ConfigError(f"data.paths[0]: {f} has {size} bytes, not a whole number of tokens: data.source="
+                              f"'bin' reads uint16 token ids (2 bytes each, little-endian, nanoGPT's "
+                              f"np.array(ids, dtype=np.uint16).tofile(path)); the file is truncated or not in that "
+                              f"layout -- re-export it, or use data.source='text' for raw bytes")
+    return p, files
+
+
+def _bin_arrays(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray, Path]:
+    p, files = _bin_files(cfg)
+    if len(files) == 2:
+        train, val = (np.memmap(f, dtype=BIN_DTYPE, mode="r") for f in files)
+    else:
+        tokens = np.memmap(files[0], dtype=BIN_DTYPE, mode="r")
         cut = int(len(tokens) * (1 - cfg.val_fraction))
         train, val = tokens[:cut], tokens[cut:]
-    return Corpus(train, val, f"uint16 tokens from {p}: {len(train):,} train, {len(val):,} val")
+    return train, val, p
+
+
+def _check_vocab(corpus: Corpus, vocab_size: int, where: str) -> None:
+    """Every token id must be an embedding row: ``max token < model.vocab_size`` (one pass over uint16 data)."""
+    if corpus.train.dtype == np.uint8:
+        if vocab_size < 256:
+            raise ConfigError(f"model.vocab_size={vocab_size} cannot hold byte tokens (0..255) of data.source="
+                              f"'{where}'; use model.vocab_size >= 256")
+        return
+    if vocab_size >= corpus.vocab_needed:
+        return
+    top = corpus.largest_token()
+    if top >= vocab_size:
+        raise ConfigError(f"model.vocab_size={vocab_size} is too small for {where}: it holds token id {top}; set "
+                          f"model.vocab_size to the tokenizer's vocabulary size (at least {top + 1})")
+
+
+def check_data(config) -> str:
+    """Cheap checks of ``config.data`` against ``config.model`` before any rank starts (``pipecast train`` runs it
+    in the launcher, and in every process under torchrun); returns a one-line description of the corpus.
+
+    Checked: the files exist and are not empty; the train and validation splits each hold ``model.seq_length + 2``
+    tokens (from the file sizes, nothing is read); a ``.bin`` file is a whole number of uint16 tokens; every
+    token id is below ``model.vocab_size``.  Cost: a walk and a ``stat`` per file (the default stdlib corpus,
+    ~1,800 files: ~50 ms); for ``bin`` with ``model.vocab_size < 65536`` also one pass over the tokens for the
+    largest id (:func:`max_token_id`, about 1 s per GiB of tokens; nothing to scan for byte corpora).
+
+    Raises:
+        ConfigError: naming the field (``data.paths``, ``model.seq_length``, ``model.vocab_size``), its value and
+            the fix.
+    """
+    cfg, seq_length, vocab_size = config.data, config.model.seq_length, config.model.vocab_size
+    if cfg.source == "bin":
+        train, val, p = _bin_arrays(cfg)
+        _check_split_lengths(len(train), len(val), seq_length, cfg)
+        _check_vocab(Corpus(train, val, ""), vocab_size, f"data.paths[0]={str(p)!r}")
+        return f"uint16 tokens from {p}: {len(train):,} train, {len(val):,} val"
+    files = _text_files(cfg)
+    n = _text_size(files, cfg.max_bytes)
+    if n == 0:
+        raise ConfigError(f"data.paths={cfg.paths}: the {len(files)} input file(s) are empty; point data.paths at "
+                          f"files with text in them")
+    _check_split_lengths(*_split_sizes(n, cfg.val_fraction, cfg.split_block_bytes), seq_length, cfg)
+    _check_vocab(Corpus(np.zeros(0, np.uint8), np.zeros(0, np.uint8), ""), vocab_size, cfg.source)
+    return f"{len(files)} files ({cfg.source}), {n:,} bytes"
+
+
+def load_corpus(cfg: DataConfig, seq_length: int, vocab_size: int) -> Corpus:
+    """Read the configured corpus and split it (the checks of :func:`check_data`, on the data read).
+
+    Raises:
+        ConfigError: missing / empty / odd-sized files, a split shorter than one sequence, or token ids beyond
+            ``vocab_size`` (the largest id is found once here, in one chunked pass over a ``.bin`` corpus).
+    """
+    if cfg.source == "bin":
+        train, val, p = _bin_arrays(cfg)
+        corpus = Corpus(train, val, f"uint16 tokens from {p}: {len(train):,} train, {len(val):,} val")
+        where = f"data.paths[0]={str(p)!r}"
+    else:
+        tokens, count = read_text_files(_text_files(cfg), cfg.max_bytes)
+        if not len(tokens):
+            raise ConfigError(f"data.paths={cfg.paths}: the {count} input file(s) are empty; point data.paths at "
+                              f"files with text in them")
+        train, val = _block_split(tokens, cfg.val_fraction, cfg.split_block_bytes)
+        corpus = Corpus(train, val, f"{count} files ({cfg.source}), {len(tokens):,} bytes")
+        where = cfg.source
+    _check_split_lengths(len(corpus.train), len(corpus.val), seq_length, cfg)
+    _check_vocab(corpus, vocab_size, where)
+    return corpus
 
 
 class Batches:
@@ -155,17 +302,23 @@ class Batches:
         micro_batch_size: ``b``. num_microbatches: ``M`` (per data-parallel rank, per step).
         dp_rank, dp_size: this rank's data-parallel slice of the global batch.
         seed: sample-order seed.
-        vocab_size: token ids must be below it (checked per microbatch: ``ValueError``).
+        vocab_size: token ids must be below it (checked once here over both splits, cached on the corpus:
+            ``ValueError``).
     """
 
     def __init__(self, corpus: Corpus, seq_length: int, micro_batch_size: int, num_microbatches: int,
                  dp_rank: int, dp_size: int, seed: int, vocab_size: int, device: torch.device | str = "cpu"):
         self.corpus, self.s, self.b, self.m = corpus, seq_length, micro_batch_size, num_microbatches
         self.dp_rank, self.dp_size, self.seed, self.vocab = dp_rank, dp_size, seed, vocab_size
+        import torch
         self.device = torch.device(device)
+        if vocab_size < corpus.vocab_needed and corpus.largest_token() >= vocab_size:
+            raise ValueError(f"token id {corpus.largest_token()} >= model.vocab_size={vocab_size}; set "
+                             f"model.vocab_size to the tokenizer's vocabulary size")
 
     def train_offsets(self, step: int) -> np.ndarray:
         """Start offsets ``[dp x M x b]`` of the global batch of training step ``step`` (0-based)."""
+        import torch
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         high = len(self.corpus.train) - self.s - 1
         return torch.randint(0, high, (self.dp_size * self.m * self.b,), generator=g).numpy()
@@ -180,14 +333,12 @@ class Batches:
 
     def _microbatches(self, tokens: np.ndarray, offsets: np.ndarray, num_microbatches: int, want_tokens: bool,
                       want_labels: bool) -> Iterator[dict]:
+        import torch
         per_rank = num_microbatches * self.b
         mine = offsets[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank].reshape(num_microbatches, self.b)
         window = np.arange(self.s + 1)
         for row in mine:
             sample = torch.from_numpy(tokens[row[:, None] + window].astype(np.int64))  # [b, s + 1]
-            if self.vocab < self.corpus.vocab_needed and int(sample.max()) >= self.vocab:
-                raise ValueError(f"token id {int(sample.max())} >= model.vocab_size={self.vocab}; set "
-                                 f"model.vocab_size to the tokenizer's vocabulary size")
             yield {"tokens": sample[:, :-1].to(self.device) if want_tokens else None,
                    "labels": sample[:, 1:].to(self.device) if want_labels else None}
 

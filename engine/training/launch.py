@@ -9,10 +9,24 @@ The config is loaded and validated before any process is started or group create
 so it takes well under a second): a bad config exits with status 2 and one ``error:`` line.  :func:`spawn` is the
 same launcher for Python code (the README example).
 
+The data is checked the same way before any rank starts (:func:`engine.training.data.check_data`: files exist,
+not empty, each split long enough, ``.bin`` files whole uint16 tokens, token ids below ``model.vocab_size``);
+under torchrun every process checks it.
+
 Failure behaviour of spawned ranks: the launcher watches every rank; when one raises or dies (e.g. SIGKILL) it stops
 the others (SIGTERM, then SIGKILL) and ``pipecast train`` exits with status 1 and an ``error:`` line naming the
-failed rank.  Ranks also die with the launcher (``PR_SET_PDEATHSIG`` on Linux), so killing it leaves no rank behind.
-A rank that is alive but stuck is caught by the communication timeout ``parallel.timeout_s``.
+failed rank and its exception (type and first line; the rank's traceback follows).  Ranks also die with the
+launcher (``PR_SET_PDEATHSIG`` on Linux), so killing it leaves no rank behind.  A rank that is alive but stuck is
+caught by the communication timeout ``parallel.timeout_s``.
+
+Interrupts: SIGINT / Ctrl-C to the launcher stops every rank (SIGTERM, then SIGKILL after
+:data:`STOP_GRACE_S`) and ``pipecast train`` exits with status 130 after one line ``interrupted; stopped ranks
+...``.  A rank that receives SIGINT itself (Ctrl-C reaches the whole process group) ends at once without a
+traceback, and the launcher reports the interrupt the same way.
+
+Teardown: after ``fn`` returns, every spawned rank waits at a barrier of the default group before destroying it,
+so that no rank tears down its process groups (and rank 0, which hosts the rendezvous store, exits) while a peer
+is still communicating.
 """
 from __future__ import annotations
 
@@ -20,15 +34,28 @@ import argparse
 import datetime
 import logging
 import os
+import signal
 import socket
 import sys
 import time
 
 from .config import ConfigError, TrainConfig, load_config, parse_override_args, validate_world_size
 
-__all__ = ["add_arguments", "run", "run_spawned", "spawn", "train_worker", "under_torchrun"]
+__all__ = ["add_arguments", "run", "run_spawned", "spawn", "train_worker", "under_torchrun", "Interrupted"]
 
 log = logging.getLogger("pipecast.train")
+
+STOP_GRACE_S = 5.0  # seconds a rank has to exit after SIGTERM before the launcher sends SIGKILL
+
+
+class Interrupted(KeyboardInterrupt):
+    """:func:`spawn` was interrupted (SIGINT to the launcher, or to one of its ranks); every rank has been stopped.
+    ``str()`` is the one line ``pipecast train`` prints; ``ranks`` lists the stopped ranks."""
+
+    def __init__(self, ranks: list[int], cause: str = ""):
+        self.ranks = list(ranks)
+        stopped = ", ".join(str(r) for r in self.ranks) or "none"
+        super().__init__(f"interrupted{cause}; stopped ranks {stopped}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,24 +77,34 @@ def under_torchrun() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``pipecast train``; returns the exit status (0 ok, 1 a rank failed, 2 bad config)."""
+    """Entry point of ``pipecast train``; returns the exit status (0 ok, 1 a rank failed, 2 bad config or data,
+    130 interrupted)."""
     try:
-        config = load_config(args.config, parse_override_args(list(getattr(args, "extra", []) or [])))
+        try:
+            config = load_config(args.config, parse_override_args(list(getattr(args, "extra", []) or [])))
+            if under_torchrun():
+                config = validate_world_size(config, int(os.environ["WORLD_SIZE"]))
+            from .data import check_data
+            check_data(config)
+        except (ConfigError, TypeError, ValueError, RuntimeError, FileNotFoundError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         if under_torchrun():
-            config = validate_world_size(config, int(os.environ["WORLD_SIZE"]))
-    except (ConfigError, TypeError, ValueError, RuntimeError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if under_torchrun():
-        return _join_torchrun(config, args.resume, args.timeline, args.nvtx)
-    return run_spawned(train_worker, config, args.resume, args.timeline, args.nvtx)
+            return _join_torchrun(config, args.resume, args.timeline, args.nvtx)
+        return run_spawned(train_worker, config, args.resume, args.timeline, args.nvtx)
+    except KeyboardInterrupt:  # before the ranks started, or a one-rank run in this process
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 def run_spawned(fn, config: TrainConfig, *args) -> int:
     """:func:`spawn` ``fn(config, *args)`` and turn a failure into an exit status and one ``error:`` line on stderr
-    (1: a rank raised or died, named with its error; 2: bad config / checkpoint in a one-rank run)."""
+    (1: a rank raised or died, named with its error; 2: bad config / checkpoint in a one-rank run; 130:
+    interrupted, with the line ``interrupted; stopped ranks ...``)."""
     import torch.multiprocessing as mp
     from .checkpoint import CheckpointError
+    # the launcher's own lines name the failed rank and the stopped ones; torch's "Terminating process ..." adds none
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         spawn(fn, config, *args)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
@@ -76,6 +113,9 @@ def run_spawned(fn, config: TrainConfig, *args) -> int:
     except (ConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        print(str(exc) if isinstance(exc, Interrupted) else "interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -89,8 +129,43 @@ def _describe_failure(exc, world: int) -> str:
         how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with status {exc.exit_code}"
         return f"rank {rank} (pid {exc.error_pid}) {how}; {stopped}"
     trace = str(exc).strip()
-    last = trace.splitlines()[-1] if trace else type(exc).__name__
-    return f"rank {rank} failed: {last}; {stopped}\n{trace}"
+    return f"rank {rank} failed: {exception_line(trace)}; {stopped}\n{trace}"
+
+
+_CHAIN_LINES = ("During handling of the above exception, another exception occurred:",
+                "The above exception was the direct cause of the following exception:")
+
+
+def exception_line(trace: str, limit: int = 1000) -> str:
+    """``"Type: first line of the message"`` of the exception that ended a formatted traceback (the last one of
+    a chain), never traceback text: the exception line is the first unindented line after a ``Traceback`` header,
+    and the message runs to the next chain separator, so a multi-line message (or one quoting another traceback)
+    still gives its own first line.  The type is given without its module; ``limit`` caps the length."""
+    lines = trace.splitlines()
+    found, i = None, 0
+    while i < len(lines):
+        if lines[i].strip() == "Traceback (most recent call last):":
+            j = i + 1
+            while j < len(lines) and (not lines[j] or lines[j][0].isspace()):
+                j += 1  # frames and source lines are indented
+            if j < len(lines):
+                found = j
+            i = j + 1
+            while i < len(lines) and lines[i].strip() not in _CHAIN_LINES:
+                i += 1  # the rest of this exception's message
+        else:
+            i += 1
+    if found is None:  # no traceback: the last unindented line (where Python puts the exception)
+        text = next((ln.strip() for ln in reversed(lines) if ln.strip() and not ln[0].isspace()), "")
+        return text[:limit] or "unknown error"
+    head, message = lines[found], lines[found + 1:]
+    kind, sep, first = head.partition(": ")
+    kind = kind.rsplit(".", 1)[-1] if " " not in kind else kind
+    first = first.strip()
+    if not first:  # the message starts on the next line
+        first = next((ln.strip() for ln in message if ln.strip() and ln.strip() not in _CHAIN_LINES), "")
+    line = f"{kind}: {first}" if first else kind
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def _backend(config: TrainConfig) -> str:
@@ -104,13 +179,29 @@ def _backend(config: TrainConfig) -> str:
 
 def _join_torchrun(config: TrainConfig, resume: bool, timeline=None, nvtx: bool = False) -> int:
     import torch.distributed as dist
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends this rank at once, quietly (torchrun reports it)
     dist.init_process_group(_backend(config), timeout=datetime.timedelta(seconds=config.parallel.timeout_s))
+    ok = False
     try:
         train_worker(config, resume, timeline, nvtx)
+        ok = True
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _teardown(ok)
     return 0
+
+
+def _teardown(ok: bool) -> None:
+    """Destroy the default group; after a successful ``fn`` first wait for every rank at a barrier, so that no rank
+    destroys its groups (or exits: rank 0 hosts the rendezvous store) while a peer is still communicating.  After a
+    failure there is no barrier (the peers may be gone; the launcher stops them)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return
+    try:
+        if ok and dist.get_world_size() > 1:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def train_worker(config: TrainConfig, resume: bool = False, timeline=None, nvtx: bool = False) -> None:
@@ -156,15 +247,20 @@ def _entry(local_rank: int, world_size: int, port: int, backend: str, timeout_s:
     import torch.distributed as dist
     if launcher_pid:
         _die_with_launcher(launcher_pid)
+    # SIGINT (Ctrl-C reaches the whole process group) ends a rank at once without a traceback; the launcher, which
+    # gets it too, stops the others and reports the interrupt
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group(backend, rank=local_rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    ok = False
     try:
         fn(*args)
+        ok = True
     finally:
-        dist.destroy_process_group()
+        _teardown(ok)
 
 
 def spawn(fn, config: TrainConfig, *args) -> None:
@@ -174,6 +270,8 @@ def spawn(fn, config: TrainConfig, *args) -> None:
     raises or dies, the others are terminated (SIGTERM, then SIGKILL) and
     ``torch.multiprocessing.ProcessRaisedException`` / ``ProcessExitedException`` is raised here; its
     ``error_index`` is the failed rank (a rank killed by a signal is preferred over ranks that merely lost it).
+    On SIGINT (``KeyboardInterrupt`` here, or a rank ended by SIGINT) every rank is stopped (SIGTERM, then SIGKILL
+    after :data:`STOP_GRACE_S`) and :class:`Interrupted` (a ``KeyboardInterrupt``) is raised.
     """
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -191,11 +289,45 @@ def spawn(fn, config: TrainConfig, *args) -> None:
                                                (config, *args), os.getpid()),
                                  nprocs=world, join=False, start_method="spawn")
     try:
-        while not context.join():
-            pass
-    except mp.ProcessRaisedException as exc:
-        _blame_killed_rank(context, exc)
-        raise
+        try:
+            while not context.join():
+                pass
+        except mp.ProcessRaisedException as exc:
+            _blame_killed_rank(context, exc)
+            raise
+    except KeyboardInterrupt:
+        raise Interrupted(_stop_ranks(context.processes)) from None
+    except mp.ProcessExitedException as exc:
+        if exc.signal_name != "SIGINT":
+            raise
+        stopped = _stop_ranks(context.processes)
+        raise Interrupted(sorted(set(stopped) | {exc.error_index}),
+                          f" (SIGINT to rank {exc.error_index})") from None
+
+
+def _stop_ranks(processes, grace: float = STOP_GRACE_S) -> list[int]:
+    """SIGTERM every rank still running, SIGKILL those alive ``grace`` seconds later, and reap them all; returns
+    the ranks that had not finished cleanly (exit status 0) when called.  A second SIGINT meanwhile is ignored."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        stopped = [r for r, p in enumerate(processes) if p.exitcode != 0]
+        for p in processes:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + grace
+        for p in processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        return stopped
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _blame_killed_rank(context, exc) -> None:
