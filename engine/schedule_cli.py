@@ -117,6 +117,8 @@ def _check_output(parser, option: str, path, example: str) -> None:
         parser.error(f"{option} {path}: folder {folder} does not exist; create it first or choose another path")
     if not os.access(folder, os.W_OK | os.X_OK):
         parser.error(f"{option} {path}: folder {folder} is not writable; choose another path")
+    if path.exists() and not os.access(path, os.W_OK):
+        parser.error(f"{option} {path}: the file exists and is not writable; remove it or choose another path")
 
 
 def run(args) -> int:

@@ -92,6 +92,7 @@ def test_model_list_shorter_than_vp_size_names_model_not_data_iterator():
 
 # ---- plan size bound ------------------------------------------------------------------------------------------
 
+@pytest.mark.timeout(10)
 def test_build_plan_rejects_huge_plans_before_building():
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=r"pp_size=4 x num_model_chunks=2 x num_microbatches=4194304 = 33554432 "
@@ -129,8 +130,7 @@ def _pipeline_case(rank: int, case: str) -> str:
     pgc = build_process_groups(2, timeout=datetime.timedelta(seconds=3))
     config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, hidden_size=4)
     model = _Stage(config, rank, detach=case == "detached" and rank == 1)
-    items = 2 if case == "exhausted" else 3
-    data = iter([torch.ones(2, 1, 4) for _ in range(items)])
+    data = iter([torch.ones(2, 1, 4) for _ in range(3)])
 
     def step(data_iterator, model):
         y = model(next(data_iterator) if data_iterator is not None else None)
@@ -154,16 +154,12 @@ def _job(rank: int, world: int, cases: list) -> list:
 
 @pytest.mark.timeout(60)
 def test_pipeline_errors_name_the_cause():
-    # the peer waits out the 3 s group timeout in each case (shorter timeouts flake on a loaded machine)
-    cases = ["detached", "exhausted"]
+    # the peer waits out the 3 s group timeout in each case (shorter timeouts flake on a loaded machine); the
+    # exhausted iterator goes through the same forward_step in-process above
+    cases = ["detached"]
     results = run_ranks(_job, 2, cases, timeout=55)
-    by_case = {case: (results[0][i], results[1][i]) for i, case in enumerate(cases)}
-    detached = by_case["detached"][1]
-    assert detached.startswith("RuntimeError: B c0 mb0 on pipeline rank 1: the gradient of the model chunk's input "
-                               "is None because the chunk's output does not depend on its input"), detached
-    assert "set_input_tensor" in detached
-    exhausted = by_case["exhausted"][0]  # pipeline rank 0 reads the data
-    assert exhausted.startswith("RuntimeError: the data_iterator of model chunk 0 ran out at microbatch 2 "
-                                "(num_microbatches=3)"), exhausted
-    for first, last in by_case.values():  # the peer fails too (it does not report success)
-        assert first != "ok" and last != "ok"
+    first, last = results[0][0], results[1][0]
+    assert last.startswith("RuntimeError: B c0 mb0 on pipeline rank 1: the gradient of the model chunk's input "
+                           "is None because the chunk's output does not depend on its input"), last
+    assert "set_input_tensor" in last
+    assert first.startswith("RuntimeError: pipeline rank 0: recv grad c0 mb0 from pipeline rank 1"), first
