@@ -273,5 +273,18 @@ def sleeper(config, record_dir: str) -> None:
     dist.recv(torch.empty(1), src=1 - dist.get_rank())
 
 
+def late_finisher(config, record_dir: str, late_rank: int, delay: float) -> None:
+    """Rank ``late_rank`` finishes ``delay`` seconds after the others (as the log rank does after the last
+    evaluation); every rank records when its ``fn`` ended and, from an ``atexit`` hook, when its interpreter began
+    to exit."""
+    import atexit
+    rank = dist.get_rank()
+    if rank == late_rank:
+        time.sleep(delay)
+    record = {"pid": os.getpid(), "fn_end": time.time()}
+    _record(Path(record_dir), rank, record)
+    atexit.register(lambda: _record(Path(record_dir), rank, {**record, "exit": time.time()}))
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

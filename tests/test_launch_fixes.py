@@ -5,7 +5,9 @@
   the same errors (odd-sized / out-of-vocabulary ``.bin`` files included);
 * the failure summary line carries the exception type and the first line of its message, never traceback text;
 * SIGINT to the launcher (or to the whole process group, as Ctrl-C does) stops every rank, prints one line and
-  exits 130.
+  exits 130;
+* teardown of a successful run: no rank destroys its groups or exits while a peer is still working, and rank 0
+  (the rendezvous store's host) exits last.
 """
 from __future__ import annotations
 
@@ -205,3 +207,19 @@ def test_sigint_stops_every_rank_and_exits_130(tmp_path, to_group):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ---- teardown ---------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(90)
+def test_rank0_exits_after_a_late_peer(tmp_path):
+    """Rank 1 ends its work 1.5 s after rank 0 (the log rank's final evaluation and 'done' line): rank 0 must
+    neither tear down nor exit before it (before the fix it exited ~1.5 s earlier; a peer tearing down under a
+    departed store host was the suspected cause of the SIGABRT after 'done')."""
+    from engine.training.launch import spawn
+    from tests.reliability_jobs import late_finisher
+    cfg = load_config(None, tiny_overrides(write_corpus(tmp_path / "corpus.txt"), tmp_path / "run",
+                                           **{"parallel.pipeline": 2}))
+    spawn(late_finisher, cfg, str(tmp_path), 1, 1.5)
+    records = read_records(tmp_path)
+    assert all("exit" in r for r in records.values()), records
+    assert records[0]["exit"] >= records[1]["fn_end"], records

@@ -24,9 +24,9 @@ Interrupts: SIGINT / Ctrl-C to the launcher stops every rank (SIGTERM, then SIGK
 ...``.  A rank that receives SIGINT itself (Ctrl-C reaches the whole process group) ends at once without a
 traceback, and the launcher reports the interrupt the same way.
 
-Teardown: after ``fn`` returns, every spawned rank waits at a barrier of the default group before destroying it,
-so that no rank tears down its process groups (and rank 0, which hosts the rendezvous store, exits) while a peer
-is still communicating.
+Teardown: after ``fn`` returns, every rank waits at a barrier of the default group before destroying it, so that
+no rank tears down its process groups while a peer is still communicating; in a spawned job rank 0, which hosts
+the rendezvous store, then tears down and exits last (see :func:`_teardown`).
 """
 from __future__ import annotations
 
@@ -190,18 +190,29 @@ def _join_torchrun(config: TrainConfig, resume: bool, timeline=None, nvtx: bool 
     return 0
 
 
-def _teardown(ok: bool) -> None:
-    """Destroy the default group; after a successful ``fn`` first wait for every rank at a barrier, so that no rank
-    destroys its groups (or exits: rank 0 hosts the rendezvous store) while a peer is still communicating.  After a
-    failure there is no barrier (the peers may be gone; the launcher stops them)."""
+def _teardown(ok: bool, store=None) -> None:
+    """Destroy the default group.  After a successful ``fn``: first wait for every rank at a barrier, so that no
+    rank destroys its groups while a peer is still communicating; then, with the rendezvous ``store`` of a spawned
+    job, the rank that hosts it (rank 0) destroys its groups and exits last, once every peer has torn down (each
+    peer marks ``teardown/<rank>`` in the store; rank 0 waits for those marks up to 30 s).  After a failure there
+    is no barrier (the peers may be gone; the launcher stops them)."""
     import torch.distributed as dist
     if not dist.is_initialized():
         return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ordered = ok and store is not None and world > 1
     try:
-        if ok and dist.get_world_size() > 1:
+        if ok and world > 1:
             dist.barrier()
+        if ordered and rank == 0:
+            try:
+                store.wait([f"teardown/{r}" for r in range(1, world)], datetime.timedelta(seconds=30))
+            except RuntimeError:  # a peer died after the barrier: nothing left to order
+                pass
     finally:
         dist.destroy_process_group()
+    if ordered and rank != 0:
+        store.set(f"teardown/{rank}", "1")
 
 
 def train_worker(config: TrainConfig, resume: bool = False, timeline=None, nvtx: bool = False) -> None:
@@ -253,14 +264,16 @@ def _entry(local_rank: int, world_size: int, port: int, backend: str, timeout_s:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group(backend, rank=local_rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # the rendezvous store is made here (rank 0 hosts it) so that the teardown can order the exits through it
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=local_rank == 0, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=local_rank, world_size=world_size, timeout=timeout)
     ok = False
     try:
         fn(*args)
         ok = True
     finally:
-        _teardown(ok)
+        _teardown(ok, store)
 
 
 def spawn(fn, config: TrainConfig, *args) -> None:
