@@ -70,8 +70,8 @@ class Corpus:
 
 def max_token_id(tokens: np.ndarray, chunk: int = _MAX_CHUNK) -> int:
     """Largest value of a 1-D token array (``-1`` if empty), read in chunks of ``chunk`` tokens so that a memmap is
-    streamed through once without a full-size temporary.  Cost: one read of the file (page cache or disk) and one
-    vectorised max, about 1 s per GiB on one CPU core."""
+    streamed through once without a full-size temporary.  Cost: one read of the file and a vectorised max --
+    measured 0.02 s for 100 MB (50M tokens) from the page cache on one core; a cold file is read at disk speed."""
     best = -1
     for start in range(0, len(tokens), chunk):
         best = max(best, int(tokens[start:start + chunk].max()))
@@ -246,8 +246,9 @@ def check_data(config) -> str:
     Checked: the files exist and are not empty; the train and validation splits each hold ``model.seq_length + 2``
     tokens (from the file sizes, nothing is read); a ``.bin`` file is a whole number of uint16 tokens; every
     token id is below ``model.vocab_size``.  Cost: a walk and a ``stat`` per file (the default stdlib corpus,
-    ~1,800 files: ~50 ms); for ``bin`` with ``model.vocab_size < 65536`` also one pass over the tokens for the
-    largest id (:func:`max_token_id`, about 1 s per GiB of tokens; nothing to scan for byte corpora).
+    ~1,800 files: 50 ms idle, 0.25 s on a loaded 2-core machine); for ``bin`` with ``model.vocab_size < 65536``
+    also one pass over the tokens for the largest id (:func:`max_token_id`, ~0.2 s per GB from the page cache;
+    nothing to scan for byte corpora).
 
     Raises:
         ConfigError: naming the field (``data.paths``, ``model.seq_length``, ``model.vocab_size``), its value and
