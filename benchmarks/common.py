@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
+_LOAD_AT_START = os.getloadavg() if hasattr(os, "getloadavg") else None
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -212,7 +213,7 @@ def machine() -> dict:
     except OSError:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "loadavg": load, "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+            "loadavg": load, "loadavg_at_start": _LOAD_AT_START, "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
             "git": _git_rev()}
 
 

@@ -18,7 +18,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def _machine(d: dict) -> str:
     m = d.get("machine", {})
     load = m.get("loadavg")
-    load_s = f", load average {load[0]:.2f}" if load else ""
+    start = m.get("loadavg_at_start")
+    load_s = (f", load average {start[0]:.2f} at start, {load[0]:.2f} at end" if start and load else
+              f", load average {load[0]:.2f} at end" if load else "")
     return (f"*{m.get('cpu', '?')}, {m.get('cores', '?')} cores, torch {m.get('torch', '?')}, "
             f"{m.get('date_utc', '?')} UTC, commit {m.get('git', '?')}{load_s}.*  \n"
             f"*Command:* `{d.get('command', '?')}`")
