@@ -129,6 +129,13 @@ def test_bad_data_exits_2_before_spawning(tmp_path, monkeypatch, capsys):
     assert rc == 2 and err.startswith("error: data.paths=") and "Traceback" not in err, err
 
 
+def test_fresh_run_into_a_used_run_folder_exits_2_before_spawning(tmp_path, monkeypatch, capsys):
+    (tmp_path / "checkpoints" / "step_00000207").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_00000207" / ".metadata").write_bytes(b"x")
+    rc, err = _run_cli([f"--logging.run_dir={tmp_path}"], monkeypatch, capsys)
+    assert rc == 2 and err.startswith("error: checkpoint.dir ") and "--resume" in err and "step_00000207" in err, err
+
+
 # ---- failure summary --------------------------------------------------------------------------------------------
 def _formatted(exc_factory) -> str:
     try:

@@ -39,7 +39,8 @@ import socket
 import sys
 import time
 
-from .config import ConfigError, TrainConfig, load_config, parse_override_args, validate_world_size
+from .config import (ConfigError, TrainConfig, check_fresh_run, load_config, parse_override_args,
+                     validate_world_size)
 
 __all__ = ["add_arguments", "run", "run_spawned", "spawn", "train_worker", "under_torchrun", "Interrupted"]
 
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
                 config = validate_world_size(config, int(os.environ["WORLD_SIZE"]))
             from .data import check_data
             check_data(config)
+            check_fresh_run(config, bool(args.resume))
         except (ConfigError, TypeError, ValueError, RuntimeError, FileNotFoundError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -500,8 +500,15 @@ class Trainer:
             group["lr"] = lr
         self.scheduler._last_lr = lrs
 
-    def close(self) -> None:
-        """Release hooks and process groups (and the default group if this trainer created it)."""
+    def close(self, failed: bool = False) -> None:
+        """Release hooks and process groups (and the default group if this trainer created it).
+
+        After a successful run every rank first meets at a barrier, so no rank tears down its groups while a peer
+        still has communication in flight; ``failed=True`` (closing because of an exception) skips the barrier,
+        which could otherwise block on a dead peer.
+        """
+        if not failed and dist.is_initialized():
+            dist.barrier()
         self.grad_sync.close()
         if self._graphs is not None:
             self._graphs.close()
@@ -515,8 +522,8 @@ class Trainer:
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(failed=exc_type is not None)
 
 
 # model settings that fix the parameter names and shapes (ffn_hidden_size is saved resolved)
