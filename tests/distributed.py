@@ -28,6 +28,15 @@ class RankFailed(RuntimeError):
         super().__init__(f"rank(s) {sorted(errors)} failed; rank {first}:\n{errors[first]}")
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (reads ``/proc``; Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

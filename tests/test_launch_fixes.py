@@ -27,6 +27,7 @@ import pytest
 from engine.training import launch
 from engine.training.config import ConfigError, load_config
 from engine.training.data import check_data, load_corpus
+from tests.distributed import process_alive
 from tests.reliability_jobs import read_records, tiny_overrides, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,14 +174,6 @@ def test_summary_line_has_the_exception_type_and_first_line():
 
 
 # ---- SIGINT -----------------------------------------------------------------------------------------------------
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("to_group", [False, True], ids=["launcher-only", "process-group"])
 def test_sigint_stops_every_rank_and_exits_130(tmp_path, to_group):
@@ -210,7 +203,7 @@ def test_sigint_stops_every_rank_and_exits_130(tmp_path, to_group):
         assert proc.returncode == 130, err
         assert err.strip() == "interrupted; stopped ranks 0, 1", err
         assert took < launch.STOP_GRACE_S + 5, f"the launcher took {took:.1f}s to stop the ranks"
-        assert not any(_alive(p) for p in pids), "a rank outlived the interrupt"
+        assert not any(process_alive(p) for p in pids), "a rank outlived the interrupt"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import process_alive
 from tests.reliability_jobs import read_records, tiny_overrides, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,14 +36,6 @@ def _launch(spec: dict, timeout: float = 90) -> tuple[int, str, float]:
     proc = subprocess.run([sys.executable, "-m", "tests.reliability_jobs", json.dumps(spec)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stderr, time.time() - t0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _error_line(stderr: str) -> str:
@@ -68,7 +61,7 @@ def test_sigkill_one_of_four_ranks_then_exact_resume(tmp_path):
     line = _error_line(err)
     assert "rank 2" in line and "SIGKILL" in line, line
     assert ended - killed[2]["fault_at"] < 60, "the launcher took too long to notice the dead rank"
-    assert not any(_alive(r["pid"]) for r in killed.values()), "a rank process was left behind"
+    assert not any(process_alive(r["pid"]) for r in killed.values()), "a rank process was left behind"
     ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert "step_00000010" in ckpts and "step_00000020" not in ckpts, ckpts
 
@@ -110,7 +103,7 @@ def test_raise_in_one_ranks_forward(tmp_path):
     line = _error_line(err)
     assert "rank 1 failed" in line and "injected fault: rank 1 raises in its forward step" in line, line
     assert ended - records[1]["fault_at"] < 60
-    assert not any(_alive(r["pid"]) for r in records.values()), "a rank process was left behind"
+    assert not any(process_alive(r["pid"]) for r in records.values()), "a rank process was left behind"
     assert all(list(r["losses"]) == ["1", "2"] for r in records.values())
 
 
@@ -131,9 +124,9 @@ def test_ranks_die_with_the_launcher(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         deadline = time.time() + 10
-        while any(_alive(p) for p in pids) and time.time() < deadline:
+        while any(process_alive(p) for p in pids) and time.time() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(p) for p in pids), "ranks outlived their launcher"
+        assert not any(process_alive(p) for p in pids), "ranks outlived their launcher"
     finally:
         proc.kill()
 
@@ -177,4 +170,4 @@ def test_stuck_rank_ends_the_job_after_the_communication_timeout(tmp_path):
     assert "may be slow rather than dead" in line and "parallel.timeout_s" in line, line
     waited = ended - records[1]["fault_at"]
     assert timeout_s <= waited < timeout_s + 30, f"job ended {waited:.1f}s after the rank got stuck"
-    assert not any(_alive(r["pid"]) for r in records.values()), "a rank process was left behind"
+    assert not any(process_alive(r["pid"]) for r in records.values()), "a rank process was left behind"
