@@ -23,11 +23,8 @@ H, S, B = 8, 3, 2
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors; 2 shared cores
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test of this module runs with one thread (fixture in conftest.py)."""
 
 
 class Block(nn.Module):

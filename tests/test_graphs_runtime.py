@@ -17,11 +17,8 @@ from tests.test_graphs_emulate import S, B, H, bitwise_equal, make_chunks, run_s
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test of this module runs with one thread (fixture in conftest.py)."""
 
 
 class Decoder(nn.Module):

@@ -26,11 +26,8 @@ S, B, H = 3, 2, 8
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test of this module runs with one thread (fixture in conftest.py)."""
 
 
 class FakeTE:
