@@ -53,8 +53,8 @@ from .plan import Message, Op, Plan, build_plan
 from .step import backward_step, check_first_val_step, deallocate_output_tensor, forward_step
 from .tracing import current_tracer
 
-__all__ = ["OVERLAP_PREFETCH", "GLOO_PREFETCH", "NCCL_PREFETCH", "default_prefetch", "RankProgram", "Step", "Recv", "compile_rank", "program_for", "cached_program",
-           "ExecutionContext", "execute"]
+__all__ = ["OVERLAP_PREFETCH", "GLOO_PREFETCH", "NCCL_PREFETCH", "default_prefetch", "RankProgram", "Step", "Recv",
+           "compile_rank", "program_for", "cached_program", "ExecutionContext", "execute"]
 
 OVERLAP_PREFETCH = 3
 """Actions ahead whose receives are kept posted with ``overlap_p2p_comm``."""
@@ -80,6 +80,11 @@ def default_prefetch(config, communicator) -> int:
 _BATCHED_ORDER = {(True, "grad"): 0, (False, "act"): 1, (True, "act"): 2, (False, "grad"): 3}  # Megatron batched
 _EVEN_ORDER = {(True, "act"): 0, (False, "act"): 1, (True, "grad"): 2, (False, "grad"): 3}
 _ODD_ORDER = {(False, "act"): 0, (True, "act"): 1, (False, "grad"): 2, (True, "grad"): 3}
+
+
+def _exchange_order(batched: bool, rank: int) -> dict:
+    """Posting order of an exchange point's ops: Megatron's batched order, else its even/odd order by rank parity."""
+    return _BATCHED_ORDER if batched else (_EVEN_ORDER if rank % 2 == 0 else _ODD_ORDER)
 
 
 @dataclass(slots=True)
@@ -183,7 +188,7 @@ def compile_rank(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True)
         raise ValueError(f"prefetch={prefetch}: receives must be posted at least one action ahead")
     acts = plan.actions[rank]
     recvs, step_recv, posts_at = _receive_schedule(plan, rank, prefetch, batched)
-    order_of = _BATCHED_ORDER if batched else (_EVEN_ORDER if rank % 2 == 0 else _ODD_ORDER)
+    order_of = _exchange_order(batched, rank)
     reap_at = _reap_points(plan, rank, prefetch, batched, recvs)
 
     fwd_slot, steps = {}, []
@@ -233,7 +238,7 @@ def _receive_schedule(plan: Plan, rank: int, prefetch: int, batched: bool):
     the start): per link in sender order, every message consumed by steps ``e+1 .. e+prefetch``."""
     acts = plan.actions[rank]
     recvs, step_recv, links = _consumer_map(plan, rank)
-    order_of = _BATCHED_ORDER if batched else (_EVEN_ORDER if rank % 2 == 0 else _ODD_ORDER)
+    order_of = _exchange_order(batched, rank)
     position = {}
     for src, idx in links.items():
         for pos, r in enumerate(idx):
@@ -474,7 +479,7 @@ class _Runner:
         self.sync = _GradSync(ctx.config, ctx.models, self.tracer)
         self.negotiate = bool(n or any(s.send_peer >= 0 for s in program.steps)) and self.comm.negotiates_shapes
         self.batched = bool(ctx.config.batch_p2p_comm)
-        self.order_of = _BATCHED_ORDER if self.batched else (_EVEN_ORDER if program.rank % 2 == 0 else _ODD_ORDER)
+        self.order_of = _exchange_order(self.batched, program.rank)
         key = (ctx.config.grad_sync_func is not None, ctx.config.param_sync_func is not None)
         hooks = program.hook_cache.get(key)
         if hooks is None:
