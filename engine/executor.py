@@ -50,7 +50,7 @@ import torch
 
 from .p2p import TAG_ACT, TAG_ACT_SHAPE, TAG_GRAD, TAG_GRAD_SHAPE, decode_shape, encode_shape
 from .plan import Message, Op, Plan, build_plan
-from .step import backward_step, check_first_val_step, deallocate_output_tensor, forward_step
+from .step import ChunkHooks, backward_step, check_first_val_step, deallocate_output_tensor, run_forward
 from .tracing import current_tracer
 
 __all__ = ["OVERLAP_PREFETCH", "GLOO_PREFETCH", "NCCL_PREFETCH", "default_prefetch", "RankProgram", "Step", "Recv",
@@ -420,6 +420,8 @@ class ExecutionContext:
     ``act_shape`` / ``grad_shape``: receive-buffer shapes (``[s, b, h]``) of activations and gradients, ignored when
     the communicator negotiates shapes.  ``vp_stages``: pass ``vp_stage=chunk`` to ``forward_step`` (interleaved).
     ``per_stage_last``: pass ``is_last_stage`` from the plan (pipelined); False passes Megatron's default True.
+    ``chunk_hooks``: each model chunk's :class:`~engine.step.ChunkHooks` (resolved by the schedule function before
+    its cross-rank agreement); None resolves them here.
     """
 
     forward_step_func: Callable
@@ -441,6 +443,7 @@ class ExecutionContext:
     finalize_models: Any = None
     before_finalize: Optional[Callable[[], None]] = None
     tracer: Any = None
+    chunk_hooks: Optional[Sequence[ChunkHooks]] = None
 
 
 def execute(program: RankProgram, ctx: ExecutionContext) -> list:
@@ -648,6 +651,7 @@ class _Runner:
         saved_in = [None] * p.num_forwards
         saved_out = [None] * p.num_forwards
         fsf, iters, models, M = ctx.forward_step_func, ctx.data_iterators, ctx.models, ctx.num_microbatches
+        chunk_hooks = ctx.chunk_hooks if ctx.chunk_hooks is not None else [ChunkHooks(m) for m in models]
         cp, collect, fvs = ctx.cp_group_size, ctx.collect_non_loss_data, ctx.first_val_step
         vp, per_stage_last = ctx.vp_stages, ctx.per_stage_last
         exchange, take = self._exchange, self._take
@@ -664,10 +668,10 @@ class _Runner:
                 ckpt = None if k_ckpt is None else (st.index % window) >= k_ckpt
                 first_mb = check_first_val_step(fvs, forward_only, st.microbatch == 0)
                 with tracer.span("compute", st.label):
-                    y, n = forward_step(fsf, iters[c], models[c], M, x, store, config, cp, collect, ckpt, first_mb,
-                                        st.microbatch, c if vp else None,
-                                        st.last_stage if per_stage_last else True)
-                if per_token:
+                    y, n = run_forward(chunk_hooks[c], fsf, iters[c], models[c], M, x, store, config, cp, collect, ckpt,
+                                       first_mb, st.microbatch, c if vp else None,
+                                       st.last_stage if per_stage_last else True)
+                if per_token and n is not None:
                     tokens += n
                 send = None
                 if st.send_peer >= 0:

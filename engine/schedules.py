@@ -36,7 +36,8 @@ from .p2p import P2PCommunicator
 from .process_groups import group_size
 
 from .schedule_table import convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches
-from .step import (ScheduleContractError, ScheduleContractTypeError, backward_step, check_first_val_step, clear_embedding_activation_buffer, custom_backward,
+from .step import (ChunkHooks, ScheduleContractError, ScheduleContractTypeError, backward_step, check_first_val_step,
+                   clear_embedding_activation_buffer, custom_backward,
                    deallocate_output_tensor, finish_embedding_wgrad_compute, forward_step, forward_step_calc_loss,
                    get_attr_wrapped_model, get_model_config, get_tensor_shapes, is_pp_last_stage,
                    select_schedule_name, set_current_microbatch)
@@ -162,7 +163,7 @@ def _check_shape(shape, schedule: str, what: str) -> tuple:
 class _Call:
     """A validated schedule call: everything the executor needs."""
 
-    __slots__ = ("schedule", "models", "iters", "config", "comm", "pgc", "act_shape", "grad_shape", "group")
+    __slots__ = ("schedule", "models", "iters", "config", "comm", "pgc", "act_shape", "grad_shape", "group", "hooks")
 
 
 def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
@@ -205,6 +206,7 @@ def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, mi
             raise ScheduleContractError("forward_backward_no_pipelining: adjust_tensor_shapes_fn must be None (there "
                                         "is no pipeline communication)")
     call.models, call.iters = models, iters
+    call.hooks = _chunk_hooks(models, schedule == _INTERLEAVED)
     config = get_model_config(models[0])
     call.config = config
     if comm is None and schedule != _NO_PIPELINING:
@@ -249,6 +251,19 @@ def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, mi
         call.act_shape = _check_shape(recv_shapes[0], schedule, "activation")
         call.grad_shape = _check_shape(send_shapes[0], schedule, "gradient")
     return call
+
+
+def _chunk_hooks(models, interleaved: bool) -> list:
+    """Each model chunk's :class:`ChunkHooks` (raises ``RuntimeError`` without ``set_input_tensor``), and the
+    check ``forward_step_calc_loss`` makes per microbatch: a chunk's ``vp_stage``, if set, is its index."""
+    hooks = []
+    for c, m in enumerate(models):
+        own = getattr(m, "vp_stage", None) if interleaved else None
+        if own is not None and own != c:
+            raise ScheduleContractError(f"model chunk {c} has vp_stage={own}; the interleaved schedule runs model[c] "
+                                        "as virtual pipeline stage c: order the model list by vp_stage")
+        hooks.append(ChunkHooks(m))
+    return hooks
 
 
 def _fingerprint(call, schedule, num_microbatches, forward_only) -> list[int]:
@@ -361,7 +376,7 @@ def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_micr
         per_stage_last=schedule != _NO_PIPELINING, checkpoint=schedule != _NO_PIPELINING, pg_collection=pgc,
         force_all_reduce=force_all_reduce,
         finalize_models=list(call.models) if schedule == _INTERLEAVED else [call.models[0]],
-        before_finalize=before_finalize)
+        before_finalize=before_finalize, chunk_hooks=call.hooks)
     return execute(program, ctx)
 
 

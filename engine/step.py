@@ -79,6 +79,24 @@ def get_model_config(model):
     return get_attr_wrapped_model(model, "config", allow_none=False)
 
 
+def _microbatch_layers(model) -> list:
+    """The layers ``set_current_microbatch`` writes to: ``decoder.layers`` of the first object (following
+    ``.module``) with a non-None ``decoder``, then the inner layer of each multi-token-prediction layer."""
+    obj = model
+    while getattr(obj, "decoder", None) is None:
+        if not hasattr(obj, "module"):
+            return []
+        obj = obj.module
+    layers = list(obj.decoder.layers)
+    mtp = getattr(obj, "mtp", None)
+    if mtp is not None:
+        for mtp_layer in mtp.layers:
+            inner = getattr(mtp_layer, "transformer_layer", None) or getattr(mtp_layer, "mtp_model_layer", None)
+            if inner is not None:
+                layers.append(inner)
+    return layers
+
+
 def set_current_microbatch(model, microbatch_id: int) -> None:
     """Tell every transformer layer which microbatch runs next (CUDA-graph replay picks its graph by it).
 
@@ -86,19 +104,24 @@ def set_current_microbatch(model, microbatch_id: int) -> None:
     ``decoder.layers`` and on the inner layer of each multi-token-prediction layer (``mtp.layers[i]``'s
     ``transformer_layer`` or ``mtp_model_layer``).  Does nothing if no such object exists (spec 1.4).
     """
-    obj = model
-    while getattr(obj, "decoder", None) is None:
-        if not hasattr(obj, "module"):
-            return
-        obj = obj.module
-    for layer in obj.decoder.layers:
+    for layer in _microbatch_layers(model):
         layer.current_microbatch = microbatch_id
-    mtp = getattr(obj, "mtp", None)
-    if mtp is not None:
-        for mtp_layer in mtp.layers:
-            inner = getattr(mtp_layer, "transformer_layer", None) or getattr(mtp_layer, "mtp_model_layer", None)
-            if inner is not None:
-                inner.current_microbatch = microbatch_id
+
+
+class ChunkHooks:
+    """What :func:`forward_step` looks up on a model chunk, resolved once per schedule call instead of once per
+    microbatch: the ``set_input_tensor`` found through ``.module`` wrappers, the chunk's own
+    ``set_is_first_microbatch`` (or None) and the layers ``set_current_microbatch`` writes to.
+
+    Raises ``RuntimeError`` (from :func:`get_attr_wrapped_model`) when no wrapper level has ``set_input_tensor``.
+    """
+
+    __slots__ = ("set_input_tensor", "set_is_first_microbatch", "microbatch_layers")
+
+    def __init__(self, model) -> None:
+        self.set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
+        self.set_is_first_microbatch = getattr(model, "set_is_first_microbatch", None)
+        self.microbatch_layers = _microbatch_layers(model)
 
 
 def check_first_val_step(first_val_step: Optional[bool], forward_only: bool, cond: bool) -> bool:
@@ -323,7 +346,16 @@ def forward_step_calc_loss(model, output_tensor, loss_func, config, vp_stage, co
                                     f"{is_last_stage!r}: both must be provided, or neither (then both come from "
                                     "engine.parallel_state)")
 
-    num_tokens = torch.tensor(0, dtype=torch.int)
+    output_tensor, num_tokens = _apply_loss(output_tensor, loss_func, config, collect_non_loss_data,
+                                            num_microbatches, forward_data_store, cp_group_size, is_last_stage)
+    return output_tensor, torch.tensor(0, dtype=torch.int) if num_tokens is None else num_tokens
+
+
+def _apply_loss(output_tensor, loss_func, config, collect_non_loss_data, num_microbatches, forward_data_store,
+                cp_group_size, is_last_stage):
+    """The loss contract of :func:`forward_step_calc_loss` once ``cp_group_size`` and ``is_last_stage`` are known;
+    the token count is None unless ``loss_func`` returned one (the executor then skips the int32 zero)."""
+    num_tokens = None
     if is_last_stage:
         if loss_func is None:
             forward_data_store.append(output_tensor)
@@ -344,10 +376,11 @@ def forward_step_calc_loss(model, output_tensor, loss_func, config, vp_stage, co
                     output_tensor = _divide(output_tensor, num_microbatches)
             else:
                 output_tensor, reduced = outputs
-                if isinstance(output_tensor, torch.Tensor):
-                    output_tensor *= cp_group_size
-                else:
-                    output_tensor = output_tensor * cp_group_size
+                if cp_group_size != 1:  # x * 1 is exact: skip the op (and its backward node) without context parallel
+                    if isinstance(output_tensor, torch.Tensor):
+                        output_tensor *= cp_group_size
+                    else:
+                        output_tensor = output_tensor * cp_group_size
                 output_tensor = _divide(output_tensor, num_microbatches)
             forward_data_store.append(reduced)
 
@@ -357,9 +390,12 @@ def forward_step_calc_loss(model, output_tensor, loss_func, config, vp_stage, co
     return output_tensor, num_tokens
 
 
+_NO_AUTOCAST = contextlib.nullcontext()
+
+
 def _autocast(config):
     if not config.enable_autocast:
-        return contextlib.nullcontext()
+        return _NO_AUTOCAST
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.autocast(device_type, dtype=config.autocast_dtype)
 
@@ -383,17 +419,33 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
     ``num_microbatches``), ``TypeError`` if ``forward_step_func`` does not return two values, plus the errors of
     :func:`forward_step_calc_loss`.
     """
+    output_tensor, num_tokens = run_forward(
+        ChunkHooks(model), forward_step_func, data_iterator, model, num_microbatches, input_tensor,
+        forward_data_store, config, cp_group_size, collect_non_loss_data, checkpoint_activations_microbatch,
+        is_first_microbatch, current_microbatch, vp_stage, is_last_stage, _loss=forward_step_calc_loss)
+    return output_tensor, num_tokens
+
+
+def run_forward(hooks: ChunkHooks, forward_step_func, data_iterator, model, num_microbatches, input_tensor,
+                forward_data_store, config, cp_group_size, collect_non_loss_data, checkpoint_activations_microbatch,
+                is_first_microbatch, current_microbatch, vp_stage, is_last_stage, _loss=None):
+    """:func:`forward_step` with the chunk's :class:`ChunkHooks` resolved by the caller (the executor, once per
+    schedule call).  Without ``_loss`` the loss contract runs without :func:`forward_step_calc_loss`'s argument
+    checks (the executor passes ``cp_group_size`` and ``is_last_stage`` and has checked ``vp_stage`` against the
+    chunk) and the token count is None unless ``loss_func`` returned one.  Same errors as :func:`forward_step`.
+    """
     if config.timers is not None:
         config.timers("forward-compute", log_level=2).start()
-    if is_first_microbatch and hasattr(model, "set_is_first_microbatch"):
-        model.set_is_first_microbatch()
+    if is_first_microbatch and hooks.set_is_first_microbatch is not None:
+        hooks.set_is_first_microbatch()
     if current_microbatch is not None:
-        set_current_microbatch(model, current_microbatch)
+        for layer in hooks.microbatch_layers:
+            layer.current_microbatch = current_microbatch
 
     unwrap_output = not isinstance(input_tensor, list)
     if unwrap_output:
         input_tensor = [input_tensor]
-    get_attr_wrapped_model(model, "set_input_tensor")(input_tensor)
+    hooks.set_input_tensor(input_tensor)
 
     try:
         with _autocast(config):
@@ -414,9 +466,12 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
                         f"{type(result).__name__}; return the model output and the loss function")
     output_tensor, loss_func = result
 
-    output_tensor, num_tokens = forward_step_calc_loss(
-        model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data, num_microbatches,
-        forward_data_store, cp_group_size, is_last_stage)
+    if _loss is not None:
+        output_tensor, num_tokens = _loss(model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data,
+                                          num_microbatches, forward_data_store, cp_group_size, is_last_stage)
+    else:
+        output_tensor, num_tokens = _apply_loss(output_tensor, loss_func, config, collect_non_loss_data,
+                                                num_microbatches, forward_data_store, cp_group_size, is_last_stage)
     if unwrap_output:
         return output_tensor, num_tokens
     return [output_tensor], num_tokens
