@@ -144,10 +144,48 @@ def _pipeline_case(rank: int, case: str) -> str:
     return "ok"
 
 
+class _NoInputHook(torch.nn.Module):
+    """A model chunk (behind a ``.module`` wrapper) without ``set_input_tensor`` anywhere."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.module = torch.nn.Linear(4, 4)
+        self.config = config
+
+
+def _rejected_case(rank: int, case: str) -> str:
+    """A model chunk the schedule cannot run on rank 1 only: every rank must raise before any P2P (no timeout)."""
+    from engine.p2p import P2PCommunicator
+    from engine.process_groups import build_process_groups
+    from engine.schedules import forward_backward_pipelining_without_interleaving
+    interleaved = case == "vp_stage"
+    pgc = build_process_groups(2, 2 if interleaved else None, timeout=datetime.timedelta(seconds=30))
+    config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, hidden_size=4,
+                                 virtual_pipeline_model_parallel_size=2 if interleaved else None)
+    models = [_Stage(config, rank) for _ in range(2 if interleaved else 1)]
+    if rank == 1 and case == "set_input_tensor":
+        models[0] = _NoInputHook(config)
+    if rank == 1 and interleaved:
+        models[1].vp_stage = 0  # model[1] runs as virtual pipeline stage 1
+    step = lambda it, m: (m(torch.ones(2, 1, 4)), lambda out: (out.sum(), {}))  # noqa: E731
+    kwargs = dict(forward_step_func=step, num_microbatches=2, seq_length=2, micro_batch_size=1, pg_collection=pgc,
+                  p2p_communicator=P2PCommunicator(pgc.pp, config))
+    t0 = time.monotonic()
+    try:
+        if interleaved:
+            forward_backward_pipelining_with_interleaving(data_iterator=[None, None], model=models, **kwargs)
+        else:
+            forward_backward_pipelining_without_interleaving(data_iterator=None, model=models[0], **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc} ({time.monotonic() - t0:.1f} s)"
+    return "ok"
+
+
 def _job(rank: int, world: int, cases: list) -> list:
     out = []
     for case in cases:
-        out.append(_pipeline_case(rank, case))
+        out.append(_rejected_case(rank, case) if case in ("set_input_tensor", "vp_stage") else
+                   _pipeline_case(rank, case))
         dist.barrier()
     return out
 
@@ -163,3 +201,17 @@ def test_pipeline_errors_name_the_cause():
                            "is None because the chunk's output does not depend on its input"), last
     assert "set_input_tensor" in last
     assert first.startswith("RuntimeError: pipeline rank 0: recv grad c0 mb0 from pipeline rank 1"), first
+
+
+@pytest.mark.timeout(60)
+def test_a_chunk_the_schedule_cannot_run_fails_every_rank_before_p2p():
+    """No ``set_input_tensor`` on any wrapper level, or a ``vp_stage`` that is not the chunk's place in the model
+    list: found once per call while validating, so both ranks raise at once (not after a 30 s receive timeout)."""
+    results = run_ranks(_job, 2, ["set_input_tensor", "vp_stage"], timeout=55)
+    for case, (first, last), what in zip(["set_input_tensor", "vp_stage"], zip(*results),
+                                         ["couldn't find attribute 'set_input_tensor'", "model chunk 1 has vp_stage=0"]):
+        assert last.startswith("RuntimeError" if case == "set_input_tensor" else "ScheduleContractError"), last
+        assert what in last and what in first, (first, last)
+        assert "raised on pipeline rank 1" in first, first
+        for text in (first, last):
+            assert float(text.rsplit("(", 1)[1].split(" s)")[0]) < 10, text

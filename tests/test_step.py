@@ -12,6 +12,7 @@ from engine.step import (ScheduleContractError, ScheduleContractTypeError, aux_l
                          finish_embedding_wgrad_compute, forward_step, forward_step_calc_loss, get_model_config,
                          get_tensor_shapes, is_pp_first_stage, is_pp_last_stage, is_vp_first_stage, is_vp_last_stage,
                          set_current_microbatch)
+from engine.step import ChunkHooks
 
 
 def calc(loss_func, *, M=4, cp=1, last=True, per_token=False, non_loss=False, config=None, output=None, store=None):
@@ -336,6 +337,39 @@ def test_forward_step_hooks_through_wrappers():
                  is_last_stage=False)
     assert first == ["outer"]
     set_current_microbatch(torch.nn.Linear(1, 1), 3)  # no decoder anywhere: nothing to do
+
+
+def test_chunk_hooks_resolve_what_forward_step_looks_up_per_microbatch():
+    """The executor resolves these once per schedule call; they must be what forward_step finds on its own."""
+    inner = torch.nn.Module()
+    inner.decoder = torch.nn.Module()
+    inner.decoder.layers = [Layer(), Layer()]
+    received = []
+    inner.set_input_tensor = received.append
+    model = Wrapper(inner)
+    hooks = ChunkHooks(model)
+    hooks.set_input_tensor([1])
+    assert received == [[1]]
+    assert hooks.set_is_first_microbatch is None  # only the chunk's own method counts, not the wrapped one
+    assert hooks.microbatch_layers == inner.decoder.layers
+    model.set_is_first_microbatch = lambda: None
+    assert ChunkHooks(model).set_is_first_microbatch is model.set_is_first_microbatch
+    assert ChunkHooks(Affine(ModelParallelConfig())).microbatch_layers == []
+    with pytest.raises(RuntimeError, match="set_input_tensor"):
+        ChunkHooks(torch.nn.Linear(1, 1))
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_two_value_loss_is_scaled_by_cp_over_m_in_place(cp):
+    config = ModelParallelConfig()
+    w = torch.tensor([3.0], requires_grad=True)
+    raw = (w * 2).sum()
+    store = []
+    out, n = forward_step_calc_loss(None, raw, lambda o: (o, {"l": o.detach().clone()}), config, None, False, 4,
+                                    store, cp_group_size=cp, is_last_stage=True)
+    assert out is raw and out.item() == 6.0 * cp / 4 and n.dtype == torch.int32 and n.item() == 0
+    out.backward()
+    assert w.grad.item() == 2.0 * cp / 4 and store[0]["l"].item() == 6.0
 
 
 def test_forward_step_errors():
