@@ -99,6 +99,17 @@ def stalls(d: dict) -> list[str]:
     return out + ["", _machine(d)]
 
 
+def post_stalls(d: dict) -> list[str]:
+    out = [f"### Posting a gloo send while both ranks compute{' (ranks pinned)' if d.get('pin') else ''}",
+           f"Two ranks loop {d['iterations']} times: about 2 ms of matmuls, then post one send of "
+           f"{d['message_bytes'] // 1024} KiB and one receive (three ahead); time of each posting call.", "",
+           "| variant | rank | op | median (us) | p99 (us) | max (us) | posts > 1 ms |", "|---|---:|---|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        out.append(f"| {r['variant']} | {r['rank']} | {r['op']} | {r['median_us']:.0f} | {r['p99_us']:.0f} | "
+                   f"{r['max_us']:.0f} | {r['over_1ms']} |")
+    return out + ["", _machine(d)]
+
+
 def generic(d: dict) -> list[str]:
     out = [f"### {d.get('benchmark', 'benchmark')}"]
     rows = d.get("rows")
@@ -115,9 +126,10 @@ def generic(d: dict) -> list[str]:
 
 
 RENDER = {"vs_torch_pipelining": vs_torch, "vs_torch_pipelining_pinned": vs_torch, "runtime_overhead": overhead,
-          "memory": memory, "p2p_stalls_1f1b": stalls, "p2p_stalls_interleaved": stalls}
+          "memory": memory, "p2p_stalls_1f1b": stalls, "p2p_stalls_interleaved": stalls,
+          "gloo_post_stalls": post_stalls}
 ORDER = ["vs_torch_pipelining", "vs_torch_pipelining_pinned", "runtime_overhead", "memory", "p2p_stalls_1f1b",
-         "p2p_stalls_interleaved"]
+         "p2p_stalls_interleaved", "gloo_post_stalls"]
 
 
 def render(paths) -> str:
