@@ -3,7 +3,9 @@
 Runs pipecast 1F1B or interleaved 1F1B (2 ranks on gloo, as ``vs_torch_pipelining.py``) with the timeline recorder
 on, then writes to ``--out`` (default ``benchmarks/results/timeline_<schedule>``) the merged Chrome/Perfetto trace,
 the Gantt chart of the slowest (or ``--step``) step with measured vs simulated bubble, and a summary JSON: per step
-its time, per rank its compute / receive-wait / idle time, and the receive waits longer than ``--stall-ms``.
+its time, per rank its compute / receive-wait / idle time, the receive waits longer than ``--stall-ms``, and the
+floor: the plan simulated with the measured mean action costs and free communication (no engine on this machine can
+step faster than that with the same schedule and the same per-action compute).
 
     python benchmarks/profile_step.py --chunks 2 --steps 20
 """
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from engine.plan import build_plan
     from engine.profiling import Span, write_chrome_trace
-    from engine.profiling.gantt import plot_measured_timeline
+    from engine.profiling.gantt import plot_measured_timeline, simulated_bubble
     options = {}
     for kv in args.config:
         k, v = kv.split("=", 1)
@@ -89,15 +91,20 @@ def main(argv=None) -> int:
     fast = min(summary["steps"], key=lambda s: s["ms"])["step"]
     chart_fast = plot_measured_timeline(rank_spans, out / "timeline_fastest.png", plan, fast)
     summary.update(median_ms=median(times), chart=chart, chart_fastest=chart_fast, config=options)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"{schedule}: step median {median(times):.1f} ms, min {min(times):.1f}, max {max(times):.1f}")
     for r in range(2):
         comp = median([s["ranks"][r]["compute_ms"] for s in summary["steps"]])
         wait = median([s["ranks"][r]["p2p_wait_ms"] for s in summary["steps"]])
         print(f"  rank {r}: compute {comp:.1f} ms, receive waits {wait:.1f} ms (medians)")
     print(f"  measured bubble (step {step}) {chart['measured_bubble']}, simulated {chart['simulated_bubble']}")
+    _, sim = simulated_bubble(plan, rank_spans)  # mean action costs over all recorded steps
+    summary["floor_ms"] = sim.makespan
+    print(f"  floor: {sim.makespan:.1f} ms = this plan with the measured mean action costs and free communication "
+          f"(rank compute {', '.join(f'{b:.1f}' for b in sim.busy)} ms); median step / floor "
+          f"{median(times) / sim.makespan:.3f}")
     print(f"  {len(summary['stalls'])} receive waits > {args.stall_ms} ms in {len(times)} steps:",
           ", ".join(f"s{x['step']} r{x['rank']} {x['label']} {x['ms']:.1f}ms" for x in summary["stalls"][:12]))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {out}/timeline.json, timeline.png, timeline_fastest.png, summary.json")
     return 0
 

@@ -24,7 +24,12 @@ Deliberate deviations from Megatron-Core 0.16.1:
   silently mis-detects the loss stage when they differ).
 * Outputs sent downstream must have the receive shape and ``pipeline_dtype``; otherwise ``RuntimeError`` on the
   sender (Megatron hangs or reads garbage).
-* Sends are posted without waiting for the receiver; their handles are waited at the end of the step.
+* Sends are posted without waiting for the receiver; a send's handle is waited once the receiver has provably
+  posted the matching receive, else at the end of the step.
+* Each model chunk's ``set_input_tensor``, ``set_is_first_microbatch`` and current-microbatch layers are looked up
+  once per call (:class:`~engine.step.ChunkHooks`) with the other checks, so a chunk without ``set_input_tensor``
+  or whose ``vp_stage`` is not its index in the model list fails on every rank before any P2P (Megatron: at that
+  chunk's first forward, on that rank only).
 """
 from __future__ import annotations
 
