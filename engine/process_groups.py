@@ -34,6 +34,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from . import gloo_io
+
 __all__ = ["RankLayout", "ProcessGroupCollection", "rank_layout", "build_process_groups", "group_rank",
            "group_size", "validate_parallel_sizes"]
 
@@ -172,13 +174,16 @@ class ProcessGroupCollection:
 def build_process_groups(pipeline_model_parallel_size: int, virtual_pipeline_model_parallel_size: Optional[int] = None,
                          world_size: Optional[int] = None, rank: Optional[int] = None, *,
                          backend: Optional[str] = None,
-                         timeout: Optional[datetime.timedelta] = None) -> ProcessGroupCollection:
+                         timeout: Optional[datetime.timedelta] = None,
+                         gloo_io_nice: Optional[int] | str = "default") -> ProcessGroupCollection:
     """Create this rank's :class:`ProcessGroupCollection` for ``world = pp * dp`` (tensor = context parallel 1).
 
     Every rank of the default group must call this with the same arguments: each group is created with
     ``torch.distributed.new_group`` by every rank, in one fixed order (pipeline groups, data-parallel groups,
     embedding groups, one-rank groups).  ``world_size`` / ``rank`` default to the default group's; if given they
     must match it.  ``backend`` / ``timeout`` go to ``new_group`` (default: the default group's).
+    ``gloo_io_nice``: nice value for the gloo I/O thread of this rank's pipeline group (``engine.gloo_io``;
+    ``"default"``: ``PIPECAST_GLOO_IO_NICE`` or 19; None: leave it at the process's priority).
 
     Without torch.distributed initialised only ``world_size`` 1 with ``pipeline_model_parallel_size`` 1 is
     accepted; the result then holds ``None`` groups.
@@ -211,6 +216,7 @@ def build_process_groups(pipeline_model_parallel_size: int, virtual_pipeline_mod
         raise ValueError(f"rank={rank} is outside the world of size {world_size}")
 
     layout = rank_layout(pipeline_model_parallel_size, world_size)
+    nice = gloo_io.default_nice() if gloo_io_nice == "default" else gloo_io_nice
     kwargs = {"backend": backend}
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -224,7 +230,8 @@ def build_process_groups(pipeline_model_parallel_size: int, virtual_pipeline_mod
                 found, ranks = g, members
         return found, ranks
 
-    pp, pp_ranks = mine(layout.pipeline_groups)
+    with gloo_io.lowered_io_priority(nice if pipeline_model_parallel_size > 1 else None):
+        pp, pp_ranks = mine(layout.pipeline_groups)
     dp, dp_ranks = mine(layout.data_parallel_groups)
     embd, embd_ranks = mine(layout.embedding_groups)
     single, _ = mine(tuple((r,) for r in range(world_size)))

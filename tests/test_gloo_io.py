@@ -1,0 +1,77 @@
+"""The pipeline groups' gloo I/O threads get a lower priority (engine.gloo_io): which threads, which value, the
+switch, and that nothing fails where threads cannot be reniced."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine import gloo_io
+from tests.distributed import run_ranks
+
+
+@pytest.mark.parametrize("raw, expected", [(None, 19), ("off", None), ("None", None), ("", None), ("7", 7),
+                                           (" 0 ", 0), ("19", 19)])
+def test_default_nice_reads_the_environment(monkeypatch, raw, expected):
+    if raw is None:
+        monkeypatch.delenv("PIPECAST_GLOO_IO_NICE", raising=False)
+    else:
+        monkeypatch.setenv("PIPECAST_GLOO_IO_NICE", raw)
+    assert gloo_io.default_nice() == expected
+
+
+@pytest.mark.parametrize("raw", ["x", "20", "-1", "1.5"])
+def test_a_bad_value_warns_naming_the_variable_and_keeps_the_default(monkeypatch, raw):
+    monkeypatch.setenv("PIPECAST_GLOO_IO_NICE", raw)
+    with pytest.warns(RuntimeWarning, match="PIPECAST_GLOO_IO_NICE"):
+        assert gloo_io.default_nice() == gloo_io.DEFAULT_NICE
+
+
+def _fake_threads(monkeypatch, before, after, fail=False):
+    calls = iter([set(before), set(after)])
+    monkeypatch.setattr(gloo_io, "io_threads", lambda: next(calls))
+    monkeypatch.setattr(os, "getpriority", lambda which, tid: 0)
+    set_calls = []
+
+    def setpriority(which, tid, nice):
+        if fail:
+            raise PermissionError("sandbox")
+        set_calls.append((tid, nice))
+    monkeypatch.setattr(os, "setpriority", setpriority)
+    return set_calls
+
+
+def test_only_threads_created_inside_the_block_are_reniced(monkeypatch):
+    set_calls = _fake_threads(monkeypatch, {10, 11}, {10, 11, 12, 13})
+    with gloo_io.lowered_io_priority(19) as changed:
+        pass
+    assert sorted(set_calls) == [(12, 19), (13, 19)] and changed == {12, 13}
+
+
+def test_none_leaves_threads_alone_and_refusals_are_ignored(monkeypatch):
+    set_calls = _fake_threads(monkeypatch, {1}, {1, 2})
+    with gloo_io.lowered_io_priority(None) as changed:
+        pass
+    assert set_calls == [] and changed == set()
+    _fake_threads(monkeypatch, {1}, {1, 2}, fail=True)
+    with gloo_io.lowered_io_priority(19) as changed:
+        pass
+    assert changed == set()
+
+
+def _nice_of_new_io_threads(rank: int, world: int, option) -> list:
+    from engine.process_groups import build_process_groups
+    before = gloo_io.io_threads()
+    kwargs = {} if option == "default" else {"gloo_io_nice": option}
+    pgc = build_process_groups(2, **kwargs)
+    pgc.pp.barrier()  # the pipeline group still works
+    return sorted(os.getpriority(os.PRIO_PROCESS, tid) for tid in gloo_io.io_threads() - before)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads are listed through /proc")
+def test_build_process_groups_renices_only_the_pipeline_groups_io_thread():
+    for option, expected in [("default", 19), (None, 0), (5, 5)]:
+        for niceness in run_ranks(_nice_of_new_io_threads, 2, option, timeout=50):
+            # pipeline, data-parallel, embedding and one-rank groups: one I/O thread each on this rank
+            assert len(niceness) == 4 and sorted(niceness) == sorted([expected, 0, 0, 0]), (option, niceness)
