@@ -106,16 +106,17 @@ class _Chunk(nn.Module):
 
 
 def build_pipecast(rank: int, world: int, w: Workload, chunks: int = 1, deallocate: bool = True,
-                   tracer=None, **config_overrides) -> Engine:
+                   tracer=None, gloo_io_nice="default", **config_overrides) -> Engine:
     """pipecast through its Megatron-Core API (``get_forward_backward_func``): 1F1B (``chunks=1``), interleaved
-    1F1B (``chunks>1``) or no pipelining (``world=1``)."""
+    1F1B (``chunks>1``) or no pipelining (``world=1``).  ``gloo_io_nice`` goes to ``build_process_groups`` (None:
+    the pipeline group's gloo I/O thread keeps the process's priority)."""
     from engine.model_parallel_config import ModelParallelConfig
     from engine.process_groups import build_process_groups
     from engine.schedules import P2PCommunicator, get_forward_backward_func
     from engine.tracing import use_tracer
     w.validate(world, chunks)
     vp = chunks if chunks > 1 else None
-    pgc = build_process_groups(world, vp)  # this engine's own groups, passed explicitly
+    pgc = build_process_groups(world, vp, gloo_io_nice=gloo_io_nice)  # this engine's own groups, passed explicitly
     config = ModelParallelConfig(pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=vp,
                                  pipeline_dtype=torch.float32, hidden_size=w.hidden,
                                  deallocate_pipeline_outputs=deallocate, **config_overrides)

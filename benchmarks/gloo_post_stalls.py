@@ -10,15 +10,16 @@ A post normally costs 0.1-0.2 ms (the sender's thread writes the bytes into the 
 VM a few percent of posts take 2-8 ms, and the compute thread that posted them stands still meanwhile; in the
 pipeline such a stall on the last stage delays the whole step.  A reading of gloo's TCP transport suggests a cause
 (the posting thread holds the pair's lock while it writes; gloo's I/O thread, woken on the same core by the peer's
-data, only try-locks it and returns to its event loop), not confirmed: none of the variants below, each in a fresh
-2-rank job, removes the stalls reliably (measured 2026-11-30: 5-20 % of sends over 1 ms in every variant).
+data, only try-locks it and returns to its event loop); during the stalls that I/O thread uses the CPU (its CPU
+time matched the stalled time in a separate measurement).  No variant below, each in a fresh 2-rank job, removes
+the stalls (measured 2026-11-30: 5-20 % of sends over 1 ms in every variant); ``nice19`` shortens them in some runs.
 
 * ``plain``: one process group for both directions (what pipecast and torch.distributed.pipelining do);
 * ``yield``: ``os.sched_yield()`` before each post (let a woken I/O thread run first);
 * ``split``: sends and receives on two process groups (lower rank -> higher rank on one, the reverse on the other),
   so a pair's data flows one way;
-* ``nice19``: the gloo I/O threads (``gloo_tcp_loop``) reniced to 19 (changes the priority of the library's threads;
-  measured here, not used by pipecast).
+* ``nice19``: the gloo I/O threads (``gloo_tcp_loop``) reniced to 19 (what ``engine.gloo_io`` does for the
+  pipeline groups pipecast creates).
 
     python benchmarks/gloo_post_stalls.py                      # all variants, 400 iterations each
     python benchmarks/gloo_post_stalls.py --variants plain split --iterations 200 --pin

@@ -114,6 +114,7 @@ CASES = [  # label, builder, job world size, options, compute reference
     ("torch pp=1", "torch", 1, {"schedule": "Schedule1F1B"}, "compute pp=1"),
     ("compute pp=2 (one stage)", "single", 2, {"layers": LAYERS // 2}, None),  # rank 0 of the 2-rank job
     ("pipecast pp=2", "pipecast", 2, {}, "compute pp=2 (one stage)"),
+    ("pipecast pp=2, gloo I/O thread not reniced", "pipecast", 2, {"gloo_io_nice": None}, "compute pp=2 (one stage)"),
     ("torch pp=2", "torch", 2, {"schedule": "Schedule1F1B"}, "compute pp=2 (one stage)"),
 ]
 
@@ -165,10 +166,10 @@ def main(argv=None) -> int:
          "value": by["pipecast pp=2"]["overhead_us_per_action"] / by["torch pp=2"]["overhead_us_per_action"],
          "met": by["pipecast pp=2"]["overhead_us_per_action"] <= 0.7 * by["torch pp=2"]["overhead_us_per_action"]},
     ]
-    print(f"\n{'case':<26} {'slope us/mb':>12} {'overhead us/action':>19}")
+    print(f"\n{'case':<44} {'slope us/mb':>12} {'overhead us/action':>19}")
     for r in rows:
         ov = r.get("overhead_us_per_action")
-        print(f"{r['case']:<26} {r['slope_us_per_microbatch']:12.1f} {'' if ov is None else f'{ov:19.1f}'}")
+        print(f"{r['case']:<44} {r['slope_us_per_microbatch']:12.1f} {'' if ov is None else f'{ov:19.1f}'}")
     one_way_big = median(latency_big) if latency_big else None
     if one_way:
         print(f"gloo one-way latency: {one_way:.1f} us ({SEQ * HIDDEN * 4} B), {one_way_big:.1f} us "

@@ -33,11 +33,16 @@ TORCH_SCHEDULES = {  # name -> model chunks per rank
 }
 
 
+NOT_RENICED = "gloo I/O thread not reniced"
+
+
 def engines(torch_schedules) -> list[tuple[str, str, dict]]:
     """``(label, builder, options)`` of every engine in the comparison."""
     out = [("single process", "single", {}),
            ("pipecast 1F1B", "pipecast", {"chunks": 1}),
-           ("pipecast interleaved 1F1B", "pipecast", {"chunks": 2})]
+           ("pipecast interleaved 1F1B", "pipecast", {"chunks": 2}),
+           (f"pipecast 1F1B, {NOT_RENICED}", "pipecast", {"chunks": 1, "gloo_io_nice": None}),
+           (f"pipecast interleaved 1F1B, {NOT_RENICED}", "pipecast", {"chunks": 2, "gloo_io_nice": None})]
     out += [(f"torch {s}", "torch", {"schedule": s, "chunks": TORCH_SCHEDULES[s]}) for s in torch_schedules]
     return out
 
@@ -131,11 +136,11 @@ def main(argv=None) -> int:
     by = {r["engine"]: r for r in rows}
     goals = _goals(by)
 
-    print(f"\n{'engine':<38} {'step ms':>8} {'p10 ms':>7} {'repeats':>13} {'speedup':>8} {'bound':>6} {'of bound':>8}"
+    print(f"\n{'engine':<56} {'step ms':>8} {'p10 ms':>7} {'repeats':>13} {'speedup':>8} {'bound':>6} {'of bound':>8}"
           f"  loss")
     for r in rows:
         rng = f"{r['min_ms']:.1f}-{r['max_ms']:.1f}"
-        print(f"{r['engine']:<38} {r['step_ms']:8.1f} {r['p10_ms']:7.1f} {rng:>13} {r['speedup']:8.3f} "
+        print(f"{r['engine']:<56} {r['step_ms']:8.1f} {r['p10_ms']:7.1f} {rng:>13} {r['speedup']:8.3f} "
               f"{r.get('bound', 0):6.3f} {r.get('of_bound', 0):8.3f}  {r['loss']:.6f}"
               f"{'' if r['loss_matches'] else '  MISMATCH'}")
     for g in goals:
