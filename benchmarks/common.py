@@ -218,11 +218,15 @@ def machine() -> dict:
 
 
 def _git_rev() -> str | None:
+    """The short commit, with ``-dirty`` when tracked files differ from it (the figures then came from that tree)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=5).stdout.strip() or None
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
+    return (rev + ("-dirty" if dirty else "")) or None
 
 
 def write_json(name: str, payload: dict, out: str | None = None) -> Path:
