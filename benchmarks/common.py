@@ -218,11 +218,11 @@ def machine() -> dict:
 
 
 def _git_rev() -> str | None:
-    """The short commit, with ``-dirty`` when tracked files differ from it (the figures then came from that tree)."""
+    """The short commit, with ``-dirty`` when tracked files outside ``benchmarks/results`` differ from it."""
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"], cwd=ROOT,
                                capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
