@@ -222,8 +222,9 @@ def _git_rev() -> str | None:
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":!benchmarks/results"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return (rev + ("-dirty" if dirty else "")) or None

@@ -91,6 +91,6 @@ def lowered_io_priority(nice: Optional[int]) -> Iterator[set[int]]:
                 try:
                     if os.getpriority(os.PRIO_PROCESS, tid) < nice:
                         os.setpriority(os.PRIO_PROCESS, tid, nice)
-                    changed.add(tid)
+                        changed.add(tid)
                 except OSError:
                     continue

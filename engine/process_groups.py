@@ -25,6 +25,8 @@ identical by construction share one object (``mp is pp``; ``dp_cp is dp``; ``tp`
 ``pos_embd`` are this rank's one-rank group).  Without ``torch.distributed`` initialised, a one-rank job
 (world 1, pp 1) gets a collection whose groups are all ``None``; :func:`group_rank` / :func:`group_size` treat
 ``None`` as rank 0 of size 1, like Megatron's stage predicates (spec section 0).
+
+On gloo the pipeline groups' I/O thread runs at a lower priority (``engine.gloo_io``; ``gloo_io_nice``).
 """
 from __future__ import annotations
 

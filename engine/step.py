@@ -35,7 +35,8 @@ from torch.autograd.variable import Variable
 from .process_groups import group_rank, group_size
 
 __all__ = [
-    "ScheduleContractError", "ScheduleContractTypeError", "get_attr_wrapped_model", "get_model_config",
+    "ScheduleContractError", "ScheduleContractTypeError", "ChunkHooks", "run_forward", "get_attr_wrapped_model",
+    "get_model_config",
     "set_current_microbatch", "check_first_val_step", "deallocate_output_tensor", "custom_backward",
     "forward_step_calc_loss", "forward_step", "backward_step", "get_tensor_shapes",
     "clear_embedding_activation_buffer", "finish_embedding_wgrad_compute", "is_pp_first_stage", "is_pp_last_stage",
@@ -419,20 +420,20 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
     ``num_microbatches``), ``TypeError`` if ``forward_step_func`` does not return two values, plus the errors of
     :func:`forward_step_calc_loss`.
     """
-    output_tensor, num_tokens = run_forward(
-        ChunkHooks(model), forward_step_func, data_iterator, model, num_microbatches, input_tensor,
-        forward_data_store, config, cp_group_size, collect_non_loss_data, checkpoint_activations_microbatch,
-        is_first_microbatch, current_microbatch, vp_stage, is_last_stage, _loss=forward_step_calc_loss)
-    return output_tensor, num_tokens
+    return run_forward(ChunkHooks(model), forward_step_func, data_iterator, model, num_microbatches, input_tensor,
+                       forward_data_store, config, cp_group_size, collect_non_loss_data,
+                       checkpoint_activations_microbatch, is_first_microbatch, current_microbatch, vp_stage,
+                       is_last_stage, check_loss_args=True)
 
 
 def run_forward(hooks: ChunkHooks, forward_step_func, data_iterator, model, num_microbatches, input_tensor,
                 forward_data_store, config, cp_group_size, collect_non_loss_data, checkpoint_activations_microbatch,
-                is_first_microbatch, current_microbatch, vp_stage, is_last_stage, _loss=None):
+                is_first_microbatch, current_microbatch, vp_stage, is_last_stage, check_loss_args=False):
     """:func:`forward_step` with the chunk's :class:`ChunkHooks` resolved by the caller (the executor, once per
-    schedule call).  Without ``_loss`` the loss contract runs without :func:`forward_step_calc_loss`'s argument
-    checks (the executor passes ``cp_group_size`` and ``is_last_stage`` and has checked ``vp_stage`` against the
-    chunk) and the token count is None unless ``loss_func`` returned one.  Same errors as :func:`forward_step`.
+    schedule call).  ``check_loss_args=True`` is :func:`forward_step` exactly.  Without it the loss contract skips
+    :func:`forward_step_calc_loss`'s argument checks (the executor passes ``cp_group_size`` and ``is_last_stage``
+    and has checked ``vp_stage`` against the chunk) and the token count is None unless ``loss_func`` returned one.
+    Returns ``(output, num_tokens)`` as :func:`forward_step`; same errors.
     """
     if config.timers is not None:
         config.timers("forward-compute", log_level=2).start()
@@ -466,9 +467,10 @@ def run_forward(hooks: ChunkHooks, forward_step_func, data_iterator, model, num_
                         f"{type(result).__name__}; return the model output and the loss function")
     output_tensor, loss_func = result
 
-    if _loss is not None:
-        output_tensor, num_tokens = _loss(model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data,
-                                          num_microbatches, forward_data_store, cp_group_size, is_last_stage)
+    if check_loss_args:
+        output_tensor, num_tokens = forward_step_calc_loss(
+            model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data, num_microbatches,
+            forward_data_store, cp_group_size, is_last_stage)
     else:
         output_tensor, num_tokens = _apply_loss(output_tensor, loss_func, config, collect_non_loss_data,
                                                 num_microbatches, forward_data_store, cp_group_size, is_last_stage)
