@@ -7,10 +7,10 @@ the peer's data while the compute thread is posting a send on the same pair, it 
 (its CPU time matched the posting thread's stalls, ``benchmarks/gloo_post_stalls.py``), which stalls the
 pipeline.  At nice 19 the I/O thread still runs whenever the compute thread waits, and gets its (small) fair share
 of the core otherwise, but it no longer holds the compute thread off the core for long.  Measured on 2 cores
-(gloo, 1 thread per rank; 2026-11-30, median of 5 fresh jobs each): 1F1B at pp=2 with the tiny model of
-``benchmarks/runtime_overhead.py`` costs 171 us per action over compute instead of 234 us; on the workload of
-``benchmarks/vs_torch_pipelining.py`` (ranks pinned) interleaved 1F1B steps in 102.8 ms instead of 104.1 ms and
-1F1B in 102.2 ms instead of 102.8 ms.  The cost: bytes that need the I/O thread while its rank computes (a
+(gloo, 1 thread per rank; 2026-11-30, two runs of 5 fresh jobs each): 1F1B at pp=2 with the tiny model of
+``benchmarks/runtime_overhead.py`` costs 171-175 us per action over compute instead of 234-239 us; on the workload
+of ``benchmarks/vs_torch_pipelining.py`` (ranks pinned) interleaved 1F1B steps in 102.8-105.7 ms instead of
+104.1-109.0 ms and 1F1B in 102.2-104.4 ms instead of 102.8-105.4 ms.  The cost: bytes that need the I/O thread while its rank computes (a
 receive, or a send posted before the peer's receive) move later, so on an idle core the thread is no slower.
 
 Only the pipeline groups that :func:`engine.process_groups.build_process_groups` creates are affected (their I/O
