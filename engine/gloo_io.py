@@ -10,8 +10,9 @@ of the core otherwise, but it no longer holds the compute thread off the core fo
 (gloo, 1 thread per rank; 2026-11-30, two runs of 5 fresh jobs each): 1F1B at pp=2 with the tiny model of
 ``benchmarks/runtime_overhead.py`` costs 171-175 us per action over compute instead of 234-239 us; on the workload
 of ``benchmarks/vs_torch_pipelining.py`` (ranks pinned) interleaved 1F1B steps in 102.8-105.7 ms instead of
-104.1-109.0 ms and 1F1B in 102.2-104.4 ms instead of 102.8-105.4 ms.  The cost: bytes that need the I/O thread while its rank computes (a
-receive, or a send posted before the peer's receive) move later, so on an idle core the thread is no slower.
+104.1-109.0 ms and 1F1B in 102.2-104.4 ms instead of 102.8-105.4 ms.  The cost: bytes that need the I/O thread
+while its rank computes (a receive, or a send posted before the peer's receive) may move later; while the rank
+waits, nothing changes.
 
 Only the pipeline groups that :func:`engine.process_groups.build_process_groups` creates are affected (their I/O
 threads are told apart from every other group's by when they appear); raising a thread's nice value needs no
