@@ -28,7 +28,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional
 
-__all__ = ["IO_THREAD_NAME", "DEFAULT_NICE", "default_nice", "io_threads", "lowered_io_priority"]
+__all__ = ["IO_THREAD_NAME", "DEFAULT_NICE", "parse_nice", "check_environment", "default_nice", "io_threads",
+           "lowered_io_priority"]
 
 IO_THREAD_NAME = "gloo_tcp_loop"
 """The name gloo gives the I/O thread of each of its process groups."""
@@ -37,13 +38,12 @@ DEFAULT_NICE = 19
 _ENV = "PIPECAST_GLOO_IO_NICE"
 
 
-def default_nice() -> Optional[int]:
-    """The nice value from ``PIPECAST_GLOO_IO_NICE`` (``off`` / ``none`` / empty: None), else :data:`DEFAULT_NICE`.
+def parse_nice(raw: Optional[str]) -> Optional[int]:
+    """The nice value a ``PIPECAST_GLOO_IO_NICE`` string asks for: None for ``off`` / ``none`` / empty,
+    :data:`DEFAULT_NICE` when unset (``raw`` None), else an integer 0..19.
 
-    A value that is not an integer in 0..19 gets a ``RuntimeWarning`` naming the variable, and the default (raising
-    would stop only the ranks that see the bad value while the others wait in ``new_group``).
+    Raises ``ValueError`` naming the variable, the value and the fix for anything else.
     """
-    raw = os.environ.get(_ENV)
     if raw is None:
         return DEFAULT_NICE
     value = raw.strip().lower()
@@ -54,10 +54,27 @@ def default_nice() -> Optional[int]:
     except ValueError:
         nice = -1
     if not 0 <= nice <= 19:
-        warnings.warn(f"{_ENV}={raw!r} is not a nice value; using {DEFAULT_NICE}. Set an integer 0..19, or 'off' to "
-                      "leave gloo's I/O threads at the process's priority", RuntimeWarning, stacklevel=2)
-        return DEFAULT_NICE
+        raise ValueError(f"{_ENV}={raw!r} is not a nice value; set an integer 0..19 (e.g. 19), or 'off' to leave "
+                         "gloo's I/O threads at the process's priority")
     return nice
+
+
+def check_environment() -> None:
+    """Raise ``ValueError`` if ``PIPECAST_GLOO_IO_NICE`` is set to something :func:`parse_nice` refuses (for
+    launchers, before any rank starts)."""
+    parse_nice(os.environ.get(_ENV))
+
+
+def default_nice() -> Optional[int]:
+    """:func:`parse_nice` of ``PIPECAST_GLOO_IO_NICE``; a refused value gets a ``RuntimeWarning`` (the message of
+    :func:`parse_nice`) and :data:`DEFAULT_NICE` instead of an error, because raising here would stop only the
+    ranks that see the bad value while the others wait in ``new_group`` (``pipecast train`` refuses it earlier).
+    """
+    try:
+        return parse_nice(os.environ.get(_ENV))
+    except ValueError as exc:
+        warnings.warn(f"{exc}; using {DEFAULT_NICE}", RuntimeWarning, stacklevel=2)
+        return DEFAULT_NICE
 
 
 def io_threads() -> set[int]:

@@ -25,6 +25,20 @@ def test_a_bad_value_warns_naming_the_variable_and_keeps_the_default(monkeypatch
     monkeypatch.setenv("PIPECAST_GLOO_IO_NICE", raw)
     with pytest.warns(RuntimeWarning, match="PIPECAST_GLOO_IO_NICE"):
         assert gloo_io.default_nice() == gloo_io.DEFAULT_NICE
+    with pytest.raises(ValueError, match=r"PIPECAST_GLOO_IO_NICE=.*integer 0\.\.19.*'off'"):
+        gloo_io.check_environment()
+
+
+def test_pipecast_train_refuses_a_bad_value_before_any_rank_starts(tmp_path):
+    import subprocess
+    import sys
+    env = dict(os.environ, PIPECAST_GLOO_IO_NICE="fast")
+    out = subprocess.run([sys.executable, "-m", "engine.cli", "train", "configs/default.yaml",
+                          f"--logging.run_dir={tmp_path}", f"--checkpoint.dir={tmp_path}/ckpt"],
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().startswith("error: PIPECAST_GLOO_IO_NICE='fast' is not a nice value"), out.stderr
 
 
 def _fake_threads(monkeypatch, before, after, fail=False):
