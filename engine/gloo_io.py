@@ -14,9 +14,9 @@ of ``benchmarks/vs_torch_pipelining.py`` (ranks pinned) interleaved 1F1B steps i
 while its rank computes (a receive, or a send posted before the peer's receive) may move later; while the rank
 waits, nothing changes.
 
-Only the pipeline groups that :func:`engine.process_groups.build_process_groups` creates are affected (their I/O
-threads are told apart from every other group's by when they appear); raising a thread's nice value needs no
-privilege.  ``PIPECAST_GLOO_IO_NICE=off`` (or ``build_process_groups(..., gloo_io_nice=None)``) leaves the
+Only the pipeline groups that :func:`engine.process_groups.build_process_groups` creates are affected: their I/O
+threads are told apart from every other group's by when they appear, so a gloo group that another Python thread
+creates at the same moment would be reniced too.  Raising a thread's nice value needs no privilege.  ``PIPECAST_GLOO_IO_NICE=off`` (or ``build_process_groups(..., gloo_io_nice=None)``) leaves the
 threads alone; ``PIPECAST_GLOO_IO_NICE=<n>`` picks another value.  Where threads cannot be listed or reniced
 (no ``/proc``, another OS, a sandbox refusing ``setpriority``) nothing changes.
 """
@@ -28,8 +28,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional
 
-__all__ = ["IO_THREAD_NAME", "DEFAULT_NICE", "parse_nice", "check_environment", "default_nice", "io_threads",
-           "lowered_io_priority"]
+__all__ = ["IO_THREAD_NAME", "DEFAULT_NICE", "parse_nice", "check_environment", "resolve_nice", "default_nice",
+           "io_threads", "lowered_io_priority"]
 
 IO_THREAD_NAME = "gloo_tcp_loop"
 """The name gloo gives the I/O thread of each of its process groups."""
@@ -47,7 +47,7 @@ def parse_nice(raw: Optional[str]) -> Optional[int]:
     if raw is None:
         return DEFAULT_NICE
     value = raw.strip().lower()
-    if value in ("", "off", "none", "no", "false"):
+    if value in ("", "off", "none"):
         return None
     try:
         nice = int(value)
@@ -63,6 +63,17 @@ def check_environment() -> None:
     """Raise ``ValueError`` if ``PIPECAST_GLOO_IO_NICE`` is set to something :func:`parse_nice` refuses (for
     launchers, before any rank starts)."""
     parse_nice(os.environ.get(_ENV))
+
+
+def resolve_nice(option) -> Optional[int]:
+    """The nice value for ``build_process_groups(gloo_io_nice=option)``: ``"default"`` -> :func:`default_nice`,
+    None -> None, an integer 0..19 -> itself.  Raises ``ValueError`` naming the argument for anything else."""
+    if isinstance(option, str) and option == "default":
+        return default_nice()
+    if option is None or (isinstance(option, int) and not isinstance(option, bool) and 0 <= option <= 19):
+        return option
+    raise ValueError(f"gloo_io_nice={option!r} is not a nice value; pass an integer 0..19, None (leave gloo's I/O "
+                     "threads at the process's priority) or 'default' (PIPECAST_GLOO_IO_NICE, else 19)")
 
 
 def default_nice() -> Optional[int]:

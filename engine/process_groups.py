@@ -191,9 +191,11 @@ def build_process_groups(pipeline_model_parallel_size: int, virtual_pipeline_mod
     accepted; the result then holds ``None`` groups.
 
     Raises ``TypeError`` / ``ValueError`` (bad or unsupported sizes, world size not divisible by the pipeline size,
+    a ``gloo_io_nice`` that is not None, ``"default"`` or an integer 0..19,
     ``world_size`` / ``rank`` not matching torch.distributed) and ``RuntimeError`` (pipelining without
     torch.distributed), all before any group is created.
     """
+    nice = gloo_io.resolve_nice(gloo_io_nice)
     initialized = dist.is_available() and dist.is_initialized()
     if initialized:
         actual_world, actual_rank = dist.get_world_size(), dist.get_rank()
@@ -218,7 +220,6 @@ def build_process_groups(pipeline_model_parallel_size: int, virtual_pipeline_mod
         raise ValueError(f"rank={rank} is outside the world of size {world_size}")
 
     layout = rank_layout(pipeline_model_parallel_size, world_size)
-    nice = gloo_io.default_nice() if gloo_io_nice == "default" else gloo_io_nice
     kwargs = {"backend": backend}
     if timeout is not None:
         kwargs["timeout"] = timeout

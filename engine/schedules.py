@@ -267,7 +267,9 @@ def _chunk_hooks(models, interleaved: bool) -> list:
         if own is not None and own != c:
             raise ScheduleContractError(f"model chunk {c} has vp_stage={own}; the interleaved schedule runs model[c] "
                                         "as virtual pipeline stage c: order the model list by vp_stage")
-        hooks.append(ChunkHooks(m))
+        chunk = ChunkHooks(m)
+        chunk.set_input_tensor  # noqa: B018 - looked up now, so a chunk without it fails before any P2P
+        hooks.append(chunk)
     return hooks
 
 

@@ -109,20 +109,43 @@ def set_current_microbatch(model, microbatch_id: int) -> None:
         layer.current_microbatch = microbatch_id
 
 
-class ChunkHooks:
-    """What :func:`forward_step` looks up on a model chunk, resolved once per schedule call instead of once per
-    microbatch: the ``set_input_tensor`` found through ``.module`` wrappers, the chunk's own
-    ``set_is_first_microbatch`` (or None) and the layers ``set_current_microbatch`` writes to.
+_UNSET = object()
 
-    Raises ``RuntimeError`` (from :func:`get_attr_wrapped_model`) when no wrapper level has ``set_input_tensor``.
+
+class ChunkHooks:
+    """What :func:`forward_step` looks up on a model chunk, each looked up on first use and then kept: the
+    ``set_input_tensor`` found through ``.module`` wrappers, the chunk's own ``set_is_first_microbatch`` (or None)
+    and the layers ``set_current_microbatch`` writes to.
+
+    :func:`forward_step` makes a new one per call, so it looks things up when and as Megatron does; the schedule
+    functions make one per model chunk and schedule call, so a chunk's hooks are looked up once per call, not once
+    per microbatch (a chunk changed during a call keeps the hooks found at its first use in that call).
+    ``set_input_tensor`` raises ``RuntimeError`` (from :func:`get_attr_wrapped_model`) when no wrapper level has it.
     """
 
-    __slots__ = ("set_input_tensor", "set_is_first_microbatch", "microbatch_layers")
+    __slots__ = ("model", "_set_input_tensor", "_set_is_first_microbatch", "_microbatch_layers")
 
     def __init__(self, model) -> None:
-        self.set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
-        self.set_is_first_microbatch = getattr(model, "set_is_first_microbatch", None)
-        self.microbatch_layers = _microbatch_layers(model)
+        self.model = model
+        self._set_input_tensor = self._set_is_first_microbatch = self._microbatch_layers = _UNSET
+
+    @property
+    def set_input_tensor(self):
+        if self._set_input_tensor is _UNSET:
+            self._set_input_tensor = get_attr_wrapped_model(self.model, "set_input_tensor")
+        return self._set_input_tensor
+
+    @property
+    def set_is_first_microbatch(self):
+        if self._set_is_first_microbatch is _UNSET:
+            self._set_is_first_microbatch = getattr(self.model, "set_is_first_microbatch", None)
+        return self._set_is_first_microbatch
+
+    @property
+    def microbatch_layers(self) -> list:
+        if self._microbatch_layers is _UNSET:
+            self._microbatch_layers = _microbatch_layers(self.model)
+        return self._microbatch_layers
 
 
 def check_first_val_step(first_val_step: Optional[bool], forward_only: bool, cond: bool) -> bool:

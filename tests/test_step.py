@@ -356,7 +356,20 @@ def test_chunk_hooks_resolve_what_forward_step_looks_up_per_microbatch():
     assert ChunkHooks(model).set_is_first_microbatch is model.set_is_first_microbatch
     assert ChunkHooks(Affine(ModelParallelConfig())).microbatch_layers == []
     with pytest.raises(RuntimeError, match="set_input_tensor"):
-        ChunkHooks(torch.nn.Linear(1, 1))
+        ChunkHooks(torch.nn.Linear(1, 1)).set_input_tensor
+
+
+def test_forward_step_looks_up_layers_only_for_a_current_microbatch():
+    """Megatron's order: nothing reads ``decoder.layers`` unless ``current_microbatch`` is given."""
+    config = ModelParallelConfig()
+    model = Affine(config)
+    model.decoder = object()  # a decoder without .layers
+    x = torch.ones(3)
+    out, _ = forward_step(lambda it, m: (x * 2, None), None, model, 1, None, [], config, 1, is_last_stage=False)
+    assert out.tolist() == [2.0, 2.0, 2.0]
+    with pytest.raises(AttributeError):
+        forward_step(lambda it, m: (x, None), None, model, 1, None, [], config, 1, current_microbatch=0,
+                     is_last_stage=False)
 
 
 @pytest.mark.parametrize("cp", [1, 2])
