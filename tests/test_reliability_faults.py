@@ -153,6 +153,28 @@ def test_failure_message_blames_the_killed_rank():
                                                    "launcher stopped the other ranks (1)")
 
 
+def test_failure_message_blames_the_rank_that_raised_first(tmp_path):
+    """Rank 1 raises and closes its groups; rank 0 then fails on the closed connection and may be reported first:
+    the launcher blames the rank whose recorded failure is earliest."""
+    from types import SimpleNamespace
+
+    import torch.multiprocessing as mp
+
+    from engine.training import launch
+    for rank, (stamp, error) in {0: (2_000, "RuntimeError: Connection closed by peer"),
+                                 1: (1_000, "ValueError: injected")}.items():
+        (tmp_path / f"rank_{rank}").write_text(f"{stamp}\nTraceback (most recent call last):\n{error}\n")
+    (tmp_path / "rank_2.tmp").write_text("unfinished")
+    context = SimpleNamespace(processes=[SimpleNamespace(pid=100), SimpleNamespace(pid=101)])
+    reported = mp.ProcessRaisedException("Traceback ...\nRuntimeError: Connection closed by peer", 0, 100)
+    with pytest.raises(mp.ProcessRaisedException) as info:
+        launch._blame_first_failure(context, reported, str(tmp_path))
+    assert info.value.error_index == 1 and info.value.error_pid == 101
+    assert launch._describe_failure(info.value, 2).startswith("rank 1 failed: ValueError: injected; the launcher")
+    first = mp.ProcessRaisedException("Traceback ...\nValueError: injected", 1, 101)
+    launch._blame_first_failure(context, first, str(tmp_path))  # already the first: stands
+
+
 @pytest.mark.timeout(120)
 def test_stuck_rank_ends_the_job_after_the_communication_timeout(tmp_path):
     """A rank that is alive but stuck (never sends): its peer's receive fails after ``parallel.timeout_s``, naming

@@ -256,8 +256,49 @@ def _die_with_launcher(launcher_pid: int) -> None:
         os._exit(1)
 
 
+def _record_failure(failure_dir: str, rank: int) -> None:
+    """Write this rank's traceback with the time it raised to ``failure_dir/rank_<rank>`` (before its process groups
+    close, so the launcher can tell the rank that failed first from peers that failed because it went away)."""
+    import traceback
+    path = os.path.join(failure_dir, f"rank_{rank}")
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as fh:
+            fh.write(f"{time.time_ns()}\n{traceback.format_exc()}")
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def _first_failure(failure_dir: str) -> tuple[int, str] | None:
+    """``(rank, traceback)`` of the rank that recorded the earliest failure in ``failure_dir``, or None."""
+    first = None
+    for name in os.listdir(failure_dir):
+        if not (name.startswith("rank_") and name[5:].isdigit()):
+            continue
+        try:
+            with open(os.path.join(failure_dir, name), encoding="utf-8") as fh:
+                stamp, _, trace = fh.read().partition("\n")
+            key = (int(stamp), int(name[5:]))
+        except (OSError, ValueError):
+            continue
+        if first is None or key < first[0]:
+            first = (key, trace)
+    return None if first is None else (first[0][1], first[1])
+
+
+def _blame_first_failure(context, exc, failure_dir: str) -> None:
+    """If another rank raised before the reported one (which then failed on the closed connection), report it."""
+    import torch.multiprocessing as mp
+    first = _first_failure(failure_dir)
+    if first is None or first[0] == exc.error_index:
+        return
+    rank, trace = first
+    raise mp.ProcessRaisedException(f"\n\n-- Process {rank} terminated with the following error:\n{trace}", rank,
+                                    context.processes[rank].pid) from exc
+
+
 def _entry(local_rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn, args,
-           launcher_pid: int = 0) -> None:
+           launcher_pid: int = 0, failure_dir: str = "") -> None:
     import torch
     import torch.distributed as dist
     if launcher_pid:
@@ -276,6 +317,10 @@ def _entry(local_rank: int, world_size: int, port: int, backend: str, timeout_s:
     try:
         fn(*args)
         ok = True
+    except Exception:
+        if failure_dir:
+            _record_failure(failure_dir, local_rank)
+        raise
     finally:
         _teardown(ok, store)
 
@@ -286,7 +331,8 @@ def spawn(fn, config: TrainConfig, *args) -> None:
     ``fn`` must be importable (a module-level function).  A one-rank config runs in this process.  When a rank
     raises or dies, the others are terminated (SIGTERM, then SIGKILL) and
     ``torch.multiprocessing.ProcessRaisedException`` / ``ProcessExitedException`` is raised here; its
-    ``error_index`` is the failed rank (a rank killed by a signal is preferred over ranks that merely lost it).
+    ``error_index`` is the failed rank: a rank killed by a signal is preferred over ranks that merely lost it, and
+    of the ranks that raised, the one that raised first (each records the time before closing its groups).
     On SIGINT (``KeyboardInterrupt`` here, or a rank ended by SIGINT) every rank is stopped (SIGTERM, then SIGKILL
     after :data:`STOP_GRACE_S`) and :class:`Interrupted` (a ``KeyboardInterrupt``) is raised.
     """
@@ -302,8 +348,11 @@ def spawn(fn, config: TrainConfig, *args) -> None:
         finally:
             dist.destroy_process_group()
         return
+    import shutil
+    import tempfile
+    failure_dir = tempfile.mkdtemp(prefix="pipecast-failures-")
     context = mp.start_processes(_entry, args=(world, _free_port(), backend, config.parallel.timeout_s, fn,
-                                               (config, *args), os.getpid()),
+                                               (config, *args), os.getpid(), failure_dir),
                                  nprocs=world, join=False, start_method="spawn")
     try:
         try:
@@ -311,6 +360,7 @@ def spawn(fn, config: TrainConfig, *args) -> None:
                 pass
         except mp.ProcessRaisedException as exc:
             _blame_killed_rank(context, exc)
+            _blame_first_failure(context, exc, failure_dir)
             raise
     except KeyboardInterrupt:
         raise Interrupted(_stop_ranks(context.processes)) from None
@@ -320,6 +370,8 @@ def spawn(fn, config: TrainConfig, *args) -> None:
         stopped = _stop_ranks(context.processes)
         raise Interrupted(sorted(set(stopped) | {exc.error_index}),
                           f" (SIGINT to rank {exc.error_index})") from None
+    finally:
+        shutil.rmtree(failure_dir, ignore_errors=True)
 
 
 def _stop_ranks(processes, grace: float = STOP_GRACE_S) -> list[int]:
