@@ -43,10 +43,11 @@ NUMEL = 64 * 2 * 512
 
 
 def _renice_gloo_threads(nice: int) -> None:
-    for tid in os.listdir("/proc/self/task"):
+    """Every gloo I/O thread of this process (``engine.gloo_io.io_threads``) to ``nice``."""
+    from engine.gloo_io import io_threads
+    for tid in io_threads():
         try:
-            if Path(f"/proc/self/task/{tid}/comm").read_text().strip() == "gloo_tcp_loop":
-                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError:
             pass
 
