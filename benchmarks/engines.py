@@ -111,9 +111,9 @@ def build_pipecast(rank: int, world: int, w: Workload, chunks: int = 1, dealloca
     1F1B (``chunks>1``) or no pipelining (``world=1``).  ``gloo_io_nice`` goes to ``build_process_groups`` (None:
     the pipeline group's gloo I/O thread keeps the process's priority)."""
     from engine.model_parallel_config import ModelParallelConfig
-    from engine.process_groups import build_process_groups
+    from engine.runtime.process_groups import build_process_groups
     from engine.schedules import P2PCommunicator, get_forward_backward_func
-    from engine.tracing import use_tracer
+    from engine.runtime.tracing import use_tracer
     w.validate(world, chunks)
     vp = chunks if chunks > 1 else None
     pgc = build_process_groups(world, vp, gloo_io_nice=gloo_io_nice)  # this engine's own groups, passed explicitly

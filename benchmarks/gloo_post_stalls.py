@@ -18,7 +18,7 @@ the stalls (measured 2026-11-30: 5-20 % of sends over 1 ms in every variant); ``
 * ``yield``: ``os.sched_yield()`` before each post (let a woken I/O thread run first);
 * ``split``: sends and receives on two process groups (lower rank -> higher rank on one, the reverse on the other),
   so a pair's data flows one way;
-* ``nice19``: the gloo I/O threads (``gloo_tcp_loop``) reniced to 19 (what ``engine.gloo_io`` does for the
+* ``nice19``: the gloo I/O threads (``gloo_tcp_loop``) reniced to 19 (what ``engine.runtime.gloo_io`` does for the
   pipeline groups pipecast creates).
 
     python benchmarks/gloo_post_stalls.py                      # all variants, 400 iterations each
@@ -43,8 +43,8 @@ NUMEL = 64 * 2 * 512
 
 
 def _renice_gloo_threads(nice: int) -> None:
-    """Every gloo I/O thread of this process (``engine.gloo_io.io_threads``) to ``nice``."""
-    from engine.gloo_io import io_threads
+    """Every gloo I/O thread of this process (``engine.runtime.gloo_io.io_threads``) to ``nice``."""
+    from engine.runtime.gloo_io import io_threads
     for tid in io_threads():
         try:
             os.setpriority(os.PRIO_PROCESS, tid, nice)

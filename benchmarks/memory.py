@@ -10,7 +10,7 @@ Measured inside the ranks, without touching the engine:
   ``peak_in_flight`` for the plan (Narayanan et al., SC'21; Megatron-Core's warmup counts).
 * **Bytes held by sent outputs.**  Each chunk's output is produced by an identity autograd function that allocates
   it from a numpy array, so the lifetime of its *storage* (not of one tensor object) is observable through a weak
-  reference; a probe tracer (``engine.tracing.use_tracer``) samples the live output bytes at every span the executor
+  reference; a probe tracer (``engine.runtime.tracing.use_tracer``) samples the live output bytes at every span the executor
   reports.  Peak per rank with ``deallocate_pipeline_outputs`` off and on: with it on, a sent output should hold only
   its ``[1]`` placeholder once the send no longer needs the data.
 
@@ -117,7 +117,7 @@ _NULL = _Null()
 
 def job(rank: int, world: int, chunks: int, deallocate: bool, w: Workload):
     from benchmarks.engines import build_pipecast
-    from engine.tracing import use_tracer
+    from engine.runtime.tracing import use_tracer
     engine = build_pipecast(rank, world, w, chunks=chunks, deallocate=deallocate)
     mods = engine.modules
     meter = Meter([p for m in mods for p in m.parameters()])
@@ -141,7 +141,7 @@ def job(rank: int, world: int, chunks: int, deallocate: bool, w: Workload):
     with use_tracer(meter):
         for _ in range(2):
             counters[:] = [0] * chunks
-            engine.step()
+            engine.runtime.step()
     meter.sample()
     return {"peak_in_flight": meter.peak_tags, "peak_output_bytes": meter.peak_output_bytes,
             "output_bytes": meter.output_bytes_one, "live_after_step": sum(1 for v in meter.live.values() if v > 0)}
@@ -149,7 +149,7 @@ def job(rank: int, world: int, chunks: int, deallocate: bool, w: Workload):
 
 def theory(pp: int, chunks: int, m: int) -> list[int]:
     """Closed-form peak in-flight (chunk, microbatch) activations per rank (see module docstring)."""
-    from engine.schedule_table import pp_rank_microbatches
+    from engine.plan.table import pp_rank_microbatches
     out = []
     for r in range(pp):
         if chunks == 1:
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from engine.plan import build_plan
-    from engine.simulate import simulate
+    from engine.plan.simulate import simulate
     rows = []
     for pp, chunks in CASES:
         w = Workload(hidden=512, layers=8, sequences=2 * args.microbatches, seq_length=64,

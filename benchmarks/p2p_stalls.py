@@ -59,7 +59,7 @@ class _Done:
 
 def install_hooks(rank: int) -> None:
     """Patch this rank's pipecast runtime once so that each step follows the variant in ``_CURRENT``."""
-    import engine.p2p as P
+    import engine.runtime.p2p as P
     import engine.schedules as S
     orig_program, orig_post = S.cached_program, P.P2PCommunicator.post
 

@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.plan import build_plan  # noqa: E402
-from engine.simulate import simulate  # noqa: E402
-from engine.validate import execution_order, plan_graph  # noqa: E402
+from engine.plan.simulate import simulate  # noqa: E402
+from engine.plan.validate import execution_order, plan_graph  # noqa: E402
 
 PHASES = ("build", "graph", "deadlock", "simulate")
 

@@ -10,7 +10,7 @@ microbatch on a rank (one forward and one backward)::
 
 at pp=1 (pure runtime cost: pipecast's no-pipelining schedule vs a one-stage torch pipelining schedule, no
 communication) and pp=2 (1F1B on both engines, 1 layer per rank; includes the send/receive of each action; pipecast
-also with its pipeline group's gloo I/O thread left at the process's priority, see ``engine.gloo_io``).  The
+also with its pipeline group's gloo I/O thread left at the process's priority, see ``engine.runtime.gloo_io``).  The
 pp=2 jobs also measure the gloo one-way latency of a message of the activation's size (half a ping-pong round trip,
 median of ``--pings``), so the pp=2 figure can be read against it.
 
@@ -73,7 +73,7 @@ def job(rank: int, world: int, cases: list, ms: list[int], warmup: int, steps: i
             else:
                 engine = BUILDERS[builder](rank, world, workload(m), **options)
             if engine is not None:
-                engine.step()
+                engine.runtime.step()
             built[(label, m)] = engine
     keys = list(built)
     times = {k: [] for k in keys}

@@ -11,8 +11,8 @@ import importlib
 _LAZY_EXPORTS = {
     # Megatron-compatible API
     "ModelParallelConfig": ".model_parallel_config",
-    "ProcessGroupCollection": ".process_groups",
-    "build_process_groups": ".process_groups",
+    "ProcessGroupCollection": ".runtime.process_groups",
+    "build_process_groups": ".runtime.process_groups",
     # training recipe (never imported by the API modules above)
     "Trainer": ".training.trainer",
     "load_config": ".training.config",
@@ -20,7 +20,7 @@ _LAZY_EXPORTS = {
 }
 
 # submodules reachable as attributes (``engine.parallel_state``, ``engine.schedules``) without an explicit import
-_LAZY_SUBMODULES = ("parallel_state", "schedules", "step", "process_groups", "model_parallel_config")
+_LAZY_SUBMODULES = ("parallel_state", "schedules", "model_parallel_config", "plan", "runtime", "profiling", "training")
 
 __all__ = sorted(_LAZY_EXPORTS)
 

@@ -7,7 +7,7 @@ import sys
 
 # subcommand -> module that provides ``add_arguments(parser)`` and ``run(args) -> int``
 COMMANDS = {
-    "schedule": ("engine.schedule_cli", "print a schedule's per-rank action grid and simulated bubble"),
+    "schedule": ("engine.plan.cli", "print a schedule's per-rank action grid and simulated bubble"),
     "train": ("engine.training.launch", "run a YAML-configured training job (spawns local ranks or joins torchrun)"),
 }
 

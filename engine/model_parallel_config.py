@@ -23,7 +23,7 @@ only this one config as its ``.config``; a Megatron ``TransformerConfig`` (a sub
 
 pipecast adds type / range checks on the sizes (positive integers).  Which sizes the pipecast runtime supports
 (tensor / context / expert parallel size 1) is checked where process groups are built
-(``engine.process_groups``), not here: a config is data and may describe a run pipecast cannot execute.
+(``engine.runtime.process_groups``), not here: a config is data and may describe a run pipecast cannot execute.
 
 Like Megatron's, the dataclass is mutable: the interleaved schedule turns a single ``grad_sync_func`` /
 ``param_sync_func`` into a per-model-chunk list in place (spec section 7, gotcha 10).
@@ -52,7 +52,7 @@ def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
 class ModelParallelConfig:
     """Parallelism and pipeline-schedule settings (Megatron-Core 0.16.1 field names and defaults).
 
-    Model chunks carry it as ``chunk.config``; ``engine.step.get_model_config`` finds it through wrappers.
+    Model chunks carry it as ``chunk.config``; ``engine.runtime.step.get_model_config`` finds it through wrappers.
     Raises ``TypeError`` / ``ValueError`` at construction for the rules listed in the module docstring.
     """
 

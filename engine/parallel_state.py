@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime
 from typing import Optional
 
-from .process_groups import ProcessGroupCollection, build_process_groups, group_rank, group_size
+from .runtime.process_groups import ProcessGroupCollection, build_process_groups, group_rank, group_size
 
 __all__ = [
     "initialize_model_parallel", "destroy_model_parallel", "model_parallel_is_initialized", "get_pg_collection",
@@ -63,7 +63,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     ``order``; ``use_sharp``, ``nccl_communicator_config_path``, ``create_gloo_process_groups``,
     ``high_priority_stream_groups``, ``sharp_enabled_group`` are accepted and have no effect.
     ``pipeline_model_parallel_comm_backend`` is the backend of the pipeline groups (default: the world's).
-    Rank layout: see ``engine.process_groups``.  With ``virtual_pipeline_model_parallel_size`` set, the virtual
+    Rank layout: see ``engine.runtime.process_groups``.  With ``virtual_pipeline_model_parallel_size`` set, the virtual
     pipeline rank starts at 0.
 
     Every rank must call it with the same arguments.  Raises ``RuntimeError`` if already initialised (call

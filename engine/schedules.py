@@ -4,7 +4,7 @@ Reference: ``shared/reference/schedules_api.md``; behaviour: ``shared/spec/sched
 
 The three schedule functions are thin compositions: validate the call (Megatron-Core's errors plus pipecast's own,
 agreed over the pipeline group before any pipeline communication), build the plan of the schedule
-(``engine.plan.build_plan``, cached), run it with the one executor (``engine.executor``) and return
+(``engine.plan.build_plan``, cached), run it with the one executor (``engine.runtime.executor``) and return
 ``forward_data_store`` (spec section 2: the loss stage's reduced losses, one per microbatch; ``[]`` on every other
 rank).
 
@@ -27,7 +27,7 @@ Deliberate deviations from Megatron-Core 0.16.1:
 * Sends are posted without waiting for the receiver; a send's handle is waited once the receiver has provably
   posted the matching receive, else at the end of the step.
 * Each model chunk's ``set_input_tensor``, ``set_is_first_microbatch`` and current-microbatch layers are looked up
-  once per call (:class:`~engine.step.ChunkHooks`) with the other checks, so a chunk without ``set_input_tensor``
+  once per call (:class:`~engine.runtime.step.ChunkHooks`) with the other checks, so a chunk without ``set_input_tensor``
   or whose ``vp_stage`` is not its index in the model list fails on every rank before any P2P (Megatron: at that
   chunk's first forward, on that rank only).
 """
@@ -36,17 +36,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .executor import ExecutionContext, cached_program, default_prefetch, execute
-from .p2p import P2PCommunicator
-from .process_groups import group_size
+from .runtime.executor import ExecutionContext, cached_program, default_prefetch, execute
+from .runtime.p2p import P2PCommunicator
+from .runtime.process_groups import group_size
 
-from .schedule_table import convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches
-from .step import (ChunkHooks, ScheduleContractError, ScheduleContractTypeError, backward_step, check_first_val_step,
+from .plan.table import convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches
+from .runtime.step import (ChunkHooks, ScheduleContractError, ScheduleContractTypeError, backward_step, check_first_val_step,
                    clear_embedding_activation_buffer, custom_backward,
                    deallocate_output_tensor, finish_embedding_wgrad_compute, forward_step, forward_step_calc_loss,
                    get_attr_wrapped_model, get_model_config, get_tensor_shapes, is_pp_last_stage,
                    select_schedule_name, set_current_microbatch)
-from .schedule_table import validate_interleaved_microbatches
+from .plan.table import validate_interleaved_microbatches
 
 
 def get_pp_rank_microbatches(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage,
@@ -123,12 +123,12 @@ def _resolve_groups(schedule: str, p2p_communicator, pg_collection):
         missing = [a for a in ("tp", "cp") if not hasattr(pg_collection, a)]
         if missing:
             raise ScheduleContractError(f"{schedule}: pg_collection lacks the process group(s) {missing}; pass an "
-                                        "engine.process_groups.ProcessGroupCollection")
+                                        "engine.runtime.process_groups.ProcessGroupCollection")
     if p2p_communicator is not None:
         for attr in ("pp_group", "post", "new_buffer", "isend", "irecv"):
             if not hasattr(p2p_communicator, attr):
                 raise TypeError(f"{schedule}: p2p_communicator {type(p2p_communicator).__name__} has no {attr!r}; "
-                                "pass an engine.p2p.P2PCommunicator")
+                                "pass an engine.runtime.p2p.P2PCommunicator")
     return p2p_communicator, pg_collection
 
 
@@ -493,7 +493,7 @@ def get_forward_backward_func(pp_size=None, vp_size=None):
 __all__ = ["get_forward_backward_func", "forward_backward_no_pipelining",
            "forward_backward_pipelining_without_interleaving", "forward_backward_pipelining_with_interleaving",
            "P2PCommunicator", "get_pp_rank_microbatches", "get_schedule_table", "convert_schedule_table_to_order",
-           # per-microbatch functions (engine/step.py)
+           # per-microbatch functions (engine/runtime/step.py)
            "deallocate_output_tensor", "custom_backward", "set_current_microbatch", "forward_step_calc_loss",
            "forward_step", "backward_step", "check_first_val_step", "clear_embedding_activation_buffer",
            "finish_embedding_wgrad_compute", "get_tensor_shapes", "get_model_config", "get_attr_wrapped_model"]

@@ -8,7 +8,7 @@
 * :mod:`graphs.liveness`: a shared-pool model showing why the capture order must equal the runtime order.
 * :mod:`graphs.local_rank`: run one rank's plan in one process (fixed received tensors), for tests and benchmarks.
 
-Dependencies run graphs -> ``engine.plan`` / ``engine.schedule_table`` (the pure layer) only.
+Dependencies run graphs -> ``engine.plan`` / ``engine.plan.table`` (the pure layer) only.
 """
 from .capture import BACKENDS, CaptureReport, capture, make_sample_args, resolve_backend
 from .dispatch import GraphedLayers, GraphSet, Recording, ReplayGuard, layers_of_chunk

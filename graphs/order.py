@@ -12,7 +12,7 @@ Graphs are captured per ``(chunk, microbatch, layer)`` and stored flat, chunk-ma
 
 with ``L_c`` the graphed layers of chunk ``c`` and ``M`` the microbatches per chunk.
 
-This module depends only on the pure layer (``engine.plan``, ``engine.schedule_table``).
+This module depends only on the pure layer (``engine.plan``, ``engine.plan.table``).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from engine.plan import Op, Plan
-from engine.schedule_table import convert_schedule_table_to_order, get_schedule_table
+from engine.plan.table import convert_schedule_table_to_order, get_schedule_table
 
 __all__ = [
     "LayerEvent", "graph_order", "check_order", "order_events", "layer_events", "flat_index", "unflat_index",

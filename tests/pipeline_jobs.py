@@ -16,7 +16,7 @@ import torch
 
 from engine.model_parallel_config import ModelParallelConfig
 from engine.plan import build_plan
-from engine.process_groups import build_process_groups
+from engine.runtime.process_groups import build_process_groups
 from engine import schedules
 from tests import models as tm
 
@@ -275,12 +275,12 @@ def shared_results(world: int, timeout: float = 240) -> list:
 
 
 def custom_plans(rank: int, world: int) -> list:
-    """The executor on plans no Megatron schedule produces (``engine.executor.execute`` directly): GPipe (all
+    """The executor on plans no Megatron schedule produces (``engine.runtime.executor.execute`` directly): GPipe (all
     forwards, then all backwards), and GPipe whose last rank runs its backwards in reverse microbatch order -- so
     the previous rank receives the gradients in another order than it consumes them; plus Megatron's 1F1B and
     interleaved plans with the NCCL posting depth (receives one action ahead) run on gloo.  Returns, per plan, the
     largest relative gradient error against the reference and the recorded vs planned compute order."""
-    from engine.executor import NCCL_PREFETCH, ExecutionContext, execute, program_for
+    from engine.runtime.executor import NCCL_PREFETCH, ExecutionContext, execute, program_for
     from engine.plan import Action, Op, Plan
     pgc = build_process_groups(world)
     M, plans = 4, []

@@ -220,8 +220,8 @@ def pipeline_case(rank: int, case: dict) -> dict:
     import datetime
 
     from engine.model_parallel_config import ModelParallelConfig
-    from engine.p2p import P2PCommunicator
-    from engine.process_groups import build_process_groups
+    from engine.runtime.p2p import P2PCommunicator
+    from engine.runtime.process_groups import build_process_groups
     from engine.schedules import get_forward_backward_func
 
     def pick(key, default=None):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from engine.model_parallel_config import ModelParallelConfig
 from engine.plan import MAX_PLAN_FORWARDS, build_plan
 from engine.schedules import forward_backward_pipelining_with_interleaving
-from engine.step import ScheduleContractError, backward_step, deallocate_output_tensor, forward_step
+from engine.runtime.step import ScheduleContractError, backward_step, deallocate_output_tensor, forward_step
 from tests.distributed import run_ranks
 
 
@@ -123,8 +123,8 @@ class _Stage(torch.nn.Module):
 
 
 def _pipeline_case(rank: int, case: str) -> str:
-    from engine.p2p import P2PCommunicator
-    from engine.process_groups import build_process_groups
+    from engine.runtime.p2p import P2PCommunicator
+    from engine.runtime.process_groups import build_process_groups
     from engine.schedules import forward_backward_pipelining_without_interleaving
 
     pgc = build_process_groups(2, timeout=datetime.timedelta(seconds=3))
@@ -155,8 +155,8 @@ class _NoInputHook(torch.nn.Module):
 
 def _rejected_case(rank: int, case: str) -> str:
     """A model chunk the schedule cannot run on rank 1 only: every rank must raise before any P2P (no timeout)."""
-    from engine.p2p import P2PCommunicator
-    from engine.process_groups import build_process_groups
+    from engine.runtime.p2p import P2PCommunicator
+    from engine.runtime.process_groups import build_process_groups
     from engine.schedules import forward_backward_pipelining_without_interleaving
     interleaved = case == "vp_stage"
     pgc = build_process_groups(2, 2 if interleaved else None, timeout=datetime.timedelta(seconds=30))

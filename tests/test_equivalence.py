@@ -193,7 +193,7 @@ def test_megatron_traces(fixture, request):
 @pytest.mark.timeout(60)
 def test_megatron_traces_one_rank():
     """The PP = 1 traces (no pipelining; 1F1B on one rank) run in this process without torch.distributed."""
-    from engine.process_groups import ProcessGroupCollection
+    from engine.runtime.process_groups import ProcessGroupCollection
     pgc = ProcessGroupCollection()
     checked = 0
     for v in vectors("trace:"):
@@ -219,8 +219,8 @@ def test_tracer_spans_one_rank():
     import contextlib
 
     from engine.plan import build_plan
-    from engine.process_groups import ProcessGroupCollection
-    from engine.tracing import use_tracer
+    from engine.runtime.process_groups import ProcessGroupCollection
+    from engine.runtime.tracing import use_tracer
 
     class Recorder:
         def __init__(self):

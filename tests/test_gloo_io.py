@@ -1,4 +1,4 @@
-"""The pipeline groups' gloo I/O threads get a lower priority (engine.gloo_io): which threads, which value, the
+"""The pipeline groups' gloo I/O threads get a lower priority (engine.runtime.gloo_io): which threads, which value, the
 switch, and that nothing fails where threads cannot be reniced."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from engine import gloo_io
+from engine.runtime import gloo_io
 from tests.distributed import run_ranks
 
 
@@ -22,7 +22,7 @@ def test_default_nice_reads_the_environment(monkeypatch, raw, expected):
 
 @pytest.mark.parametrize("option", ["off", 25, -3, True, 1.5])
 def test_a_bad_gloo_io_nice_argument_is_refused_before_any_group(option):
-    from engine.process_groups import build_process_groups
+    from engine.runtime.process_groups import build_process_groups
     with pytest.raises(ValueError, match=r"gloo_io_nice=.*integer 0\.\.19"):
         gloo_io.resolve_nice(option)
     with pytest.raises(ValueError, match="gloo_io_nice"):  # torch.distributed is not initialised: nothing created
@@ -83,7 +83,7 @@ def test_none_leaves_threads_alone_and_refusals_are_ignored(monkeypatch):
 
 
 def _nice_of_new_io_threads(rank: int, world: int, option) -> tuple:
-    from engine.process_groups import build_process_groups
+    from engine.runtime.process_groups import build_process_groups
     base = os.getpriority(os.PRIO_PROCESS, 0)  # the test may itself run under nice
     before = gloo_io.io_threads()
     kwargs = {} if option == "default" else {"gloo_io_nice": option}

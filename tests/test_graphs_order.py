@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.plan import build_plan
-from engine.schedule_table import convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches
+from engine.plan.table import convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches
 from graphs.order import (LayerEvent, check_order, flat_index, graph_order, layer_events, max_in_flight,
                           order_events, unflat_index)
 

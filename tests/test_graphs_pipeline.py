@@ -84,8 +84,8 @@ def _job(rank, world, cases):
     from engine import schedules
     from engine.model_parallel_config import ModelParallelConfig
     from engine.plan import build_plan
-    from engine.process_groups import build_process_groups
-    from engine.schedule_table import convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches
+    from engine.runtime.process_groups import build_process_groups
+    from engine.plan.table import convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches
     from graphs import graph_order
     from graphs.runtime import GraphRuntime
 

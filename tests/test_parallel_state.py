@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from engine import parallel_state as ps
 from engine.model_parallel_config import ModelParallelConfig
-from engine.process_groups import build_process_groups, rank_layout
+from engine.runtime.process_groups import build_process_groups, rank_layout
 
 try:
     from tests.distributed import run_ranks

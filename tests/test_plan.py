@@ -13,9 +13,9 @@ import pytest
 from megatron_vectors import FakeCommunicator, vectors
 
 from engine.plan import Action, Message, Op, build_plan, schedule_name
-from engine.schedule_table import convert_schedule_table_to_order, get_schedule_table
+from engine.plan.table import convert_schedule_table_to_order, get_schedule_table
 from engine.schedules import get_pp_rank_microbatches
-from engine.validate import validate_plan
+from engine.plan.validate import validate_plan
 
 _SCHEDULE = {"interleaved": "interleaved", "non_interleaved": "1f1b", "no_pipelining": "no_pipelining"}
 

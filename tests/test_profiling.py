@@ -11,8 +11,8 @@ from engine.profiling import (NvtxTracer, Span, StepProfiler, TimelineRecorder, 
 from engine.profiling.bubble import busy_ns, union_ns
 from engine.profiling.gantt import action_costs, parse_action_label, plot_measured_timeline, simulated_bubble
 from engine.profiling.session import TimelineSession
-from engine.simulate import simulate
-from engine.tracing import NULL_TRACER, FanoutTracer, current_tracer, use_tracer
+from engine.plan.simulate import simulate
+from engine.runtime.tracing import NULL_TRACER, FanoutTracer, current_tracer, use_tracer
 
 
 # -- tracer hook ---------------------------------------------------------------------------------------------------

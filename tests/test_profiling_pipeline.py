@@ -14,10 +14,10 @@ def _job(rank, world, out_dir):
     from engine import schedules
     from engine.model_parallel_config import ModelParallelConfig
     from engine.plan import build_plan
-    from engine.process_groups import build_process_groups
+    from engine.runtime.process_groups import build_process_groups
     from engine.profiling import NvtxTracer
     from engine.profiling.session import TimelineSession
-    from engine.tracing import FanoutTracer, use_tracer
+    from engine.runtime.tracing import FanoutTracer, use_tracer
     from tests import models as tm
 
     pgc = build_process_groups(world)

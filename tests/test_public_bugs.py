@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.p2p import P2PCommunicator
-from engine.process_groups import build_process_groups
-from engine.schedule_table import convert_schedule_table_to_order, get_schedule_table
+from engine.runtime.p2p import P2PCommunicator
+from engine.runtime.process_groups import build_process_groups
+from engine.plan.table import convert_schedule_table_to_order, get_schedule_table
 from engine.plan import build_plan
 from tests.pipeline_jobs import case, register, run_case, shared_results
 
@@ -190,7 +190,7 @@ def test_b04_shape_exchange_stays_in_the_pipeline_group(pp4):
 def test_b06_accumulation_across_calls_and_pp_equals_no_pipelining(pp2):
     for c, ranks in pp2["B06"]:
         _ok(c, ranks)  # reference accumulates `repeats` identical calls
-    from engine.process_groups import ProcessGroupCollection
+    from engine.runtime.process_groups import ProcessGroupCollection
     single = run_case(0, ProcessGroupCollection(), case(M=4, repeats=2))  # PP = 1, same model and data
     assert single["error"] is None and single["grad_err"] <= TOL
 
@@ -321,7 +321,7 @@ PURE_PLANS = [("1f1b", 2, 8, 1, None), ("1f1b", 4, 3, 1, None), ("1f1b", 4, 16, 
 @pytest.mark.parametrize("batched", [True, False])
 def test_b02_receives_posted_in_the_senders_order(prefetch, batched):
     """Matching by order alone (NCCL ignores tags) pairs every receive with the right send, on every link."""
-    from engine.executor import compile_rank
+    from engine.runtime.executor import compile_rank
     for args in PURE_PLANS:
         for fo in (False, True):
             plan = build_plan(*args, forward_only=fo)
@@ -345,7 +345,7 @@ def test_b13_sent_outputs_released_during_the_step(prefetch):
     """Send handles (which keep sent storage alive) are waited while the step runs: at most W + 1 (1F1B) or W + 2
     (interleaved) sent tensors per rank are held in training -- about the activations in flight -- and at most
     2*P*C in evaluation, instead of all M*C until the end of the step."""
-    from engine.executor import compile_rank
+    from engine.runtime.executor import compile_rank
     for args in PURE_PLANS:
         for fo in (False, True):
             plan = build_plan(*args, forward_only=fo)

@@ -173,8 +173,8 @@ def _api_rows():
     import torch
 
     from engine.model_parallel_config import ModelParallelConfig as MPC
-    from engine.process_groups import build_process_groups
-    from engine.schedule_table import validate_interleaved_microbatches
+    from engine.runtime.process_groups import build_process_groups
+    from engine.plan.table import validate_interleaved_microbatches
     from engine.schedules import get_forward_backward_func
     f32 = torch.float32
     return [

@@ -7,8 +7,8 @@ import pytest
 
 from engine.cli import main
 from engine.plan import build_plan
-from engine.plotting import Span, plot_timeline
-from engine.simulate import simulate
+from engine.plan.plotting import Span, plot_timeline
+from engine.plan.simulate import simulate
 
 
 def _exit_code(argv) -> int:

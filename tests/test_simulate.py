@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine.plan import build_plan
-from engine.simulate import simulate
+from engine.plan.simulate import simulate
 
 
 @pytest.mark.parametrize("forward,backward", [(1, 1), (1, 2), (2, 3)])

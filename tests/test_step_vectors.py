@@ -15,7 +15,7 @@ import torch
 
 from engine import parallel_state as ps
 from engine.model_parallel_config import ModelParallelConfig
-from engine.step import (backward_step, check_first_val_step, custom_backward, deallocate_output_tensor,
+from engine.runtime.step import (backward_step, check_first_val_step, custom_backward, deallocate_output_tensor,
                          forward_step, forward_step_calc_loss, select_schedule_name)
 
 ERRORS = {e.__name__: e for e in (TypeError, ValueError, RuntimeError, AssertionError, IndexError)}

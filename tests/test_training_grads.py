@@ -9,7 +9,7 @@ from tests.distributed import run_ranks
 
 
 def _job(rank, world):
-    from engine.process_groups import build_process_groups
+    from engine.runtime.process_groups import build_process_groups
     from engine.training.grads import GradSync
     pg = build_process_groups(1)
     torch.manual_seed(0)

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from engine.plan import Action, Message, Op, Plan, build_plan
-from engine.simulate import simulate
-from engine.validate import PlanError, execution_order, max_buffered_messages, plan_graph, validate_plan
+from engine.plan.simulate import simulate
+from engine.plan.validate import PlanError, execution_order, max_buffered_messages, plan_graph, validate_plan
 
 F, B, W = Op.FORWARD, Op.BACKWARD, Op.WEIGHT
 

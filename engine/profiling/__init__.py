@@ -1,6 +1,6 @@
 """Profiling: NVTX ranges, the timeline recorder, merged Chrome/Perfetto traces, Gantt charts, torch.profiler.
 
-All of it hangs off the one :class:`engine.tracing.Tracer` protocol the executor reports to:
+All of it hangs off the one :class:`engine.runtime.tracing.Tracer` protocol the executor reports to:
 
 * :class:`NvtxTracer` -- one NVTX range per action / P2P call / graph replay, for Nsight Systems;
 * :class:`TimelineRecorder` -- start and end of every span (monotonic clock or CUDA events);

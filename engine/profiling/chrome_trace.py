@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..tracing import CATEGORIES
+from ..runtime.tracing import CATEGORIES
 from .timeline import Span
 
 __all__ = ["to_chrome_trace", "write_chrome_trace", "gather_spans", "save_rank_spans", "load_rank_spans",

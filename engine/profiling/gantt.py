@@ -1,9 +1,9 @@
 """Gantt chart of an executed schedule, with each rank's measured bubble beside the simulator's prediction.
 
-The measured spans of one step become :class:`engine.plotting.Span` bars (actions coloured by ``F`` / ``B`` /
+The measured spans of one step become :class:`engine.plan.plotting.Span` bars (actions coloured by ``F`` / ``B`` /
 ``W``; communication waits between actions, ``p2p``, and sync hooks, ``sync``, in their own colours) drawn by
-:func:`engine.plotting.plot_timeline`, the same chart the simulator draws for a plan.  The prediction runs
-:func:`engine.simulate.simulate` on the same plan with the *measured* mean cost of each ``(op, rank, chunk)`` and
+:func:`engine.plan.plotting.plot_timeline`, the same chart the simulator draws for a plan.  The prediction runs
+:func:`engine.plan.simulate.simulate` on the same plan with the *measured* mean cost of each ``(op, rank, chunk)`` and
 no transfer time, so the two bubbles differ exactly by what the simulator's model leaves out (communication,
 scheduling delays, runtime overhead).
 """
@@ -49,7 +49,7 @@ def simulated_bubble(plan, rank_spans: Sequence[Sequence[Span]], steps: Sequence
     Returns ``(bubbles, simulation)``.  Raises ``ValueError`` if some ``(op, rank, chunk)`` of the plan was never
     measured.
     """
-    from ..simulate import simulate
+    from ..plan.simulate import simulate
     costs = action_costs(rank_spans, steps)
     tables = {}
     for op in ("F", "B", "W"):
@@ -66,7 +66,7 @@ def simulated_bubble(plan, rank_spans: Sequence[Sequence[Span]], steps: Sequence
 def timeline_rows(rank_spans: Sequence[Sequence[Span]], step: int | None = None) -> list:
     """The bars of one step: compute/graph spans at nesting depth 0 and the p2p/sync spans outside them, times in
     ms from the step's start."""
-    from ..plotting import Span as Bar
+    from ..plan.plotting import Span as Bar
     lo, _ = step_window(rank_spans, step)
     rows = []
     for rank, spans in enumerate(rank_spans):
@@ -87,7 +87,7 @@ def plot_measured_timeline(rank_spans: Sequence[Sequence[Span]], path: str | os.
     Returns ``{"path", "step", "measured_bubble", "simulated_bubble", "step_ms"}`` (``simulated_bubble`` is
     ``None`` without a plan).
     """
-    from ..plotting import plot_timeline
+    from ..plan.plotting import plot_timeline
     steps = steps_of(rank_spans)
     if step is None and steps:
         step = steps[-1]

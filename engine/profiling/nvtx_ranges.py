@@ -54,7 +54,7 @@ class _TorchNvtxRange:
 
 
 class NvtxTracer:
-    """A :class:`engine.tracing.Tracer` that opens one NVTX range per span.
+    """A :class:`engine.runtime.tracing.Tracer` that opens one NVTX range per span.
 
     Args:
         backend: ``"auto"`` (the ``nvtx`` package if importable, else ``torch.cuda.nvtx``), ``"nvtx"`` or ``"torch"``.

@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from ..tracing import FanoutTracer
+from ..runtime.tracing import FanoutTracer
 from .bubble import measured_bubble, step_window, steps_of
 from .chrome_trace import gather_spans, write_chrome_trace
 from .timeline import TimelineRecorder
@@ -98,7 +98,7 @@ class TrainerProfiling:
     ``profile:`` config section turn on, around every ``train_step`` (evaluation steps are not recorded).
 
     * ``timeline`` (a folder): a :class:`TimelineSession` over the pipeline group, installed with
-      :func:`engine.tracing.use_tracer` for each training step; files written at :meth:`close` (collective).
+      :func:`engine.runtime.tracing.use_tracer` for each training step; files written at :meth:`close` (collective).
     * ``nvtx``: NVTX ranges for every span (also without a timeline).
     * ``config.profile.enabled``: ``torch.profiler`` traces per rank in ``<run_dir>/profile`` (wait / warmup /
       active steps, see :class:`StepProfiler`).
@@ -131,7 +131,7 @@ class TrainerProfiling:
         trainer.train_step = self._train_step  # instance attribute: the class is untouched
 
     def _train_step(self) -> dict:
-        from ..tracing import use_tracer
+        from ..runtime.tracing import use_tracer
         step = self.trainer.step
         scope = self.session.step(step) if self.session is not None else _NULL_SCOPE
         with scope, use_tracer(self.tracer):

@@ -21,7 +21,7 @@ class Span:
     """One recorded span of one rank.
 
     Attributes:
-        category: ``"compute"``, ``"p2p"``, ``"graph"`` or ``"sync"`` (see :mod:`engine.tracing`).
+        category: ``"compute"``, ``"p2p"``, ``"graph"`` or ``"sync"`` (see :mod:`engine.runtime.tracing`).
         label: e.g. ``"F c1 mb3"``, ``"recv act c0 mb2"``.
         start_ns, end_ns: nanoseconds since the recorder's anchor.
         step: the training step it belongs to (``-1`` outside :meth:`TimelineRecorder.step`).
@@ -87,7 +87,7 @@ class _CudaClock:
 
 
 class TimelineRecorder:
-    """A :class:`engine.tracing.Tracer` that records every span with its start and end time.
+    """A :class:`engine.runtime.tracing.Tracer` that records every span with its start and end time.
 
     Use ``with recorder.step(i): ...`` around each training step (so spans carry the step index), then
     :meth:`spans` to read them back.  Only one span context is live per nesting level, so ``span()`` returns the

@@ -24,7 +24,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from ..schedule_table import validate_interleaved_microbatches
+from ..plan.table import validate_interleaved_microbatches
 
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig",
            "CheckpointConfig", "LoggingConfig", "CudaGraphsConfig", "ProfileConfig", "TrainConfig",

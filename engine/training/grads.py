@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..process_groups import ProcessGroupCollection, group_size
+from ..runtime.process_groups import ProcessGroupCollection, group_size
 
 __all__ = ["GradSync", "clip_grad_norm", "tied_embedding_weight"]
 
@@ -83,7 +83,7 @@ class GradSync:
         chunks: this rank's model chunks.
         pg: the process groups (``dp`` for the data-parallel average, ``embd`` for the tied embedding).
         overlap: launch each chunk's data-parallel all-reduce when its gradients are complete.
-        tracer: optional ``engine.tracing.Tracer``; finalize reports a ``"sync"`` span.
+        tracer: optional ``engine.runtime.tracing.Tracer``; finalize reports a ``"sync"`` span.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], pg: ProcessGroupCollection, overlap: bool = True,

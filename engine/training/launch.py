@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             from .data import check_data
             check_data(config)
             check_fresh_run(config, bool(args.resume))
-            from .. import gloo_io
+            from ..runtime import gloo_io
             gloo_io.check_environment()
         except (ConfigError, TypeError, ValueError, RuntimeError, FileNotFoundError) as exc:
             print(f"error: {exc}", file=sys.stderr)

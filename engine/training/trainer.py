@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..model_parallel_config import ModelParallelConfig
-from ..process_groups import ProcessGroupCollection, build_process_groups
+from ..runtime.process_groups import ProcessGroupCollection, build_process_groups
 from .checkpoint import (CheckpointError, checkpoint_keys, latest_checkpoint, list_checkpoints, load_checkpoint,
                          read_checkpoint_meta, save_checkpoint)
 from .config import TrainConfig, check_fresh_run, dump_config, validate, validate_world_size
@@ -93,7 +93,7 @@ class Trainer:
         self._log_file = _setup_logging(config, self.is_log_rank, self.run_dir, to_file=self._run_files_open)
         set_seed_and_determinism(config.schedule.seed, self.pp_rank, config.schedule.deterministic)
 
-        self.tracer = None  # an engine.tracing.Tracer; the profiling tools set it
+        self.tracer = None  # an engine.runtime.tracing.Tracer; the profiling tools set it
         self.mp_config = self._model_parallel_config()
         self.model = build_model_chunks(config.model, config.ffn_hidden_size, p.pipeline, self.pp_rank, p.virtual,
                                         config.schedule.seed, self.mp_config, self.device)
@@ -170,10 +170,10 @@ class Trainer:
         return lr_lambda(step, o.lr, o.min_lr, o.warmup_steps, self.config.schedule.steps)
 
     def simulated_bubble(self) -> float:
-        """Bubble fraction of one training step from the plan simulator (``engine.simulate``; uniform costs,
+        """Bubble fraction of one training step from the plan simulator (``engine.plan.simulate``; uniform costs,
         backward = 2 x forward, no transfer time): idle / makespan over all pipeline ranks."""
         from ..plan import build_plan
-        from ..simulate import simulate
+        from ..plan.simulate import simulate
         c, p = self.config, self.config.parallel
         plan = build_plan(c.schedule_name, p.pipeline, c.schedule.num_microbatches, p.virtual,
                           p.microbatch_group_size_per_vp_stage if p.virtual > 1 else None)
@@ -199,7 +199,7 @@ class Trainer:
         from .. import schedules  # the public API; imported late so that `engine` never imports the trainer eagerly
         p = self.config.parallel
         fb = schedules.get_forward_backward_func(p.pipeline, p.virtual if p.virtual > 1 else None)
-        from ..p2p import P2PCommunicator
+        from ..runtime.p2p import P2PCommunicator
         # no pipelining ignores it (Megatron's contract); pipelined schedules need it next to pg_collection
         return fb, P2PCommunicator(self.pg.pp, self.mp_config)
 

@@ -57,7 +57,7 @@ def use_tracer(tracer: Tracer | None) -> Iterator[Tracer]:
     """
     tracer = NULL_TRACER if tracer is None else tracer
     if not callable(getattr(tracer, "span", None)):
-        raise TypeError(f"tracer={tracer!r} has no span(category, label) method; pass an engine.tracing.Tracer")
+        raise TypeError(f"tracer={tracer!r} has no span(category, label) method; pass an engine.runtime.tracing.Tracer")
     token = _CURRENT.set(tracer)
     try:
         yield tracer

@@ -27,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from .plan import SCHEDULES, Plan, build_plan
+from .build import SCHEDULES, Plan, build_plan
 from .simulate import Simulation, simulate
 from .validate import max_buffered_messages, validate_plan
 
@@ -204,7 +204,7 @@ def to_json(plan: Plan, sim: Simulation, buffered) -> dict:
     }
 
 
-if __name__ == "__main__":  # python -m engine.schedule_cli ...
+if __name__ == "__main__":  # python -m engine.plan.cli ...
     _p = argparse.ArgumentParser(prog="pipecast schedule", description=__doc__)
     add_arguments(_p)
     sys.exit(run(_p.parse_args()))

@@ -22,7 +22,7 @@ from array import array
 from dataclasses import dataclass
 from functools import cached_property
 
-from .schedule_table import get_schedule_table, pp_rank_microbatches, validate_interleaved_microbatches
+from .table import get_schedule_table, pp_rank_microbatches, validate_interleaved_microbatches
 
 __all__ = ["Op", "Action", "Message", "Plan", "SCHEDULES", "MAX_PLAN_FORWARDS", "build_plan", "schedule_name"]
 

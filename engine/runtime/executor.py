@@ -11,7 +11,7 @@ executor derives everything else from the plan's actions:
   order on every link (``Plan.link_order(src, dst)``), so they match one to one even on a transport that ignores
   tags -- also with ``P = 2`` and interleaving, where activations and gradients share one pair of ranks (public bug
   B02) -- and each is waited just before the action that consumes it.  Each message kind also has its own tag
-  (``engine.p2p``).  This is the communication model of the plan validator: a plan it accepts cannot deadlock here.
+  (``engine.runtime.p2p``).  This is the communication model of the plan validator: a plan it accepts cannot deadlock here.
 * Receives are posted ``prefetch`` actions ahead (:func:`default_prefetch`): with ``config.overlap_p2p_comm`` the
   receives of the next :data:`OVERLAP_PREFETCH` actions are kept posted (prefetched, waited right before use);
   otherwise those of the next action on NCCL (Megatron's lock-step pairing) and of the next three on gloo (gloo
@@ -32,7 +32,7 @@ executor derives everything else from the plan's actions:
   start and chunk ``c >= 2`` at forward step ``k`` when step ``k + r`` is the first microbatch of chunk ``c - 1``;
   ``finalize_model_grads_func(models, total_num_tokens or None, pg_collection=..., force_all_reduce=...)`` at the end
   of a training step.
-* Spans to a tracer (``engine.tracing``): ``"compute"`` around each action (label ``"F c1 mb3"``), ``"p2p"`` around
+* Spans to a tracer (``engine.runtime.tracing``): ``"compute"`` around each action (label ``"F c1 mb3"``), ``"p2p"`` around
   each receive wait (``"recv act c0 mb2"``) and send wait (``"wait send"``), ``"sync"`` around hooks.
 
 Per-rank communication schedules are compiled once per (plan, rank, prefetch) and cached (:func:`compile_rank`,
@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .p2p import TAG_ACT, TAG_ACT_SHAPE, TAG_GRAD, TAG_GRAD_SHAPE, decode_shape, encode_shape
-from .plan import Message, Op, Plan, build_plan
+from ..plan import Message, Op, Plan, build_plan
 from .step import ChunkHooks, backward_step, check_first_val_step, deallocate_output_tensor, run_forward
 from .tracing import current_tracer
 
@@ -420,7 +420,7 @@ class ExecutionContext:
     ``act_shape`` / ``grad_shape``: receive-buffer shapes (``[s, b, h]``) of activations and gradients, ignored when
     the communicator negotiates shapes.  ``vp_stages``: pass ``vp_stage=chunk`` to ``forward_step`` (interleaved).
     ``per_stage_last``: pass ``is_last_stage`` from the plan (pipelined); False passes Megatron's default True.
-    ``chunk_hooks``: each model chunk's :class:`~engine.step.ChunkHooks` (resolved by the schedule function before
+    ``chunk_hooks``: each model chunk's :class:`~engine.runtime.step.ChunkHooks` (resolved by the schedule function before
     its cross-rank agreement); None resolves them here.
     """
 

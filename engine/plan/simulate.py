@@ -1,6 +1,6 @@
 """Discrete-event simulation of a plan: makespan, per-rank timeline, bubble and in-flight activations.
 
-Model (the runtime's, see :mod:`engine.validate`): each rank runs its actions in plan order, one at a time; an
+Model (the runtime's, see :mod:`engine.plan.validate`): each rank runs its actions in plan order, one at a time; an
 action starts when the previous action of its rank has ended and its input message has arrived (producer's end
 plus ``transfer_time``); sends never wait.  Compute costs are per op and optionally per ``(rank, chunk)``.
 
@@ -14,7 +14,7 @@ Closed forms the tests check (uniform costs, no transfer time; ``p`` ranks, ``m`
 * Peak in-flight activations (forwards done whose backward has not finished): ``p-r`` on rank ``r`` for 1F1B
   (``m >= p``); ``W+1`` (warmup count + 1) for interleaved ranks whose warmup is below the total.
 
-Cost: one linear pass over the validator's execution order (:func:`engine.validate.execution_order`, computed and
+Cost: one linear pass over the validator's execution order (:func:`engine.plan.validate.execution_order`, computed and
 cached if the plan was not validated yet): about 0.2 s of CPU for 1M actions (P=64, C=8, M=1024).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Union
 
 import numpy as np
 
-from .plan import Plan
+from .build import Plan
 from .plotting import Span
 from .validate import PlanGraph, execution_order, plan_graph
 
@@ -52,7 +52,7 @@ class Simulation:
             0 for forward-only plans, which keep nothing for a backward.
         transfer_time: the message latency used.
         flat_start, flat_end: start / end times of all actions in the global numbering of
-            :class:`~engine.validate.PlanGraph` (``base[rank] + i``).
+            :class:`~engine.plan.validate.PlanGraph` (``base[rank] + i``).
         base: ``[P+1]`` offsets of each rank in the flat lists.
     """
 
@@ -98,7 +98,7 @@ class Simulation:
         return tuple(i / b if b > 0 else 0.0 for i, b in zip(self.idle, self.busy))
 
     def spans(self) -> list[Span]:
-        """Every action as a :class:`~engine.plotting.Span` (``kind`` = ``"F"``, ``"B"`` or ``"W"``)."""
+        """Every action as a :class:`~engine.plan.plotting.Span` (``kind`` = ``"F"``, ``"B"`` or ``"W"``)."""
         out = []
         for rank, acts in enumerate(self.plan.actions):
             starts, ends = self.start[rank], self.end[rank]
@@ -112,7 +112,7 @@ def simulate(plan: Plan, forward_time: Cost = 1.0, backward_time: Cost = 2.0, tr
     """Simulate one step of ``plan`` (model in the module doc).
 
     Args:
-        plan: a valid plan (checked; see :func:`engine.validate.plan_graph`).
+        plan: a valid plan (checked; see :func:`engine.plan.validate.plan_graph`).
         forward_time: cost of one forward of one model chunk (time units, e.g. ms).
         backward_time: cost of one backward (input and weight gradients unless the plan splits off ``W``).
         transfer_time: latency of every message (producer end to consumer availability), ``>= 0``.

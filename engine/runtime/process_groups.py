@@ -26,7 +26,7 @@ identical by construction share one object (``mp is pp``; ``dp_cp is dp``; ``tp`
 (world 1, pp 1) gets a collection whose groups are all ``None``; :func:`group_rank` / :func:`group_size` treat
 ``None`` as rank 0 of size 1, like Megatron's stage predicates (spec section 0).
 
-On gloo the pipeline groups' I/O thread runs at a lower priority (``engine.gloo_io``; ``gloo_io_nice``).
+On gloo the pipeline groups' I/O thread runs at a lower priority (``engine.runtime.gloo_io``; ``gloo_io_nice``).
 """
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def build_process_groups(pipeline_model_parallel_size: int, virtual_pipeline_mod
     ``torch.distributed.new_group`` by every rank, in one fixed order (pipeline groups, data-parallel groups,
     embedding groups, one-rank groups).  ``world_size`` / ``rank`` default to the default group's; if given they
     must match it.  ``backend`` / ``timeout`` go to ``new_group`` (default: the default group's).
-    ``gloo_io_nice``: nice value for the gloo I/O thread of this rank's pipeline group (``engine.gloo_io``;
+    ``gloo_io_nice``: nice value for the gloo I/O thread of this rank's pipeline group (``engine.runtime.gloo_io``;
     ``"default"``: ``PIPECAST_GLOO_IO_NICE`` or 19; None: leave it at the process's priority).
 
     Without torch.distributed initialised only ``world_size`` 1 with ``pipeline_model_parallel_size`` 1 is

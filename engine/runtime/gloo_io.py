@@ -14,7 +14,7 @@ of ``benchmarks/vs_torch_pipelining.py`` (ranks pinned) interleaved 1F1B steps i
 while its rank computes (a receive, or a send posted before the peer's receive) may move later; while the rank
 waits, nothing changes.
 
-Only the pipeline groups that :func:`engine.process_groups.build_process_groups` creates are affected: their I/O
+Only the pipeline groups that :func:`engine.runtime.process_groups.build_process_groups` creates are affected: their I/O
 threads are told apart from every other group's by when they appear, so a gloo group that another Python thread
 creates at the same moment would be reniced too.  Raising a thread's nice value needs no privilege.  ``PIPECAST_GLOO_IO_NICE=off`` (or ``build_process_groups(..., gloo_io_nice=None)``) leaves the
 threads alone; ``PIPECAST_GLOO_IO_NICE=<n>`` picks another value.  Where threads cannot be listed or reniced

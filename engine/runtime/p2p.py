@@ -2,7 +2,7 @@
 
 :class:`P2PCommunicator` has Megatron-Core's public surface (``P2PCommunicator(pp_group, config)``, ``recv_forward``,
 ``send_forward_recv_backward``, ..., spec section 4) for code that drives the pipeline by hand, and the small
-message API the executor (``engine.executor``) is built on: :meth:`P2PCommunicator.isend` /
+message API the executor (``engine.runtime.executor``) is built on: :meth:`P2PCommunicator.isend` /
 :meth:`P2PCommunicator.irecv` (one non-blocking transfer to / from a pipeline rank, by its rank in the pipeline
 group), :meth:`P2PCommunicator.post` (several transfers of one exchange point, batched or even/odd ordered) and the
 receive-buffer / shape-message helpers.

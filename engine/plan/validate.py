@@ -25,7 +25,7 @@ against that rule, and a plan that breaks it is refused rather than misjudged.
 Cost: linear in the number of actions (the deadlock check is one event-driven pass over the ranks: a rank runs
 until it needs a message that is not produced yet, and is resumed when the producer passes that action); about
 0.25 s of CPU for P=64, C=8, M=1024 (1M actions); see ``benchmarks/plan_scale.py``.  The dependency graph and the
-execution order are cached on the plan, so :func:`engine.simulate.simulate` reuses them.
+execution order are cached on the plan, so :func:`engine.plan.simulate.simulate` reuses them.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .plan import Action, Message, Op, Plan
+from .build import Action, Message, Op, Plan
 
 __all__ = ["PlanError", "PlanGraph", "plan_graph", "execution_order", "validate_plan", "max_buffered_messages"]
 
@@ -394,7 +394,7 @@ def max_buffered_messages(plan: Plan, simulation=None, **costs) -> tuple[int, ..
 
     A message is buffered on its receiver from its arrival (producer's end + transfer time) until its consuming
     action starts; arrivals at the very moment the consumer starts are not buffered.  Timing comes from
-    ``simulation`` (a :class:`engine.simulate.Simulation` of this plan) or from ``simulate(plan, **costs)``.
+    ``simulation`` (a :class:`engine.plan.simulate.Simulation` of this plan) or from ``simulate(plan, **costs)``.
 
     Raises:
         PlanError: the plan is invalid.

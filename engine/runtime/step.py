@@ -196,7 +196,7 @@ def select_schedule_name(pp_size: Optional[int] = None, vp_size: Optional[int] =
     Raises ``TypeError`` for ``pp_size=None`` with a ``vp_size`` (as Megatron's ``None > 1`` does).
     """
     if pp_size is None and vp_size is None:
-        from . import parallel_state as ps
+        from .. import parallel_state as ps
         pp_size = ps.get_pipeline_model_parallel_world_size()
         vp_size = ps.get_virtual_pipeline_model_parallel_world_size()
     if pp_size is None:
@@ -362,7 +362,7 @@ def forward_step_calc_loss(model, output_tensor, loss_func, config, vp_stage, co
         raise ScheduleContractError(f"forward_step_calc_loss: vp_stage={vp_stage} but model.vp_stage="
                                     f"{model_vp_stage}; pass the model chunk's own virtual pipeline stage")
     if cp_group_size is None and is_last_stage is None:
-        from . import parallel_state as ps
+        from .. import parallel_state as ps
         cp_group_size = ps.get_context_parallel_world_size()
         is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     elif cp_group_size is None or is_last_stage is None:
