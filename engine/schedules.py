@@ -33,20 +33,24 @@ Deliberate deviations from Megatron-Core 0.16.1:
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
-from .runtime.executor import ExecutionContext, cached_program, default_prefetch, execute
+from .plan.build import Plan, build_plan
+from .plan.lowering import cached_program, program_for
+from .plan.schedule import Schedule, parse_schedule, select_schedule
+from .plan.table import (convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches,
+                         validate_interleaved_microbatches)
+from .runtime.executor import ExecutionContext, default_prefetch, execute
 from .runtime.p2p import P2PCommunicator
 from .runtime.process_groups import group_size
-
-from .plan.table import convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches
-from .runtime.step import (ChunkHooks, ScheduleContractError, ScheduleContractTypeError, backward_step, check_first_val_step,
-                   clear_embedding_activation_buffer, custom_backward,
-                   deallocate_output_tensor, finish_embedding_wgrad_compute, forward_step, forward_step_calc_loss,
-                   get_attr_wrapped_model, get_model_config, get_tensor_shapes, is_pp_last_stage,
-                   select_schedule_name, set_current_microbatch)
-from .plan.table import validate_interleaved_microbatches
+from .runtime.step import (ChunkHooks, ScheduleContractError, ScheduleContractTypeError, backward_step,
+                           check_first_val_step, clear_embedding_activation_buffer, custom_backward,
+                           deallocate_output_tensor, finish_embedding_wgrad_compute, get_attr_wrapped_model,
+                           get_model_config, get_tensor_shapes, is_pp_last_stage, set_current_microbatch)
+from .microbatch import forward_step, forward_step_calc_loss
 
 
 def get_pp_rank_microbatches(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage,
@@ -72,8 +76,8 @@ def get_pp_rank_microbatches(num_microbatches, num_model_chunks, microbatch_grou
 
 # ---- the schedules --------------------------------------------------------------------------------------------------
 
-_NO_PIPELINING, _ONE_F_ONE_B, _INTERLEAVED = "no_pipelining", "1f1b", "interleaved"
-_SCHEDULE_ID = {_NO_PIPELINING: 0, _ONE_F_ONE_B: 1, _INTERLEAVED: 2}
+_NO_PIPELINING, _ONE_F_ONE_B, _INTERLEAVED = Schedule.NO_PIPELINING, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED
+_SCHEDULE_ID = {s: i for i, s in enumerate(Schedule)}
 _FINGERPRINT = ("schedule", "num_microbatches", "forward_only", "num_model_chunks",
                 "microbatch_group_size_per_vp_stage", "variable_seq_lengths", "activation shape", "gradient shape",
                 "config.pipeline_dtype")
@@ -172,46 +176,15 @@ class _Call:
 
 
 def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
-             decoder_seq_length, forward_only, adjust_tensor_shapes_fn, comm, pgc) -> _Call:
-    """Every local check of a schedule call (raises); no communication."""
+             decoder_seq_length, forward_only, adjust_tensor_shapes_fn, comm, pgc, chunks=None) -> _Call:
+    """Every local check of a schedule call (raises); no communication.  ``chunks``: the model chunks per rank of
+    a split-backward plan."""
     call = _Call()
     call.schedule, call.pgc, call.group = schedule, pgc, None
     _check_microbatches(num_microbatches)
-    if schedule == _INTERLEAVED:
-        if not isinstance(model, list):
-            raise ScheduleContractTypeError("forward_backward_pipelining_with_interleaving: model must be a list of "
-                                            f"model chunks (one per virtual pipeline stage), got "
-                                            f"{type(model).__name__}")
-        models = list(model)
-        if not models:
-            raise ScheduleContractError("forward_backward_pipelining_with_interleaving: model is an empty list; pass "
-                                        "one model chunk per virtual pipeline stage")
-        vp = get_model_config(models[0]).virtual_pipeline_model_parallel_size
-        if vp != len(models):  # checked before data_iterator: its length follows the model list
-            fix = (f"pass model as a list of {vp} model chunks (one per virtual pipeline stage) on each rank, or set "
-                   if isinstance(vp, int) and vp >= 1 else "set ")
-            raise ScheduleContractError(
-                f"forward_backward_pipelining_with_interleaving: model is a list of {len(models)} model chunk(s) but "
-                f"config.virtual_pipeline_model_parallel_size={vp}; {fix}"
-                f"config.virtual_pipeline_model_parallel_size={len(models)}")
-        iters = [None] * len(models) if data_iterator is None else data_iterator
-        if not isinstance(iters, list) or len(iters) != len(models):
-            raise ScheduleContractError("forward_backward_pipelining_with_interleaving: data_iterator must be a list "
-                                        f"with one iterator (or None) per model chunk ({len(models)}), got "
-                                        f"{type(data_iterator).__name__}"
-                                        f"{'' if not isinstance(iters, list) else f' of length {len(iters)}'}")
-        if adjust_tensor_shapes_fn is not None:
-            raise ScheduleContractError("forward_backward_pipelining_with_interleaving: adjust_tensor_shapes_fn is "
-                                        "only supported by the non-interleaved schedule; pass None")
-    else:
-        name = ("forward_backward_no_pipelining" if schedule == _NO_PIPELINING
-                else "forward_backward_pipelining_without_interleaving")
-        models, iters = _single_model(model, data_iterator, name)
-        if schedule == _NO_PIPELINING and adjust_tensor_shapes_fn is not None:
-            raise ScheduleContractError("forward_backward_no_pipelining: adjust_tensor_shapes_fn must be None (there "
-                                        "is no pipeline communication)")
+    models, iters = _models_of(schedule, model, data_iterator, adjust_tensor_shapes_fn, chunks)
     call.models, call.iters = models, iters
-    call.hooks = _chunk_hooks(models, schedule == _INTERLEAVED)
+    call.hooks = _chunk_hooks(models, len(models) > 1 or schedule == _INTERLEAVED)
     config = get_model_config(models[0])
     call.config = config
     if comm is None and schedule != _NO_PIPELINING:
@@ -221,6 +194,65 @@ def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, mi
     if schedule == _NO_PIPELINING:
         return call
     pp_size = comm.size
+    _check_p2p_modes(schedule, config, pp_size)
+    if schedule == _INTERLEAVED:
+        group = config.microbatch_group_size_per_vp_stage or pp_size
+        validate_interleaved_microbatches(num_microbatches, pp_size, group)
+        call.group = group
+    if pp_size > 1 and config.pipeline_dtype is None:
+        raise RuntimeError("config.pipeline_dtype is None but the pipeline has "
+                           f"{pp_size} ranks; set ModelParallelConfig.pipeline_dtype (the dtype of P2P tensors, e.g. "
+                           "torch.float32)")
+    if pp_size > 1 and not comm.negotiates_shapes:
+        _set_shapes(call, seq_length, micro_batch_size, decoder_seq_length, adjust_tensor_shapes_fn)
+    return call
+
+
+def _models_of(schedule, model, data_iterator, adjust_tensor_shapes_fn, chunks):
+    """``(models, iterators)`` of the call, one per model chunk, checked against the schedule."""
+    if schedule == _INTERLEAVED or (chunks is not None and chunks > 1):
+        name = _function_name(schedule)
+        models, iters = _chunk_list(name, model, data_iterator, chunks)
+        if adjust_tensor_shapes_fn is not None:
+            raise ScheduleContractError(f"{name}: adjust_tensor_shapes_fn is only supported by the non-interleaved "
+                                        "schedule; pass None")
+        return models, iters
+    models, iters = _single_model(model, data_iterator, _function_name(schedule))
+    if schedule == _NO_PIPELINING and adjust_tensor_shapes_fn is not None:
+        raise ScheduleContractError("forward_backward_no_pipelining: adjust_tensor_shapes_fn must be None (there "
+                                    "is no pipeline communication)")
+    return models, iters
+
+
+def _function_name(schedule) -> str:
+    return Schedule(schedule).megatron_function or "forward_backward_pipelining_with_schedule"
+
+
+def _chunk_list(name: str, model, data_iterator, chunks):
+    """The model list of a multi-chunk schedule (interleaved: checked against the config's virtual size)."""
+    if not isinstance(model, list):
+        raise ScheduleContractTypeError(f"{name}: model must be a list of model chunks (one per virtual pipeline "
+                                        f"stage), got {type(model).__name__}")
+    models = list(model)
+    if not models:
+        raise ScheduleContractError(f"{name}: model is an empty list; pass one model chunk per virtual pipeline "
+                                    "stage")
+    vp = get_model_config(models[0]).virtual_pipeline_model_parallel_size if chunks is None else chunks
+    what = "config.virtual_pipeline_model_parallel_size" if chunks is None else "the plan's num_model_chunks"
+    if vp != len(models):  # checked before data_iterator: its length follows the model list
+        fix = (f"pass model as a list of {vp} model chunks (one per virtual pipeline stage) on each rank, or set "
+               if isinstance(vp, int) and vp >= 1 else "set ")
+        raise ScheduleContractError(f"{name}: model is a list of {len(models)} model chunk(s) but {what}={vp}; {fix}"
+                                    f"config.virtual_pipeline_model_parallel_size={len(models)}")
+    iters = [None] * len(models) if data_iterator is None else data_iterator
+    if not isinstance(iters, list) or len(iters) != len(models):
+        raise ScheduleContractError(f"{name}: data_iterator must be a list with one iterator (or None) per model "
+                                    f"chunk ({len(models)}), got {type(data_iterator).__name__}"
+                                    f"{'' if not isinstance(iters, list) else f' of length {len(iters)}'}")
+    return models, iters
+
+
+def _check_p2p_modes(schedule, config, pp_size: int) -> None:
     if schedule == _ONE_F_ONE_B and config.overlap_p2p_comm:
         raise ValueError("forward_backward_pipelining_without_interleaving: config.overlap_p2p_comm=True is not "
                          "supported by the non-interleaved schedule (as in Megatron-Core); set overlap_p2p_comm=False "
@@ -233,29 +265,25 @@ def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, mi
             raise ValueError("forward_backward_pipelining_with_interleaving needs a pipeline of at least 2 ranks, "
                              f"got pipeline_model_parallel_size={pp_size}; use forward_backward_no_pipelining "
                              "(get_forward_backward_func picks it for one rank)")
-        group = config.microbatch_group_size_per_vp_stage or pp_size
-        validate_interleaved_microbatches(num_microbatches, pp_size, group)
-        call.group = group
-    if pp_size > 1 and config.pipeline_dtype is None:
-        raise RuntimeError("config.pipeline_dtype is None but the pipeline has "
-                           f"{pp_size} ranks; set ModelParallelConfig.pipeline_dtype (the dtype of P2P tensors, e.g. "
-                           "torch.float32)")
-    if pp_size > 1 and not comm.negotiates_shapes:
-        if schedule == _INTERLEAVED:
-            shape = _interleaved_shape(seq_length, micro_batch_size, config, pgc)
-            recv_shapes = send_shapes = [shape]
-        else:
-            recv_shapes = send_shapes = get_tensor_shapes(
-                seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
-                config=config, tp_group=pgc.tp, cp_group=pgc.cp)
-            if adjust_tensor_shapes_fn is not None:
-                recv_shapes, send_shapes = adjust_tensor_shapes_fn(recv_shapes, send_shapes)
-        if len(recv_shapes) != 1 or len(send_shapes) != 1:
-            raise ValueError(f"pipecast sends one tensor per pipeline message; got receive shapes {recv_shapes} and "
-                             f"send shapes {send_shapes} (adjust_tensor_shapes_fn); return one shape each")
-        call.act_shape = _check_shape(recv_shapes[0], schedule, "activation")
-        call.grad_shape = _check_shape(send_shapes[0], schedule, "gradient")
-    return call
+
+
+def _set_shapes(call, seq_length, micro_batch_size, decoder_seq_length, adjust_tensor_shapes_fn) -> None:
+    """The fixed receive shapes ``[s, b, h]`` of activations and gradients."""
+    config, pgc, schedule = call.config, call.pgc, call.schedule
+    if len(call.models) > 1 or schedule == _INTERLEAVED:
+        shape = _interleaved_shape(seq_length, micro_batch_size, config, pgc)
+        recv_shapes = send_shapes = [shape]
+    else:
+        recv_shapes = send_shapes = get_tensor_shapes(
+            seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+            config=config, tp_group=pgc.tp, cp_group=pgc.cp)
+        if adjust_tensor_shapes_fn is not None:
+            recv_shapes, send_shapes = adjust_tensor_shapes_fn(recv_shapes, send_shapes)
+    if len(recv_shapes) != 1 or len(send_shapes) != 1:
+        raise ValueError(f"pipecast sends one tensor per pipeline message; got receive shapes {recv_shapes} and "
+                         f"send shapes {send_shapes} (adjust_tensor_shapes_fn); return one shape each")
+    call.act_shape = _check_shape(recv_shapes[0], schedule, "activation")
+    call.grad_shape = _check_shape(send_shapes[0], schedule, "gradient")
 
 
 def _chunk_hooks(models, interleaved: bool) -> list:
@@ -490,10 +518,27 @@ def get_forward_backward_func(pp_size=None, vp_size=None):
     return _BY_NAME[select_schedule_name(pp_size, vp_size)]
 
 
+def select_schedule_name(pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> str:
+    """Name of the schedule function ``get_forward_backward_func(pp_size, vp_size)`` returns (spec 1.1).
+
+    Both None: read the pipeline and virtual pipeline sizes from ``engine.parallel_state``; one None: used as
+    given (:func:`engine.plan.schedule.select_schedule`).  Raises ``TypeError`` for ``pp_size=None`` with a
+    ``vp_size`` (as Megatron's ``None > 1`` does).
+    """
+    if pp_size is None and vp_size is None:
+        from . import parallel_state as ps
+        pp_size = ps.get_pipeline_model_parallel_world_size()
+        vp_size = ps.get_virtual_pipeline_model_parallel_world_size()
+    if pp_size is None:
+        raise TypeError(f"get_forward_backward_func(pp_size=None, vp_size={vp_size}): pass pp_size as well, or "
+                        "neither to read both from engine.parallel_state")
+    return select_schedule(pp_size, vp_size).megatron_function
+
+
 __all__ = ["get_forward_backward_func", "forward_backward_no_pipelining",
            "forward_backward_pipelining_without_interleaving", "forward_backward_pipelining_with_interleaving",
            "P2PCommunicator", "get_pp_rank_microbatches", "get_schedule_table", "convert_schedule_table_to_order",
-           # per-microbatch functions (engine/runtime/step.py)
+           # per-microbatch functions (engine/microbatch.py, engine/runtime/step.py)
            "deallocate_output_tensor", "custom_backward", "set_current_microbatch", "forward_step_calc_loss",
            "forward_step", "backward_step", "check_first_val_step", "clear_embedding_activation_buffer",
            "finish_embedding_wgrad_compute", "get_tensor_shapes", "get_model_config", "get_attr_wrapped_model"]

@@ -280,7 +280,8 @@ def custom_plans(rank: int, world: int) -> list:
     the previous rank receives the gradients in another order than it consumes them; plus Megatron's 1F1B and
     interleaved plans with the NCCL posting depth (receives one action ahead) run on gloo.  Returns, per plan, the
     largest relative gradient error against the reference and the recorded vs planned compute order."""
-    from engine.runtime.executor import NCCL_PREFETCH, ExecutionContext, execute, program_for
+    from engine.plan.lowering import program_for
+    from engine.runtime.executor import NCCL_PREFETCH, ExecutionContext, execute
     from engine.plan import Action, Op, Plan
     pgc = build_process_groups(world)
     M, plans = 4, []

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from engine.model_parallel_config import ModelParallelConfig
 from engine.plan import MAX_PLAN_FORWARDS, build_plan
 from engine.schedules import forward_backward_pipelining_with_interleaving
-from engine.runtime.step import ScheduleContractError, backward_step, deallocate_output_tensor, forward_step
+from engine.runtime.step import ScheduleContractError, backward_step, deallocate_output_tensor
+from engine.schedules import forward_step
 from tests.distributed import run_ranks
 
 

@@ -321,7 +321,7 @@ PURE_PLANS = [("1f1b", 2, 8, 1, None), ("1f1b", 4, 3, 1, None), ("1f1b", 4, 16, 
 @pytest.mark.parametrize("batched", [True, False])
 def test_b02_receives_posted_in_the_senders_order(prefetch, batched):
     """Matching by order alone (NCCL ignores tags) pairs every receive with the right send, on every link."""
-    from engine.runtime.executor import compile_rank
+    from engine.plan.lowering import compile_rank
     for args in PURE_PLANS:
         for fo in (False, True):
             plan = build_plan(*args, forward_only=fo)
@@ -345,7 +345,7 @@ def test_b13_sent_outputs_released_during_the_step(prefetch):
     """Send handles (which keep sent storage alive) are waited while the step runs: at most W + 1 (1F1B) or W + 2
     (interleaved) sent tensors per rank are held in training -- about the activations in flight -- and at most
     2*P*C in evaluation, instead of all M*C until the end of the step."""
-    from engine.runtime.executor import compile_rank
+    from engine.plan.lowering import compile_rank
     for args in PURE_PLANS:
         for fo in (False, True):
             plan = build_plan(*args, forward_only=fo)

@@ -9,10 +9,11 @@ from engine import parallel_state as ps
 from engine.model_parallel_config import ModelParallelConfig
 from engine.runtime.step import (ScheduleContractError, ScheduleContractTypeError, aux_loss_scale, backward_step,
                          clear_embedding_activation_buffer, custom_backward, deallocate_output_tensor,
-                         finish_embedding_wgrad_compute, forward_step, forward_step_calc_loss, get_model_config,
+                         finish_embedding_wgrad_compute, get_model_config,
                          get_tensor_shapes, is_pp_first_stage, is_pp_last_stage, is_vp_first_stage, is_vp_last_stage,
                          set_current_microbatch)
 from engine.runtime.step import ChunkHooks
+from engine.schedules import forward_step, forward_step_calc_loss
 
 
 def calc(loss_func, *, M=4, cp=1, last=True, per_token=False, non_loss=False, config=None, output=None, store=None):

@@ -15,8 +15,8 @@ import torch
 
 from engine import parallel_state as ps
 from engine.model_parallel_config import ModelParallelConfig
-from engine.runtime.step import (backward_step, check_first_val_step, custom_backward, deallocate_output_tensor,
-                         forward_step, forward_step_calc_loss, select_schedule_name)
+from engine.runtime.step import backward_step, check_first_val_step, custom_backward, deallocate_output_tensor
+from engine.schedules import forward_step, forward_step_calc_loss, select_schedule_name
 
 ERRORS = {e.__name__: e for e in (TypeError, ValueError, RuntimeError, AssertionError, IndexError)}
 VECTORS = Path(__file__).resolve().parents[1].parent / "shared" / "vectors" / "megatron_schedules.json"

@@ -11,8 +11,11 @@ backward (steady 1F1B), then runs the remaining ``W`` backwards (cooldown).  No 
 one model chunk with ``W = min(P-r-1, M)``; interleaved 1F1B uses the virtual-pipeline warmup count and the
 grouped schedule table; forward-only plans keep the forward steps alone.
 
-Pipeline topology: model chunk ``c`` on pipeline rank ``r`` is virtual pipeline stage ``c*P + r``.  Activations
-flow from stage ``s`` to ``s+1`` (rank ``r+1``, or rank 0 of chunk ``c+1`` after the last rank), gradients back.
+Placement is data: a plan carries its stage -> (rank, chunk) map (:attr:`Plan.placement`).  Megatron's looped
+placement puts virtual stage ``c*P + r`` on rank ``r`` as chunk ``c`` (:func:`looped_placement`); the V placement of
+ZB-V puts stages ``r`` and ``2P-1-r`` on rank ``r`` (:func:`v_placement`).  Activations flow from stage ``s`` to
+``s+1``, gradients back; consecutive stages on one rank hand over locally (a :class:`Message` with ``src == dst``).
+Split-backward schedules (``zb_h1``, ``zbv``, ``zb``) are built by :mod:`engine.plan.zero_bubble`.
 This module is pure: it imports nothing from torch.
 """
 from __future__ import annotations
@@ -22,15 +25,17 @@ from array import array
 from dataclasses import dataclass
 from functools import cached_property
 
+from .schedule import Schedule, parse_schedule, select_schedule
 from .table import get_schedule_table, pp_rank_microbatches, validate_interleaved_microbatches
 
-__all__ = ["Op", "Action", "Message", "Plan", "SCHEDULES", "MAX_PLAN_FORWARDS", "build_plan", "schedule_name"]
+__all__ = ["Op", "Action", "Message", "Plan", "SCHEDULES", "MAX_PLAN_FORWARDS", "build_plan", "schedule_name",
+           "looped_placement", "v_placement"]
 
 MAX_PLAN_FORWARDS = 2 ** 24
 """Upper bound on ``P * C * M`` (forwards per step over all ranks) accepted by :func:`build_plan`: the plan holds
 every action as a Python object (~0.5 KB each), so 2**24 forwards are already ~16 GB and minutes to build."""
 
-SCHEDULES = ("no_pipelining", "1f1b", "interleaved")
+SCHEDULES = tuple(s.value for s in Schedule)
 
 
 class Op(str, enum.Enum):
@@ -38,7 +43,7 @@ class Op(str, enum.Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
-    WEIGHT = "W"  # split weight-gradient pass; reserved, no built-in schedule emits it yet
+    WEIGHT = "W"  # split weight-gradient pass (zero-bubble schedules); BACKWARD is then the input-gradient pass
 
     def __str__(self) -> str:
         return self.value
@@ -80,10 +85,23 @@ class Message:
 
 
 def schedule_name(pp_size: int, vp_size: int | None) -> str:
-    """The schedule Megatron picks for a topology (``get_forward_backward_func``, spec 1.1)."""
-    if pp_size > 1:
-        return "1f1b" if vp_size is None else "interleaved"
-    return "no_pipelining"
+    """The schedule Megatron picks for a topology, as its name (:func:`engine.plan.schedule.select_schedule`)."""
+    return select_schedule(pp_size, vp_size).value
+
+
+Placement = tuple[tuple[int, int], ...]
+"""Stage -> ``(rank, chunk)``: entry ``s`` is the location of virtual pipeline stage ``s``."""
+
+
+def looped_placement(pp_size: int, num_model_chunks: int) -> Placement:
+    """Megatron's placement: stage ``c*P + r`` is chunk ``c`` of rank ``r``."""
+    return tuple((s % pp_size, s // pp_size) for s in range(pp_size * num_model_chunks))
+
+
+def v_placement(pp_size: int) -> Placement:
+    """The V placement of ZB-V / DualPipeV: rank ``r`` holds stage ``r`` (chunk 0) and ``2P-1-r`` (chunk 1), so the
+    last rank hands stage ``P-1`` to ``P`` locally and rank 0 holds the first and the last stage."""
+    return tuple((s, 0) if s < pp_size else (2 * pp_size - 1 - s, 1) for s in range(2 * pp_size))
 
 
 @dataclass(frozen=True)
@@ -97,8 +115,12 @@ class Plan:
         num_microbatches: ``M``.
         group_size: ``microbatch_group_size_per_vp_stage`` ``G``.
         forward_only: no backward actions (evaluation).
-        warmup: per rank, the number of warmup forward steps ``W``.
+        warmup: per rank, the number of warmup forward steps ``W`` (forwards before the first backward).
         actions: per rank, the ordered actions.
+        placement: stage -> ``(rank, chunk)`` (:data:`Placement`); ``None`` means :func:`looped_placement`.
+        max_in_flight: per rank, the limit on activations held (forward done, backward not) that the validator
+            enforces, or ``None`` (no limit).
+        max_pending_w: per rank, the limit on weight-gradient passes pending (backward done, ``W`` not), or ``None``.
     """
 
     schedule: str
@@ -109,6 +131,9 @@ class Plan:
     forward_only: bool
     warmup: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
+    placement: Placement | None = None
+    max_in_flight: tuple[int, ...] | None = None
+    max_pending_w: tuple[int, ...] | None = None
 
     def __getstate__(self) -> dict:
         """Pickle only the fields: derived caches (keys, dependency graph, execution order) are rebuilt on demand."""
@@ -120,13 +145,35 @@ class Plan:
         """Virtual pipeline stages ``P*C``."""
         return self.pp_size * self.num_model_chunks
 
+    @cached_property
+    def stage_map(self) -> Placement:
+        """Stage -> ``(rank, chunk)`` (:attr:`placement`, or the looped placement when it is ``None``)."""
+        if self.placement is None:
+            return looped_placement(self.pp_size, self.num_model_chunks)
+        return tuple(tuple(loc) for loc in self.placement)
+
+    @cached_property
+    def _stage_of(self) -> dict:
+        return {loc: s for s, loc in enumerate(self.stage_map)}
+
     def stage(self, rank: int, chunk: int) -> int:
-        """Virtual stage index of ``(rank, chunk)``: ``chunk*P + rank``."""
-        return chunk * self.pp_size + rank
+        """Virtual stage index of ``(rank, chunk)`` (``chunk*P + rank`` under the looped placement); -1 if the
+        placement has no such location."""
+        return self._stage_of.get((rank, chunk), -1)
 
     def stage_location(self, stage: int) -> tuple[int, int]:
         """``(rank, chunk)`` holding virtual stage ``stage``."""
-        return stage % self.pp_size, stage // self.pp_size
+        return self.stage_map[stage]
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The virtual stages ``rank`` holds, in chunk order (what a model split for this rank needs)."""
+        return tuple(self.stage(rank, c) for c in range(self.num_model_chunks))
+
+    @property
+    def splits_backward(self) -> bool:
+        """The plan runs split weight-gradient (``W``) passes: ``B`` is then the input-gradient pass only."""
+        return Schedule(self.schedule).splits_backward if self.schedule in SCHEDULES else any(
+            a.op is Op.WEIGHT for acts in self.actions for a in acts)
 
     def is_first_stage(self, rank: int, chunk: int) -> bool:
         """Holds the input embedding (reads the data)."""
@@ -228,25 +275,48 @@ def _check_positive(name: str, value, fix: str) -> None:
 
 
 def build_plan(schedule: str, pp_size: int, num_microbatches: int, num_model_chunks: int = 1,
-               group_size: int | None = None, forward_only: bool = False) -> Plan:
+               group_size: int | None = None, forward_only: bool = False, *,
+               max_in_flight: int | tuple[int, ...] | None = None) -> Plan:
     """Build the plan of one step for every pipeline rank.
 
     Args:
-        schedule: ``"no_pipelining"`` (``P = 1``, one chunk), ``"1f1b"`` (one chunk per rank) or
-            ``"interleaved"`` (``num_model_chunks`` chunks per rank, virtual pipeline).
+        schedule: a :class:`~engine.plan.schedule.Schedule` or its name: ``"no_pipelining"`` (``P = 1``, one
+            chunk), ``"1f1b"`` (one chunk per rank), ``"interleaved"`` (``num_model_chunks`` chunks per rank),
+            ``"zb_h1"`` (one chunk per rank, split backward), ``"zbv"`` (V placement, two chunks per rank, split
+            backward) or ``"zb"`` (split backward under ``max_in_flight``, looped placement).
         pp_size: pipeline ranks ``P``.
         num_microbatches: ``M >= 1``.
-        num_model_chunks: ``C``; must be 1 except for ``"interleaved"``.
+        num_model_chunks: ``C``; 1 for ``"1f1b"`` / ``"zb_h1"``, 2 for ``"zbv"``.
         group_size: ``microbatch_group_size_per_vp_stage`` (interleaved only); defaults to ``P`` like Megatron.
-        forward_only: evaluation plan, forwards only, in schedule-table order.
+        forward_only: evaluation plan, forwards only (schedule-table order; the same placement for ``"zbv"``).
+        max_in_flight: ``"zb"`` only: per-rank limit on activations held (forward done, input-gradient pass not),
+            one number for every rank or one per rank; default ``C*(P - r)`` (1F1B's); about ``2P`` gives
+            ZB-H2-like plans.  The pending-``W`` limit equals it.
 
     Raises:
         ValueError: unknown schedule, non-positive sizes, ``P * C * M`` above :data:`MAX_PLAN_FORWARDS`, a chunk
-            count the schedule does not take, or (interleaved) a group size outside ``[P, M]`` (Megatron's check).
+            count the schedule does not take, ``max_in_flight`` given for another schedule or below 1, or
+            (interleaved) a group size outside ``[P, M]`` (Megatron's check).
         RuntimeError: (interleaved) ``0 < M mod G < P``, as Megatron raises.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+    kind = parse_schedule(schedule)
+    _check_sizes(kind, pp_size, num_microbatches, num_model_chunks)
+    if max_in_flight is not None and kind is not Schedule.ZB:
+        raise ValueError(f"max_in_flight={max_in_flight!r} is for schedule='zb' only (schedule={kind.value!r})")
+    if kind.splits_backward:
+        from .zero_bubble import zero_bubble_plan  # builds on this module
+        return zero_bubble_plan(kind, pp_size, num_microbatches, num_model_chunks, forward_only, max_in_flight)
+    return _megatron_plan(kind, pp_size, num_microbatches, num_model_chunks, group_size, forward_only)
+
+
+_CHUNKS = {Schedule.ONE_F_ONE_B: 1, Schedule.ZB_H1: 1, Schedule.ZBV: 2}
+_CHUNK_FIX = {Schedule.NO_PIPELINING: "use '1f1b' or 'interleaved' for pp_size > 1",
+              Schedule.ONE_F_ONE_B: "use 'interleaved' for virtual pipeline stages",
+              Schedule.ZB_H1: "use 'zbv' (two chunks, V placement) or 'zb' for several chunks per rank",
+              Schedule.ZBV: "ZB-V places exactly two model chunks on each rank (virtual pipeline size 2)"}
+
+
+def _check_sizes(kind: Schedule, pp_size: int, num_microbatches: int, num_model_chunks: int) -> None:
     _check_positive("pp_size", pp_size, "the pipeline needs at least one rank")
     _check_positive("num_microbatches", num_microbatches, "a step needs at least one microbatch")
     _check_positive("num_model_chunks", num_model_chunks, "each rank holds at least one model chunk")
@@ -255,25 +325,29 @@ def build_plan(schedule: str, pp_size: int, num_microbatches: int, num_model_chu
         raise ValueError(f"pp_size={pp_size} x num_model_chunks={num_model_chunks} x num_microbatches="
                          f"{num_microbatches} = {forwards} forwards per step is more than {MAX_PLAN_FORWARDS} (2**24): "
                          "the plan holds every action in memory (~0.5 KB each); use fewer microbatches per step")
-    if schedule == "no_pipelining" and (pp_size != 1 or num_model_chunks != 1):
+    if kind is Schedule.NO_PIPELINING and (pp_size != 1 or num_model_chunks != 1):
         raise ValueError(f"schedule='no_pipelining' runs one model chunk on one rank, got pp_size={pp_size}, "
-                         f"num_model_chunks={num_model_chunks}; use '1f1b' or 'interleaved' for pp_size > 1")
-    if schedule == "1f1b" and num_model_chunks != 1:
-        raise ValueError(f"schedule='1f1b' takes one model chunk per rank, got num_model_chunks={num_model_chunks};"
-                         f" use 'interleaved' for virtual pipeline stages")
-    if schedule == "interleaved":
-        if pp_size < 2:
-            raise ValueError(f"schedule='interleaved' needs pp_size >= 2, got pp_size={pp_size}; with one pipeline "
-                             f"rank use 'no_pipelining' (one model chunk)")
+                         f"num_model_chunks={num_model_chunks}; {_CHUNK_FIX[kind]}")
+    elif kind in _CHUNKS and num_model_chunks != _CHUNKS[kind]:
+        raise ValueError(f"schedule={kind.value!r} takes {_CHUNKS[kind]} model chunk(s) per rank, got "
+                         f"num_model_chunks={num_model_chunks}; {_CHUNK_FIX[kind]}")
+    if kind is Schedule.INTERLEAVED and pp_size < 2:
+        raise ValueError(f"schedule='interleaved' needs pp_size >= 2, got pp_size={pp_size}; with one pipeline "
+                         f"rank use 'no_pipelining' (one model chunk)")
+
+
+def _megatron_plan(kind: Schedule, pp_size: int, num_microbatches: int, num_model_chunks: int,
+                   group_size: int | None, forward_only: bool) -> Plan:
+    """No pipelining, 1F1B and interleaved 1F1B: warmup, steady 1F1B, cooldown over the schedule table."""
+    if kind is Schedule.INTERLEAVED:
         group_size = pp_size if group_size is None else group_size
         _check_positive("microbatch_group_size_per_vp_stage", group_size, f"use a value in [{pp_size}, "
                         f"{num_microbatches}]")
         validate_interleaved_microbatches(num_microbatches, pp_size, group_size)
     else:
         group_size = num_microbatches if group_size is None else group_size  # one group; irrelevant for C = 1
-
     table = get_schedule_table(num_microbatches, num_model_chunks, group_size)
-    vp_size = num_model_chunks if schedule == "interleaved" else None
+    vp_size = num_model_chunks if kind is Schedule.INTERLEAVED else None
     warmups = tuple(pp_rank_microbatches(num_microbatches, num_model_chunks, group_size, pp_size, rank, vp_size,
                                          forward_only=forward_only).num_warmup_microbatches
                     for rank in range(pp_size))
@@ -284,7 +358,7 @@ def build_plan(schedule: str, pp_size: int, num_microbatches: int, num_model_chu
     else:
         per_rank = tuple(tuple(_one_f_one_b(forwards, backwards, w)) for w in warmups)
         keys = tuple(_one_f_one_b(forward_keys, backward_keys, w) for w in warmups)
-    plan = Plan(schedule, pp_size, num_model_chunks, num_microbatches, group_size, forward_only, warmups, per_rank)
+    plan = Plan(kind, pp_size, num_model_chunks, num_microbatches, group_size, forward_only, warmups, per_rank)
     plan.__dict__["action_keys"] = keys  # pre-filled cache of Plan.action_keys (validator / simulator input)
     return plan
 

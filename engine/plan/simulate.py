@@ -29,7 +29,7 @@ import numpy as np
 
 from .build import Plan
 from .plotting import Span
-from .validate import PlanGraph, execution_order, plan_graph
+from .validate import PlanGraph, execution_order, memory_levels, plan_graph
 
 __all__ = ["Cost", "Simulation", "simulate"]
 
@@ -48,8 +48,10 @@ class Simulation:
         makespan: time at which the last action of any rank ends (the step time).
         busy: per rank, total compute time.
         peak_in_flight: per rank, the maximum number of ``(chunk, microbatch)`` activations held at once
-            (forward done, backward -- or the weight-gradient pass when the rank splits it -- not yet finished);
+            (forward done, backward -- the input-gradient pass when the plan splits it -- not yet finished);
             0 for forward-only plans, which keep nothing for a backward.
+        peak_pending_w: per rank, the maximum number of weight-gradient passes pending at once (``B`` done,
+            ``W`` not); 0 for plans without ``W``.
         transfer_time: the message latency used.
         flat_start, flat_end: start / end times of all actions in the global numbering of
             :class:`~engine.plan.validate.PlanGraph` (``base[rank] + i``).
@@ -60,6 +62,7 @@ class Simulation:
     makespan: float
     busy: tuple[float, ...]
     peak_in_flight: tuple[int, ...]
+    peak_pending_w: tuple[int, ...]
     transfer_time: float
     flat_start: list[float]
     flat_end: list[float]
@@ -116,7 +119,8 @@ def simulate(plan: Plan, forward_time: Cost = 1.0, backward_time: Cost = 2.0, tr
         forward_time: cost of one forward of one model chunk (time units, e.g. ms).
         backward_time: cost of one backward (input and weight gradients unless the plan splits off ``W``).
         transfer_time: latency of every message (producer end to consumer availability), ``>= 0``.
-        weight_time: cost of a split weight-gradient action (no built-in schedule emits them yet).
+        weight_time: cost of a split weight-gradient action (``W``; then ``backward_time`` is the input-gradient
+            pass ``B`` alone).
 
     Raises:
         ValueError: a negative or non-finite cost, or a per-``(rank, chunk)`` cost of the wrong shape.
@@ -136,8 +140,9 @@ def simulate(plan: Plan, forward_time: Cost = 1.0, backward_time: Cost = 2.0, tr
     start, end, clock = _run(plan, graph, cost.tolist(), float(transfer_time))
     busy = tuple(float(cost[a:b].sum()) for a, b in zip(graph.base, graph.base[1:]))
     makespan = max(clock, default=0.0)
-    return Simulation(plan, makespan, busy, _peak_in_flight(plan, graph, op), float(transfer_time), start, end,
-                      graph.base)
+    levels = memory_levels(plan)
+    return Simulation(plan, makespan, busy, tuple(x for x, _ in levels), tuple(w for _, w in levels),
+                      float(transfer_time), start, end, graph.base)
 
 
 def _check_time(name: str, value) -> None:
@@ -192,17 +197,3 @@ def _run(plan: Plan, graph: PlanGraph, cost: list[float], transfer: float):
         clock[rank] = t
     end.pop()
     return start, end, clock
-
-
-def _peak_in_flight(plan: Plan, graph: PlanGraph, op: np.ndarray) -> tuple[int, ...]:
-    """Max over each rank's order of (forwards done) - (backwards done), per (chunk, microbatch)."""
-    if plan.forward_only:
-        return (0,) * plan.pp_size
-    peaks = []
-    for rank in range(plan.pp_size):
-        ops = op[graph.base[rank]:graph.base[rank + 1]]
-        release = 2 if graph.has_weight[rank] else 1  # the pass after which the activation is freed
-        level = np.cumsum((ops == 0).astype(np.int64) - (ops == release).astype(np.int64))
-        peaks.append(max(int(level.max()), 0) if level.size else 0)
-    return tuple(peaks)
-

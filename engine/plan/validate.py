@@ -36,7 +36,8 @@ import numpy as np
 
 from .build import Action, Message, Op, Plan
 
-__all__ = ["PlanError", "PlanGraph", "plan_graph", "execution_order", "validate_plan", "max_buffered_messages"]
+__all__ = ["PlanError", "PlanGraph", "plan_graph", "execution_order", "validate_plan", "max_buffered_messages",
+           "memory_levels"]
 
 _OPS = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)  # key order of Plan.action_keys
 
@@ -155,6 +156,7 @@ def _build_graph(plan: Plan) -> PlanGraph:
     ops_on = [[bool(present[r, o * stride:(o + 1) * stride].any()) for o in range(3)] for r in range(pp)]
     _check_complete(plan, base, pos, present, ops_on, stride)
     _check_local_order(plan, base, pos, ops_on, stride)
+    _check_memory(plan, base, keys, stride)
     deps = _message_deps(plan, base, keys, pos, ops_on, total)
     owner = rank_of.tolist()
     owner.append(-1)
@@ -213,6 +215,52 @@ def _check_local_order(plan: Plan, base, pos, ops_on, stride: int) -> None:
                 raise PlanError(rank, i, action, f"runs before {earlier} (index {int(first[k]) - base[rank]}); a "
                                                  f"{_OPS[after].name.lower()} pass needs its "
                                                  f"{_OPS[before].name.lower()} pass first")
+
+
+# -- memory ------------------------------------------------------------------------------------------------------
+def _levels(keys: np.ndarray, stride: int) -> tuple[np.ndarray, np.ndarray]:
+    """After each action of one rank: activations held (forwards done minus input-gradient passes done) and
+    weight-gradient passes pending (``B`` done minus ``W`` done; zero on a rank without ``W``)."""
+    op = keys // stride
+    f, b, w = (op == 0).astype(np.int64), (op == 1).astype(np.int64), (op == 2).astype(np.int64)
+    pending = np.cumsum(b - w) if w.any() else np.zeros(len(keys), dtype=np.int64)
+    return np.cumsum(f - b), pending
+
+
+def memory_levels(plan: Plan) -> tuple[tuple[int, int], ...]:
+    """Per rank, ``(peak activations held, peak pending W)`` of the plan's order (forward-only plans hold
+    nothing for a backward: ``(0, 0)``).  One activation is one ``(chunk, microbatch)``'s saved forward state;
+    a pending W is what a weight-gradient pass needs (see :mod:`engine.runtime.split_backward`).
+
+    Raises:
+        PlanError: the plan is invalid.
+    """
+    graph = plan_graph(plan)
+    if plan.forward_only:
+        return ((0, 0),) * plan.pp_size
+    stride = plan.num_model_chunks * plan.num_microbatches
+    out = []
+    for r in range(plan.pp_size):
+        held, pending = _levels(graph.keys[graph.base[r]:graph.base[r + 1]], stride)
+        out.append((int(held.max(initial=0)), int(pending.max(initial=0))))
+    return tuple(out)
+
+
+def _check_memory(plan: Plan, base, keys, stride: int) -> None:
+    """The plan's own limits (:attr:`Plan.max_in_flight`, :attr:`Plan.max_pending_w`) hold after every action."""
+    if plan.forward_only or (plan.max_in_flight is None and plan.max_pending_w is None):
+        return
+    for rank in range(plan.pp_size):
+        held, pending = _levels(keys[base[rank]:base[rank + 1]], stride)
+        for name, level, limits in (("activations held", held, plan.max_in_flight),
+                                    ("pending weight-gradient passes", pending, plan.max_pending_w)):
+            if limits is None:
+                continue
+            over = np.flatnonzero(level > limits[rank])
+            if over.size:
+                i = int(over[0])
+                raise PlanError(rank, i, plan.actions[rank][i], f"{name} reach {int(level[i])}, over the plan's "
+                                                                f"limit {limits[rank]} for this rank")
 
 
 # -- messages ----------------------------------------------------------------------------------------------------

@@ -35,8 +35,14 @@ executor derives everything else from the plan's actions:
 * Spans to a tracer (``engine.runtime.tracing``): ``"compute"`` around each action (label ``"F c1 mb3"``), ``"p2p"`` around
   each receive wait (``"recv act c0 mb2"``) and send wait (``"wait send"``), ``"sync"`` around hooks.
 
-Per-rank communication schedules are compiled once per (plan, rank, prefetch) and cached (:func:`compile_rank`,
-:func:`program_for`); the per-action path does list indexing only.
+Per-rank programs come from the plan layer's lowering (:mod:`engine.plan.lowering`: ``compile_rank``,
+``program_for``, cached), the same programs the validator checks; the per-action path does list indexing only.
+A failing step adds the rank's program grid, with that step marked, as a note to the exception.
+
+Split-backward plans (``W`` actions): ``B`` runs the input-gradient pass
+(``engine.runtime.split_backward.backward_input_step``) and keeps what ``W`` needs per (chunk, microbatch); ``W``
+computes and accumulates the weight gradients.  Local hand-overs (two stages on one rank, V placement) pass the
+output as a fresh leaf (``detach().requires_grad_()``, as a receive would) and the gradient back, with no P2P.
 """
 from __future__ import annotations
 
@@ -48,13 +54,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .p2p import TAG_ACT, TAG_ACT_SHAPE, TAG_GRAD, TAG_GRAD_SHAPE, decode_shape, encode_shape
-from ..plan import Message, Op, Plan, build_plan
-from .step import ChunkHooks, backward_step, check_first_val_step, deallocate_output_tensor, run_forward
+from ..plan.lowering import TAG_ACT, TAG_ACT_SHAPE, TAG_GRAD, TAG_GRAD_SHAPE, RankProgram, exchange_order
+from .p2p import decode_shape, encode_shape
+from ..plan.build import Op
+from .step import (ChunkCall, ChunkHooks, ForwardCall, backward_step, check_first_val_step, deallocate_output_tensor,
+                   run_forward)
 from .tracing import current_tracer
 
-__all__ = ["OVERLAP_PREFETCH", "GLOO_PREFETCH", "NCCL_PREFETCH", "default_prefetch", "RankProgram", "Step", "Recv",
-           "compile_rank", "program_for", "cached_program", "ExecutionContext", "execute"]
+__all__ = ["OVERLAP_PREFETCH", "GLOO_PREFETCH", "NCCL_PREFETCH", "default_prefetch", "ExecutionContext", "execute"]
 
 OVERLAP_PREFETCH = 3
 """Actions ahead whose receives are kept posted with ``overlap_p2p_comm``."""
@@ -75,299 +82,6 @@ def default_prefetch(config, communicator) -> int:
     if config.overlap_p2p_comm:
         return OVERLAP_PREFETCH
     return NCCL_PREFETCH if getattr(communicator, "grouped", False) else GLOO_PREFETCH
-
-# posting order of an exchange point's ops: key = (is_send, kind) -> rank within the exchange point
-_BATCHED_ORDER = {(True, "grad"): 0, (False, "act"): 1, (True, "act"): 2, (False, "grad"): 3}  # Megatron batched
-_EVEN_ORDER = {(True, "act"): 0, (False, "act"): 1, (True, "grad"): 2, (False, "grad"): 3}
-_ODD_ORDER = {(False, "act"): 0, (True, "act"): 1, (False, "grad"): 2, (True, "grad"): 3}
-
-
-def _exchange_order(batched: bool, rank: int) -> dict:
-    """Posting order of an exchange point's ops: Megatron's batched order, else its even/odd order by rank parity."""
-    return _BATCHED_ORDER if batched else (_EVEN_ORDER if rank % 2 == 0 else _ODD_ORDER)
-
-
-@dataclass(slots=True)
-class Recv:
-    """One incoming message of a rank, in the sender's order on its link."""
-
-    kind: str          # "act" or "grad"
-    peer: int          # sender's pipeline rank
-    tag: int
-    shape_tag: int
-    label: str         # "recv act c0 mb2" (destination chunk and microbatch)
-    consumer: int      # index of the step that consumes it
-    message: Message = None
-
-
-@dataclass(slots=True)
-class Step:
-    """One action of a rank with everything the executor needs precomputed."""
-
-    forward: bool
-    chunk: int
-    microbatch: int
-    label: str
-    index: int            # forward: forward step k on this rank; backward: backward step index
-    slot: int             # forward step index whose saved tensors a backward consumes (= index for forwards)
-    recv: int             # index into RankProgram.recvs or -1
-    send_peer: int        # pipeline rank the output goes to, or -1
-    send_kind: str
-    first_stage: bool     # this chunk holds the model input
-    last_stage: bool      # this chunk computes the loss
-    posts: tuple          # receives to post at the exchange point after this step
-    send_order: int       # position of the send among the exchange point's ops (batched / even-odd)
-    send_id: int = -1     # index of this step's send among the rank's sends
-    reap: tuple = ()      # sends whose handles are waited at this step (their receive is known to be posted)
-
-
-@dataclass(frozen=True)
-class RankProgram:
-    """A rank's compiled plan: steps, incoming messages, receive postings, sync-hook events."""
-
-    plan: Plan
-    rank: int
-    prefetch: int
-    steps: tuple
-    recvs: tuple
-    initial_posts: tuple
-    num_forwards: int
-    warmup: int
-    num_sends: int = 0
-    hook_cache: dict = field(default_factory=dict, compare=False, repr=False)  # (grad?, param?) -> hook events
-
-
-def _consumer_map(plan: Plan, rank: int):
-    """The rank's incoming messages: ``(recvs, step_recv, links)`` -- the :class:`Recv` records grouped by sending
-    rank, each link in the sender's order; the recv index each step consumes (-1: none); per sender, its recv
-    indices in order.  Raises ``ValueError`` when messages do not pair up."""
-    acts = plan.actions[rank]
-    wanted = {}
-    for i, a in enumerate(acts):
-        m = plan.input_message(rank, a)
-        if m is not None:
-            if m in wanted:
-                raise ValueError(f"plan is invalid: rank {rank} consumes {m} twice (actions {wanted[m]} and {i})")
-            wanted[m] = i
-    sources = sorted({m.src for m in wanted})
-    recvs, step_recv = [], [-1] * len(acts)
-    links = {}
-    for src in sources:
-        order = plan.link_order(src, rank)
-        idx = []
-        for m in order:
-            if m not in wanted:
-                raise ValueError(f"plan is invalid: rank {src} sends {m} but rank {rank} never consumes it")
-            consumer = wanted.pop(m)
-            kind = m.kind
-            recvs.append(Recv(kind, src, TAG_ACT if kind == "act" else TAG_GRAD,
-                              TAG_ACT_SHAPE if kind == "act" else TAG_GRAD_SHAPE,
-                              f"recv {kind} c{m.dst_chunk} mb{m.microbatch}", consumer, m))
-            step_recv[consumer] = len(recvs) - 1
-            idx.append(len(recvs) - 1)
-        links[src] = idx
-    if wanted:
-        m = next(iter(wanted))
-        raise ValueError(f"plan is invalid: rank {rank} waits for {m} but rank {m.src} never sends it")
-    return recvs, step_recv, links
-
-
-def compile_rank(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True) -> RankProgram:
-    """Compile ``plan`` for pipeline rank ``rank``.
-
-    ``prefetch``: how many actions ahead receives are posted (>= 1).  ``batched``: Megatron's batched op order at
-    an exchange point (else even/odd order by rank parity).
-
-    Raises:
-        ValueError: ``rank`` outside the plan, ``prefetch < 1``, or a plan whose messages do not pair up (a rank
-            consumes a message nobody sends, or a sent message is never consumed).
-    """
-    if not 0 <= rank < plan.pp_size:
-        raise ValueError(f"rank={rank} is outside the plan's pipeline of {plan.pp_size} ranks")
-    if prefetch < 1:
-        raise ValueError(f"prefetch={prefetch}: receives must be posted at least one action ahead")
-    acts = plan.actions[rank]
-    recvs, step_recv, posts_at = _receive_schedule(plan, rank, prefetch, batched)
-    order_of = _exchange_order(batched, rank)
-    reap_at = _reap_points(plan, rank, prefetch, batched, recvs)
-
-    fwd_slot, steps = {}, []
-    n_fwd = n_bwd = n_send = 0
-    reaps = [[] for _ in acts]
-    for i, a in enumerate(acts):
-        out = plan.output_message(rank, a)
-        forward = a.op is Op.FORWARD
-        if a.op is Op.WEIGHT:
-            raise ValueError(f"plan has a W (weight-gradient) action {a} on rank {rank}; the executor runs F and B "
-                             "actions only")
-        if forward:
-            index = slot = n_fwd
-            fwd_slot[(a.chunk, a.microbatch)] = n_fwd
-            n_fwd += 1
-        else:
-            index = n_bwd
-            n_bwd += 1
-            slot = fwd_slot.get((a.chunk, a.microbatch), -1)
-            if slot < 0:
-                raise ValueError(f"plan is invalid: rank {rank} runs {a} before the forward of the same microbatch")
-        kind = "" if out is None else out.kind
-        send_id = -1
-        if out is not None:
-            send_id, n_send = n_send, n_send + 1
-            j = reap_at.get(out)
-            if j is None and plan.forward_only and plan.schedule in ("1f1b", "interleaved"):
-                # nothing flows back in evaluation: every rank runs the schedule table in order, so the receiver
-                # reaches this message without any later action of ours; waiting it 2*P*C steps later is safe
-                # and keeps at most that many sent outputs alive
-                j = i + 2 * plan.num_stages
-            if j is not None and max(j, i + 1) < len(acts):  # else: waited at the end of the step
-                reaps[max(j, i + 1)].append(send_id)
-        steps.append(Step(forward, a.chunk, a.microbatch, a.label, index, slot, step_recv[i],
-                          -1 if out is None else out.dst, kind, plan.is_first_stage(rank, a.chunk),
-                          plan.is_last_stage(rank, a.chunk), posts_at[i + 1],
-                          order_of[(True, kind)] if kind else 0, send_id))
-    for st, r in zip(steps, reaps):
-        st.reap = tuple(r)
-    return RankProgram(plan, rank, prefetch, tuple(steps), tuple(recvs), posts_at[0], n_fwd, plan.warmup[rank],
-                       n_send)
-
-
-def _receive_schedule(plan: Plan, rank: int, prefetch: int, batched: bool):
-    """``(recvs, step_recv, posts_at)``: the rank's incoming messages (sender order per link), the message each step
-    consumes, and the receives posted at each exchange point (``posts_at[e + 1]``: after step ``e``; ``e = -1`` is
-    the start): per link in sender order, every message consumed by steps ``e+1 .. e+prefetch``."""
-    acts = plan.actions[rank]
-    recvs, step_recv, links = _consumer_map(plan, rank)
-    order_of = _exchange_order(batched, rank)
-    position = {}
-    for src, idx in links.items():
-        for pos, r in enumerate(idx):
-            position[r] = (src, pos)
-    next_unposted = {src: 0 for src in links}
-    posts_at = []
-    for e in range(-1, len(acts)):
-        batch = []
-        for j in range(e + 1, min(e + 1 + prefetch, len(acts))):
-            r = step_recv[j]
-            if r < 0:
-                continue
-            src, pos = position[r]
-            while next_unposted[src] <= pos:
-                batch.append(links[src][next_unposted[src]])
-                next_unposted[src] += 1
-        if plan.pp_size > 2:  # each neighbour sends one kind: sorting by kind keeps every link's order
-            batch.sort(key=lambda r: order_of[(False, recvs[r].kind)])
-        posts_at.append(tuple(batch))
-    return recvs, step_recv, posts_at
-
-
-def _reap_points(plan: Plan, rank: int, prefetch: int, batched: bool, recvs) -> dict:
-    """For each message this rank sends: the first of its steps at which the receiver has *provably* posted the
-    matching receive -- the step that consumes a message the receiver sent at or after the exchange point where it
-    posted that receive.  Waiting the send handle there never waits for the receiver's progress (the model the
-    plan validator assumes); sends without such a point are waited at the end of the step."""
-    out = {}
-    peers = {m.dst for a in plan.actions[rank] if (m := plan.output_message(rank, a)) is not None}
-    for q in peers:
-        q_recvs, _, q_posts = _receive_schedule(plan, q, prefetch, batched)
-        posted = {q_recvs[r].message: e for e, batch in enumerate(q_posts, start=-1) for r in batch}
-        # messages q -> rank: (exchange index of q's send, step of this rank that consumes it)
-        sent_by_q = {}
-        for j, a in enumerate(plan.actions[q]):
-            m = plan.output_message(q, a)
-            if m is not None and m.dst == rank:
-                sent_by_q[m] = j
-        pairs = sorted((sent_by_q[rec.message], rec.consumer) for rec in recvs if rec.peer == q)
-        suffix_min, best = [0] * len(pairs), None
-        for k in range(len(pairs) - 1, -1, -1):
-            best = pairs[k][1] if best is None else min(best, pairs[k][1])
-            suffix_min[k] = best
-        keys = [e for e, _ in pairs]
-        for m, e_post in posted.items():
-            if m.src != rank:
-                continue
-            k = bisect.bisect_left(keys, e_post)
-            if k < len(keys):
-                out[m] = suffix_min[k]
-    return out
-
-
-@functools.lru_cache(maxsize=256)
-def cached_program(schedule: str, pp_size: int, num_microbatches: int, num_model_chunks: int, group_size,
-                   forward_only: bool, rank: int, prefetch: int, batched: bool) -> RankProgram:
-    """:func:`compile_rank` of ``build_plan(...)``, cached by the plan's parameters (no per-call plan scans)."""
-    plan = build_plan(schedule, pp_size, num_microbatches, num_model_chunks, group_size, forward_only)
-    return compile_rank(plan, rank, prefetch, batched)
-
-
-_BY_PLAN: dict = {}
-
-
-def program_for(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True) -> RankProgram:
-    """:func:`compile_rank` cached per plan object (keeps the last 64 plans)."""
-    key = (id(plan), rank, prefetch, batched)
-    hit = _BY_PLAN.get(key)
-    if hit is not None and hit.plan is plan:
-        return hit
-    program = compile_rank(plan, rank, prefetch, batched)
-    if len(_BY_PLAN) >= 64:
-        _BY_PLAN.pop(next(iter(_BY_PLAN)))
-    _BY_PLAN[key] = program
-    return program
-
-
-# ---- grad / param sync hooks --------------------------------------------------------------------------------------
-# events: ("enable",) leave no_sync; ("disable",) enter no_sync; ("grad", c) grad_sync_func for chunk c (None:
-# the whole model of a one-chunk rank); ("param", c) param_sync_func for chunk c.
-
-def _events_for(plan: Plan, rank: int, has_grad_sync: bool, has_param_sync: bool):
-    acts = plan.actions[rank]
-    n = len(acts)
-    before = [[] for _ in range(n)]
-    after = [[] for _ in range(n)]
-    start, end = [("disable",)], []
-    last_m = plan.num_microbatches - 1
-    fwd_idx = [i for i, a in enumerate(acts) if a.op is Op.FORWARD]
-    bwd_idx = [i for i, a in enumerate(acts) if a.op is Op.BACKWARD]
-    if plan.schedule == "no_pipelining":
-        if fwd_idx:
-            before[fwd_idx[-1]].append(("enable",))
-        return start, before, after, end
-    if plan.forward_only or not bwd_idx:
-        return start, before, after, [("enable",)]
-    if plan.schedule != "interleaved":
-        if not has_grad_sync or rank == 0:
-            before[bwd_idx[-1]].append(("enable",))
-        else:
-            end += [("enable",), ("grad", None)]
-        return start, before, after, end
-    # interleaved (spec 3.2, 3.3, 3.8)
-    chunks, total = plan.num_model_chunks, len(fwd_idx)
-    if has_param_sync:
-        start += [("param", c) for c in range(min(2, chunks))]
-        for k, i in enumerate(fwd_idx):
-            j = k + rank
-            if j < total and acts[fwd_idx[j]].microbatch == 0:
-                c2 = acts[fwd_idx[j]].chunk + 1
-                if 1 < c2 < chunks:
-                    before[i].append(("param", c2))
-    synced = set()
-    for k, i in enumerate(bwd_idx):
-        a = acts[i]
-        if not has_grad_sync and a.microbatch == last_m:
-            before[i].append(("enable",))
-            after[i].append(("disable",))
-        if has_grad_sync:
-            j = k - rank
-            if j >= 0 and acts[bwd_idx[j]].microbatch == last_m:
-                c2 = acts[bwd_idx[j]].chunk
-                after[i] += [("enable",), ("grad", c2), ("disable",)]
-                synced.add(c2)
-    end.append(("enable",))
-    if has_grad_sync:
-        end += [("grad", c) for c in range(chunks) if c not in synced]
-    return start, before, after, end
-
 
 class _GradSync:
     """Tracks the ``no_sync`` context and runs hook events."""
@@ -456,13 +170,24 @@ def execute(program: RankProgram, ctx: ExecutionContext) -> list:
     runner = _Runner(program, ctx)
     try:
         return runner.run()
+    except Exception as exc:
+        _note_program(exc, program, runner.at)
+        raise
     finally:
         runner.sync.close()
 
 
+def _note_program(exc: BaseException, program: RankProgram, at: int) -> None:
+    """Attach the rank's program grid with the failing step marked to ``exc`` (shown under its traceback)."""
+    if hasattr(exc, "add_note") and len(program.steps) <= 512:
+        exc.add_note(f"while running step {at} of this program:\n{program.grid(mark=at)}")
+
+
 class _Runner:
     __slots__ = ("p", "ctx", "comm", "config", "tracer", "bufs", "works", "shape_works", "send_works", "sync",
-                 "negotiate", "batched", "hooks", "order_of", "next_data", "late")
+                 "negotiate", "batched", "hooks", "order_of", "next_data", "late", "at", "store", "forward_only",
+                 "dealloc", "k_ckpt", "window", "tokens", "saved_in", "saved_out", "local", "pending_w", "split",
+                 "call", "chunks")
 
     def __init__(self, program: RankProgram, ctx: ExecutionContext):
         self.p = program
@@ -482,12 +207,35 @@ class _Runner:
         self.sync = _GradSync(ctx.config, ctx.models, self.tracer)
         self.negotiate = bool(n or any(s.send_peer >= 0 for s in program.steps)) and self.comm.negotiates_shapes
         self.batched = bool(ctx.config.batch_p2p_comm)
-        self.order_of = _exchange_order(self.batched, program.rank)
-        key = (ctx.config.grad_sync_func is not None, ctx.config.param_sync_func is not None)
-        hooks = program.hook_cache.get(key)
-        if hooks is None:
-            hooks = program.hook_cache[key] = _events_for(program.plan, program.rank, *key)
-        self.hooks = hooks
+        self.order_of = exchange_order(self.batched, program.rank)
+        self.hooks = program.hooks(ctx.config.grad_sync_func is not None, ctx.config.param_sync_func is not None)
+        self._step_state(program, ctx)
+
+    def _step_state(self, program: RankProgram, ctx: ExecutionContext) -> None:
+        """What the steps share: saved activations, local hand-overs, pending weight-gradient passes, the call."""
+        config = ctx.config
+        self.at, self.store = -1, []
+        self.forward_only = program.plan.forward_only
+        self.dealloc = bool(config.deallocate_pipeline_outputs) and not self.forward_only
+        self.k_ckpt = config.num_microbatches_with_partial_activation_checkpoints if ctx.checkpoint else None
+        self.window = program.warmup + 1
+        per_token = bool(getattr(config, "calculate_per_token_loss", False))
+        self.tokens = torch.zeros([], dtype=torch.int, device=self.comm.device) if per_token else None
+        self.saved_in = [None] * program.num_forwards
+        self.saved_out = [None] * program.num_forwards
+        self.local = {}
+        self.split = program.plan.splits_backward and not self.forward_only
+        self.pending_w = [None] * program.num_forwards if self.split else None
+        self.call = ForwardCall(ctx.forward_step_func, ctx.num_microbatches, self.store, config, ctx.cp_group_size,
+                                ctx.collect_non_loss_data)
+        hooks = ctx.chunk_hooks if ctx.chunk_hooks is not None else [ChunkHooks(m) for m in ctx.models]
+        self.chunks = [ChunkCall(h, it, m, c if ctx.vp_stages else None)
+                       for c, (h, it, m) in enumerate(zip(hooks, ctx.data_iterators, ctx.models))]
+
+    @staticmethod
+    def _split_backward(x, y, gy, config, model):
+        from .split_backward import backward_input_step
+        return backward_input_step(x, y, gy, config, model=model)
 
     # -- communication ----------------------------------------------------------------------------------------
     def _exchange(self, send: Optional[tuple], posts: tuple) -> None:
@@ -607,7 +355,7 @@ class _Runner:
                                f"is [s, b, hidden_size={hidden or 'any'}] with variable_seq_lengths; the sending model "
                                "chunk must return [s, b, h] activations with h = config.hidden_size")
 
-    def _check_send(self, tensor, st) -> None:
+    def _check_send(self, tensor, st, local: bool = False) -> None:
         if tensor is None and not st.forward:
             raise RuntimeError(f"{st.label} on pipeline rank {self.p.rank}: the gradient of the model chunk's input "
                                "is None because the chunk's output does not depend on its input (the tensor given "
@@ -616,6 +364,8 @@ class _Runner:
         if not isinstance(tensor, torch.Tensor):
             raise RuntimeError(f"{st.label} on pipeline rank {self.p.rank} produced {type(tensor).__name__}, not a "
                                "tensor; a model chunk that feeds the next stage must return one tensor [s, b, h]")
+        if local:  # a hand-over between two stages of this rank: no receiver to misread it
+            return
         dtype = self.config.pipeline_dtype
         if tensor.dtype != dtype:
             raise RuntimeError(f"{st.label} on pipeline rank {self.p.rank} produced a {tensor.dtype} "
@@ -635,75 +385,87 @@ class _Runner:
 
     # -- the step ---------------------------------------------------------------------------------------------------
     def run(self) -> list:
-        p, ctx, config = self.p, self.ctx, self.config
-        tracer = self.tracer
+        """Run every step of the program (module doc); return the loss stage's reduced losses."""
+        p, sync = self.p, self.sync
         start, before, after, end = self.hooks
-        sync = self.sync
         sync.run(start)
-        store: list = []
-        forward_only = p.plan.forward_only
-        training = not forward_only
-        dealloc = bool(config.deallocate_pipeline_outputs) and training
-        k_ckpt = config.num_microbatches_with_partial_activation_checkpoints if ctx.checkpoint else None
-        window = p.warmup + 1
-        per_token = bool(getattr(config, "calculate_per_token_loss", False))
-        tokens = torch.zeros([], dtype=torch.int, device=self.comm.device) if per_token else None
-        saved_in = [None] * p.num_forwards
-        saved_out = [None] * p.num_forwards
-        fsf, iters, models, M = ctx.forward_step_func, ctx.data_iterators, ctx.models, ctx.num_microbatches
-        chunk_hooks = ctx.chunk_hooks if ctx.chunk_hooks is not None else [ChunkHooks(m) for m in models]
-        cp, collect, fvs = ctx.cp_group_size, ctx.collect_non_loss_data, ctx.first_val_step
-        vp, per_stage_last = ctx.vp_stages, ctx.per_stage_last
-        exchange, take = self._exchange, self._take
-
-        exchange(None, p.initial_posts)
+        self._exchange(None, p.initial_posts)
+        forward, backward, weight = self._forward, self._backward, self._weight
         for i, st in enumerate(p.steps):
+            self.at = i
             if before[i]:
                 sync.run(before[i])
             if st.forward:
-                c = st.chunk
-                x = take(st.recv) if st.recv >= 0 else None
-                if st.reap:
-                    self._reap(st.reap)
-                ckpt = None if k_ckpt is None else (st.index % window) >= k_ckpt
-                first_mb = check_first_val_step(fvs, forward_only, st.microbatch == 0)
-                with tracer.span("compute", st.label):
-                    y, n = run_forward(chunk_hooks[c], fsf, iters[c], models[c], M, x, store, config, cp, collect, ckpt,
-                                       first_mb, st.microbatch, c if vp else None,
-                                       st.last_stage if per_stage_last else True)
-                if per_token and n is not None:
-                    tokens += n
-                send = None
-                if st.send_peer >= 0:
-                    self._check_send(y, st)
-                    if not y.is_contiguous():
-                        y = y.contiguous()
-                    send = (y.detach() if dealloc else y, st)
-                if send is not None or st.posts:
-                    exchange(send, st.posts)
-                if training:
-                    if dealloc and st.send_peer >= 0:
-                        deallocate_output_tensor(y, True)
-                    saved_in[st.slot] = x
-                    saved_out[st.slot] = y
+                forward(st)
+            elif st.op is Op.WEIGHT:
+                weight(st)
             else:
-                gy = take(st.recv) if st.recv >= 0 else None
-                if st.reap:
-                    self._reap(st.reap)
-                slot = st.slot
-                x, y = saved_in[slot], saved_out[slot]
-                saved_in[slot] = saved_out[slot] = None
-                with tracer.span("compute", st.label):
-                    gx = backward_step(x, y, gy, config)
-                send = None
-                if st.send_peer >= 0:
-                    self._check_send(gx, st)
-                    send = (gx, st)
-                if send is not None or st.posts:
-                    exchange(send, st.posts)
+                backward(st)
             if after[i]:
                 sync.run(after[i])
+        self.at = len(p.steps)
+        self._drain()
+        sync.run(end)
+        self._finalize()
+        return self.store
 
+    def _forward(self, st) -> None:
+        x = self._take(st.recv) if st.recv >= 0 else (self.local.pop(st.local_in) if st.local_in >= 0 else None)
+        if st.reap:
+            self._reap(st.reap)
+        ckpt = None if self.k_ckpt is None else (st.index % self.window) >= self.k_ckpt
+        first_mb = check_first_val_step(self.ctx.first_val_step, self.forward_only, st.microbatch == 0)
+        with self.tracer.span("compute", st.label):
+            y, n = run_forward(self.call, self.chunks[st.chunk], x, ckpt, first_mb, st.microbatch,
+                               st.last_stage if self.ctx.per_stage_last else True)
+        if self.tokens is not None and n is not None:
+            self.tokens += n
+        send = None
+        if st.send_peer >= 0:
+            self._check_send(y, st)
+            if not y.is_contiguous():
+                y = y.contiguous()
+            send = (y.detach() if self.dealloc else y, st)
+        elif st.local_out >= 0:  # the next stage is on this rank: hand over a fresh leaf, as a receive would
+            self.local[st.local_out] = y.detach().requires_grad_(not self.forward_only)
+        if send is not None or st.posts:
+            self._exchange(send, st.posts)
+        if not self.forward_only:
+            if self.dealloc and st.send_peer >= 0:
+                deallocate_output_tensor(y, True)
+            self.saved_in[st.slot] = x
+            self.saved_out[st.slot] = y
+
+    def _backward(self, st) -> None:
+        gy = self._take(st.recv) if st.recv >= 0 else (self.local.pop(st.local_in) if st.local_in >= 0 else None)
+        if st.reap:
+            self._reap(st.reap)
+        slot = st.slot
+        x, y = self.saved_in[slot], self.saved_out[slot]
+        self.saved_in[slot] = self.saved_out[slot] = None
+        with self.tracer.span("compute", st.label):
+            if self.split:
+                gx, self.pending_w[slot] = self._split_backward(x, y, gy, self.config, self.ctx.models[st.chunk])
+            else:
+                gx = backward_step(x, y, gy, self.config)
+        send = None
+        if st.send_peer >= 0:
+            self._check_send(gx, st)
+            send = (gx, st)
+        elif st.local_out >= 0:
+            self._check_send(gx, st, local=True)
+            self.local[st.local_out] = gx
+        if send is not None or st.posts:
+            self._exchange(send, st.posts)
+
+    def _weight(self, st) -> None:
+        work = self.pending_w[st.slot]
+        self.pending_w[st.slot] = None
+        with self.tracer.span("compute", st.label):
+            work.run()
+
+    def _drain(self) -> None:
+        """End of the step: wait every send still open; no receive may be left."""
         left = [sid for sid, w in enumerate(self.send_works) if w is not None]
         if left:
             self._reap(left, final=True)
@@ -711,14 +473,16 @@ class _Runner:
             w.wait()
         self.late.clear()
         if any(w is not None for w in self.works) or any(w is not None for w in self.shape_works):
-            raise RuntimeError(f"pipeline rank {p.rank}: receives left unconsumed at the end of the step (plan bug)")
-        sync.run(end)
-        if training and config.finalize_model_grads_func is not None:
-            models_arg = ctx.finalize_models if ctx.finalize_models is not None else list(models)
-            if ctx.before_finalize is not None:
-                ctx.before_finalize()
-            with tracer.span("sync", "finalize_model_grads"):
-                config.finalize_model_grads_func(models_arg, tokens if per_token else None,
-                                                 pg_collection=ctx.pg_collection,
-                                                 force_all_reduce=ctx.force_all_reduce)
-        return store
+            raise RuntimeError(f"pipeline rank {self.p.rank}: receives left unconsumed at the end of the step (plan "
+                               "bug)")
+
+    def _finalize(self) -> None:
+        config, ctx = self.config, self.ctx
+        if self.forward_only or config.finalize_model_grads_func is None:
+            return
+        models_arg = ctx.finalize_models if ctx.finalize_models is not None else list(ctx.models)
+        if ctx.before_finalize is not None:
+            ctx.before_finalize()
+        with self.tracer.span("sync", "finalize_model_grads"):
+            config.finalize_model_grads_func(models_arg, self.tokens, pg_collection=ctx.pg_collection,
+                                             force_all_reduce=ctx.force_all_reduce)

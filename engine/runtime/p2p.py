@@ -38,19 +38,11 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..plan.lowering import TAG_ACT, TAG_ACT_SHAPE, TAG_GRAD, TAG_GRAD_SHAPE  # defined with the programs
 from .process_groups import group_rank, group_size
 
 __all__ = ["P2PCommunicator", "TAG_ACT", "TAG_GRAD", "TAG_ACT_SHAPE", "TAG_GRAD_SHAPE", "SHAPE_MESSAGE_LEN",
            "encode_shape", "decode_shape", "is_single_shape"]
-
-TAG_ACT = 1
-"""Tag of activation messages (stage ``s`` -> ``s+1``)."""
-TAG_GRAD = 2
-"""Tag of gradient messages (stage ``s+1`` -> ``s``)."""
-TAG_ACT_SHAPE = 3
-"""Tag of the shape message that precedes an activation when shapes are negotiated (``variable_seq_lengths``)."""
-TAG_GRAD_SHAPE = 4
-"""Tag of the shape message that precedes a gradient when shapes are negotiated."""
 
 _MAX_DIMS = 8
 SHAPE_MESSAGE_LEN = 1 + _MAX_DIMS

@@ -27,7 +27,8 @@ Deviations from Megatron-Core 0.16.1, all on error paths or inputs Megatron woul
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional, Union
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Union
 
 import torch
 from torch.autograd.variable import Variable
@@ -35,12 +36,11 @@ from torch.autograd.variable import Variable
 from .process_groups import group_rank, group_size
 
 __all__ = [
-    "ScheduleContractError", "ScheduleContractTypeError", "ChunkHooks", "run_forward", "get_attr_wrapped_model",
-    "get_model_config",
-    "set_current_microbatch", "check_first_val_step", "deallocate_output_tensor", "custom_backward",
-    "forward_step_calc_loss", "forward_step", "backward_step", "get_tensor_shapes",
+    "ScheduleContractError", "ScheduleContractTypeError", "ChunkHooks", "ForwardCall", "ChunkCall", "run_forward",
+    "apply_loss", "get_attr_wrapped_model", "get_model_config", "set_current_microbatch", "check_first_val_step", "deallocate_output_tensor", "custom_backward",
+    "backward_step", "get_tensor_shapes",
     "clear_embedding_activation_buffer", "finish_embedding_wgrad_compute", "is_pp_first_stage", "is_pp_last_stage",
-    "is_vp_first_stage", "is_vp_last_stage", "select_schedule_name", "aux_loss_scale", "AuxLossScale", "Shape",
+    "is_vp_first_stage", "is_vp_last_stage", "aux_loss_scale", "AuxLossScale", "Shape",
 ]
 
 Shape = Union[List[int], torch.Size]
@@ -188,27 +188,6 @@ def is_vp_last_stage(vp_stage: Optional[int], vp_size: Optional[int]) -> bool:
     return _check_vp_stage(vp_stage, vp_size) or vp_stage == vp_size - 1
 
 
-def select_schedule_name(pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> str:
-    """Name of the schedule ``get_forward_backward_func(pp_size, vp_size)`` returns (spec 1.1).
-
-    Both None: read the pipeline and virtual pipeline sizes from ``engine.parallel_state``; one None: used as
-    given.  ``pp_size > 1`` selects interleaving iff ``vp_size is not None`` (even 1); otherwise no pipelining.
-    Raises ``TypeError`` for ``pp_size=None`` with a ``vp_size`` (as Megatron's ``None > 1`` does).
-    """
-    if pp_size is None and vp_size is None:
-        from .. import parallel_state as ps
-        pp_size = ps.get_pipeline_model_parallel_world_size()
-        vp_size = ps.get_virtual_pipeline_model_parallel_world_size()
-    if pp_size is None:
-        raise TypeError(f"get_forward_backward_func(pp_size=None, vp_size={vp_size}): pass pp_size as well, or "
-                        "neither to read both from engine.parallel_state")
-    if pp_size > 1:
-        if vp_size is not None:
-            return "forward_backward_pipelining_with_interleaving"
-        return "forward_backward_pipelining_without_interleaving"
-    return "forward_backward_no_pipelining"
-
-
 # ---- output deallocation and the raw backward -------------------------------------------------------------------
 
 def deallocate_output_tensor(out, deallocate_pipeline_outputs: bool = False) -> None:
@@ -331,54 +310,11 @@ def _token_count(n) -> torch.Tensor:
                     "values; return (loss, num_tokens, reduced) with num_tokens an int or an integer tensor")
 
 
-def forward_step_calc_loss(model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data,
-                           num_microbatches, forward_data_store, cp_group_size=None, is_last_stage=None):
-    """Apply ``loss_func`` on the loss stage and normalise the loss (spec section 2).  Returns
-    ``(output_tensor, num_tokens)``.
-
-    On the loss stage (``is_last_stage``):
-
-    * ``loss_func is None``: the raw ``output_tensor`` is appended to ``forward_data_store``;
-    * ``collect_non_loss_data``: ``loss_func(output_tensor, non_loss_data=True)`` is appended, the output is
-      returned unchanged;
-    * ``loss_func(output_tensor)`` returns ``(L, reduced)``: ``L *= cp_group_size; L /= num_microbatches``;
-    * returns ``(L, n, reduced)``: ``L /= max(n, 1); L /= num_microbatches`` unless
-      ``config.calculate_per_token_loss`` (then ``L`` is unchanged and ``n`` is returned for the global token
-      count);
-
-    ``L`` (a tensor, normalised in place, or a Python number) is then returned as the output -- the root of this
-    microbatch's backward -- and ``reduced`` is appended to ``forward_data_store``.  ``num_tokens`` is the CPU
-    ``int32`` scalar 0 except for the 3-tuple pattern.  ``num_microbatches`` is the per-pipeline ``M``.
-    On other stages nothing is called or stored and the output is returned untouched.
-
-    ``cp_group_size`` and ``is_last_stage`` are both given, or both None (then taken from ``engine.parallel_state``:
-    context-parallel size, last pipeline stage considering ``vp_stage``).  Also stops the ``forward-compute``
-    timer and sets :data:`aux_loss_scale` on every stage.  Raises :class:`ScheduleContractError` if exactly one of
-    the two is None, if ``vp_stage`` differs from ``model.vp_stage``, or if ``loss_func`` returns another number of
-    values; ``TypeError`` for a non-numeric token count.
-    """
-    model_vp_stage = getattr(model, "vp_stage", None)
-    if vp_stage is not None and model_vp_stage is not None and vp_stage != model_vp_stage:
-        raise ScheduleContractError(f"forward_step_calc_loss: vp_stage={vp_stage} but model.vp_stage="
-                                    f"{model_vp_stage}; pass the model chunk's own virtual pipeline stage")
-    if cp_group_size is None and is_last_stage is None:
-        from .. import parallel_state as ps
-        cp_group_size = ps.get_context_parallel_world_size()
-        is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    elif cp_group_size is None or is_last_stage is None:
-        raise ScheduleContractError(f"forward_step_calc_loss: cp_group_size={cp_group_size!r} and is_last_stage="
-                                    f"{is_last_stage!r}: both must be provided, or neither (then both come from "
-                                    "engine.parallel_state)")
-
-    output_tensor, num_tokens = _apply_loss(output_tensor, loss_func, config, collect_non_loss_data,
-                                            num_microbatches, forward_data_store, cp_group_size, is_last_stage)
-    return output_tensor, torch.tensor(0, dtype=torch.int) if num_tokens is None else num_tokens
-
-
-def _apply_loss(output_tensor, loss_func, config, collect_non_loss_data, num_microbatches, forward_data_store,
+def apply_loss(output_tensor, loss_func, config, collect_non_loss_data, num_microbatches, forward_data_store,
                 cp_group_size, is_last_stage):
-    """The loss contract of :func:`forward_step_calc_loss` once ``cp_group_size`` and ``is_last_stage`` are known;
-    the token count is None unless ``loss_func`` returned one (the executor then skips the int32 zero)."""
+    """The loss contract of Megatron's ``forward_step_calc_loss`` (spec section 2; ``engine.schedules``) once
+    ``cp_group_size`` and ``is_last_stage`` are known; returns ``(output_tensor, num_tokens)``, the token count None
+    unless ``loss_func`` returned one (the executor then skips the int32 zero)."""
     num_tokens = None
     if is_last_stage:
         if loss_func is None:
@@ -424,40 +360,46 @@ def _autocast(config):
     return torch.autocast(device_type, dtype=config.autocast_dtype)
 
 
-def forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store,
-                 config, cp_group_size, collect_non_loss_data=False, checkpoint_activations_microbatch=None,
-                 is_first_microbatch=False, current_microbatch=None, vp_stage=None, is_last_stage=True):
-    """Run one microbatch forward through one model chunk and apply the loss contract (spec 1.6).
+@dataclass(slots=True)
+class ForwardCall:
+    """What every forward of one schedule call shares (built once per call by the executor).
 
-    ``input_tensor`` is what this chunk receives (``[s, b, h]`` activation, ``None`` on the first stage, or a list
-    of them); the chunk gets it as a **list** through ``set_input_tensor`` (looked up through ``.module``
-    wrappers).  Calls ``model.set_is_first_microbatch()`` (on the object itself) when ``is_first_microbatch``,
-    ``set_current_microbatch`` when ``current_microbatch`` is not None, then
-    ``forward_step_func(data_iterator, model[, checkpoint_activations_microbatch])`` -> ``(output, loss_func)``
-    (the third argument only when not None), under autocast if ``config.enable_autocast``, then
-    :func:`forward_step_calc_loss`.  Returns ``(output, num_tokens)``, with ``output`` wrapped in a one-element
-    list if ``input_tensor`` was a list.  Starts the ``forward-compute`` timer (stopped in the loss step).
-
-    Raises ``RuntimeError`` if no wrapper level has ``set_input_tensor`` or if ``forward_step_func`` raises
-    ``StopIteration`` (the data iterator ran out; chained, naming the model chunk, microbatch and
-    ``num_microbatches``), ``TypeError`` if ``forward_step_func`` does not return two values, plus the errors of
-    :func:`forward_step_calc_loss`.
+    ``loss_step(call, chunk, output_tensor, loss_func, is_last_stage) -> (output, num_tokens)`` applies the loss
+    contract; None is :func:`apply_loss` (the executor: it has checked ``vp_stage`` against each chunk and passes
+    ``is_last_stage`` itself; the token count is None unless ``loss_func`` returned one).  The public
+    ``engine.schedules.forward_step`` passes Megatron's ``forward_step_calc_loss`` with its argument checks.
     """
-    return run_forward(ChunkHooks(model), forward_step_func, data_iterator, model, num_microbatches, input_tensor,
-                       forward_data_store, config, cp_group_size, collect_non_loss_data,
-                       checkpoint_activations_microbatch, is_first_microbatch, current_microbatch, vp_stage,
-                       is_last_stage, check_loss_args=True)
+
+    forward_step_func: Callable
+    num_microbatches: int
+    forward_data_store: list
+    config: object
+    cp_group_size: int
+    collect_non_loss_data: bool = False
+    loss_step: Optional[Callable] = None
 
 
-def run_forward(hooks: ChunkHooks, forward_step_func, data_iterator, model, num_microbatches, input_tensor,
-                forward_data_store, config, cp_group_size, collect_non_loss_data, checkpoint_activations_microbatch,
-                is_first_microbatch, current_microbatch, vp_stage, is_last_stage, check_loss_args=False):
-    """:func:`forward_step` with the chunk's :class:`ChunkHooks` resolved by the caller (the executor, once per
-    schedule call).  ``check_loss_args=True`` is :func:`forward_step` exactly.  Without it the loss contract skips
-    :func:`forward_step_calc_loss`'s argument checks (the executor passes ``cp_group_size`` and ``is_last_stage``
-    and has checked ``vp_stage`` against the chunk) and the token count is None unless ``loss_func`` returned one.
-    Returns ``(output, num_tokens)`` as :func:`forward_step`; same errors.
-    """
+@dataclass(slots=True)
+class ChunkCall:
+    """One model chunk within a schedule call: its hooks (resolved once), data iterator and ``vp_stage``."""
+
+    hooks: ChunkHooks
+    data_iterator: object
+    model: object
+    vp_stage: Optional[int] = None
+
+
+def run_forward(call: ForwardCall, chunk: ChunkCall, input_tensor, checkpoint_activations_microbatch,
+                is_first_microbatch, current_microbatch, is_last_stage):
+    """One microbatch forward through ``chunk`` within ``call`` (spec 1.6; Megatron's ``forward_step`` is
+    ``engine.schedules.forward_step``): ``set_is_first_microbatch``, ``current_microbatch``, ``set_input_tensor``
+    (always a list), ``forward_step_func`` under autocast, then the loss contract.  Returns
+    ``(output, num_tokens)``, the output wrapped in a one-element list if ``input_tensor`` was a list.
+
+    Raises ``RuntimeError`` if ``forward_step_func`` raises ``StopIteration`` (the data iterator ran out; chained,
+    naming the model chunk, microbatch and ``num_microbatches``), ``TypeError`` if it does not return two values,
+    plus the errors of the loss contract."""
+    config, hooks = call.config, chunk.hooks
     if config.timers is not None:
         config.timers("forward-compute", log_level=2).start()
     if is_first_microbatch and hooks.set_is_first_microbatch is not None:
@@ -465,41 +407,45 @@ def run_forward(hooks: ChunkHooks, forward_step_func, data_iterator, model, num_
     if current_microbatch is not None:
         for layer in hooks.microbatch_layers:
             layer.current_microbatch = current_microbatch
-
     unwrap_output = not isinstance(input_tensor, list)
     if unwrap_output:
         input_tensor = [input_tensor]
     hooks.set_input_tensor(input_tensor)
+    output_tensor, loss_func = _call_forward_step_func(call, chunk, checkpoint_activations_microbatch,
+                                                       current_microbatch)
+    if call.loss_step is not None:
+        output_tensor, num_tokens = call.loss_step(call, chunk, output_tensor, loss_func, is_last_stage)
+    else:
+        output_tensor, num_tokens = apply_loss(output_tensor, loss_func, config, call.collect_non_loss_data,
+                                               call.num_microbatches, call.forward_data_store, call.cp_group_size,
+                                               is_last_stage)
+    if unwrap_output:
+        return output_tensor, num_tokens
+    return [output_tensor], num_tokens
 
+
+def _call_forward_step_func(call: ForwardCall, chunk: ChunkCall, checkpoint_activations_microbatch,
+                            current_microbatch):
+    """``forward_step_func(data_iterator, model[, checkpoint])`` under autocast -> ``(output, loss_func)``."""
     try:
-        with _autocast(config):
+        with _autocast(call.config):
             if checkpoint_activations_microbatch is None:
-                result = forward_step_func(data_iterator, model)
+                result = call.forward_step_func(chunk.data_iterator, chunk.model)
             else:
-                result = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
+                result = call.forward_step_func(chunk.data_iterator, chunk.model, checkpoint_activations_microbatch)
     except StopIteration as exc:  # a bare StopIteration would end an enclosing generator / say nothing
-        chunk = 0 if vp_stage is None else vp_stage
+        index = 0 if chunk.vp_stage is None else chunk.vp_stage
         where = "" if current_microbatch is None else f" at microbatch {current_microbatch}"
+        n = call.num_microbatches
         raise RuntimeError(
-            f"the data_iterator of model chunk {chunk} ran out{where} (num_microbatches={num_microbatches}): "
+            f"the data_iterator of model chunk {index} ran out{where} (num_microbatches={n}): "
             "forward_step_func's next(data_iterator) raised StopIteration; the iterator must yield "
-            f"num_microbatches={num_microbatches} items per schedule call for each model chunk that reads data "
+            f"num_microbatches={n} items per schedule call for each model chunk that reads data "
             "(e.g. build a fresh iterator per step, or use itertools.cycle / a repeating loader)") from exc
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise TypeError("forward_step_func must return (output, loss_func), got "
                         f"{type(result).__name__}; return the model output and the loss function")
-    output_tensor, loss_func = result
-
-    if check_loss_args:
-        output_tensor, num_tokens = forward_step_calc_loss(
-            model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data, num_microbatches,
-            forward_data_store, cp_group_size, is_last_stage)
-    else:
-        output_tensor, num_tokens = _apply_loss(output_tensor, loss_func, config, collect_non_loss_data,
-                                                num_microbatches, forward_data_store, cp_group_size, is_last_stage)
-    if unwrap_output:
-        return output_tensor, num_tokens
-    return [output_tensor], num_tokens
+    return result
 
 
 def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config=None):

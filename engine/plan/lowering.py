@@ -1,0 +1,426 @@
+"""Lowering: from a :class:`~engine.plan.build.Plan` to each rank's program, in small pure passes.
+
+The executor (:mod:`engine.runtime.executor`) runs a :class:`RankProgram`; the validator
+(:func:`engine.plan.validate.validate_programs`) checks the very same programs for deadlock freedom.  The passes:
+
+1. :func:`incoming` -- the rank's remote incoming messages, grouped by sender, each link in the sender's order
+   (:meth:`Plan.link_order`), and which step consumes each;
+2. :func:`receive_schedule` -- the receives posted at each exchange point: per link in sender order, every message
+   consumed by the next ``prefetch`` steps (a receiver that posts in the sender's order matches one to one even on a
+   transport that ignores tags);
+3. :func:`reap_points` -- where each send handle is waited: the first step at which the receiver has *provably*
+   posted the matching receive (the step consuming a message the receiver sent after posting it);
+4. :func:`local_handovers` -- messages between two stages on the same rank (V placement) become local slots, with
+   no P2P at all;
+5. :func:`hook_events` -- the grad / param sync hook events of Megatron-Core's schedules (spec 1.9, 1.17, 3.3, 3.8),
+   and for split-backward plans around each chunk's last ``W`` (a chunk's gradients are complete only then);
+6. :func:`compile_rank` -- assembles the :class:`Step` list the executor indexes.
+
+An exchange point is the moment after a step (or the start, index -1): the step's send and the receives posted
+there go out together, in Megatron's batched order or its even/odd order by rank parity.  Pure: no torch.
+"""
+from __future__ import annotations
+
+import bisect
+import enum
+import functools
+from dataclasses import dataclass, field
+
+from .build import Message, Op, Plan, build_plan, looped_placement
+
+__all__ = ["MessageKind", "TAG_ACT", "TAG_GRAD", "TAG_ACT_SHAPE", "TAG_GRAD_SHAPE", "Recv", "Step", "RankProgram",
+           "exchange_order", "incoming", "receive_schedule", "reap_points", "local_handovers", "hook_events",
+           "compile_rank", "program_for", "cached_program"]
+
+
+class MessageKind(str, enum.Enum):
+    """What crosses between stages: an activation (stage ``s`` -> ``s+1``) or a gradient (``s+1`` -> ``s``)."""
+
+    ACT = "act"
+    GRAD = "grad"
+
+
+TAG_ACT, TAG_GRAD, TAG_ACT_SHAPE, TAG_GRAD_SHAPE = 1, 2, 3, 4
+"""P2P tags: activations, gradients, and the shape messages that precede them with negotiated shapes."""
+_TAGS = {"act": (TAG_ACT, TAG_ACT_SHAPE), "grad": (TAG_GRAD, TAG_GRAD_SHAPE)}
+
+# posting order of an exchange point's ops: key = (is_send, kind) -> rank within the exchange point
+_BATCHED_ORDER = {(True, "grad"): 0, (False, "act"): 1, (True, "act"): 2, (False, "grad"): 3}  # Megatron batched
+_EVEN_ORDER = {(True, "act"): 0, (False, "act"): 1, (True, "grad"): 2, (False, "grad"): 3}
+_ODD_ORDER = {(False, "act"): 0, (True, "act"): 1, (False, "grad"): 2, (True, "grad"): 3}
+
+
+def exchange_order(batched: bool, rank: int) -> dict:
+    """Posting order of an exchange point's ops: Megatron's batched order, else its even/odd order by rank parity."""
+    return _BATCHED_ORDER if batched else (_EVEN_ORDER if rank % 2 == 0 else _ODD_ORDER)
+
+
+@dataclass(slots=True)
+class Recv:
+    """One incoming message of a rank, in the sender's order on its link."""
+
+    kind: str          # "act" or "grad" (a MessageKind value)
+    peer: int          # sender's pipeline rank
+    tag: int
+    shape_tag: int
+    label: str         # "recv act c0 mb2" (destination chunk and microbatch)
+    consumer: int      # index of the step that consumes it
+    message: Message = None
+
+
+@dataclass(slots=True)
+class Step:
+    """One action of a rank with everything the executor needs precomputed."""
+
+    op: Op
+    forward: bool
+    chunk: int
+    microbatch: int
+    label: str
+    index: int            # F: forward step k on this rank; B / W: backward / weight step index
+    slot: int             # forward step index whose saved tensors B and W consume (= index for forwards)
+    recv: int             # index into RankProgram.recvs or -1
+    send_peer: int        # pipeline rank the output goes to, or -1
+    send_kind: str
+    first_stage: bool     # this chunk holds the model input
+    last_stage: bool      # this chunk computes the loss
+    posts: tuple          # receives to post at the exchange point after this step
+    send_order: int       # position of the send among the exchange point's ops (batched / even-odd)
+    send_id: int = -1     # index of this step's send among the rank's sends
+    reap: tuple = ()      # sends whose handles are waited at this step (their receive is known to be posted)
+    local_in: int = -1    # local hand-over slot this step consumes (stage on the same rank), or -1
+    local_out: int = -1   # local hand-over slot this step fills, or -1
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """A rank's compiled plan: steps, incoming messages, receive postings, sync-hook events."""
+
+    plan: Plan
+    rank: int
+    prefetch: int
+    steps: tuple
+    recvs: tuple
+    initial_posts: tuple
+    num_forwards: int
+    warmup: int
+    num_sends: int = 0
+    num_local: int = 0
+    hook_cache: dict = field(default_factory=dict, compare=False, repr=False)  # (grad?, param?) -> hook events
+
+    def hooks(self, has_grad_sync: bool, has_param_sync: bool):
+        """:func:`hook_events` of this rank, cached per hook combination."""
+        key = (has_grad_sync, has_param_sync)
+        events = self.hook_cache.get(key)
+        if events is None:
+            events = self.hook_cache[key] = hook_events(self.plan, self.rank, *key)
+        return events
+
+    def grid(self, mark: int | None = None) -> str:
+        """The program as a text grid, one line per step (what it receives, sends, posts and waits);
+        ``mark`` flags one step with ``>>`` (the executor's errors show the failing step so)."""
+        lines = [f"pipeline rank {self.rank} program ({self.plan.schedule}, prefetch {self.prefetch}); "
+                 f"start: post {_recv_names(self, self.initial_posts)}"]
+        for i, st in enumerate(self.steps):
+            parts = [f"{'>>' if i == mark else '  '} {i:4d} {st.label:<12}"]
+            if st.recv >= 0:
+                parts.append(f"wait {self.recvs[st.recv].label} from r{self.recvs[st.recv].peer}")
+            if st.local_in >= 0:
+                parts.append(f"take local #{st.local_in}")
+            if st.reap:
+                parts.append(f"wait sends {list(st.reap)}")
+            if st.send_peer >= 0:
+                parts.append(f"send {st.send_kind} #{st.send_id} to r{st.send_peer}")
+            if st.local_out >= 0:
+                parts.append(f"hand over local #{st.local_out}")
+            if st.posts:
+                parts.append(f"post {_recv_names(self, st.posts)}")
+            lines.append(" | ".join(parts))
+        return "\n".join(lines)
+
+
+def _recv_names(program: RankProgram, posts) -> str:
+    return "[" + ", ".join(program.recvs[r].label for r in posts) + "]"
+
+
+# ---- pass 1: incoming messages -------------------------------------------------------------------------------------
+def incoming(plan: Plan, rank: int):
+    """``(recvs, step_recv, links)``: the rank's remote incoming messages as :class:`Recv` records grouped by sending
+    rank (each link in the sender's order), the recv index each step consumes (-1: none), and per sender its recv
+    indices in order.  Local hand-overs (sender == receiver) are left to :func:`local_handovers`.
+
+    Raises:
+        ValueError: messages do not pair up (consumed twice, never sent, or sent and never consumed).
+    """
+    wanted = {}
+    for i, a in enumerate(plan.actions[rank]):
+        m = plan.input_message(rank, a)
+        if m is not None and m.src != rank:
+            if m in wanted:
+                raise ValueError(f"plan is invalid: rank {rank} consumes {m} twice (actions {wanted[m]} and {i})")
+            wanted[m] = i
+    recvs, step_recv, links = [], [-1] * len(plan.actions[rank]), {}
+    for src in sorted({m.src for m in wanted}):
+        links[src] = []
+        for m in plan.link_order(src, rank):
+            if m not in wanted:
+                raise ValueError(f"plan is invalid: rank {src} sends {m} but rank {rank} never consumes it")
+            consumer = wanted.pop(m)
+            tag, shape_tag = _TAGS[m.kind]
+            recvs.append(Recv(m.kind, src, tag, shape_tag, f"recv {m.kind} c{m.dst_chunk} mb{m.microbatch}",
+                              consumer, m))
+            step_recv[consumer] = len(recvs) - 1
+            links[src].append(len(recvs) - 1)
+    if wanted:
+        m = next(iter(wanted))
+        raise ValueError(f"plan is invalid: rank {rank} waits for {m} but rank {m.src} never sends it")
+    return recvs, step_recv, links
+
+
+# ---- pass 2: receive postings ---------------------------------------------------------------------------------------
+def receive_schedule(plan: Plan, rank: int, prefetch: int, batched: bool):
+    """``(recvs, step_recv, posts_at)``: :func:`incoming` plus the receives posted at each exchange point
+    (``posts_at[e + 1]``: after step ``e``; ``e = -1`` is the start): per link in sender order, every message
+    consumed by steps ``e+1 .. e+prefetch``."""
+    recvs, step_recv, links = incoming(plan, rank)
+    n = len(plan.actions[rank])
+    order_of = exchange_order(batched, rank)
+    position = {r: (src, pos) for src, idx in links.items() for pos, r in enumerate(idx)}
+    next_unposted = {src: 0 for src in links}
+    posts_at = []
+    for e in range(-1, n):
+        batch = []
+        for j in range(e + 1, min(e + 1 + prefetch, n)):
+            if step_recv[j] < 0:
+                continue
+            src, pos = position[step_recv[j]]
+            while next_unposted[src] <= pos:
+                batch.append(links[src][next_unposted[src]])
+                next_unposted[src] += 1
+        if plan.pp_size > 2:  # each neighbour sends one kind: sorting by kind keeps every link's order
+            batch.sort(key=lambda r: order_of[(False, recvs[r].kind)])
+        posts_at.append(tuple(batch))
+    return recvs, step_recv, posts_at
+
+
+# ---- pass 3: where sends are waited ---------------------------------------------------------------------------------
+def reap_points(plan: Plan, rank: int, prefetch: int, batched: bool, recvs) -> dict:
+    """For each message this rank sends: the first of its steps at which the receiver has *provably* posted the
+    matching receive -- the step that consumes a message the receiver sent at or after the exchange point where it
+    posted that receive.  Waiting the send handle there never waits for the receiver's progress; sends without
+    such a point are waited at the end of the step (or, in evaluation, ``2*P*C`` steps later: see
+    :func:`compile_rank`)."""
+    out = {}
+    peers = {m.dst for m in plan.sends(rank) if m.dst != rank}
+    for q in peers:
+        q_recvs, _, q_posts = receive_schedule(plan, q, prefetch, batched)
+        posted = {q_recvs[r].message: e for e, batch in enumerate(q_posts, start=-1) for r in batch}
+        sent_by_q = {}
+        for j, a in enumerate(plan.actions[q]):
+            m = plan.output_message(q, a)
+            if m is not None and m.dst == rank:
+                sent_by_q[m] = j
+        pairs = sorted((sent_by_q[rec.message], rec.consumer) for rec in recvs if rec.peer == q)
+        suffix_min, best = [0] * len(pairs), None
+        for k in range(len(pairs) - 1, -1, -1):
+            best = pairs[k][1] if best is None else min(best, pairs[k][1])
+            suffix_min[k] = best
+        keys = [e for e, _ in pairs]
+        for m, e_post in posted.items():
+            if m.src != rank:
+                continue
+            k = bisect.bisect_left(keys, e_post)
+            if k < len(keys):
+                out[m] = suffix_min[k]
+    return out
+
+
+# ---- pass 4: local hand-overs ---------------------------------------------------------------------------------------
+def local_handovers(plan: Plan, rank: int) -> tuple[list[int], list[int], int]:
+    """``(local_in, local_out, count)``: per step, the local slot it consumes / fills (-1: none), for messages
+    between two stages on this rank (V placement: stage ``P-1`` to ``P`` on the last rank)."""
+    acts = plan.actions[rank]
+    slot_of, local_in, local_out = {}, [-1] * len(acts), [-1] * len(acts)
+    for i, a in enumerate(acts):
+        m = plan.output_message(rank, a)
+        if m is not None and m.dst == rank:
+            slot_of[m] = local_out[i] = len(slot_of)
+    for i, a in enumerate(acts):
+        m = plan.input_message(rank, a)
+        if m is not None and m.src == rank:
+            if m not in slot_of:
+                raise ValueError(f"plan is invalid: rank {rank} runs {a}, which needs {m}, but no action of the "
+                                 "rank produces it")
+            local_in[i] = slot_of[m]
+    return local_in, local_out, len(slot_of)
+
+
+# ---- pass 5: grad / param sync hook events --------------------------------------------------------------------------
+# events: ("enable",) leave no_sync; ("disable",) enter no_sync; ("grad", c) grad_sync_func for chunk c (None: the
+# whole model of a one-chunk rank); ("param", c) param_sync_func for chunk c.
+
+def hook_events(plan: Plan, rank: int, has_grad_sync: bool, has_param_sync: bool):
+    """``(start, before, after, end)``: the hook events run at the start, before / after each step, and at the end.
+
+    Megatron-Core's points (spec 1.9, 1.17, 3.3, 3.8): ``no_sync`` entered at the start; left before the last
+    forward (no pipelining), before the last backward (1F1B; with ``grad_sync_func`` only on pipeline rank 0, the
+    others call it at the end), around the last backward of each chunk or each ``grad_sync_func`` call timed by
+    ``k - r`` (interleaved).  Split-backward plans: around each chunk's last ``W``, where its gradients are
+    complete (``grad_sync_func`` right after it); ``param_sync_func`` for every chunk at the start.
+    """
+    n = len(plan.actions[rank])
+    before, after = [[] for _ in range(n)], [[] for _ in range(n)]
+    start, end = [("disable",)], []
+    ops = [a.op for a in plan.actions[rank]]
+    if plan.schedule == "no_pipelining":
+        fwd = [i for i, op in enumerate(ops) if op is Op.FORWARD]
+        if fwd:
+            before[fwd[-1]].append(("enable",))
+        return start, before, after, end
+    if plan.forward_only or Op.BACKWARD not in ops:
+        return start, before, after, [("enable",)]
+    if plan.splits_backward:
+        return _split_hooks(plan, rank, has_grad_sync, has_param_sync, (start, before, after, end))
+    if plan.schedule != "interleaved":
+        last_b = max(i for i, op in enumerate(ops) if op is Op.BACKWARD)
+        if not has_grad_sync or rank == 0:
+            before[last_b].append(("enable",))
+        else:
+            end += [("enable",), ("grad", None)]
+        return start, before, after, end
+    return _interleaved_hooks(plan, rank, has_grad_sync, has_param_sync, (start, before, after, end))
+
+
+def _split_hooks(plan: Plan, rank: int, has_grad_sync: bool, has_param_sync: bool, events):
+    start, before, after, end = events
+    acts = plan.actions[rank]
+    last_w = {a.chunk: i for i, a in enumerate(acts) if a.op is Op.WEIGHT}
+    if has_param_sync:
+        start += [("param", c) for c in range(plan.num_model_chunks)]
+    for c, i in sorted(last_w.items()):
+        if has_grad_sync:
+            after[i] += [("enable",), ("grad", c), ("disable",)]
+        else:
+            before[i].append(("enable",))
+            after[i].append(("disable",))
+    end.append(("enable",))
+    return start, before, after, end
+
+
+def _interleaved_hooks(plan: Plan, rank: int, has_grad_sync: bool, has_param_sync: bool, events):
+    """Interleaved 1F1B's hook points (spec 3.2, 3.3, 3.8)."""
+    start, before, after, end = events
+    acts = plan.actions[rank]
+    last_m = plan.num_microbatches - 1
+    fwd_idx = [i for i, a in enumerate(acts) if a.op is Op.FORWARD]
+    bwd_idx = [i for i, a in enumerate(acts) if a.op is Op.BACKWARD]
+    chunks, total = plan.num_model_chunks, len(fwd_idx)
+    if has_param_sync:
+        start += [("param", c) for c in range(min(2, chunks))]
+        for k, i in enumerate(fwd_idx):
+            j = k + rank
+            if j < total and acts[fwd_idx[j]].microbatch == 0:
+                c2 = acts[fwd_idx[j]].chunk + 1
+                if 1 < c2 < chunks:
+                    before[i].append(("param", c2))
+    synced = set()
+    for k, i in enumerate(bwd_idx):
+        if not has_grad_sync and acts[i].microbatch == last_m:
+            before[i].append(("enable",))
+            after[i].append(("disable",))
+        if has_grad_sync:
+            j = k - rank
+            if j >= 0 and acts[bwd_idx[j]].microbatch == last_m:
+                c2 = acts[bwd_idx[j]].chunk
+                after[i] += [("enable",), ("grad", c2), ("disable",)]
+                synced.add(c2)
+    end.append(("enable",))
+    if has_grad_sync:
+        end += [("grad", c) for c in range(chunks) if c not in synced]
+    return start, before, after, end
+
+
+# ---- pass 6: the program --------------------------------------------------------------------------------------------
+def compile_rank(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True) -> RankProgram:
+    """Compile ``plan`` for pipeline rank ``rank`` (passes 1-4 of the module doc).
+
+    ``prefetch``: how many actions ahead receives are posted (>= 1).  ``batched``: Megatron's batched op order at
+    an exchange point (else even/odd order by rank parity).
+
+    Raises:
+        ValueError: ``rank`` outside the plan, ``prefetch < 1``, or a plan whose messages do not pair up (a rank
+            consumes a message nobody sends, or a sent message is never consumed), or a ``B`` / ``W`` before the
+            forward of its microbatch.
+    """
+    if not 0 <= rank < plan.pp_size:
+        raise ValueError(f"rank={rank} is outside the plan's pipeline of {plan.pp_size} ranks")
+    if prefetch < 1:
+        raise ValueError(f"prefetch={prefetch}: receives must be posted at least one action ahead")
+    acts = plan.actions[rank]
+    recvs, step_recv, posts_at = receive_schedule(plan, rank, prefetch, batched)
+    local_in, local_out, num_local = local_handovers(plan, rank)
+    order_of = exchange_order(batched, rank)
+    reap_at = reap_points(plan, rank, prefetch, batched, recvs)
+    fwd_slot, counts, steps, reaps = {}, {Op.FORWARD: 0, Op.BACKWARD: 0, Op.WEIGHT: 0}, [], [[] for _ in acts]
+    n_send = 0
+    for i, a in enumerate(acts):
+        out = plan.output_message(rank, a)
+        if out is not None and out.dst == rank:
+            out = None  # a local hand-over, not a send
+        index = counts[a.op]
+        counts[a.op] += 1
+        if a.op is Op.FORWARD:
+            fwd_slot[(a.chunk, a.microbatch)] = slot = index
+        else:
+            slot = fwd_slot.get((a.chunk, a.microbatch), -1)
+            if slot < 0:
+                raise ValueError(f"plan is invalid: rank {rank} runs {a} before the forward of the same microbatch")
+        send_id = -1
+        if out is not None:
+            send_id, n_send = n_send, n_send + 1
+            j = _reap_step(plan, reap_at.get(out), i)
+            if j is not None and max(j, i + 1) < len(acts):  # else: waited at the end of the step
+                reaps[max(j, i + 1)].append(send_id)
+        kind = "" if out is None else out.kind
+        steps.append(Step(a.op, a.op is Op.FORWARD, a.chunk, a.microbatch, a.label, index, slot, step_recv[i],
+                          -1 if out is None else out.dst, kind, plan.is_first_stage(rank, a.chunk),
+                          plan.is_last_stage(rank, a.chunk), posts_at[i + 1],
+                          order_of[(True, kind)] if kind else 0, send_id, (), local_in[i], local_out[i]))
+    for st, r in zip(steps, reaps):
+        st.reap = tuple(r)
+    return RankProgram(plan, rank, prefetch, tuple(steps), tuple(recvs), posts_at[0], counts[Op.FORWARD],
+                       plan.warmup[rank], n_send, num_local)
+
+
+def _reap_step(plan: Plan, reap: int | None, i: int) -> int | None:
+    """Where a send posted after step ``i`` is waited: its reap point, or in evaluation -- where nothing flows
+    back and every rank runs its forwards in order, so the receiver reaches the message without any later action
+    of ours -- ``2*P*C`` steps later (keeps at most that many sent outputs alive; looped placement only: under
+    the V placement messages flow back to the sender)."""
+    if reap is None and plan.forward_only and plan.stage_map == looped_placement(plan.pp_size, plan.num_model_chunks):
+        return i + 2 * plan.num_stages
+    return reap
+
+
+@functools.lru_cache(maxsize=256)
+def cached_program(schedule: str, pp_size: int, num_microbatches: int, num_model_chunks: int, group_size,
+                   forward_only: bool, rank: int, prefetch: int, batched: bool) -> RankProgram:
+    """:func:`compile_rank` of ``build_plan(...)``, cached by the plan's parameters (no per-call plan scans)."""
+    plan = build_plan(schedule, pp_size, num_microbatches, num_model_chunks, group_size, forward_only)
+    return compile_rank(plan, rank, prefetch, batched)
+
+
+_BY_PLAN: dict = {}
+
+
+def program_for(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True) -> RankProgram:
+    """:func:`compile_rank` cached per plan object (keeps the last 64 plans)."""
+    key = (id(plan), rank, prefetch, batched)
+    hit = _BY_PLAN.get(key)
+    if hit is not None and hit.plan is plan:
+        return hit
+    program = compile_rank(plan, rank, prefetch, batched)
+    if len(_BY_PLAN) >= 64:
+        _BY_PLAN.pop(next(iter(_BY_PLAN)))
+    _BY_PLAN[key] = program
+    return program

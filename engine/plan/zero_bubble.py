@@ -1,0 +1,224 @@
+"""Split-backward (zero-bubble) plans: ZB-H1, ZB-V and memory-budgeted plans, built by one list scheduler.
+
+Qi et al. ("Zero Bubble Pipeline Parallelism", ICLR 2024) split each backward into an input-gradient pass ``B``
+and a weight-gradient pass ``W``.  ``W`` depends only on its own ``B`` and sends nothing, so it can fill the bubbles
+a rank would otherwise spend waiting.  pipecast builds these plans by one deterministic list scheduler run on
+nominal costs (``F = B = W = 1`` unless given), in the spirit of the paper's automatic scheduler:
+
+* each rank, whenever it is free, runs the first available of: a ``B`` whose gradient has arrived (deepest stage
+  first), an ``F`` whose activation has arrived and that keeps the rank's in-flight activations (forward done,
+  ``B`` not) within its limit (deepest stage first), a pending ``W`` (oldest first); else it waits for the next
+  arrival;
+* a rank whose pending ``W`` count reached its limit runs a ``W`` before anything else;
+* ``F`` and ``B`` of one model chunk run in microbatch order, ``W`` first-in first-out, so each chunk's weight
+  gradients accumulate in microbatch order (the order of 1F1B: the sums are the same).
+
+Schedules (``P`` ranks, ``M`` microbatches):
+
+* ``zb_h1``: looped placement, one chunk per rank, in-flight limit ``min(P - r, M)`` on rank ``r`` -- 1F1B's
+  activation memory; ``W`` passes fill the cooldown, bubble ``(P-1)(F+B-W)`` for equal costs (paper, sec. 3.1).
+* ``zbv``: V placement (:func:`engine.plan.build.v_placement`), two chunks per rank, in-flight limit ``2P``
+  chunk activations on every rank (each chunk holds half a rank's layers: 1F1B's peak), near-zero bubble when
+  ``F = B = W``.
+* ``zb``: looped placement, ``C`` chunks, any per-rank in-flight limit: ``P - r`` gives ZB-H1-like plans, about
+  ``2P`` ZB-H2-like plans with no bubble.
+
+The plans are deadlock-free by construction (they are a simulated execution) and are checked by
+:func:`engine.plan.validate.validate_plan` like every plan, including the in-flight and pending-``W`` limits they
+carry.  Pure: no torch.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from .build import Action, Op, Plan, Schedule, looped_placement, v_placement
+
+__all__ = ["ZeroBubbleCosts", "list_schedule", "zero_bubble_plan", "default_limits"]
+
+_OPS = {"F": Op.FORWARD, "B": Op.BACKWARD, "W": Op.WEIGHT}
+
+
+@dataclass(frozen=True)
+class ZeroBubbleCosts:
+    """Nominal costs the list scheduler orders by (time units); the plan's order, not these, is what runs."""
+
+    forward: float = 1.0
+    backward: float = 1.0
+    weight: float = 1.0
+    transfer: float = 0.0
+
+
+class _Rank:
+    """One rank's state in the list scheduler."""
+
+    def __init__(self, rank: int, stages: list[int], in_flight_limit: int, pending_w_limit: int):
+        self.rank, self.stages = rank, stages          # stages[c] = virtual stage of chunk c
+        self.next_f = [0] * len(stages)                # next microbatch to run F for, per chunk
+        self.next_b = [0] * len(stages)
+        self.pending_w: list[tuple[int, int]] = []     # (chunk, microbatch) with B done, W not, oldest first
+        self.in_flight = 0
+        self.in_flight_limit, self.pending_w_limit = in_flight_limit, pending_w_limit
+        self.clock = 0.0
+        self.actions: list[tuple[str, int, int]] = []
+        self.peak_in_flight = self.peak_pending_w = 0
+
+
+def list_schedule(placement, pp_size: int, num_microbatches: int, in_flight_limit, pending_w_limit=None,
+                  costs: ZeroBubbleCosts = ZeroBubbleCosts(), forward_only: bool = False):
+    """Order every rank's ``F`` / ``B`` / ``W`` actions by the list scheduler of the module doc.
+
+    Args:
+        placement: stage -> ``(rank, chunk)`` (see :data:`engine.plan.build.Placement`).
+        in_flight_limit / pending_w_limit: per rank, the limits (``pending_w_limit`` None: no limit).
+        forward_only: forwards only (evaluation plans of the same placement).
+
+    Returns:
+        ``(actions, peaks)``: per rank a list of ``(op, chunk, microbatch)`` with op ``"F"``, ``"B"`` or ``"W"``,
+        and per rank ``(peak in-flight activations, peak pending W)`` of that order.
+
+    Raises:
+        ValueError: a limit below 1 (no forward could ever run).
+    """
+    num_stages = len(placement)
+    ranks = [_Rank(r, [s for s, (rr, _) in sorted(enumerate(placement), key=lambda x: x[1][1]) if rr == r],
+                   in_flight_limit[r], None if pending_w_limit is None else pending_w_limit[r])
+             for r in range(pp_size)]
+    for rk in ranks:
+        if rk.in_flight_limit < 1 or (rk.pending_w_limit is not None and rk.pending_w_limit < 1):
+            raise ValueError(f"rank {rk.rank}: in-flight limit {rk.in_flight_limit} and pending-W limit "
+                             f"{rk.pending_w_limit} must be >= 1, else no forward can run")
+    arrivals: dict[tuple[str, int, int], float] = {}   # ("act"|"grad", stage, microbatch) -> time available
+    total = sum(len(rk.stages) for rk in ranks) * num_microbatches * (1 if forward_only else 3)
+    done, heap, parked = 0, [(0.0, r) for r in range(pp_size)], {}
+    while done < total:
+        if not heap:
+            raise RuntimeError(f"list scheduler stuck: ranks {sorted(parked)} wait for inputs nobody produces")
+        t, r = heapq.heappop(heap)
+        rk = ranks[r]
+        step = _next_action(rk, t, arrivals, num_stages, num_microbatches, forward_only)
+        if step is None:
+            wake = _next_arrival(rk, t, arrivals, num_stages, num_microbatches, forward_only)
+            if wake is None:
+                parked[r] = t  # nothing is on its way yet: re-examined once another rank publishes something
+            else:
+                heapq.heappush(heap, (wake, r))
+            continue
+        rk.clock = t + _run(rk, step, t, arrivals, placement, num_stages, costs)
+        done += 1
+        heapq.heappush(heap, (rk.clock, r))
+        for q, tq in parked.items():
+            heapq.heappush(heap, (tq, q))
+        parked.clear()
+    return [rk.actions for rk in ranks], [(rk.peak_in_flight, rk.peak_pending_w) for rk in ranks]
+
+
+def _ready(rk: _Rank, kind: str, chunk: int, t: float, arrivals, num_stages: int, mbs: int) -> bool:
+    s = rk.stages[chunk]
+    if kind == "F":
+        mb = rk.next_f[chunk]
+        return mb < mbs and (s == 0 or arrivals.get(("act", s, mb), float("inf")) <= t)
+    mb = rk.next_b[chunk]
+    return mb < rk.next_f[chunk] and (s == num_stages - 1 or arrivals.get(("grad", s, mb), float("inf")) <= t)
+
+
+def _next_action(rk: _Rank, t: float, arrivals, num_stages: int, mbs: int, forward_only: bool):
+    """The action the rank runs now at time ``t`` (``(op, chunk)``), or None to wait."""
+    deepest = sorted(range(len(rk.stages)), key=lambda c: -rk.stages[c])
+    if rk.pending_w and rk.pending_w_limit is not None and len(rk.pending_w) >= rk.pending_w_limit:
+        return ("W", rk.pending_w[0][0])
+    if not forward_only:
+        for c in deepest:
+            if _ready(rk, "B", c, t, arrivals, num_stages, mbs):
+                return ("B", c)
+    if forward_only or rk.in_flight < rk.in_flight_limit:
+        for c in deepest:
+            if _ready(rk, "F", c, t, arrivals, num_stages, mbs):
+                return ("F", c)
+    if rk.pending_w:
+        return ("W", rk.pending_w[0][0])
+    return None
+
+
+def _next_arrival(rk: _Rank, t: float, arrivals, num_stages: int, mbs: int, forward_only: bool):
+    """Earliest future time at which one of the rank's next inputs is available (None: nothing is coming yet)."""
+    times = []
+    for c, s in enumerate(rk.stages):
+        if rk.next_f[c] < mbs and s > 0:
+            times.append(arrivals.get(("act", s, rk.next_f[c])))
+        if not forward_only and rk.next_b[c] < rk.next_f[c] and s < num_stages - 1:
+            times.append(arrivals.get(("grad", s, rk.next_b[c])))
+    times = [x for x in times if x is not None and x > t]
+    return min(times, default=None)
+
+
+def _run(rk: _Rank, step, t: float, arrivals, placement, num_stages: int, costs: ZeroBubbleCosts) -> float:
+    """Record ``step`` on the rank at time ``t``; publish its output; return its cost."""
+    op, c = step
+    s = rk.stages[c]
+    if op == "F":
+        mb = rk.next_f[c]
+        rk.next_f[c] += 1
+        rk.in_flight += 1
+        cost = costs.forward
+        if s < num_stages - 1:
+            local = placement[s + 1][0] == rk.rank
+            arrivals[("act", s + 1, mb)] = t + cost + (0.0 if local else costs.transfer)
+    elif op == "B":
+        mb = rk.next_b[c]
+        rk.next_b[c] += 1
+        rk.in_flight -= 1
+        rk.pending_w.append((c, mb))
+        cost = costs.backward
+        if s > 0:
+            local = placement[s - 1][0] == rk.rank
+            arrivals[("grad", s - 1, mb)] = t + cost + (0.0 if local else costs.transfer)
+    else:
+        c, mb = rk.pending_w.pop(0)
+        cost = costs.weight
+    rk.actions.append((op, c, mb))
+    rk.peak_in_flight = max(rk.peak_in_flight, rk.in_flight)
+    rk.peak_pending_w = max(rk.peak_pending_w, len(rk.pending_w))
+    return cost
+
+
+def default_limits(kind: Schedule, pp_size: int, num_microbatches: int, num_model_chunks: int,
+                   max_in_flight=None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per-rank ``(in-flight limits, pending-W limits)`` of a split-backward schedule (module doc).
+
+    Raises:
+        ValueError: ``max_in_flight`` is not a number >= 1 or one per rank.
+    """
+    P, C = pp_size, num_model_chunks
+    if kind is Schedule.ZB_H1:
+        return tuple(min(P - r, num_microbatches) for r in range(P)), (P,) * P
+    if kind is Schedule.ZBV:
+        return (2 * P,) * P, (2 * P,) * P
+    if max_in_flight is None:
+        limits = tuple(C * (P - r) for r in range(P))
+    elif isinstance(max_in_flight, int) and not isinstance(max_in_flight, bool):
+        limits = (max_in_flight,) * P
+    else:
+        limits = tuple(max_in_flight)
+    if len(limits) != P or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in limits):
+        raise ValueError(f"max_in_flight={max_in_flight!r} is invalid: use a number >= 1 or one per pipeline rank "
+                         f"({P} numbers)")
+    return limits, limits
+
+
+def zero_bubble_plan(kind: Schedule, pp_size: int, num_microbatches: int, num_model_chunks: int,
+                     forward_only: bool = False, max_in_flight=None) -> Plan:
+    """The plan of a split-backward schedule (``zb_h1``, ``zbv``, ``zb``; see the module doc).
+
+    Raises:
+        ValueError: as :func:`default_limits`.
+    """
+    placement = v_placement(pp_size) if kind is Schedule.ZBV else looped_placement(pp_size, num_model_chunks)
+    in_flight, pending = default_limits(kind, pp_size, num_microbatches, num_model_chunks, max_in_flight)
+    order, _ = list_schedule(placement, pp_size, num_microbatches, in_flight, pending, forward_only=forward_only)
+    shared: dict = {}
+    actions = tuple(tuple(shared.setdefault(a, Action(_OPS[a[0]], a[1], a[2])) for a in acts) for acts in order)
+    warmup = tuple(next((i for i, a in enumerate(acts) if a.op is not Op.FORWARD), len(acts)) for acts in actions)
+    limits = (None, None) if forward_only else (in_flight, pending)
+    return Plan(kind, pp_size, num_model_chunks, num_microbatches, num_microbatches, forward_only, warmup, actions,
+                placement, *limits)
