@@ -33,6 +33,7 @@ Deliberate deviations from Megatron-Core 0.16.1:
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -370,7 +371,7 @@ def _raise_shared(comm, error, rejected: list) -> None:
 def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_microbatches, seq_length,
                   micro_batch_size, decoder_seq_length=None, forward_only=False, collect_non_loss_data=False,
                   first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
-                  force_all_reduce=False):
+                  force_all_reduce=False, plan: Optional[Plan] = None):
     """Validate (locally, then agreed across the pipeline), build the plan, run the executor."""
     comm, pgc = _resolve_groups(schedule, p2p_communicator, pg_collection)
     error, call = None, None
@@ -378,7 +379,10 @@ def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_micr
         call = _prepare(schedule, data_iterator=data_iterator, model=model, num_microbatches=num_microbatches,
                         seq_length=seq_length, micro_batch_size=micro_batch_size,
                         decoder_seq_length=decoder_seq_length, forward_only=forward_only,
-                        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, comm=comm, pgc=pgc)
+                        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, comm=comm, pgc=pgc,
+                        chunks=None if plan is None else plan.num_model_chunks)
+        if plan is not None:
+            _check_plan(plan, call, num_microbatches, forward_only)
     except (ValueError, TypeError, RuntimeError, AssertionError, AttributeError) as exc:
         error = exc
     if schedule == _NO_PIPELINING:
@@ -388,31 +392,52 @@ def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_micr
         agree_comm = comm or (call.comm if call is not None else _communicator(pgc.pp, None))
         _agree(agree_comm, error, None if error is not None else
                _fingerprint(call, schedule, num_microbatches, forward_only))
+    return execute(_program(call, schedule, num_microbatches, forward_only, plan),
+                   _context(call, schedule, forward_step_func, num_microbatches, collect_non_loss_data,
+                            first_val_step, force_all_reduce, forward_only, plan))
 
+
+def _program(call, schedule, num_microbatches, forward_only, plan):
     config, comm = call.config, call.comm
     pp_size, rank = (1, 0) if comm is None else (comm.size, comm.rank)
-    prefetch = default_prefetch(config, comm)
-    program = cached_program(schedule, pp_size, num_microbatches, len(call.models), call.group,
-                             bool(forward_only), rank, prefetch, bool(config.batch_p2p_comm))
-    training = not forward_only
+    prefetch, batched = default_prefetch(config, comm), bool(config.batch_p2p_comm)
+    if plan is not None:
+        return program_for(plan, rank, prefetch, batched)
+    return cached_program(schedule, pp_size, num_microbatches, len(call.models), call.group, bool(forward_only),
+                          rank, prefetch, batched)
+
+
+def _context(call, schedule, forward_step_func, num_microbatches, collect_non_loss_data, first_val_step,
+             force_all_reduce, forward_only, plan) -> ExecutionContext:
+    config, comm, pgc = call.config, call.comm, call.pgc
     before_finalize = None
-    if schedule != _NO_PIPELINING and training and config.finalize_model_grads_func is not None:
-        last = is_pp_last_stage(comm.pp_group)
-        embedding_module = clear_embedding_activation_buffer(config, call.models if schedule == _INTERLEAVED
-                                                             else call.models[0], last)
+    multi = len(call.models) > 1 or schedule == _INTERLEAVED
+    if schedule != _NO_PIPELINING and not forward_only and config.finalize_model_grads_func is not None:
+        last = (is_pp_last_stage(comm.pp_group) if plan is None else
+                any(plan.is_last_stage(comm.rank, c) for c in range(plan.num_model_chunks)))
+        embedding_module = clear_embedding_activation_buffer(config, call.models if multi else call.models[0], last)
 
         def before_finalize():
             finish_embedding_wgrad_compute(config, embedding_module, last, pgc.tp)
-    ctx = ExecutionContext(
+    return ExecutionContext(
         forward_step_func=forward_step_func, data_iterators=call.iters, models=call.models, config=config,
         communicator=comm if comm is not None else _LocalComm(config), num_microbatches=num_microbatches,
         act_shape=call.act_shape, grad_shape=call.grad_shape, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, cp_group_size=group_size(pgc.cp), vp_stages=schedule == _INTERLEAVED,
+        first_val_step=first_val_step, cp_group_size=group_size(pgc.cp), vp_stages=multi,
         per_stage_last=schedule != _NO_PIPELINING, checkpoint=schedule != _NO_PIPELINING, pg_collection=pgc,
-        force_all_reduce=force_all_reduce,
-        finalize_models=list(call.models) if schedule == _INTERLEAVED else [call.models[0]],
+        force_all_reduce=force_all_reduce, finalize_models=list(call.models) if multi else [call.models[0]],
         before_finalize=before_finalize, chunk_hooks=call.hooks)
-    return execute(program, ctx)
+
+
+def _check_plan(plan: Plan, call, num_microbatches, forward_only) -> None:
+    """A plan handed to :func:`forward_backward_pipelining_with_schedule` must fit the call."""
+    size = 1 if call.comm is None else call.comm.size
+    for name, want, got in (("pp_size", size, plan.pp_size), ("num_microbatches", num_microbatches,
+                                                               plan.num_microbatches),
+                            ("forward_only", bool(forward_only), plan.forward_only)):
+        if want != got:
+            raise ValueError(f"forward_backward_pipelining_with_schedule: plan.{name}={got} but the call has "
+                             f"{name}={want}; build the plan for this call (engine.plan.build_plan)")
 
 
 class _LocalComm:
@@ -501,6 +526,68 @@ def forward_backward_pipelining_with_interleaving(*, forward_step_func, data_ite
                          force_all_reduce=force_all_reduce)
 
 
+def forward_backward_pipelining_with_schedule(*, schedule="zb_h1", forward_step_func, data_iterator, model,
+                                             num_microbatches: int, seq_length: int, micro_batch_size: int,
+                                             decoder_seq_length=None, forward_only: bool = False,
+                                             collect_non_loss_data: bool = False, first_val_step=None,
+                                             adjust_tensor_shapes_fn=None, p2p_communicator=None,
+                                             pg_collection=None, force_all_reduce: bool = False) -> list:
+    """Run any pipecast schedule -- by name, or a :class:`~engine.plan.build.Plan` -- with the keyword arguments
+    and loss contract of Megatron's schedule functions (spec 1.18, section 2).
+
+    ``schedule``: ``"zb_h1"`` (one chunk per rank, split backward), ``"zbv"`` (V placement: model chunk 0 of rank
+    ``r`` is stage ``r``, chunk 1 is stage ``2P-1-r``), ``"zb"``, ``"1f1b"``, ``"interleaved"``, or a plan built
+    with :func:`engine.plan.build_plan` for this pipeline size, ``num_microbatches`` and ``forward_only`` (a plan's
+    forward-only twin is built from its schedule name when ``forward_only`` differs).  ``model`` /
+    ``data_iterator``: one entry per model chunk of the plan (a single module is accepted for one chunk).  P2P
+    tensors are ``[s, b, h]`` in ``config.pipeline_dtype``.  Split-backward schedules run ``B`` (input gradient)
+    and ``W`` (weight gradient) separately; each chunk's ``W`` passes run in microbatch order, so the gradients
+    equal 1F1B's (see ``engine.runtime.split_backward`` for what is held until ``W``); ``no_sync_func`` is left
+    and ``grad_sync_func`` called around each chunk's last ``W``.
+
+    Returns the loss stage's ``forward_data_store`` (``[]`` elsewhere).  Raises ``ValueError`` for an unknown
+    schedule or a plan that does not fit the call, plus the checks of the Megatron schedule functions -- on every
+    pipeline rank, before any pipeline communication.
+    """
+    plan = schedule if isinstance(schedule, Plan) else None
+    name = parse_schedule(plan.schedule if plan is not None else schedule)
+    if name in (_NO_PIPELINING, _ONE_F_ONE_B, _INTERLEAVED) and plan is None:
+        func = _BY_NAME[name.megatron_function]
+        return func(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                    num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                    decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+                    collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+                    adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+                    pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    if plan is None:
+        chunks = 2 if name is Schedule.ZBV else (len(model) if isinstance(model, list) else 1)
+        plan = _cached_plan(name, _pipeline_size(p2p_communicator), num_microbatches, chunks, bool(forward_only))
+    elif plan.forward_only != bool(forward_only) and plan.schedule in tuple(Schedule):
+        plan = _cached_plan(name, plan.pp_size, plan.num_microbatches, plan.num_model_chunks, bool(forward_only))
+    return _run_schedule(name, forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                         num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                         decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+                         collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+                         adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+                         pg_collection=pg_collection, force_all_reduce=force_all_reduce, plan=plan)
+
+
+def _pipeline_size(p2p_communicator) -> int:
+    if p2p_communicator is not None:
+        return p2p_communicator.pp_group.size()
+    from . import parallel_state as ps
+    return ps.get_pipeline_model_parallel_world_size()
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_plan(schedule, pp_size, num_microbatches, num_model_chunks, forward_only) -> Plan:
+    """``build_plan`` of a named split-backward schedule, kept (plans are immutable)."""
+    try:
+        return build_plan(schedule, pp_size, num_microbatches, num_model_chunks, forward_only=forward_only)
+    except ValueError as exc:
+        raise ValueError(f"forward_backward_pipelining_with_schedule: {exc}") from None
+
+
 _BY_NAME = {
     "forward_backward_no_pipelining": forward_backward_no_pipelining,
     "forward_backward_pipelining_without_interleaving": forward_backward_pipelining_without_interleaving,
@@ -535,7 +622,7 @@ def select_schedule_name(pp_size: Optional[int] = None, vp_size: Optional[int] =
     return select_schedule(pp_size, vp_size).megatron_function
 
 
-__all__ = ["get_forward_backward_func", "forward_backward_no_pipelining",
+__all__ = ["get_forward_backward_func", "forward_backward_no_pipelining", "forward_backward_pipelining_with_schedule",
            "forward_backward_pipelining_without_interleaving", "forward_backward_pipelining_with_interleaving",
            "P2PCommunicator", "get_pp_rank_microbatches", "get_schedule_table", "convert_schedule_table_to_order",
            # per-microbatch functions (engine/microbatch.py, engine/runtime/step.py)

@@ -83,6 +83,9 @@ def default_prefetch(config, communicator) -> int:
         return OVERLAP_PREFETCH
     return NCCL_PREFETCH if getattr(communicator, "grouped", False) else GLOO_PREFETCH
 
+_NO_DEFERRAL = contextlib.nullcontext()
+
+
 class _GradSync:
     """Tracks the ``no_sync`` context and runs hook events."""
 
@@ -233,9 +236,16 @@ class _Runner:
                        for c, (h, it, m) in enumerate(zip(hooks, ctx.data_iterators, ctx.models))]
 
     @staticmethod
-    def _split_backward(x, y, gy, config, model):
-        from .split_backward import backward_input_step
-        return backward_input_step(x, y, gy, config, model=model)
+    def _split_backward(x, y, gy, config):
+        from .split_backward import backward_input_step  # only split-backward plans need it
+        return backward_input_step(x, y, gy, config)
+
+    @staticmethod
+    def _deferral():
+        """Forwards of split-backward plans run under layer-level weight-gradient deferral (``nn.Linear``,
+        ``LayerNorm``, ``Embedding``); other parameters are split over the autograd graph."""
+        from .split_backward import weight_grad_deferral
+        return weight_grad_deferral()
 
     # -- communication ----------------------------------------------------------------------------------------
     def _exchange(self, send: Optional[tuple], posts: tuple) -> None:
@@ -415,7 +425,7 @@ class _Runner:
             self._reap(st.reap)
         ckpt = None if self.k_ckpt is None else (st.index % self.window) >= self.k_ckpt
         first_mb = check_first_val_step(self.ctx.first_val_step, self.forward_only, st.microbatch == 0)
-        with self.tracer.span("compute", st.label):
+        with self.tracer.span("compute", st.label), (self._deferral() if self.split else _NO_DEFERRAL):
             y, n = run_forward(self.call, self.chunks[st.chunk], x, ckpt, first_mb, st.microbatch,
                                st.last_stage if self.ctx.per_stage_last else True)
         if self.tokens is not None and n is not None:
@@ -431,7 +441,7 @@ class _Runner:
         if send is not None or st.posts:
             self._exchange(send, st.posts)
         if not self.forward_only:
-            if self.dealloc and st.send_peer >= 0:
+            if self.dealloc and (st.send_peer >= 0 or st.local_out >= 0):  # the receiver (or hand-over) owns it
                 deallocate_output_tensor(y, True)
             self.saved_in[st.slot] = x
             self.saved_out[st.slot] = y
@@ -445,7 +455,7 @@ class _Runner:
         self.saved_in[slot] = self.saved_out[slot] = None
         with self.tracer.span("compute", st.label):
             if self.split:
-                gx, self.pending_w[slot] = self._split_backward(x, y, gy, self.config, self.ctx.models[st.chunk])
+                gx, self.pending_w[slot] = self._split_backward(x, y, gy, self.config)
             else:
                 gx = backward_step(x, y, gy, self.config)
         send = None
@@ -459,10 +469,14 @@ class _Runner:
             self._exchange(send, st.posts)
 
     def _weight(self, st) -> None:
+        if st.reap:
+            self._reap(st.reap)
         work = self.pending_w[st.slot]
         self.pending_w[st.slot] = None
         with self.tracer.span("compute", st.label):
             work.run()
+        if st.posts:
+            self._exchange(None, st.posts)
 
     def _drain(self) -> None:
         """End of the step: wait every send still open; no receive may be left."""
