@@ -265,7 +265,7 @@ class Plan:
         rows = []
         for rank, acts in enumerate(self.actions):
             cells = " ".join(str(a).ljust(width) for a in acts)
-            rows.append(f"rank {rank} (W={self.warmup[rank]:>3}): {cells}")
+            rows.append(f"rank {rank} (warmup {self.warmup[rank]:>3}): {cells}")
         return "\n".join(rows)
 
 

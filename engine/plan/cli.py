@@ -6,7 +6,11 @@ Example::
 
 The schedule follows Megatron's choice (``get_forward_backward_func``): ``--vp 1`` (default) gives 1F1B, or no
 pipelining with ``--pp 1``; ``--vp >= 2`` gives interleaved 1F1B (``--schedule interleaved`` also forces it for
-``--vp 1``, as Megatron does for ``virtual_pipeline_model_parallel_size=1``).  Costs are per model chunk.
+``--vp 1``, as Megatron does for ``virtual_pipeline_model_parallel_size=1``).  ``--schedule zb_h1 | zbv | zb``
+select the split-backward schedules (``zbv`` implies ``--vp 2``; ``zb`` takes ``--max-in-flight``).  Costs are per
+model chunk; with ``--weight-time W > 0`` the backward time is the input-gradient pass ``B`` and ``W`` the
+weight-gradient pass, so unsplit schedules cost ``B + W`` per backward (``W = 0``, the default: one backward of
+``--backward-time``).
 
 Limits, checked before any work (exit status 2, naming the option): ``--pp`` at most :data:`MAX_PP` = 16384
 (validation and simulation cost grows with the ranks; 16384 ranks take ~5 s), ``P * C * M`` (forwards per step,
@@ -28,6 +32,7 @@ import sys
 from pathlib import Path
 
 from .build import SCHEDULES, Plan, build_plan
+from .schedule import Schedule, select_schedule
 from .simulate import Simulation, simulate
 from .validate import max_buffered_messages, validate_plan
 
@@ -63,8 +68,9 @@ def _time(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``schedule`` options on ``parser``."""
     parser.add_argument("--pp", type=_positive_int, default=4, help="pipeline ranks P (default 4)")
-    parser.add_argument("--vp", type=_positive_int, default=1,
-                        help="model chunks per rank (virtual pipeline size); >= 2 selects interleaved 1F1B")
+    parser.add_argument("--vp", type=_positive_int, default=None,
+                        help="model chunks per rank (virtual pipeline size, default 1; 2 with --schedule zbv); "
+                             ">= 2 selects interleaved 1F1B")
     parser.add_argument("--microbatches", "-m", type=_positive_int, default=8, help="microbatches M (default 8)")
     parser.add_argument("--group-size", type=_positive_int, default=None,
                         help="microbatch_group_size_per_vp_stage G for interleaved 1F1B (default P)")
@@ -73,7 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--forward-only", action="store_true", help="evaluation plan (forwards only)")
     parser.add_argument("--forward-time", type=_time, default=1.0, help="cost of one chunk forward (default 1)")
     parser.add_argument("--backward-time", type=_time, default=2.0, help="cost of one chunk backward (default 2)")
+    parser.add_argument("--weight-time", type=_time, default=0.0,
+                        help="cost of one weight-gradient pass W; then --backward-time is the input-gradient pass "
+                             "and unsplit schedules cost B+W per backward (default 0: no split)")
     parser.add_argument("--transfer-time", type=_time, default=0.0, help="latency of every message (default 0)")
+    parser.add_argument("--max-in-flight", type=_positive_int, default=None,
+                        help="--schedule zb: per-rank limit on activations held (default C*(P-r), 1F1B's)")
     parser.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="draw a Gantt chart")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT.json", help="write plan and timeline")
     parser.add_argument("--grid", action="store_true",
@@ -82,12 +93,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(_parser=parser)
 
 
-def _schedule(args) -> str:
+def _schedule(args) -> Schedule:
+    """The schedule asked for (``auto``: Megatron's choice from ``--pp`` / ``--vp``); fills in ``args.vp``."""
+    if args.vp is None:
+        args.vp = 2 if args.schedule == "zbv" else 1
     if args.schedule != "auto":
-        return args.schedule
-    if args.vp > 1:
-        return "interleaved"
-    return "1f1b" if args.pp > 1 else "no_pipelining"
+        return Schedule(args.schedule)
+    return select_schedule(args.pp, args.vp if args.vp > 1 else None)
+
+
+def _costs(plan: Plan, args) -> dict:
+    """Simulator costs: a split plan pays B and W separately; an unsplit one B + W per backward."""
+    if plan.splits_backward:
+        return dict(forward_time=args.forward_time, backward_time=args.backward_time,
+                    weight_time=args.weight_time, transfer_time=args.transfer_time)
+    return dict(forward_time=args.forward_time, backward_time=args.backward_time + args.weight_time,
+                transfer_time=args.transfer_time)
 
 
 def _check_size(parser, args) -> None:
@@ -131,16 +152,19 @@ def run(args) -> int:
     schedule = _schedule(args)
     if args.group_size is not None and schedule != "interleaved":
         parser.error(f"--group-size {args.group_size} only applies to interleaved 1F1B; add --vp 2 (or more)")
+    if args.max_in_flight is not None and schedule != "zb":
+        parser.error(f"--max-in-flight {args.max_in_flight} only applies to --schedule zb")
     _check_size(parser, args)
     _check_output(parser, "--json", args.json, "plan.json")
     _check_output(parser, "--plot", args.plot, "plan.png")
     try:
-        plan = build_plan(schedule, args.pp, args.microbatches, args.vp, args.group_size, args.forward_only)
+        plan = build_plan(schedule, args.pp, args.microbatches, args.vp, args.group_size, args.forward_only,
+                          max_in_flight=args.max_in_flight)
     except (ValueError, RuntimeError) as exc:  # Megatron's validation errors: bad option values
         parser.error(f"{exc} (options --pp {args.pp} --vp {args.vp} --microbatches {args.microbatches}"
                      + (f" --group-size {args.group_size}" if args.group_size is not None else "") + ")")
     validate_plan(plan)
-    sim = simulate(plan, args.forward_time, args.backward_time, args.transfer_time)
+    sim = simulate(plan, **_costs(plan, args))
     buffered = max_buffered_messages(plan, sim)
     print(report(plan, sim, buffered, args))
     if args.json is not None:
@@ -165,21 +189,27 @@ def report(plan: Plan, sim: Simulation, buffered, args) -> str:
     full = getattr(args, "grid", False) or (plan.pp_size <= GRID_MAX_RANKS and columns <= GRID_MAX_COLUMNS)
     lines = [f"schedule {plan.schedule}: pp={plan.pp_size} vp={plan.num_model_chunks} "
              f"microbatches={plan.num_microbatches}{group} ({mode}); "
-             f"action F<microbatch>.<chunk> / B<microbatch>.<chunk>, W = warmup forwards"]
+             f"action F/B/W<microbatch>.<chunk> (B = input gradient, W = weight gradient when split), "
+             f"warmup = forwards before the first backward"]
+    if plan.placement is not None:
+        lines.append("placement (stage: rank.chunk): " + " ".join(
+            f"{s}:{r}.{c}" for s, (r, c) in enumerate(plan.stage_map)))
     if full:
         lines.append(plan.grid())
     else:
         lines.append(f"(action grid and per-rank lines omitted: {plan.pp_size} ranks x {columns} actions is more "
                      f"than {GRID_MAX_RANKS} ranks or {GRID_MAX_COLUMNS} actions per rank; add --grid to print "
                      "them, or --json OUT.json for every rank's actions and timeline)")
-    lines += ["", f"simulated: forward {args.forward_time:g}, backward {args.backward_time:g}, transfer "
+    weight = f", weight {args.weight_time:g}" if args.weight_time else ""
+    lines += ["", f"simulated: forward {args.forward_time:g}, backward {args.backward_time:g}{weight}, transfer "
               f"{args.transfer_time:g} per model chunk"]
     idle, bubble, of_ideal = sim.idle, sim.bubble, sim.bubble_of_ideal  # properties: compute once, not per rank
 
     def rank_line(rank: int) -> str:
         return (f"rank {rank}: busy {sim.busy[rank]:g}  idle {idle[rank]:g}  bubble {100 * bubble[rank]:.1f}%  "
                 f"(of ideal {100 * of_ideal[rank]:.1f}%)  peak in-flight activations {sim.peak_in_flight[rank]}  "
-                f"peak buffered messages {buffered[rank]}")
+                + (f"peak pending W {sim.peak_pending_w[rank]}  " if plan.splits_backward else "")
+                + f"peak buffered messages {buffered[rank]}")
     if full:
         lines += [rank_line(rank) for rank in range(plan.pp_size)]
     else:
@@ -196,11 +226,11 @@ def to_json(plan: Plan, sim: Simulation, buffered) -> dict:
         "schedule": plan.schedule, "pp_size": plan.pp_size, "num_model_chunks": plan.num_model_chunks,
         "num_microbatches": plan.num_microbatches, "group_size": plan.group_size,
         "forward_only": plan.forward_only, "transfer_time": sim.transfer_time, "makespan": sim.makespan,
-        "bubble_overall": sim.bubble_overall,
+        "bubble_overall": sim.bubble_overall, "placement": [list(loc) for loc in plan.stage_map],
         "ranks": [{"rank": r, "warmup": plan.warmup[r], "actions": plan.compute_order(r), "start": sim.start[r],
                    "end": sim.end[r], "busy": sim.busy[r], "bubble": sim.bubble[r],
                    "bubble_of_ideal": sim.bubble_of_ideal[r], "peak_in_flight": sim.peak_in_flight[r],
-                   "peak_buffered_messages": buffered[r]} for r in range(plan.pp_size)],
+                   "peak_pending_w": sim.peak_pending_w[r], "peak_buffered_messages": buffered[r]} for r in range(plan.pp_size)],
     }
 
 

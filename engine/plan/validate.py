@@ -37,7 +37,7 @@ import numpy as np
 from .build import Action, Message, Op, Plan
 
 __all__ = ["PlanError", "PlanGraph", "plan_graph", "execution_order", "validate_plan", "max_buffered_messages",
-           "memory_levels"]
+           "memory_levels", "validate_programs"]
 
 _OPS = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)  # key order of Plan.action_keys
 
@@ -471,3 +471,77 @@ def max_buffered_messages(plan: Plan, simulation=None, **costs) -> tuple[int, ..
         level = np.cumsum(delta[order])
         peaks.append(int(level.max()) if level.size else 0)
     return tuple(peaks)
+
+
+# -- the compiled programs ---------------------------------------------------------------------------------------
+def validate_programs(plan: Plan, prefetch: int = 1, batched: bool = True) -> tuple:
+    """Check the per-rank programs the executor runs (:func:`engine.plan.lowering.compile_rank`) for deadlock
+    freedom, exactly as they post and wait; returns them.
+
+    Model (the executor's on gloo): a rank runs its steps in order; before a step it waits its receive, which
+    needs the sender to have posted the send (the sender finished the producing step), and the sends the program
+    reaps there, which need the receiver to have posted the matching receive (the receiver finished the step
+    after which it posts it; initial posts are made at the start); after the step it posts its send and the
+    receives of that exchange point.  At the end every open send is waited.  Also checks that every receive is
+    posted before it is waited.
+
+    Raises:
+        PlanError: the plan is invalid (:func:`validate_plan`), or a program waits for something that never
+            happens; the message names the rank, step and what it waits for, followed by that rank's program grid
+            with the step marked.
+    """
+    from .lowering import compile_rank  # lowering builds on the plan module, not on this one
+    validate_plan(plan)
+    programs = tuple(compile_rank(plan, r, prefetch, batched) for r in range(plan.pp_size))
+    needs = [_program_needs(plan, programs, r) for r in range(plan.pp_size)]
+    done = [0] * plan.pp_size
+    changed = True
+    while changed:
+        changed = False
+        for r, program in enumerate(programs):
+            n = len(program.steps)
+            while done[r] < n and all(done[q] > j for q, j in needs[r][done[r]]):
+                done[r] += 1
+                changed = True
+    for r, program in enumerate(programs):
+        if done[r] < len(program.steps):
+            raise _program_deadlock(plan, programs, needs, done, r)
+    return programs
+
+
+def _program_needs(plan: Plan, programs, rank: int) -> list[list[tuple[int, int]]]:
+    """Per step of ``rank``: the ``(rank q, step j)`` pairs that must have finished first (``j = -1``: the start)."""
+    program = programs[rank]
+    posted_at = {}  # message -> exchange point (-1: start) where its receiver posts the receive
+    produced_at = {}  # message -> (rank, step) that sends it
+    for q, prog in enumerate(programs):
+        for r in prog.initial_posts:
+            posted_at[prog.recvs[r].message] = (q, -1)
+        for e, st in enumerate(prog.steps):
+            for r in st.posts:
+                posted_at[prog.recvs[r].message] = (q, e)
+            if st.send_peer >= 0:
+                produced_at[plan.output_message(q, plan.actions[q][e])] = (q, e)
+    sent = [plan.output_message(rank, plan.actions[rank][i]) for i, st in enumerate(program.steps)
+            if st.send_peer >= 0]
+    needs = []
+    for i, st in enumerate(program.steps):
+        need = []
+        if st.recv >= 0:
+            m = program.recvs[st.recv].message
+            if posted_at.get(m, (rank, i))[1] >= i:
+                raise PlanError(rank, i, plan.actions[rank][i], f"waits for {m} before posting its receive "
+                                                                f"(lowering bug)\n{program.grid(mark=i)}")
+            need.append(produced_at[m])
+        need += [posted_at[sent[sid]] for sid in st.reap]
+        needs.append([(q, j) for q, j in need if j >= 0 or q != rank])
+    return needs
+
+
+def _program_deadlock(plan: Plan, programs, needs, done, rank: int) -> PlanError:
+    i = done[rank]
+    waits = [f"rank {q} step {j} ({plan.actions[q][j] if j >= 0 else 'start'})" for q, j in needs[rank][i]
+             if done[q] <= j]
+    return PlanError(rank, i, plan.actions[rank][i], f"deadlock in the compiled program: step {i} waits for "
+                                                     f"{', '.join(waits)}, which never finishes\n"
+                                                     f"{programs[rank].grid(mark=i)}")

@@ -6,9 +6,12 @@ a rank would otherwise spend waiting.  pipecast builds these plans by one determ
 nominal costs (``F = B = W = 1`` unless given), in the spirit of the paper's automatic scheduler:
 
 * each rank, whenever it is free, runs the first available of: a ``B`` whose gradient has arrived (deepest stage
-  first), an ``F`` whose activation has arrived and that keeps the rank's in-flight activations (forward done,
-  ``B`` not) within its limit (deepest stage first), a pending ``W`` (oldest first); else it waits for the next
-  arrival;
+  first), an ``F`` whose activation has arrived (deepest stage first), a pending ``W`` (oldest first); else it
+  waits for the next arrival;
+* memory: a microbatch is admitted on a rank by the ``F`` of the rank's first chunk only if the activations
+  reserved by admitted microbatches (one per chunk of the rank each will pass, released by each ``B``) stay within
+  the rank's limit; later chunks' ``F`` never wait for memory, so the limit can never deadlock the pipeline and
+  the activations held (forward done, ``B`` not) never exceed it;
 * a rank whose pending ``W`` count reached its limit runs a ``W`` before anything else;
 * ``F`` and ``B`` of one model chunk run in microbatch order, ``W`` first-in first-out, so each chunk's weight
   gradients accumulate in microbatch order (the order of 1F1B: the sums are the same).
@@ -58,6 +61,8 @@ class _Rank:
         self.next_b = [0] * len(stages)
         self.pending_w: list[tuple[int, int]] = []     # (chunk, microbatch) with B done, W not, oldest first
         self.in_flight = 0
+        self.reserved = 0                              # activations reserved by microbatches admitted here
+        self.entry = min(range(len(stages)), key=lambda c: stages[c])  # the chunk where microbatches enter
         self.in_flight_limit, self.pending_w_limit = in_flight_limit, pending_w_limit
         self.clock = 0.0
         self.actions: list[tuple[str, int, int]] = []
@@ -131,10 +136,10 @@ def _next_action(rk: _Rank, t: float, arrivals, num_stages: int, mbs: int, forwa
         for c in deepest:
             if _ready(rk, "B", c, t, arrivals, num_stages, mbs):
                 return ("B", c)
-    if forward_only or rk.in_flight < rk.in_flight_limit:
-        for c in deepest:
-            if _ready(rk, "F", c, t, arrivals, num_stages, mbs):
-                return ("F", c)
+    for c in deepest:
+        if _ready(rk, "F", c, t, arrivals, num_stages, mbs) and (
+                forward_only or c != rk.entry or rk.reserved + len(rk.stages) <= rk.in_flight_limit):
+            return ("F", c)
     if rk.pending_w:
         return ("W", rk.pending_w[0][0])
     return None
@@ -160,6 +165,8 @@ def _run(rk: _Rank, step, t: float, arrivals, placement, num_stages: int, costs:
         mb = rk.next_f[c]
         rk.next_f[c] += 1
         rk.in_flight += 1
+        if c == rk.entry:  # admit the microbatch: one activation for each chunk of this rank it will pass
+            rk.reserved += len(rk.stages)
         cost = costs.forward
         if s < num_stages - 1:
             local = placement[s + 1][0] == rk.rank
@@ -168,6 +175,7 @@ def _run(rk: _Rank, step, t: float, arrivals, placement, num_stages: int, costs:
         mb = rk.next_b[c]
         rk.next_b[c] += 1
         rk.in_flight -= 1
+        rk.reserved -= 1
         rk.pending_w.append((c, mb))
         cost = costs.backward
         if s > 0:
