@@ -108,9 +108,8 @@ class TrainerProfiling:
     """
 
     def __init__(self, trainer, timeline: str | os.PathLike | None = None, nvtx: bool = False):
-        from ..plan import build_plan
         from .torch_profiler import StepProfiler
-        c, p = trainer.config, trainer.config.parallel
+        c = trainer.config
         self.trainer = trainer
         self.session = None
         tracers = []
@@ -118,9 +117,7 @@ class TrainerProfiling:
             from .nvtx_ranges import NvtxTracer
             tracers.append(NvtxTracer())
         if timeline is not None:
-            plan = build_plan(c.schedule_name, p.pipeline, c.schedule.num_microbatches, p.virtual,
-                              p.microbatch_group_size_per_vp_stage if p.virtual > 1 else None)
-            self.session = TimelineSession(timeline, plan, group=trainer.pg.pp,
+            self.session = TimelineSession(timeline, trainer.plan, group=trainer.pg.pp,
                                            device="cuda" if trainer.device.type == "cuda" else "cpu",
                                            pipeline_index=trainer.dp_rank)
             tracers.append(self.session.recorder)

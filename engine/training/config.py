@@ -24,6 +24,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from ..plan.schedule import Schedule, select_schedule
 from ..plan.table import validate_interleaved_microbatches
 
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig",
@@ -97,7 +98,9 @@ class ParallelConfig:
     """Pipeline (``pipeline``) x data (``data``) parallelism; ``virtual`` model chunks per pipeline rank."""
 
     pipeline: int = 1
-    virtual: int = 1  # > 1 selects interleaved 1F1B
+    virtual: int = 1  # > 1 selects interleaved 1F1B (with schedule: auto)
+    # auto: Megatron's choice from pipeline / virtual; zb_h1 / zbv: split-backward zero-bubble schedules
+    schedule: Literal["auto", "no_pipelining", "1f1b", "interleaved", "zb_h1", "zbv"] = "auto"
     data: int | None = None  # None -> world size // pipeline (1 when the launcher spawns ranks)
     microbatch_group_size_per_vp_stage: int | None = None  # None -> pipeline (Megatron's default)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -227,10 +230,12 @@ class TrainConfig:
 
     @property
     def schedule_name(self) -> str:
-        """Which Megatron schedule runs (spec 1.1): no pipelining, 1F1B, interleaved 1F1B."""
-        if self.parallel.pipeline == 1:
-            return "no_pipelining"
-        return "interleaved" if self.parallel.virtual > 1 else "1f1b"
+        """The schedule that runs: ``parallel.schedule``, or for ``auto`` Megatron's choice (spec 1.1) from
+        ``parallel.pipeline`` / ``parallel.virtual`` (:func:`engine.plan.schedule.select_schedule`)."""
+        p = self.parallel
+        if p.schedule != "auto":
+            return p.schedule
+        return select_schedule(p.pipeline, p.virtual if p.virtual > 1 else None).value
 
 
 # ---- typed loading --------------------------------------------------------------------------------------------
@@ -531,10 +536,39 @@ def _validate_finite(config: TrainConfig) -> None:
                                   f"(the default is {default!r})")
 
 
+_SCHEDULE_SHAPE = {  # schedule -> (pipeline rule, virtual rule, the fix)
+    "no_pipelining": (lambda pp: pp == 1, lambda vp: vp == 1, "set parallel.pipeline=1 and parallel.virtual=1"),
+    "1f1b": (lambda pp: pp >= 2, lambda vp: vp == 1, "set parallel.pipeline >= 2 and parallel.virtual=1"),
+    "interleaved": (lambda pp: pp >= 2, lambda vp: vp >= 1, "set parallel.pipeline >= 2"),
+    "zb_h1": (lambda pp: pp >= 1, lambda vp: vp == 1, "set parallel.virtual=1 (one model chunk per rank)"),
+    "zbv": (lambda pp: pp >= 1, lambda vp: vp == 2, "set parallel.virtual=2 (ZB-V places two model chunks on "
+                                                    "each rank, stages r and 2P-1-r)"),
+}
+
+
+def _validate_schedule(config: TrainConfig) -> None:
+    """``parallel.schedule`` against the pipeline / virtual sizes and the features it supports."""
+    p = config.parallel
+    if p.schedule == "auto":
+        return
+    pp_ok, vp_ok, fix = _SCHEDULE_SHAPE[p.schedule]
+    if not (pp_ok(p.pipeline) and vp_ok(p.virtual)):
+        raise ConfigError(f"parallel.schedule={p.schedule} does not fit parallel.pipeline={p.pipeline}, "
+                          f"parallel.virtual={p.virtual}: {fix}")
+    if Schedule(p.schedule).splits_backward and config.cuda_graphs.enabled:
+        raise ConfigError(f"parallel.schedule={p.schedule} (split backward) with cuda_graphs.enabled=true is not "
+                          "supported yet: graphs are captured for F and full-backward passes only; set "
+                          "cuda_graphs.enabled=false or use parallel.schedule=1f1b / interleaved")
+    if Schedule(p.schedule).splits_backward and p.microbatch_group_size_per_vp_stage is not None:
+        raise ConfigError(f"parallel.microbatch_group_size_per_vp_stage only applies to interleaved 1F1B, not "
+                          f"parallel.schedule={p.schedule}; remove it")
+
+
 def _validate_parallel(config: TrainConfig) -> None:
     m, p, s = config.model, config.parallel, config.schedule
+    _validate_schedule(config)
     chunks = p.pipeline * p.virtual
-    if p.pipeline == 1 and p.virtual != 1:
+    if p.pipeline == 1 and p.virtual != 1 and p.schedule != "zbv":
         raise ConfigError(f"parallel.virtual={p.virtual} needs parallel.pipeline >= 2 (interleaved 1F1B runs on "
                           f"at least two pipeline ranks); set parallel.virtual=1 or parallel.pipeline >= 2")
     if m.num_layers % chunks:
@@ -546,13 +580,13 @@ def _validate_parallel(config: TrainConfig) -> None:
     if p.overlap_p2p_comm and p.batch_p2p_comm:
         raise ConfigError("parallel.overlap_p2p_comm=true needs parallel.batch_p2p_comm=false (Megatron: the two "
                           "are mutually exclusive)")
-    if p.overlap_p2p_comm and p.virtual == 1:
-        raise ConfigError("parallel.overlap_p2p_comm=true is only supported by interleaved 1F1B; set "
+    if p.overlap_p2p_comm and config.schedule_name in ("1f1b", "no_pipelining"):
+        raise ConfigError("parallel.overlap_p2p_comm=true is not supported by 1F1B (as in Megatron-Core); set "
                           "parallel.virtual >= 2 or parallel.overlap_p2p_comm=false")
-    if p.microbatch_group_size_per_vp_stage is not None and p.virtual == 1:
+    if p.microbatch_group_size_per_vp_stage is not None and config.schedule_name != "interleaved":
         raise ConfigError(f"parallel.microbatch_group_size_per_vp_stage={p.microbatch_group_size_per_vp_stage} "
                           f"only applies to interleaved 1F1B; remove it or set parallel.virtual >= 2")
-    if p.virtual > 1:
+    if config.schedule_name == "interleaved":
         group = p.microbatch_group_size_per_vp_stage or p.pipeline
         if p.microbatch_group_size_per_vp_stage is not None:  # the field the user set is named first
             for count in (s.num_microbatches, config.eval_microbatches):

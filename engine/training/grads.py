@@ -84,10 +84,12 @@ class GradSync:
         pg: the process groups (``dp`` for the data-parallel average, ``embd`` for the tied embedding).
         overlap: launch each chunk's data-parallel all-reduce when its gradients are complete.
         tracer: optional ``engine.runtime.tracing.Tracer``; finalize reports a ``"sync"`` span.
+        tied_on_one_rank: the first and the last stage are on one rank (V placement): the two tied copies are
+            summed there, with no embedding-group communication on any rank.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], pg: ProcessGroupCollection, overlap: bool = True,
-                 tracer=None):
+                 tracer=None, tied_on_one_rank: bool = False):
         self.chunks = list(chunks)
         self.pg = pg
         self.dp_size = group_size(pg.dp)
@@ -95,7 +97,8 @@ class GradSync:
         self.sync_enabled = True
         self.buckets = [_Bucket([p for p in c.parameters() if p.requires_grad]) for c in self.chunks]
         self.tied = [w for w in (tied_embedding_weight(c) for c in self.chunks) if w is not None]
-        self._embd = pg.embd if len(pg.embd_ranks) > 1 else None
+        self._embd = pg.embd if len(pg.embd_ranks) > 1 and not tied_on_one_rank else None
+        self._local_tied = tied_on_one_rank and len(self.tied) == 2
         self._hooks = []
         if overlap and self.dp_size > 1:
             for bucket in self.buckets:
@@ -141,11 +144,23 @@ class GradSync:
                         dist.all_reduce(bucket.flat, group=self.pg.dp)
                     bucket.unflatten(bucket.flat.div_(self.dp_size))
                     bucket.reset()
+            if self._local_tied:
+                self._sum_local_tied()
             if self._embd is not None:
                 for weight in self.tied:
                     if weight.grad is None:
                         weight.grad = torch.zeros_like(weight)
                     dist.all_reduce(weight.grad, group=self._embd)
+
+    def _sum_local_tied(self) -> None:
+        """Both tied copies on this rank: each gets the sum of the two gradients (what the embedding-group
+        all-reduce gives across ranks)."""
+        for weight in self.tied:
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+        total = self.tied[0].grad + self.tied[1].grad
+        for weight in self.tied:
+            weight.grad.copy_(total)
 
     def close(self) -> None:
         for h in self._hooks:

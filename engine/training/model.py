@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -224,8 +224,10 @@ class GPTChunk(nn.Module):
 
 
 def build_model_chunks(cfg: ModelConfig, ffn_hidden_size: int, pp_size: int, pp_rank: int, vp_size: int,
-                       seed: int, mp_config=None, device: torch.device | str = "cpu") -> list[GPTChunk]:
-    """The ``vp_size`` model chunks of pipeline rank ``pp_rank`` (chunk ``c`` = virtual stage ``c*P + r``).
+                       seed: int, mp_config=None, device: torch.device | str = "cpu",
+                       stages: Sequence[int] | None = None) -> list[GPTChunk]:
+    """The ``vp_size`` model chunks of pipeline rank ``pp_rank``: chunk ``c`` is virtual stage ``stages[c]``
+    (the plan's placement, :meth:`engine.plan.build.Plan.stages_of`; default the looped ``c*P + r``).
 
     With ``tie_embeddings`` and a single stage holding both ends (``pp_size == vp_size == 1``) the output head
     shares the embedding's ``Parameter``; otherwise the last stage gets its own bitwise-equal copy.
@@ -234,8 +236,10 @@ def build_model_chunks(cfg: ModelConfig, ffn_hidden_size: int, pp_size: int, pp_
     use_te = cfg.transformer_engine and torch.device(device).type == "cuda"
     if cfg.transformer_engine and not use_te:
         log.info("model.transformer_engine=true needs CUDA; using torch layers on %s", device)
-    return [GPTChunk(cfg, ffn_hidden_size, chunk_stage(pp_rank, c, pp_size), num_stages, seed, mp_config,
-                     use_te=use_te).to(device) for c in range(vp_size)]
+    if stages is None:
+        stages = [chunk_stage(pp_rank, c, pp_size) for c in range(vp_size)]
+    return [GPTChunk(cfg, ffn_hidden_size, stage, num_stages, seed, mp_config, use_te=use_te).to(device)
+            for stage in stages]
 
 
 def canonical_module(chunks: Iterable[GPTChunk]) -> nn.Module:

@@ -10,7 +10,7 @@ One training step (every rank)::
                -> finalize_model_grads (data-parallel average, tied-embedding sum)      # called by the schedule
                -> global grad-norm clip -> AdamW step -> LR schedule step
 
-The loss is owned by the last pipeline stage; it is averaged over data-parallel replicas and broadcast over the
+The loss is owned by the last pipeline stage (on the last rank, or rank 0 under the V placement); it is averaged over data-parallel replicas and broadcast over the
 pipeline so every rank returns the same metrics.  The log line is written by the last stage of data-parallel
 replica 0.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import math
 import os
@@ -85,7 +86,9 @@ class Trainer:
             timeout=datetime.timedelta(seconds=p.timeout_s))
         self.pp_rank, self.pp_size = self.pg.pipeline_model_parallel_rank, p.pipeline
         self.dp_rank, self.dp_size = self.pg.data_parallel_rank, self.pg.data_parallel_size
-        self.is_log_rank = self.pp_rank == self.pp_size - 1 and self.dp_rank == 0
+        self.plan = self._plan()  # one plan per step: its placement decides which stages this rank holds
+        self.loss_rank = self.plan.stage_location(self.plan.num_stages - 1)[0]  # pipeline rank of the loss stage
+        self.is_log_rank = self.pp_rank == self.loss_rank and self.dp_rank == 0
         self.run_dir = Path(config.logging.run_dir)
         # a folder with checkpoints belongs to another run until load() resumes it: its train.log and config.yaml
         # are left alone (train() refuses a fresh start there, see check_fresh_run)
@@ -96,8 +99,10 @@ class Trainer:
         self.tracer = None  # an engine.runtime.tracing.Tracer; the profiling tools set it
         self.mp_config = self._model_parallel_config()
         self.model = build_model_chunks(config.model, config.ffn_hidden_size, p.pipeline, self.pp_rank, p.virtual,
-                                        config.schedule.seed, self.mp_config, self.device)
-        self.grad_sync = GradSync(self.model, self.pg, overlap=p.overlap_grad_reduce)
+                                        config.schedule.seed, self.mp_config, self.device,
+                                        stages=self.plan.stages_of(self.pp_rank))
+        first, last = self.plan.stage_location(0)[0], self.plan.stage_location(self.plan.num_stages - 1)[0]
+        self.grad_sync = GradSync(self.model, self.pg, overlap=p.overlap_grad_reduce, tied_on_one_rank=first == last)
         self.mp_config.finalize_model_grads_func = self.grad_sync.finalize_model_grads
         self.mp_config.no_sync_func = self.grad_sync.no_sync
         self.canonical = canonical_module(self.model)
@@ -169,15 +174,21 @@ class Trainer:
         o = self.config.optimizer
         return lr_lambda(step, o.lr, o.min_lr, o.warmup_steps, self.config.schedule.steps)
 
+    def _plan(self):
+        """The plan of one training step (built once; its placement decides which stages this rank holds)."""
+        from ..plan import build_plan
+        c, p = self.config, self.config.parallel
+        return build_plan(c.schedule_name, p.pipeline, c.schedule.num_microbatches, p.virtual,
+                          p.microbatch_group_size_per_vp_stage if c.schedule_name == "interleaved" else None)
+
     def simulated_bubble(self) -> float:
         """Bubble fraction of one training step from the plan simulator (``engine.plan.simulate``; uniform costs,
-        backward = 2 x forward, no transfer time): idle / makespan over all pipeline ranks."""
-        from ..plan import build_plan
+        backward = 2 x forward -- split plans: B = W = forward --, no transfer time): idle / makespan over all
+        pipeline ranks."""
         from ..plan.simulate import simulate
-        c, p = self.config, self.config.parallel
-        plan = build_plan(c.schedule_name, p.pipeline, c.schedule.num_microbatches, p.virtual,
-                          p.microbatch_group_size_per_vp_stage if p.virtual > 1 else None)
-        return simulate(plan).bubble_overall
+        if self.plan.splits_backward:
+            return simulate(self.plan, 1.0, 1.0, 0.0, 1.0).bubble_overall
+        return simulate(self.plan).bubble_overall
 
     @property
     def _reads_tokens(self) -> bool:
@@ -198,7 +209,11 @@ class Trainer:
     def _schedule(self):
         from .. import schedules  # the public API; imported late so that `engine` never imports the trainer eagerly
         p = self.config.parallel
-        fb = schedules.get_forward_backward_func(p.pipeline, p.virtual if p.virtual > 1 else None)
+        if self.plan.schedule in ("no_pipelining", "1f1b", "interleaved"):
+            fb = schedules.get_forward_backward_func(p.pipeline, p.virtual if self.plan.schedule == "interleaved"
+                                                     else None)
+        else:  # split-backward plans (evaluation runs the forward-only plan of the same placement)
+            fb = functools.partial(schedules.forward_backward_pipelining_with_schedule, schedule=self.plan)
         from ..runtime.p2p import P2PCommunicator
         # no pipelining ignores it (Megatron's contract); pipelined schedules need it next to pg_collection
         return fb, P2PCommunicator(self.pg.pp, self.mp_config)
@@ -211,7 +226,13 @@ class Trainer:
         return model(batch.get("tokens"), batch.get("labels")), _loss_func
 
     def _iterators(self, microbatches: Iterator[dict] | None) -> list:
-        return [microbatches if (c.is_first or c.is_last) else None for c in self.model]
+        """One data iterator per chunk that reads data (first and last stage), None for the others; when one
+        rank holds both (V placement) each gets its own iterator over the same microbatches."""
+        readers = [c.is_first or c.is_last for c in self.model]
+        if sum(readers) > 1 and microbatches is not None:
+            items = list(microbatches)
+            return [iter(items) if r else None for r in readers]
+        return [microbatches if r else None for r in readers]
 
     def _run_schedule(self, microbatches, num_microbatches: int, forward_only: bool) -> list:
         c = self.config
@@ -240,7 +261,7 @@ class Trainer:
         if getattr(self, "_graphs", None) is None:
             from graphs.runtime import GraphRuntime  # the one engine -> graphs call site
             p = self.config.parallel
-            self._graphs = GraphRuntime(self.model, self.config.schedule_name, self.pp_size, self.pp_rank, p.virtual,
+            self._graphs = GraphRuntime(self.model, self.plan.schedule, self.pp_size, self.pp_rank, p.virtual,
                                         p.microbatch_group_size_per_vp_stage, backend=cg.backend,
                                         warmup_steps=cg.warmup_steps, tracer=self.tracer,
                                         variable_seq_lengths=self.mp_config.variable_seq_lengths)
@@ -300,13 +321,13 @@ class Trainer:
         """Sum the ``[loss sum, tokens]`` pairs of the loss stage, average over data-parallel replicas and broadcast
         the mean over the pipeline group (so every rank returns it)."""
         total = torch.zeros(2, dtype=torch.float64)
-        if self.pp_rank == self.pp_size - 1:
+        if self.pp_rank == self.loss_rank:
             for entry in store:
                 total += entry["lm loss"].detach().to("cpu", torch.float64)
             if self.dp_size > 1:
                 total = _all_reduce_cpu(total, self.pg.dp)
         if self.pp_size > 1:
-            total = _broadcast_cpu(total, self.pg.pp_ranks[-1], self.pg.pp)
+            total = _broadcast_cpu(total, self.pg.pp_ranks[self.loss_rank], self.pg.pp)
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
     @torch.no_grad()
@@ -324,10 +345,10 @@ class Trainer:
                 total += entry["lm loss"].detach().to("cpu", torch.float64)
         for chunk in self.model:
             chunk.train()
-        if self.pp_rank == self.pp_size - 1 and self.dp_size > 1:
+        if self.pp_rank == self.loss_rank and self.dp_size > 1:
             total = _all_reduce_cpu(total, self.pg.dp)
         if self.pp_size > 1:
-            total = _broadcast_cpu(total, self.pg.pp_ranks[-1], self.pg.pp)
+            total = _broadcast_cpu(total, self.pg.pp_ranks[self.loss_rank], self.pg.pp)
         loss = float(total[0] / total[1])
         self.val_history.append((self.step, loss))
         return loss
