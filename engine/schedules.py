@@ -47,6 +47,7 @@ from .runtime.step import (ChunkHooks, ScheduleContractError, ScheduleContractTy
                    get_attr_wrapped_model, get_model_config, get_tensor_shapes, is_pp_last_stage,
                    select_schedule_name, set_current_microbatch)
 from .plan.table import validate_interleaved_microbatches
+from .finalize import warn_unsynced_tied_weights
 
 
 def get_pp_rank_microbatches(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage,
@@ -165,6 +166,10 @@ def _check_shape(shape, schedule: str, what: str) -> tuple:
     return tuple(shape)
 
 
+_ONE_CHUNK_HINT = ("; for non-interleaved 1F1B with one model chunk per rank set "
+                   "virtual_pipeline_model_parallel_size=None (any value but None, even 1, selects interleaving)")
+
+
 class _Call:
     """A validated schedule call: everything the executor needs."""
 
@@ -181,7 +186,7 @@ def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, mi
         if not isinstance(model, list):
             raise ScheduleContractTypeError("forward_backward_pipelining_with_interleaving: model must be a list of "
                                             f"model chunks (one per virtual pipeline stage), got "
-                                            f"{type(model).__name__}")
+                                            f"{type(model).__name__}" + _ONE_CHUNK_HINT)
         models = list(model)
         if not models:
             raise ScheduleContractError("forward_backward_pipelining_with_interleaving: model is an empty list; pass "
@@ -199,7 +204,8 @@ def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, mi
             raise ScheduleContractError("forward_backward_pipelining_with_interleaving: data_iterator must be a list "
                                         f"with one iterator (or None) per model chunk ({len(models)}), got "
                                         f"{type(data_iterator).__name__}"
-                                        f"{'' if not isinstance(iters, list) else f' of length {len(iters)}'}")
+                                        f"{'' if not isinstance(iters, list) else f' of length {len(iters)}'}"
+                                        + (_ONE_CHUNK_HINT if len(models) == 1 else ""))
         if adjust_tensor_shapes_fn is not None:
             raise ScheduleContractError("forward_backward_pipelining_with_interleaving: adjust_tensor_shapes_fn is "
                                         "only supported by the non-interleaved schedule; pass None")
@@ -234,7 +240,12 @@ def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, mi
                              f"got pipeline_model_parallel_size={pp_size}; use forward_backward_no_pipelining "
                              "(get_forward_backward_func picks it for one rank)")
         group = config.microbatch_group_size_per_vp_stage or pp_size
-        validate_interleaved_microbatches(num_microbatches, pp_size, group)
+        try:
+            validate_interleaved_microbatches(num_microbatches, pp_size, group)
+        except (ValueError, RuntimeError) as exc:
+            if len(models) > 1:
+                raise
+            raise type(exc)(f"{exc}{_ONE_CHUNK_HINT}") from exc
         call.group = group
     if pp_size > 1 and config.pipeline_dtype is None:
         raise RuntimeError("config.pipeline_dtype is None but the pipeline has "
@@ -367,6 +378,8 @@ def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_micr
     program = cached_program(schedule, pp_size, num_microbatches, len(call.models), call.group,
                              bool(forward_only), rank, prefetch, bool(config.batch_p2p_comm))
     training = not forward_only
+    if training and config.finalize_model_grads_func is None:
+        warn_unsynced_tied_weights(call.models)
     before_finalize = None
     if schedule != _NO_PIPELINING and training and config.finalize_model_grads_func is not None:
         last = is_pp_last_stage(comm.pp_group)
@@ -381,7 +394,7 @@ def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_micr
         act_shape=call.act_shape, grad_shape=call.grad_shape, collect_non_loss_data=collect_non_loss_data,
         first_val_step=first_val_step, cp_group_size=group_size(pgc.cp), vp_stages=schedule == _INTERLEAVED,
         per_stage_last=schedule != _NO_PIPELINING, checkpoint=schedule != _NO_PIPELINING, pg_collection=pgc,
-        force_all_reduce=force_all_reduce,
+        force_all_reduce=force_all_reduce, micro_batch_size=micro_batch_size,
         finalize_models=list(call.models) if schedule == _INTERLEAVED else [call.models[0]],
         before_finalize=before_finalize, chunk_hooks=call.hooks)
     return execute(program, ctx)
