@@ -152,7 +152,8 @@ class PipelineChunk(nn.Module):
         dtype = getattr(self.config, "pipeline_dtype", None)
         if dtype is not None:
             x = x.to(dtype)
-        return x.contiguous()  # owns its storage (deallocate_pipeline_outputs frees it after the send)
+        x = x.contiguous()  # a layer fed the transposed input may return [b, s, h] laid out as [s, b, h]: a view
+        return x if x._base is None else x.clone()  # owns its storage (deallocate_pipeline_outputs frees it)
 
 
 # ---- building the chunks ------------------------------------------------------------------------------------------
