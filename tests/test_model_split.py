@@ -167,11 +167,12 @@ def test_sequential_model_with_first_and_last_entries():
 
 def test_finalize_without_groups_scales_by_tokens_and_ignores_duplicates():
     model = TinyGPT2()
-    chunks = split_gpt2(model, _config(1), [0])
+    chunks = split_gpt2(model, _config(2), v_stages(0, 2))  # stages 0 and 3: the tied weight is in both chunks
     model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
-    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    held = list(nn.ModuleList(chunks).named_parameters())
+    before = {n: p.grad.clone() for n, p in held}
     finalize_model_grads(chunks, torch.tensor(4, dtype=torch.int))
-    for n, p in model.named_parameters():  # the tied weight is scaled once, not once per use
+    for n, p in held:  # the tied weight is scaled once, not once per use
         torch.testing.assert_close(p.grad, before[n] / 4, msg=n)
 
 
