@@ -26,8 +26,8 @@ _LAZY_EXPORTS = {
 }
 
 # submodules reachable as attributes (``engine.parallel_state``, ``engine.schedules``) without an explicit import
-_LAZY_SUBMODULES = ("parallel_state", "schedules", "model_parallel_config", "model_split", "finalize", "plan", "runtime",
-                    "profiling", "training")
+_LAZY_SUBMODULES = ("parallel_state", "schedules", "model_parallel_config", "model_split", "finalize", "plan",
+                    "runtime", "profiling", "training")
 
 __all__ = sorted(_LAZY_EXPORTS)
 

@@ -124,7 +124,7 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         from engine import spawn                             # engine.spawn(fn, world_size): local gloo ranks
-        spawn(main, 2)
+        spawn(main, 2, timeout_s=120)
     except ImportError:                                      # until engine.spawn lands: the tests' launcher
         from tests.distributed import run_ranks
         run_ranks(main, 2, timeout=60)
