@@ -241,6 +241,17 @@ def _tied_parameters(entries: list[list]) -> list[tuple[nn.Parameter, list[str]]
     return tied
 
 
+def _check_covered(model: nn.Module, entries: list[list]) -> None:
+    """Every parameter of the model belongs to some stage (a forgotten head or norm is an error, not a silent
+    omission)."""
+    covered = {id(p) for stage_entries in entries for _, m in stage_entries for p in m.parameters()}
+    missing = [n for n, p in model.named_parameters() if id(p) not in covered]
+    if missing:
+        raise ValueError(f"parameters {missing[:4]}{' ...' if len(missing) > 4 else ''} belong to no stage: their "
+                         "modules are neither body layers nor named in first= / last=; name them there (e.g. "
+                         "last=['transformer.ln_f', 'lm_head']) or delete the unused modules before splitting")
+
+
 def _attach(chunk: PipelineChunk, name: str, module: nn.Module, layers_path: str) -> None:
     """Register ``module`` on ``chunk`` under its original dotted ``name``, creating the containers on the way."""
     parts = name.split(".")
@@ -289,7 +300,8 @@ def split_model(model: nn.Module, *, layers, stages: Sequence[int], config, firs
         batch_first: the model works on ``[b, s, h]``; the chunks transpose to and from the pipeline's ``[s, b, h]``.
 
     Raises ``ValueError`` / ``TypeError`` for a path that names no module, stages out of range or repeated, a layer
-    count not divisible by ``num_stages``, and parameters shared by stages other than the first and the last.
+    count not divisible by ``num_stages``, parameters in no stage, and parameters shared by stages other than the
+    first and the last.
     """
     first, last = list(first), list(last)
     if num_stages is None:
@@ -299,6 +311,7 @@ def split_model(model: nn.Module, *, layers, stages: Sequence[int], config, firs
     per = _layers_per_stage(len(body), num_stages, layers_path, config, len(stages))
     ends = ([(n, _submodule(model, n, "first")) for n in first], [(n, _submodule(model, n, "last")) for n in last])
     entries = _stage_entries(ends[0], body, ends[1], num_stages, per)
+    _check_covered(model, entries)
     tied = _tied_parameters(entries)
     chunks = []
     for index, stage in enumerate(stages):

@@ -139,6 +139,10 @@ def test_bad_paths_and_stages_are_named():
         split_model(model, layers="transformer.blocks", stages=[0], config=_config(2))
     with pytest.raises(TypeError, match="layers='transformer.ln_f' is a LayerNorm"):
         split_model(model, layers="transformer.ln_f", stages=[0], config=_config(2))
+    with pytest.raises(ValueError, match=r"parameters \['transformer.ln_f.weight', 'transformer.ln_f.bias'\] "
+                                         r"belong to no stage.*last="):
+        split_model(model, layers="transformer.h", stages=[0], config=_config(2), first=["transformer.wte",
+                                                                                         "transformer.wpe"])
     with pytest.raises(ValueError, match=r"stages=\[0, 2\] must be distinct virtual stage indices in \[0, "
                                          r"num_stages=2\)"):
         split_model(model, layers="transformer.h", stages=[0, 2], config=_config(2), num_stages=2)
