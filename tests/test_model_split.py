@@ -26,7 +26,7 @@ from torch import nn
 
 from engine import ModelParallelConfig, finalize_model_grads, looped_stages, split_model, v_stages
 from engine.runtime.executor import _Runner
-from tests.byom_example import TinyGPT2, split_gpt2
+from tests.byom_example import TinyGPT2, embed, split_gpt2
 from tests.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -289,8 +289,9 @@ def _batch_first_case(rank: int) -> str:
     from engine.schedules import forward_backward_pipelining_without_interleaving
     pgc = build_process_groups(2, timeout=datetime.timedelta(seconds=3))
     config = _config(2, variable_seq_lengths=True, finalize_model_grads_func=finalize_model_grads)
-    (chunk,) = split_model(_model(), layers="transformer.h", stages=[rank], config=config,
-                           first=["transformer.wte"], last=["transformer.ln_f", "lm_head"])
+    (chunk,) = split_model(_model(), layers="transformer.h", stages=[rank], config=config, embed=embed,
+                           first=["transformer.wte", "transformer.wpe", "transformer.drop"],
+                           last=["transformer.ln_f", "lm_head"])  # batch_first=False: [b, s, h] goes out as is
     try:
         forward_backward_pipelining_without_interleaving(
             forward_step_func=_step_func(False), data_iterator=iter(_data(0, False)), model=chunk,
@@ -393,4 +394,4 @@ def test_example_runs():
                           text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(line.split("loss ")[1].split()[0]) for line in proc.stdout.splitlines() if "loss" in line]
-    assert len(losses) == 5 and losses[-1] < losses[0], proc.stdout
+    assert len(losses) == 20 and losses[-1] < losses[0] - 0.2, proc.stdout  # it learns to count
