@@ -13,6 +13,12 @@ _LAZY_EXPORTS = {
     "ModelParallelConfig": ".model_parallel_config",
     "ProcessGroupCollection": ".runtime.process_groups",
     "build_process_groups": ".runtime.process_groups",
+    # bring your own model: split helper and gradient finalization
+    "split_model": ".model_split",
+    "PipelineChunk": ".model_split",
+    "looped_stages": ".model_split",
+    "v_stages": ".model_split",
+    "finalize_model_grads": ".finalize",
     # training recipe (never imported by the API modules above)
     "Trainer": ".training.trainer",
     "load_config": ".training.config",
@@ -20,7 +26,8 @@ _LAZY_EXPORTS = {
 }
 
 # submodules reachable as attributes (``engine.parallel_state``, ``engine.schedules``) without an explicit import
-_LAZY_SUBMODULES = ("parallel_state", "schedules", "model_parallel_config", "plan", "runtime", "profiling", "training")
+_LAZY_SUBMODULES = ("parallel_state", "schedules", "model_parallel_config", "model_split", "finalize", "plan",
+                    "runtime", "profiling", "training")
 
 __all__ = sorted(_LAZY_EXPORTS)
 

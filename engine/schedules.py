@@ -51,6 +51,7 @@ from .runtime.step import (ChunkHooks, ScheduleContractError, ScheduleContractTy
                            check_first_val_step, clear_embedding_activation_buffer, custom_backward,
                            deallocate_output_tensor, finish_embedding_wgrad_compute, get_attr_wrapped_model,
                            get_model_config, get_tensor_shapes, is_pp_last_stage, set_current_microbatch)
+from .finalize import warn_unsynced_tied_weights
 from .microbatch import forward_step, forward_step_calc_loss
 
 
@@ -87,6 +88,10 @@ _SHAPE_SLOTS = 4
 # (gloo aborts the process on a larger message and silently half-fills the buffer on a smaller one)
 _DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
            *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)))
+
+
+_ONE_CHUNK_HINT = ("; for non-interleaved 1F1B with one model chunk per rank set "
+                   "virtual_pipeline_model_parallel_size=None (any value but None, even 1, selects interleaving)")
 
 
 def _single_model(model, data_iterator, schedule: str):
@@ -198,7 +203,12 @@ def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, mi
     _check_p2p_modes(schedule, config, pp_size)
     if schedule == _INTERLEAVED:
         group = config.microbatch_group_size_per_vp_stage or pp_size
-        validate_interleaved_microbatches(num_microbatches, pp_size, group)
+        try:
+            validate_interleaved_microbatches(num_microbatches, pp_size, group)
+        except (ValueError, RuntimeError) as exc:
+            if len(models) > 1:
+                raise
+            raise type(exc)(f"{exc}{_ONE_CHUNK_HINT}") from exc
         call.group = group
     if pp_size > 1 and config.pipeline_dtype is None:
         raise RuntimeError("config.pipeline_dtype is None but the pipeline has "
@@ -233,7 +243,8 @@ def _chunk_list(name: str, model, data_iterator, chunks):
     """The model list of a multi-chunk schedule (interleaved: checked against the config's virtual size)."""
     if not isinstance(model, list):
         raise ScheduleContractTypeError(f"{name}: model must be a list of model chunks (one per virtual pipeline "
-                                        f"stage), got {type(model).__name__}")
+                                        f"stage), got {type(model).__name__}"
+                                        + (_ONE_CHUNK_HINT if chunks is None else ""))
     models = list(model)
     if not models:
         raise ScheduleContractError(f"{name}: model is an empty list; pass one model chunk per virtual pipeline "
@@ -249,7 +260,8 @@ def _chunk_list(name: str, model, data_iterator, chunks):
     if not isinstance(iters, list) or len(iters) != len(models):
         raise ScheduleContractError(f"{name}: data_iterator must be a list with one iterator (or None) per model "
                                     f"chunk ({len(models)}), got {type(data_iterator).__name__}"
-                                    f"{'' if not isinstance(iters, list) else f' of length {len(iters)}'}")
+                                    f"{'' if not isinstance(iters, list) else f' of length {len(iters)}'}"
+                                    + (_ONE_CHUNK_HINT if len(models) == 1 and chunks is None else ""))
     return models, iters
 
 
@@ -392,9 +404,11 @@ def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_micr
         agree_comm = comm or (call.comm if call is not None else _communicator(pgc.pp, None))
         _agree(agree_comm, error, None if error is not None else
                _fingerprint(call, schedule, num_microbatches, forward_only))
+    if not forward_only and call.config.finalize_model_grads_func is None:
+        warn_unsynced_tied_weights(call.models)
     return execute(_program(call, schedule, num_microbatches, forward_only, plan),
-                   _context(call, schedule, forward_step_func, num_microbatches, collect_non_loss_data,
-                            first_val_step, force_all_reduce, forward_only, plan))
+                   _context(call, schedule, forward_step_func, num_microbatches, micro_batch_size,
+                            collect_non_loss_data, first_val_step, force_all_reduce, forward_only, plan))
 
 
 def _program(call, schedule, num_microbatches, forward_only, plan):
@@ -407,8 +421,8 @@ def _program(call, schedule, num_microbatches, forward_only, plan):
                           rank, prefetch, batched)
 
 
-def _context(call, schedule, forward_step_func, num_microbatches, collect_non_loss_data, first_val_step,
-             force_all_reduce, forward_only, plan) -> ExecutionContext:
+def _context(call, schedule, forward_step_func, num_microbatches, micro_batch_size, collect_non_loss_data,
+             first_val_step, force_all_reduce, forward_only, plan) -> ExecutionContext:
     config, comm, pgc = call.config, call.comm, call.pgc
     before_finalize = None
     multi = len(call.models) > 1 or schedule == _INTERLEAVED
@@ -425,7 +439,8 @@ def _context(call, schedule, forward_step_func, num_microbatches, collect_non_lo
         act_shape=call.act_shape, grad_shape=call.grad_shape, collect_non_loss_data=collect_non_loss_data,
         first_val_step=first_val_step, cp_group_size=group_size(pgc.cp), vp_stages=multi,
         per_stage_last=schedule != _NO_PIPELINING, checkpoint=schedule != _NO_PIPELINING, pg_collection=pgc,
-        force_all_reduce=force_all_reduce, finalize_models=list(call.models) if multi else [call.models[0]],
+        force_all_reduce=force_all_reduce, micro_batch_size=micro_batch_size,
+        finalize_models=list(call.models) if multi else [call.models[0]],
         before_finalize=before_finalize, chunk_hooks=call.hooks)
 
 

@@ -137,6 +137,7 @@ class ExecutionContext:
     ``act_shape`` / ``grad_shape``: receive-buffer shapes (``[s, b, h]``) of activations and gradients, ignored when
     the communicator negotiates shapes.  ``vp_stages``: pass ``vp_stage=chunk`` to ``forward_step`` (interleaved).
     ``per_stage_last``: pass ``is_last_stage`` from the plan (pipelined); False passes Megatron's default True.
+    ``micro_batch_size``: the schedule's, to name a batch-first ``[b, s, h]`` output under negotiated shapes.
     ``chunk_hooks``: each model chunk's :class:`~engine.runtime.step.ChunkHooks` (resolved by the schedule function before
     its cross-rank agreement); None resolves them here.
     """
@@ -157,6 +158,7 @@ class ExecutionContext:
     checkpoint: bool = True
     pg_collection: Any = None
     force_all_reduce: bool = False
+    micro_batch_size: Optional[int] = None
     finalize_models: Any = None
     before_finalize: Optional[Callable[[], None]] = None
     tracer: Any = None
@@ -364,6 +366,12 @@ class _Runner:
             raise RuntimeError(f"{what} shape {tuple(shape)} on pipeline rank {self.p.rank}, but a pipeline message "
                                f"is [s, b, hidden_size={hidden or 'any'}] with variable_seq_lengths; the sending model "
                                "chunk must return [s, b, h] activations with h = config.hidden_size")
+        b = self.ctx.micro_batch_size
+        if len(shape) == 3 and b and shape[0] == b != shape[1]:
+            raise RuntimeError(f"{what} shape {tuple(shape)} on pipeline rank {self.p.rank}, which looks batch-first "
+                               f"[b, s, h] (dimension 0 is micro_batch_size={b}); a pipeline message is [s, b, h]: "
+                               "return output.transpose(0, 1).contiguous() and transpose the input back, or build "
+                               "the chunks with engine.split_model(..., batch_first=True)")
 
     def _check_send(self, tensor, st, local: bool = False) -> None:
         if tensor is None and not st.forward:

@@ -7,7 +7,8 @@
 * ``finalize_model_grads(model_chunks, num_tokens=None, pg_collection=None, force_all_reduce=False)`` -- called
   once at the end of a training step.  Order as in Megatron-Core's ``finalize_model_grads``: first the
   data-parallel all-reduce (average) of every gradient, then the sum of the tied word-embedding gradients over
-  the embedding group (first and last pipeline stage), so that both copies receive the same update.
+  the embedding group (first and last pipeline stage), so that both copies receive the same update
+  (:func:`engine.finalize.sum_tied_grads` on the weights marked ``shared_embedding``).
 
 With ``overlap=True`` the data-parallel all-reduce of a chunk starts (``async_op``) as soon as the last
 gradient of the chunk has been accumulated by a backward that ran with sync enabled (a post-accumulate-grad hook),
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..finalize import sum_tied_grads, tied_weights
 from ..runtime.process_groups import ProcessGroupCollection, group_size
 
 __all__ = ["GradSync", "clip_grad_norm", "tied_embedding_weight"]
@@ -96,9 +98,8 @@ class GradSync:
         self.tracer = tracer
         self.sync_enabled = True
         self.buckets = [_Bucket([p for p in c.parameters() if p.requires_grad]) for c in self.chunks]
-        self.tied = [w for w in (tied_embedding_weight(c) for c in self.chunks) if w is not None]
-        self._embd = pg.embd if len(pg.embd_ranks) > 1 and not tied_on_one_rank else None
-        self._local_tied = tied_on_one_rank and len(self.tied) == 2
+        self.tied = tied_weights(self.chunks)  # marked shared_embedding (GPTChunk, engine.split_model)
+        self._tied_on_one_rank = tied_on_one_rank
         self._hooks = []
         if overlap and self.dp_size > 1:
             for bucket in self.buckets:
@@ -144,13 +145,11 @@ class GradSync:
                         dist.all_reduce(bucket.flat, group=self.pg.dp)
                     bucket.unflatten(bucket.flat.div_(self.dp_size))
                     bucket.reset()
-            if self._local_tied:
-                self._sum_local_tied()
-            if self._embd is not None:
-                for weight in self.tied:
-                    if weight.grad is None:
-                        weight.grad = torch.zeros_like(weight)
-                    dist.all_reduce(weight.grad, group=self._embd)
+            if self._tied_on_one_rank:  # V placement: both copies here, no embedding-group communication
+                if len(self.tied) == 2:
+                    self._sum_local_tied()
+            else:
+                sum_tied_grads(self.tied, self.pg)
 
     def _sum_local_tied(self) -> None:
         """Both tied copies on this rank: each gets the sum of the two gradients (what the embedding-group

@@ -7,9 +7,9 @@ stage (rank 0, chunk 0), the final norm, the output head and the loss in the las
 
 Input and output embeddings are tied.  With one pipeline rank both stages are one module sharing one
 ``Parameter``; otherwise the last stage holds a copy, initialised bitwise equal from the same seeded generator and
-kept equal by summing the two gradients over the embedding group before the optimizer step (see
-``engine.training.grads``).  The copy is marked ``param.shared_embedding_copy = True`` so global grad norms count
-the tied weight once.
+kept equal by summing the two gradients over the embedding group before the optimizer step (both copies carry
+``param.shared_embedding = True``, see ``engine.finalize``).  The copy is also marked
+``param.shared_embedding_copy = True`` so global grad norms count the tied weight once.
 
 Every parameter is initialised from a generator seeded by ``(seed, global layer index)``, so the full model is
 bitwise the same whatever the pipeline layout -- the basis of the pp=1 / pp=2 / pp=2 x vp=2 / pp=4 equivalence.
@@ -181,6 +181,11 @@ class GPTChunk(nn.Module):
             self._init_embedding(self.head.word, None, cfg, _generator(seed, stream))
             if self.tied:
                 self.head.word.weight.shared_embedding_copy = True
+        if self.tied and num_stages > 1:  # two copies: finalize sums their gradients (engine.finalize)
+            for weight in ((self.embedding.word.weight if self.is_first else None),
+                           (self.head.word.weight if self.head is not None else None)):
+                if weight is not None:
+                    weight.shared_embedding = True
 
     @staticmethod
     @torch.no_grad()
