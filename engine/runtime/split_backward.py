@@ -1,0 +1,492 @@
+"""Split backward for zero-bubble schedules: B (input gradient) now, W (weight gradients) later.
+
+One (model chunk, microbatch) backward is split into
+
+* **B** -- :func:`backward_input_step`: the gradient of the chunk's input (``[s, b, h]``, sent upstream at once),
+  returned with a :class:`WeightGradWork` holding what the weight gradients need;
+* **W** -- :meth:`WeightGradWork.run`, later: computes the weight gradients and *accumulates* them into ``.grad``
+  through autograd's own ``AccumulateGrad`` (tensor hooks and post-accumulate-grad hooks on parameters fire then,
+  once per parameter and microbatch, as in the unsplit backward), then frees what it held.
+
+Two mechanisms (``mode``):
+
+``"layer"`` -- layer-level deferral.  Inside :func:`weight_grad_deferral` (or on a module given to
+    :func:`enable_layer_deferral`) every ``F.linear``, ``F.layer_norm`` and ``F.embedding`` whose weight (and bias)
+    are leaf tensors requiring grad -- so ``nn.Linear``, ``nn.LayerNorm``, ``nn.Embedding`` and a bare
+    ``F.linear(x, embedding.weight)`` head -- runs as its own small autograd graph behind a bridge node.  In B the
+    bridge computes only the op's input gradient and records the op's (graph, output gradient); W runs all records
+    of the microbatch in one autograd call restricted to the parameters.  Everything else backpropagates in B as in
+    :func:`~engine.runtime.step.backward_step` (B *is* ``backward_step``, with the recorder on).  Held until W: per
+    deferred op its output gradient and the tensors its own backward saved (the op's input; for layer norm also
+    mean and rstd), i.e. about (input, grad_output) per layer.  No recomputation.
+``"generic"`` -- a split over the autograd graph, for any chunk.  B walks the graph from the output, marks the
+    nodes from which an input is reachable (the input path), and hooks the *intermediates*: input-path nodes with
+    an edge leaving the path towards the weights.  B runs ``torch.autograd.grad`` from the output to the inputs
+    with ``retain_graph=True``, the hooks recording the gradient arriving at each intermediate.  W re-runs each
+    intermediate from its recorded gradient, computing only its outgoing weight-side edges (ops honour the
+    needed-output mask, so e.g. an ``addmm`` computes only ``mat2``'s gradient; a custom ``autograd.Function``
+    computes all of its outputs again), sums those edge gradients per target in B's execution order, and runs one
+    backward from them to the leaves.  Cost: ``retain_graph`` keeps **every saved tensor of the chunk's graph**
+    (all its activations, as after the forward) alive until W, plus the recorded gradients at the
+    intermediates; the intermediates' backward runs twice with disjoint output masks.  Tensor hooks on the
+    intermediates' output tensors run again in W (their result is replaced by B's).
+``"auto"`` -- ``"layer"`` when no parameter is reached outside deferred ops (the graph has no ``AccumulateGrad``
+    besides the inputs'), else ``"generic"``.
+
+When no input requires grad (the first stage, ``input_tensor`` None) B computes nothing in generic mode and W is
+the whole backward; in layer mode B still backpropagates through the chunk down to the deferred ops.
+
+Exactness: each parameter's gradient of one microbatch is summed by autograd from the same per-op contributions in
+the same order as the unsplit backward and accumulated into ``.grad`` once, so running each chunk's W in microbatch
+order gives bitwise the unsplit ``.grad`` (tests/test_split_backward.py).
+
+Not supported: activation checkpointing inside a split chunk (the recomputed forward does not run under the
+deferral), sparse embeddings and ``max_norm`` (those run undeferred), two threads running split backward
+concurrently (the recorder is one process-wide slot, so that autograd's device threads see it).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.overrides import TorchFunctionMode
+
+from .step import ScheduleContractError, backward_step
+
+__all__ = ["MODES", "WeightGradWork", "backward_input_step", "weight_grad_deferral", "enable_layer_deferral"]
+
+MODES = ("auto", "layer", "generic")
+"""The values of ``backward_input_step(..., mode=...)``."""
+
+# ---- layer-level deferral ----------------------------------------------------------------------------------------
+
+_recorder: Optional[list] = None
+"""Where deferred ops record their W during a split B (None: they compute their weight gradients at once).  One
+process-wide slot, not thread-local: autograd runs CUDA nodes' backward on its own device threads."""
+
+_anchors: dict = {}
+
+
+@contextlib.contextmanager
+def _recording(records: Optional[list]):
+    global _recorder
+    previous, _recorder = _recorder, records
+    try:
+        yield
+    finally:
+        _recorder = previous
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _anchor(device: torch.device) -> torch.Tensor:
+    """A 0-dim leaf requiring grad: the bridge input of an op whose own input needs no gradient (an embedding),
+    so the bridge is a node of the chunk's graph.  Never receives a gradient."""
+    anchor = _anchors.get(device)
+    if anchor is None:
+        anchor = _anchors[device] = torch.zeros((), device=device, requires_grad=True)
+    return anchor
+
+
+class _Bridge(torch.autograd.Function):
+    """Runs one op as its own autograd graph: ``op(x)`` with the parameters; backward = B part (+ a record)."""
+
+    @staticmethod
+    def forward(ctx, anchor, op, params, through):
+        local_in = anchor.detach().requires_grad_() if through else None
+        with torch.enable_grad():
+            out = op(local_in)
+        ctx.local_in, ctx.params, ctx.edge = local_in, params, get_gradient_edge(out)
+        ctx.held = () if local_in is None else (_storage_key(local_in),)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        local_in, edge, records = ctx.local_in, ctx.edge, _recorder
+        del ctx.edge
+        if records is None:  # unsplit backward: everything now, as the plain op would
+            torch.autograd.backward([edge], [grad])
+            return (None if local_in is None else local_in.grad), None, None, None
+        records.append((edge, grad, ctx.params, ctx.held + (_storage_key(grad),)))
+        if local_in is None:
+            return None, None, None, None
+        (grad_in,) = torch.autograd.grad([edge], [local_in], [grad], retain_graph=True)
+        return grad_in, None, None, None
+
+
+def _leaves(*tensors) -> Optional[tuple]:
+    """The tensors requiring grad if every given tensor is None or a leaf, else None (no deferral)."""
+    if any(t is not None and (not isinstance(t, torch.Tensor) or t.grad_fn is not None) for t in tensors):
+        return None
+    params = tuple(t for t in tensors if t is not None and t.requires_grad)
+    return params or None
+
+
+def _defer(x: torch.Tensor, params: tuple, op: Callable) -> torch.Tensor:
+    through = x.requires_grad
+    anchor = x if through else _anchor(x.device)
+    return _Bridge.apply(anchor, (lambda xi: op(xi if through else x)), params, through)
+
+
+def _linear(input, weight, bias=None):
+    params = _leaves(weight, bias)
+    if params is None or not isinstance(input, torch.Tensor):
+        return F.linear(input, weight, bias)
+    return _defer(input, params, lambda x: F.linear(x, weight, bias))
+
+
+def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    params = _leaves(weight, bias)
+    if params is None or not isinstance(input, torch.Tensor):
+        return F.layer_norm(input, normalized_shape, weight, bias, eps)
+    return _defer(input, params, lambda x: F.layer_norm(x, normalized_shape, weight, bias, eps))
+
+
+def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+               sparse=False):
+    params = _leaves(weight)
+    args = (padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+    if params is None or max_norm is not None or sparse or not isinstance(input, torch.Tensor):
+        return F.embedding(input, weight, *args)
+    return _defer(input, params, lambda x: F.embedding(x, weight, *args))
+
+
+_HANDLERS = {F.linear: _linear, F.layer_norm: _layer_norm, F.embedding: _embedding}
+
+
+class _DeferralMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        handler = _HANDLERS.get(func)
+        if handler is not None and torch.is_grad_enabled():
+            return handler(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def weight_grad_deferral():
+    """Context manager: ops run inside it (a chunk's forward) defer their weight gradients (``mode="layer"``).
+
+    Deferred: ``F.linear``, ``F.layer_norm``, ``F.embedding`` (and the modules calling them) whose weight / bias
+    are leaves requiring grad, with grad enabled; anything else runs unchanged.  The forward values are the plain
+    ops' values.  Without a split B (:func:`backward_input_step`) the deferred ops backpropagate fully, so a plain
+    ``loss.backward()`` still gives the unsplit gradients.  Use: ``with weight_grad_deferral(): y = model(x)``.
+    """
+    return _DeferralMode()
+
+
+class _DeferralHooks:
+    """The forward hooks of :func:`enable_layer_deferral`; ``remove()`` takes them off."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._modes: List[_DeferralMode] = []
+        self._handles = [module.register_forward_pre_hook(self._enter),
+                         module.register_forward_hook(self._exit, always_call=True)]
+
+    def _enter(self, module, args):
+        mode = _DeferralMode()
+        mode.__enter__()
+        self._modes.append(mode)
+
+    def _exit(self, module, args, output):
+        self._modes.pop().__exit__(None, None, None)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def enable_layer_deferral(module: torch.nn.Module) -> _DeferralHooks:
+    """Make every forward of ``module`` run under :func:`weight_grad_deferral` (forward hooks; user code
+    unchanged).  Returns an object whose ``remove()`` undoes it.  Raises ``TypeError`` for a non-module."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"enable_layer_deferral: expected a torch.nn.Module, got {type(module).__name__}")
+    return _DeferralHooks(module)
+
+
+# ---- the W handle ------------------------------------------------------------------------------------------------
+
+class WeightGradWork:
+    """The W part of one (model chunk, microbatch) backward, returned by :func:`backward_input_step`.
+
+    ``run()`` computes the weight gradients and accumulates them into ``.grad`` (once; a second call raises
+    ``RuntimeError``), then drops everything it held.  ``mode`` is ``"layer"``, ``"generic"``, ``"full"`` (B found
+    no input path: W is the whole backward) or ``"none"`` (nothing to do).  ``held_bytes()`` is the size of the
+    tensors the handle knows it keeps alive until W: in layer mode the deferred ops' output gradients and inputs
+    (distinct storages, exact for linear / embedding ops); in generic mode only the recorded gradients at the
+    intermediates -- the retained graph's saved tensors come on top and are not counted.
+    """
+
+    mode = "none"
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def run(self) -> None:
+        if self.done:
+            raise RuntimeError(f"WeightGradWork.run: the W of this microbatch ({self.mode} mode) already ran; run "
+                               "each W once, after its B")
+        self.done = True
+        self._run()
+
+    def _run(self) -> None:
+        pass
+
+    def held_bytes(self) -> int:
+        return 0
+
+
+def _run_records(records: list) -> None:
+    """One backward over deferred ops' graphs, restricted to their parameters (sums shared weights once)."""
+    if not records:
+        return
+    params = list({id(p): p for _, _, ps, _ in records for p in ps}.values())
+    torch.autograd.backward([r[0] for r in records], [r[1] for r in records], inputs=params)
+
+
+class _LayerWork(WeightGradWork):
+    mode = "layer"
+
+    def __init__(self, records: list) -> None:
+        super().__init__()
+        self.records = records
+
+    def _run(self) -> None:
+        records, self.records = self.records, []
+        _run_records(records)
+
+    def held_bytes(self) -> int:
+        return sum(dict(key for r in self.records for key in r[3]).values())
+
+
+class _FullWork(WeightGradWork):
+    mode = "full"
+
+    def __init__(self, root: GradientEdge, grad: torch.Tensor) -> None:
+        super().__init__()
+        self.root, self.grad = root, grad
+
+    def _run(self) -> None:
+        root, grad = self.root, self.grad
+        self.root = self.grad = None
+        torch.autograd.backward([root], [grad])
+
+    def held_bytes(self) -> int:
+        return self.grad.untyped_storage().nbytes()
+
+
+class _Capture:
+    """Pre-hook on an intermediate: records the gradients arriving in B; replays them in W (replacing what
+    the intermediate's tensor hooks made of the replayed root gradients)."""
+
+    __slots__ = ("node", "targets", "grads", "order", "handle", "replay", "clock")
+
+    def __init__(self, node, targets: list, clock: list) -> None:
+        self.node, self.targets, self.clock = node, targets, clock
+        self.grads, self.order, self.replay = None, -1, False
+        self.handle = node.register_prehook(self)
+
+    def __call__(self, grad_outputs):
+        if self.replay:
+            return self.grads
+        self.grads, self.order = grad_outputs, len(self.clock)
+        self.clock.append(self)
+        return None
+
+
+class _GraphWork(WeightGradWork):
+    mode = "generic"
+
+    def __init__(self, captures: List[_Capture], records: list) -> None:
+        super().__init__()
+        self.captures, self.records = captures, records
+
+    def _run(self) -> None:
+        captures, records = self.captures, self.records
+        self.captures = self.records = []
+        try:
+            roots = _replay_intermediates(sorted((c for c in captures if c.grads is not None),
+                                                 key=lambda c: c.order))
+            if roots:
+                torch.autograd.backward([edge for edge, _ in roots.values()], [g for _, g in roots.values()])
+        finally:
+            for c in captures:
+                c.handle.remove()
+        _run_records(records)
+
+    def held_bytes(self) -> int:
+        sizes = {}
+        for c in self.captures:
+            for g in c.grads or ():
+                if g is not None:
+                    sizes.update((_storage_key(g),))
+        return sum(sizes.values()) + sum(dict(key for r in self.records for key in r[3]).values())
+
+
+def _replay_intermediates(captures: Sequence[_Capture]) -> dict:
+    """Phase 1 of generic W: re-run each intermediate (in B's execution order) from its recorded gradients,
+    computing only its edges leaving the input path; return ``{target key: (edge, summed gradient)}``."""
+    sums: dict = {}
+    for c in captures:
+        c.replay = True
+        slots = [i for i, g in enumerate(c.grads) if g is not None]
+        targets = list({(id(n), nr): GradientEdge(n, nr) for n, nr in c.targets}.items())
+        grads = torch.autograd.grad([GradientEdge(c.node, i) for i in slots], [e for _, e in targets],
+                                    [c.grads[i] for i in slots], retain_graph=False, allow_unused=True)
+        for (key, edge), g in zip(targets, grads):
+            if g is not None:
+                sums[key] = (edge, g) if key not in sums else (edge, sums[key][1] + g)
+        c.grads = None
+    return sums
+
+
+# ---- graph analysis and B ----------------------------------------------------------------------------------------
+
+class _Graph:
+    """The chunk's backward graph from one root, cut at the input nodes.
+
+    ``on_path[node]``: an input is reachable from ``node`` (inputs themselves count); ``edges[node]``: its
+    ``(child, input_nr)`` edges.  Built by an iterative depth-first walk; can be extended from a new root
+    (:meth:`walk`) reusing what is known.
+    """
+
+    def __init__(self, stops: set) -> None:
+        self.stops = stops
+        self.on_path: dict = {}
+        self.edges: dict = {}
+
+    def walk(self, root) -> bool:
+        on_path, edges, stops = self.on_path, self.edges, self.stops
+        stack = [(root, False)]
+        while stack:
+            node, finished = stack.pop()
+            if finished:
+                on_path[node] = any(on_path[c] for c, _ in edges[node])
+            elif node not in on_path:
+                if node in stops:
+                    on_path[node] = True
+                    continue
+                edges[node] = [(c, nr) for c, nr in node.next_functions if c is not None]
+                stack.append((node, True))
+                stack.extend((c, False) for c, _ in edges[node] if c not in on_path)
+        return on_path[root]
+
+    def has_weights(self) -> bool:
+        """A leaf requiring grad other than the inputs (and deferral anchors) is reached."""
+        anchors = {id(a) for a in _anchors.values()}
+        return any(hasattr(n, "variable") and n not in self.stops and id(n.variable) not in anchors
+                   for n in self.on_path)
+
+    def intermediates(self) -> list:
+        """``(node, [(child, nr), ...])`` for each input-path node with edges leaving the path."""
+        on_path = self.on_path
+        return [(n, off) for n, ok in on_path.items() if ok and n not in self.stops
+                for off in [[(c, nr) for c, nr in self.edges[n] if not on_path[c]]] if off]
+
+
+def _input_list(input_tensor) -> tuple:
+    unwrap = not isinstance(input_tensor, list)
+    return ([input_tensor] if unwrap else list(input_tensor)), unwrap
+
+
+def _loss_root(output_tensor, output_tensor_grad, config):
+    """``(root tensor, its gradient)`` as :func:`~engine.runtime.step.backward_step` backpropagates them: the
+    first output / gradient of lists; on the loss stage (gradient None) the loss scaled by ``grad_scale_func``
+    and a gradient of ones."""
+    out = output_tensor[0] if isinstance(output_tensor, list) else output_tensor
+    grad = output_tensor_grad[0] if isinstance(output_tensor_grad, list) else output_tensor_grad
+    if grad is None:
+        if out.numel() != 1:
+            raise ScheduleContractError(
+                f"backward_input_step: the loss of this microbatch has shape {list(out.shape)} ({out.numel()} "
+                "elements) but the loss stage backpropagates from a scalar: loss_func must return a one-element "
+                "loss as its first value; reduce it there, e.g. return (loss.sum(), ...)")
+        if config.grad_scale_func is not None:
+            out = config.grad_scale_func(out)
+        grad = torch.ones_like(out)
+    return out, grad
+
+
+def _generic_step(inputs: list, unwrap: bool, root: torch.Tensor, grad: torch.Tensor, graph: _Graph):
+    """Generic B: input gradients now, the weight side captured for :class:`_GraphWork`."""
+    wanted = [x for x in inputs if x is not None and x.requires_grad]
+    if root.grad_fn is None:  # the output is a leaf: the input itself (identity chunk) or a weight
+        grads = [grad if x is root else None for x in inputs]
+        work = WeightGradWork() if any(x is root for x in inputs) else _FullWork(get_gradient_edge(root), grad)
+        return (grads[0] if unwrap else grads), work
+    if not wanted or not graph.walk(root.grad_fn):  # no input path: W is the whole backward
+        grads = [None] * len(inputs)
+        return (grads[0] if unwrap else grads), _FullWork(get_gradient_edge(root), grad)
+    clock: list = []
+    captures = [_Capture(node, off, clock) for node, off in graph.intermediates()]
+    records: list = []
+    try:
+        with _recording(records):
+            got = torch.autograd.grad([get_gradient_edge(root)], wanted, [grad], retain_graph=bool(captures),
+                                      allow_unused=True)
+    except BaseException:
+        for c in captures:
+            c.handle.remove()
+        raise
+    by_id = {id(x): g for x, g in zip(wanted, got)}
+    grads = [None if x is None else by_id.get(id(x)) for x in inputs]
+    return (grads[0] if unwrap else grads), _GraphWork(captures, records)
+
+
+def _reaches_weights(graph: _Graph, out: torch.Tensor) -> bool:
+    """Auto mode's test: the output is a leaf, or its graph reaches a leaf outside deferred ops."""
+    if out.grad_fn is None:
+        return True
+    graph.walk(out.grad_fn)
+    return graph.has_weights()
+
+
+def backward_input_step(input_tensor, output_tensor, output_tensor_grad, config, mode: str = "auto"):
+    """B of one (model chunk, microbatch): return ``(input_tensor_grad, work)``; ``work.run()`` is its W.
+
+    Arguments as :func:`~engine.runtime.step.backward_step` (newer call form): ``input_tensor`` the tensor given to
+    ``set_input_tensor`` (``[s, b, h]``, a leaf requiring grad as received from P2P; None on the first stage; or a
+    list), ``output_tensor`` the chunk's output (``[s, b, h]``, possibly shrunk to one element by
+    ``deallocate_output_tensor``; on the loss stage the scalar loss; or a one-element list),
+    ``output_tensor_grad`` the gradient received from the next stage (same shape as the undeallocated output;
+    None on the loss stage, where ``config.grad_scale_func`` (if set) is applied to the loss, once, as
+    ``backward_step`` does).  ``mode``: ``"layer"``, ``"generic"`` or ``"auto"`` (module docstring).
+
+    Returns the input gradient as ``backward_step`` does (None for a None input or one the output does not depend
+    on; a list if ``input_tensor`` was a list) and a :class:`WeightGradWork`.  Layer mode is ``backward_step``
+    with the deferred ops recording (so ``input_tensor.grad`` is set as there); generic mode returns the gradient
+    without setting ``.grad`` on the input.  Nothing is accumulated into parameters before ``work.run()`` except,
+    in layer mode, parameters used outside deferred ops (their gradients are computed in B).
+
+    The executor must call ``work.run()`` exactly once per B, for each model chunk in microbatch order (that keeps
+    1F1B's accumulation order: bitwise-equal gradients), and before the chunk's gradients are synchronised
+    (``grad_sync_func`` / ``finalize_model_grads_func`` follow the chunk's last W, not its last B).
+
+    Raises ``ValueError`` for an unknown ``mode``, :class:`~engine.runtime.step.ScheduleContractError` for a
+    non-scalar loss on the loss stage, and what autograd raises (e.g. a graph already freed by an unsplit
+    backward).
+    """
+    if mode not in MODES:
+        raise ValueError(f"backward_input_step: mode={mode!r} is not one of {MODES}; use 'layer' for chunks run "
+                         "under weight_grad_deferral, 'generic' for any chunk, or 'auto'")
+    out = output_tensor[0] if isinstance(output_tensor, list) else output_tensor
+    if mode != "layer" and isinstance(out, torch.Tensor) and out.requires_grad:
+        inputs, unwrap = _input_list(input_tensor)
+        graph = _Graph({get_gradient_edge(x).node for x in inputs if x is not None and x.requires_grad})
+        if mode == "generic" or _reaches_weights(graph, out):
+            timers = config.timers
+            if timers is not None:
+                timers("backward-compute", log_level=2).start()
+            root, grad = _loss_root(output_tensor, output_tensor_grad, config)
+            result = _generic_step(inputs, unwrap, root, grad, graph)
+            if timers is not None:
+                timers("backward-compute").stop()
+            return result
+    records: list = []
+    with _recording(records):
+        input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+    return input_tensor_grad, (_LayerWork(records) if records else WeightGradWork())
