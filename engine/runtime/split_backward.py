@@ -329,19 +329,47 @@ class _GraphWork(WeightGradWork):
 
 def _replay_intermediates(captures: Sequence[_Capture]) -> dict:
     """Phase 1 of generic W: re-run each intermediate (in B's execution order) from its recorded gradients,
-    computing only its edges leaving the input path; return ``{target key: (edge, summed gradient)}``."""
+    computing only its edges leaving the input path; return ``{target key: (edge, summed gradient)}``.
+
+    The edge gradients are read by a post-hook on the intermediate (as computed, before the targets' tensor hooks,
+    which phase 2 applies once); the targets are only captured, so autograd computes those edges and nothing else.
+    Parameters' tensor hooks are held back meanwhile (capturing at a leaf would run them)."""
     sums: dict = {}
     for c in captures:
         c.replay = True
         slots = [i for i, g in enumerate(c.grads) if g is not None]
-        targets = list({(id(n), nr): GradientEdge(n, nr) for n, nr in c.targets}.items())
-        grads = torch.autograd.grad([GradientEdge(c.node, i) for i in slots], [e for _, e in targets],
+        targets = {(id(n), nr): GradientEdge(n, nr) for _, n, nr in c.targets}
+        seen: list = []
+        post = c.node.register_hook(lambda grad_inputs, grad_outputs: seen.append(grad_inputs))
+        try:
+            with _hooks_held_back([n for _, n, _ in c.targets]):
+                torch.autograd.grad([GradientEdge(c.node, i) for i in slots], list(targets.values()),
                                     [c.grads[i] for i in slots], retain_graph=False, allow_unused=True)
-        for (key, edge), g in zip(targets, grads):
+        finally:
+            post.remove()
+        for k, n, nr in c.targets:
+            g = seen[0][k] if seen else None
             if g is not None:
-                sums[key] = (edge, g) if key not in sums else (edge, sums[key][1] + g)
+                key = (id(n), nr)
+                sums[key] = (targets[key], g) if key not in sums else (targets[key], sums[key][1] + g)
         c.grads = None
     return sums
+
+
+@contextlib.contextmanager
+def _hooks_held_back(nodes):
+    """Empty the tensor-hook dicts of the leaves among ``nodes`` (``AccumulateGrad``) and restore them in order."""
+    held = []
+    for n in nodes:
+        hooks = getattr(getattr(n, "variable", None), "_backward_hooks", None)
+        if hooks:
+            held.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in held:
+            hooks.update(items)
 
 
 # ---- graph analysis and B ----------------------------------------------------------------------------------------
@@ -382,10 +410,12 @@ class _Graph:
                    for n in self.on_path)
 
     def intermediates(self) -> list:
-        """``(node, [(child, nr), ...])`` for each input-path node with edges leaving the path."""
+        """``(node, [(k, child, nr), ...])`` for each input-path node with edges leaving the path (``k``: the
+        index of the edge in ``node.next_functions``)."""
         on_path = self.on_path
         return [(n, off) for n, ok in on_path.items() if ok and n not in self.stops
-                for off in [[(c, nr) for c, nr in self.edges[n] if not on_path[c]]] if off]
+                for off in [[(k, c, nr) for k, (c, nr) in enumerate(n.next_functions)
+                             if c is not None and not on_path[c]]] if off]
 
 
 def _input_list(input_tensor) -> tuple:
