@@ -34,6 +34,17 @@ class MLPChunk(nn.Module):
         return self.fc2(F.gelu(self.ln(self.fc1(x)))) + x
 
 
+class SharedLinearChunk(nn.Module):
+    """One ``nn.Linear`` applied twice (its weight gradient sums two contributions per microbatch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(H, H), nn.LayerNorm(H)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.fc(self.ln(x)))) + x
+
+
 class OddChunk(nn.Module):
     """A user chunk with odd structure: a weight used twice, parameters used directly, a buffer, a branch that
     does not depend on the input, a non-parameter branch of the input."""
@@ -89,9 +100,10 @@ def _reference(chunk, xs, gys, config, loss_stage):
 
 def _split(chunk, xs, gys, config, loss_stage, mode, defer):
     """F for every microbatch, then B for each, then W for each in microbatch order."""
-    saved = []
+    saved, reached = [], []
     for x0, gy in zip(xs, gys):
         x = x0.clone().requires_grad_()
+        x.register_hook(lambda g: reached.append(1))  # W must never compute an input gradient again
         y = _forward(chunk, x, loss_stage, defer)
         if not loss_stage:
             deallocate_output_tensor(y, config.deallocate_pipeline_outputs)
@@ -102,8 +114,10 @@ def _split(chunk, xs, gys, config, loss_stage, mode, defer):
         grads.append(gx)
         works.append(work)
     after_b = {n: p.grad is not None for n, p in chunk.named_parameters()}
+    assert len(reached) == len(xs)
     for work in works:
         work.run()
+    assert len(reached) == len(xs)
     return grads, works, after_b
 
 
@@ -131,8 +145,9 @@ def _check(ctor, mode, defer, dealloc, loss_stage, expect_mode):
 @pytest.mark.parametrize("mode,defer,expect", [("layer", True, "layer"), ("auto", True, "layer"),
                                                 ("generic", False, "generic"), ("auto", False, "generic"),
                                                 ("generic", True, "generic")])
-def test_mlp_chunk_split_equals_unsplit_bitwise(mode, defer, expect, dealloc, loss_stage):
-    _check(MLPChunk, mode, defer, dealloc, loss_stage, expect)
+@pytest.mark.parametrize("ctor", [MLPChunk, SharedLinearChunk])
+def test_layer_chunk_split_equals_unsplit_bitwise(ctor, mode, defer, expect, dealloc, loss_stage):
+    _check(ctor, mode, defer, dealloc, loss_stage, expect)
 
 
 @pytest.mark.parametrize("dealloc", [False, True])

@@ -332,11 +332,15 @@ def _replay_intermediates(captures: Sequence[_Capture]) -> dict:
     computing only its edges leaving the input path; return ``{target key: (edge, summed gradient)}``.
 
     The edge gradients are read by a post-hook on the intermediate (as computed, before the targets' tensor hooks,
-    which phase 2 applies once); the targets are only captured, so autograd computes those edges and nothing else.
-    Parameters' tensor hooks are held back meanwhile (capturing at a leaf would run them)."""
+    which phase 2 applies once); the targets are only captured, so autograd computes those edges -- and, where a
+    target is also reached from the intermediate's input-path edges (a parameter used by two ops on the input path,
+    e.g. a module applied twice), the input path down to that other use, whose values are discarded (every
+    intermediate replays B's gradients).  The graph is retained (such a segment may run more than once); it is
+    freed when W drops it.  Parameters' tensor hooks are held back meanwhile (capturing at a leaf would run them)."""
     sums: dict = {}
-    for c in captures:
+    for c in captures:  # an intermediate reached again in another's replay runs from its B gradients too
         c.replay = True
+    for c in captures:
         slots = [i for i, g in enumerate(c.grads) if g is not None]
         targets = {(id(n), nr): GradientEdge(n, nr) for _, n, nr in c.targets}
         seen: list = []
@@ -344,7 +348,7 @@ def _replay_intermediates(captures: Sequence[_Capture]) -> dict:
         try:
             with _hooks_held_back([n for _, n, _ in c.targets]):
                 torch.autograd.grad([GradientEdge(c.node, i) for i in slots], list(targets.values()),
-                                    [c.grads[i] for i in slots], retain_graph=False, allow_unused=True)
+                                    [c.grads[i] for i in slots], retain_graph=True, allow_unused=True)
         finally:
             post.remove()
         for k, n, nr in c.targets:
@@ -352,6 +356,7 @@ def _replay_intermediates(captures: Sequence[_Capture]) -> dict:
             if g is not None:
                 key = (id(n), nr)
                 sums[key] = (targets[key], g) if key not in sums else (targets[key], sums[key][1] + g)
+    for c in captures:
         c.grads = None
     return sums
 
