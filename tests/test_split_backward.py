@@ -403,3 +403,19 @@ def test_gradient_changing_parameter_hooks_apply_once(ctor):
     assert _max_diff(g_ref, g_tst) == 0.0
     for p, q in zip(ref.parameters(), tst.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_nested_deferral_defers_each_op_once():
+    torch.manual_seed(0)
+    ref = MLPChunk()
+    tst = copy.deepcopy(ref)
+    enable_layer_deferral(tst)  # and the executor's weight_grad_deferral around the forward
+    x = torch.randn(S, B, H, requires_grad=True)
+    with weight_grad_deferral():
+        y = tst(x)
+    _, work = backward_input_step(x, y, torch.ones(S, B, H), ModelParallelConfig())
+    assert work.mode == "layer" and len(work.records) == 3
+    work.run()
+    ref(x).backward(torch.ones(S, B, H))
+    for p, q in zip(ref.parameters(), tst.parameters()):
+        assert torch.equal(p.grad, q.grad)

@@ -160,12 +160,20 @@ def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sc
 _HANDLERS = {F.linear: _linear, F.layer_norm: _layer_norm, F.embedding: _embedding}
 
 
+_handling = [0]
+"""Depth of deferred-op handling: an op run by a handler (or under a nested deferral) is not deferred again."""
+
+
 class _DeferralMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         handler = _HANDLERS.get(func)
-        if handler is not None and torch.is_grad_enabled():
+        if handler is None or not torch.is_grad_enabled() or _handling[0]:
+            return func(*args, **(kwargs or {}))
+        _handling[0] += 1
+        try:
             return handler(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+        finally:
+            _handling[0] -= 1
 
 
 def weight_grad_deferral():
@@ -237,7 +245,11 @@ class WeightGradWork:
         pass
 
     def held_bytes(self) -> int:
-        return 0
+        return sum(self.held_storages().values())
+
+    def held_storages(self) -> dict:
+        """``{storage data_ptr: bytes}`` of what :meth:`held_bytes` counts (to merge with other counts)."""
+        return {}
 
 
 def _run_records(records: list) -> None:
@@ -259,8 +271,8 @@ class _LayerWork(WeightGradWork):
         records, self.records = self.records, []
         _run_records(records)
 
-    def held_bytes(self) -> int:
-        return sum(dict(key for r in self.records for key in r[3]).values())
+    def held_storages(self) -> dict:
+        return dict(key for r in self.records for key in r[3])
 
 
 class _FullWork(WeightGradWork):
@@ -275,8 +287,8 @@ class _FullWork(WeightGradWork):
         self.root = self.grad = None
         torch.autograd.backward([root], [grad])
 
-    def held_bytes(self) -> int:
-        return self.grad.untyped_storage().nbytes()
+    def held_storages(self) -> dict:
+        return {} if self.grad is None else dict((_storage_key(self.grad),))
 
 
 class _Capture:
@@ -318,13 +330,10 @@ class _GraphWork(WeightGradWork):
                 c.handle.remove()
         _run_records(records)
 
-    def held_bytes(self) -> int:
-        sizes = {}
-        for c in self.captures:
-            for g in c.grads or ():
-                if g is not None:
-                    sizes.update((_storage_key(g),))
-        return sum(sizes.values()) + sum(dict(key for r in self.records for key in r[3]).values())
+    def held_storages(self) -> dict:
+        sizes = dict(key for r in self.records for key in r[3])
+        sizes.update(_storage_key(g) for c in self.captures for g in (c.grads or ()) if g is not None)
+        return sizes
 
 
 def _replay_intermediates(captures: Sequence[_Capture]) -> dict:
