@@ -52,6 +52,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.variable import Variable
 from torch.overrides import TorchFunctionMode
 
 from .step import ScheduleContractError, backward_step
@@ -68,6 +69,19 @@ _recorder: Optional[list] = None
 process-wide slot, not thread-local: autograd runs CUDA nodes' backward on its own device threads."""
 
 _anchors: dict = {}
+
+
+def _engine(roots: Sequence, grads: Sequence, inputs: Sequence = (), keep_graph: bool = False,
+            accumulate: bool = True):
+    """Run autograd's engine from ``roots`` (tensors or ``GradientEdge``) with ``grads``: accumulate into the
+    leaves (all, or only ``inputs``), or with ``accumulate=False`` return the gradients of ``inputs``.
+
+    ``torch.autograd.backward`` / ``grad`` make the same call after Python-side shape checks that cost tens of
+    microseconds per ``GradientEdge`` root (symbolic-shape comparisons); the shapes are checked by the engine
+    anyway.  The same PyTorch-private entry as :func:`engine.runtime.step.custom_backward`."""
+    return Variable._execution_engine.run_backward(
+        tensors=tuple(roots), grad_tensors=tuple(grads), keep_graph=keep_graph, create_graph=False,
+        inputs=tuple(inputs), allow_unreachable=True, accumulate_grad=accumulate)
 
 
 @contextlib.contextmanager
@@ -94,6 +108,17 @@ def _anchor(device: torch.device) -> torch.Tensor:
     return anchor
 
 
+class _Record:
+    """What one deferred op's W needs: ``roots()`` -> ``[(GradientEdge, gradient), ...]`` to backpropagate (its
+    own graph's output, or a parameter's ``AccumulateGrad`` with a computed weight gradient), ``params`` (the
+    leaves it accumulates into), ``held`` (``(data_ptr, bytes)`` of the storages it keeps alive)."""
+
+    __slots__ = ("roots", "params", "held")
+
+    def __init__(self, roots: Callable[[], list], params: tuple, held: tuple) -> None:
+        self.roots, self.params, self.held = roots, params, held
+
+
 class _Bridge(torch.autograd.Function):
     """Runs one op as its own autograd graph: ``op(x)`` with the parameters; backward = B part (+ a record)."""
 
@@ -111,13 +136,55 @@ class _Bridge(torch.autograd.Function):
         local_in, edge, records = ctx.local_in, ctx.edge, _recorder
         del ctx.edge
         if records is None:  # unsplit backward: everything now, as the plain op would
-            torch.autograd.backward([edge], [grad])
+            _engine([edge], [grad])
             return (None if local_in is None else local_in.grad), None, None, None
-        records.append((edge, grad, ctx.params, ctx.held + (_storage_key(grad),)))
+        records.append(_Record(lambda: [(edge, grad)], ctx.params, ctx.held + (_storage_key(grad),)))
         if local_in is None:
             return None, None, None, None
-        (grad_in,) = torch.autograd.grad([edge], [local_in], [grad], retain_graph=True)
+        (grad_in,) = _engine([edge], [grad], [local_in], keep_graph=True, accumulate=False)
         return grad_in, None, None, None
+
+
+class _LinearBridge(torch.autograd.Function):
+    """``F.linear`` on a contiguous 2-D / 3-D input requiring grad, with autograd's own backward formulas written
+    out (no graph of its own): B computes ``grad_x = grad @ W`` and records ``(x, grad)``; W computes
+    ``grad_W = grad^T @ x`` and ``grad_b = grad.sum(0)`` (over ``[n, out]`` / ``[n, in]`` views, ``n = s*b``) and
+    accumulates them through the parameters' ``AccumulateGrad``.  The same kernels on the same operands as
+    ``addmm`` / ``mm`` backward: bitwise the plain op's gradients (tests/test_split_backward.py)."""
+
+    @staticmethod
+    def forward(ctx, x, params):
+        weight, bias = params
+        ctx.save_for_backward(x)
+        ctx.params = params
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,), (weight, bias) = ctx.saved_tensors, ctx.params
+        x2d = x.view(-1, x.shape[-1]) if x.dim() == 3 else x
+        g2d = grad.reshape(-1, grad.shape[-1]) if x.dim() == 3 else grad
+        grad_in = g2d.mm(weight)
+        records = _recorder
+        pairs = lambda: [(get_gradient_edge(p), g) for p, g in  # noqa: E731
+                         ((weight, g2d.t().mm(x2d)), (bias, None if bias is None else g2d.sum(0)))
+                         if p is not None and p.requires_grad]
+        params = tuple(p for p in (weight, bias) if p is not None and p.requires_grad)
+        record = _Record(pairs, params, (_storage_key(x), _storage_key(g2d)))
+        if records is None:
+            _backward_records([record])
+        else:
+            records.append(record)
+        return grad_in.view(x.shape) if x.dim() == 3 else grad_in, None
+
+
+def _fast_linear(input, weight, bias) -> bool:
+    """The cases where :class:`_LinearBridge`'s formulas are autograd's for ``F.linear`` (row-major operands,
+    no autocast, one dtype, ``in_features > 1``); others take the generic bridge."""
+    return (input.requires_grad and input.dim() in (2, 3) and input.is_contiguous() and weight.dim() == 2
+            and weight.is_contiguous() and weight.shape[1] > 1 and input.dtype == weight.dtype
+            and (bias is None or (bias.dim() == 1 and bias.dtype == weight.dtype))
+            and (input.dim() == 2 or bias is not None) and not torch.is_autocast_enabled(input.device.type))
 
 
 def _leaves(*tensors) -> Optional[tuple]:
@@ -138,6 +205,8 @@ def _linear(input, weight, bias=None):
     params = _leaves(weight, bias)
     if params is None or not isinstance(input, torch.Tensor):
         return F.linear(input, weight, bias)
+    if _fast_linear(input, weight, bias):
+        return _LinearBridge.apply(input, (weight, bias))
     return _defer(input, params, lambda x: F.linear(x, weight, bias))
 
 
@@ -252,12 +321,40 @@ class WeightGradWork:
         return {}
 
 
+W_BATCH_BYTES = 64 << 20
+"""Layer-mode W backpropagates its records in as few autograd calls as keep the weight gradients computed ahead
+of accumulation under this many bytes (one call costs tens of microseconds; a record's gradients are
+parameter-sized)."""
+
+
 def _run_records(records: list) -> None:
-    """One backward over deferred ops' graphs, restricted to their parameters (sums shared weights once)."""
+    """Backpropagate deferred ops' W, restricted to their parameters.  Records sharing a parameter go in one
+    call (a shared weight's contributions are summed by autograd, in B's order, and accumulated once); the others
+    in batches of at most :data:`W_BATCH_BYTES` of weight gradients."""
+    uses: dict = {}
+    for r in records:
+        for p in r.params:
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    shared, batch, size = [], [], 0
+    for r in records:
+        if any(uses[id(p)] > 1 for p in r.params):
+            shared.append(r)
+            continue
+        batch.append(r)
+        size += sum(p.numel() * p.element_size() for p in r.params)
+        if size >= W_BATCH_BYTES:
+            _backward_records(batch)
+            batch, size = [], 0
+    _backward_records(batch)
+    _backward_records(shared)
+
+
+def _backward_records(records: list) -> None:
     if not records:
         return
-    params = list({id(p): p for _, _, ps, _ in records for p in ps}.values())
-    torch.autograd.backward([r[0] for r in records], [r[1] for r in records], inputs=params)
+    roots = [pair for r in records for pair in r.roots()]
+    params = list({id(p): p for r in records for p in r.params}.values())
+    _engine([e for e, _ in roots], [g for _, g in roots], params)
 
 
 class _LayerWork(WeightGradWork):
@@ -272,7 +369,7 @@ class _LayerWork(WeightGradWork):
         _run_records(records)
 
     def held_storages(self) -> dict:
-        return dict(key for r in self.records for key in r[3])
+        return dict(key for r in self.records for key in r.held)
 
 
 class _FullWork(WeightGradWork):
@@ -285,7 +382,7 @@ class _FullWork(WeightGradWork):
     def _run(self) -> None:
         root, grad = self.root, self.grad
         self.root = self.grad = None
-        torch.autograd.backward([root], [grad])
+        _engine([root], [grad])
 
     def held_storages(self) -> dict:
         return {} if self.grad is None else dict((_storage_key(self.grad),))
@@ -324,14 +421,14 @@ class _GraphWork(WeightGradWork):
             roots = _replay_intermediates(sorted((c for c in captures if c.grads is not None),
                                                  key=lambda c: c.order))
             if roots:
-                torch.autograd.backward([edge for edge, _ in roots.values()], [g for _, g in roots.values()])
+                _engine([edge for edge, _ in roots.values()], [g for _, g in roots.values()])
         finally:
             for c in captures:
                 c.handle.remove()
         _run_records(records)
 
     def held_storages(self) -> dict:
-        sizes = dict(key for r in self.records for key in r[3])
+        sizes = dict(key for r in self.records for key in r.held)
         sizes.update(_storage_key(g) for c in self.captures for g in (c.grads or ()) if g is not None)
         return sizes
 
@@ -356,8 +453,8 @@ def _replay_intermediates(captures: Sequence[_Capture]) -> dict:
         post = c.node.register_hook(lambda grad_inputs, grad_outputs: seen.append(grad_inputs))
         try:
             with _hooks_held_back([n for _, n, _ in c.targets]):
-                torch.autograd.grad([GradientEdge(c.node, i) for i in slots], list(targets.values()),
-                                    [c.grads[i] for i in slots], retain_graph=True, allow_unused=True)
+                _engine([GradientEdge(c.node, i) for i in slots], [c.grads[i] for i in slots],
+                        list(targets.values()), keep_graph=True, accumulate=False)
         finally:
             post.remove()
         for k, n, nr in c.targets:
@@ -470,8 +567,7 @@ def _generic_step(inputs: list, unwrap: bool, root: torch.Tensor, grad: torch.Te
     records: list = []
     try:
         with _recording(records):
-            got = torch.autograd.grad([get_gradient_edge(root)], wanted, [grad], retain_graph=bool(captures),
-                                      allow_unused=True)
+            got = _engine([get_gradient_edge(root)], [grad], wanted, keep_graph=bool(captures), accumulate=False)
     except BaseException:
         for c in captures:
             c.handle.remove()
