@@ -34,6 +34,20 @@ class MLPChunk(nn.Module):
         return self.fc2(F.gelu(self.ln(self.fc1(x)))) + x
 
 
+class FlatChunk(MLPChunk):
+    """Linear layers on a 2-D ``[s*b, h]`` view (the ``addmm`` form of ``F.linear``)."""
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.ln(self.fc1(x.reshape(-1, H))))).view(S, B, H) + x
+
+
+class CheckpointedChunk(MLPChunk):
+    """The MLP chunk under non-reentrant activation checkpointing (recomputed in B)."""
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
+
+
 class SharedLinearChunk(nn.Module):
     """One ``nn.Linear`` applied twice (its weight gradient sums two contributions per microbatch)."""
 
@@ -145,7 +159,7 @@ def _check(ctor, mode, defer, dealloc, loss_stage, expect_mode):
 @pytest.mark.parametrize("mode,defer,expect", [("layer", True, "layer"), ("auto", True, "layer"),
                                                 ("generic", False, "generic"), ("auto", False, "generic"),
                                                 ("generic", True, "generic")])
-@pytest.mark.parametrize("ctor", [MLPChunk, SharedLinearChunk])
+@pytest.mark.parametrize("ctor", [MLPChunk, FlatChunk, SharedLinearChunk])
 def test_layer_chunk_split_equals_unsplit_bitwise(ctor, mode, defer, expect, dealloc, loss_stage):
     _check(ctor, mode, defer, dealloc, loss_stage, expect)
 
@@ -157,6 +171,11 @@ def test_layer_chunk_split_equals_unsplit_bitwise(ctor, mode, defer, expect, dea
 def test_user_chunk_generic_split_equals_unsplit_bitwise(ctor, defer, dealloc, loss_stage):
     # parameters used outside deferrable ops: auto chooses the generic split even under the deferral
     _check(ctor, "auto", defer, dealloc, loss_stage, "generic")
+
+
+@pytest.mark.parametrize("loss_stage", [False, True])
+def test_checkpointed_chunk_generic_split_equals_unsplit_bitwise(loss_stage):
+    _check(CheckpointedChunk, "generic", False, True, loss_stage, "generic")
 
 
 # ---- the project's GPT chunks (layer deferral) --------------------------------------------------------------------
@@ -415,6 +434,7 @@ def test_nested_deferral_defers_each_op_once():
         y = tst(x)
     _, work = backward_input_step(x, y, torch.ones(S, B, H), ModelParallelConfig())
     assert work.mode == "layer" and len(work.records) == 3
+    assert "_LinearBridgeBackward" in _node_names(y)  # nn.Linear on [s, b, h] takes the written-out formulas
     work.run()
     ref(x).backward(torch.ones(S, B, H))
     for p, q in zip(ref.parameters(), tst.parameters()):
