@@ -13,23 +13,27 @@ Two mechanisms (``mode``):
 ``"layer"`` -- layer-level deferral.  Inside :func:`weight_grad_deferral` (or on a module given to
     :func:`enable_layer_deferral`) every ``F.linear``, ``F.layer_norm`` and ``F.embedding`` whose weight (and bias)
     are leaf tensors requiring grad -- so ``nn.Linear``, ``nn.LayerNorm``, ``nn.Embedding`` and a bare
-    ``F.linear(x, embedding.weight)`` head -- runs as its own small autograd graph behind a bridge node.  In B the
-    bridge computes only the op's input gradient and records the op's (graph, output gradient); W runs all records
-    of the microbatch in one autograd call restricted to the parameters.  Everything else backpropagates in B as in
-    :func:`~engine.runtime.step.backward_step` (B *is* ``backward_step``, with the recorder on).  Held until W: per
-    deferred op its output gradient and the tensors its own backward saved (the op's input; for layer norm also
-    mean and rstd), i.e. about (input, grad_output) per layer.  No recomputation.
+    ``F.linear(x, embedding.weight)`` head -- runs behind a bridge node.  ``F.linear`` on a contiguous ``[n, in]`` /
+    ``[s, b, in]`` input (with bias for 3-D; no autocast) uses autograd's own formulas written out (B: ``grad @ W``;
+    W: ``grad^T @ x`` and ``grad.sum(0)``); every other deferred op runs as its own small autograd graph, B taking
+    the op's input gradient from it and W the rest.  Everything else backpropagates in B as in
+    :func:`~engine.runtime.step.backward_step` (B *is* ``backward_step``, with the recorder on); W backpropagates
+    the microbatch's records in few autograd calls restricted to the parameters.  Held until W: per deferred op
+    its output gradient and the tensors its backward saved (the op's input; for layer norm also mean and rstd),
+    i.e. about (input, grad_output) per layer.  No recomputation.
 ``"generic"`` -- a split over the autograd graph, for any chunk.  B walks the graph from the output, marks the
     nodes from which an input is reachable (the input path), and hooks the *intermediates*: input-path nodes with
-    an edge leaving the path towards the weights.  B runs ``torch.autograd.grad`` from the output to the inputs
-    with ``retain_graph=True``, the hooks recording the gradient arriving at each intermediate.  W re-runs each
-    intermediate from its recorded gradient, computing only its outgoing weight-side edges (ops honour the
-    needed-output mask, so e.g. an ``addmm`` computes only ``mat2``'s gradient; a custom ``autograd.Function``
-    computes all of its outputs again), sums those edge gradients per target in B's execution order, and runs one
-    backward from them to the leaves.  Cost: ``retain_graph`` keeps **every saved tensor of the chunk's graph**
-    (all its activations, as after the forward) alive until W, plus the recorded gradients at the
-    intermediates; the intermediates' backward runs twice with disjoint output masks.  Tensor hooks on the
-    intermediates' output tensors run again in W (their result is replaced by B's).
+    an edge leaving the path towards the weights.  B runs autograd from the output to the inputs only, with the
+    graph retained, the hooks recording the gradient arriving at each intermediate.  W re-runs each intermediate
+    from its recorded gradient, computing only its edges leaving the path (ops honour autograd's needed-output
+    mask, so an ``addmm`` computes only ``mat2``'s gradient; a custom ``autograd.Function`` computes all of its
+    outputs again), sums those edge gradients per target in B's execution order, and backpropagates them to the
+    leaves in one call.  Cost: the retained graph keeps **every saved tensor of the chunk's graph below the first
+    intermediate** (about all its activations, as after the forward) alive until W, plus the gradient recorded
+    at each intermediate (about one activation per weight op); the intermediates' backward runs twice with
+    disjoint output masks; where one parameter is used by two ops on the input path (a module applied twice) W
+    also re-runs the input path between the two uses (values discarded).  Tensor hooks on the intermediates'
+    output tensors run again in W (their result is replaced by B's); parameters' tensor hooks run once.
 ``"auto"`` -- ``"layer"`` when no parameter is reached outside deferred ops (the graph has no ``AccumulateGrad``
     besides the inputs'), else ``"generic"``.
 
@@ -40,9 +44,12 @@ Exactness: each parameter's gradient of one microbatch is summed by autograd fro
 the same order as the unsplit backward and accumulated into ``.grad`` once, so running each chunk's W in microbatch
 order gives bitwise the unsplit ``.grad`` (tests/test_split_backward.py).
 
-Not supported: activation checkpointing inside a split chunk (the recomputed forward does not run under the
-deferral), sparse embeddings and ``max_norm`` (those run undeferred), two threads running split backward
-concurrently (the recorder is one process-wide slot, so that autograd's device threads see it).
+Activation checkpointing (``torch.utils.checkpoint``) inside a split chunk: non-reentrant checkpointing works in
+generic mode (recomputed in B, exact); in layer mode the recomputed forward does not run under the deferral and
+torch's checkpoint raises ``CheckpointError`` (use generic mode or the unsplit backward for such microbatches);
+reentrant checkpointing is refused by torch in generic mode and is not split in layer mode (all gradients in B).
+Not deferred: sparse embeddings and ``max_norm`` (run as plain ops).  Not supported: two threads running split
+backward at once (the recorder is one process-wide slot, so that autograd's device threads see it).
 """
 from __future__ import annotations
 
