@@ -190,10 +190,11 @@ def _gpt_stage(chunk, tokens, labels, x, defer):
     return y.mean() if chunk.is_last else y
 
 
-@pytest.mark.parametrize("rank", [0, 1, 2])
-def test_gpt_chunks_layer_split_equals_unsplit_bitwise(rank):
-    """First stage (embedding, no input), middle, last (tied head copy used by a bare F.linear, the loss)."""
-    ref = build_model_chunks(GPT, 4 * GPT.hidden_size, 3, rank, 1, seed=3)[0]
+@pytest.mark.parametrize("pp,rank", [(3, 0), (3, 1), (3, 2), (1, 0)])
+def test_gpt_chunks_layer_split_equals_unsplit_bitwise(pp, rank):
+    """First stage (embedding, no input), middle, last (tied head copy used by a bare F.linear, the loss), and one
+    chunk holding both ends (the embedding and the head share one weight)."""
+    ref = build_model_chunks(GPT, 4 * GPT.hidden_size, pp, rank, 1, seed=3)[0]
     tst = copy.deepcopy(ref)
     config = ModelParallelConfig(deallocate_pipeline_outputs=True)
     g = torch.Generator().manual_seed(5)
