@@ -440,3 +440,30 @@ def test_nested_deferral_defers_each_op_once():
     ref(x).backward(torch.ones(S, B, H))
     for p, q in zip(ref.parameters(), tst.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("ctor,mode,defer", [(MLPChunk, "auto", True), (OddChunk, "auto", True),
+                                             (MLPChunk, "generic", False)])
+def test_split_under_cpu_autocast_equals_unsplit_bitwise(ctor, mode, defer):
+    """bf16 autocast (``config.enable_autocast``): linear takes the op's own graph, not the fp32 formulas."""
+    torch.manual_seed(0)
+    ref = ctor()
+    tst = copy.deepcopy(ref)
+    config = ModelParallelConfig()
+    xs, gys = _data()
+    works = []
+    for x0, gy in zip(xs, gys):
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = ref(x)
+        g_ref = backward_step(x, y, gy.to(y.dtype), config)
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16), weight_grad_deferral() if defer else torch.enable_grad():
+            y = tst(x)
+        g_tst, work = backward_input_step(x, y, gy.to(y.dtype), config, mode=mode)
+        assert torch.equal(g_ref, g_tst)
+        works.append(work)
+    for work in works:
+        work.run()
+    for p, q in zip(ref.parameters(), tst.parameters()):
+        assert torch.equal(p.grad, q.grad)
