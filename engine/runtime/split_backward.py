@@ -186,10 +186,12 @@ class _LinearBridge(torch.autograd.Function):
 
 
 def _fast_linear(input, weight, bias) -> bool:
-    """The cases where :class:`_LinearBridge`'s formulas are autograd's for ``F.linear`` (row-major operands,
-    no autocast, one dtype, ``in_features > 1``); others take the generic bridge."""
+    """The cases where :class:`_LinearBridge`'s formulas are autograd's for ``F.linear``: row-major operands with
+    exactly row-major strides (autograd's ``mm`` backward picks its formula by the strides, and a size-1 dimension
+    can carry any stride), no autocast, one dtype, ``in_features > 1``; others take the generic bridge."""
     return (input.requires_grad and input.dim() in (2, 3) and input.is_contiguous() and weight.dim() == 2
-            and weight.is_contiguous() and weight.shape[1] > 1 and input.dtype == weight.dtype
+            and weight.stride() == (weight.shape[1], 1) and weight.shape[1] > 1 and input.dtype == weight.dtype
+            and (input.dim() == 3 or input.stride() == (input.shape[1], 1))
             and (bias is None or (bias.dim() == 1 and bias.dtype == weight.dtype))
             and (input.dim() == 2 or bias is not None) and not torch.is_autocast_enabled(input.device.type))
 
