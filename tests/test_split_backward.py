@@ -467,3 +467,45 @@ def test_split_under_cpu_autocast_equals_unsplit_bitwise(ctor, mode, defer):
         work.run()
     for p, q in zip(ref.parameters(), tst.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def _two_stage_step(chunks, data, split, order):
+    """One training step of a 2-stage GPT in one process (the hand-off detached as P2P does).  ``split``: B then W
+    where ``order[m]`` lists the Ws ``(stage, microbatch)`` run after the Bs of microbatch ``m``, as a zero-bubble
+    plan interleaves them; else the unsplit backward.  Returns the losses."""
+    config = ModelParallelConfig(deallocate_pipeline_outputs=True)
+    acts, losses = [], []
+    for tokens, labels in data:  # F of every microbatch on both stages
+        with weight_grad_deferral() if split else torch.enable_grad():
+            chunks[0].set_input_tensor(None)
+            y0 = chunks[0](tokens)
+            x1 = y0.detach().requires_grad_()
+            chunks[1].set_input_tensor(x1)
+            loss = chunks[1](tokens, labels).mean() / len(data)
+        deallocate_output_tensor(y0, True)
+        acts.append((y0, x1, loss))
+        losses.append(loss.item())
+    works = {}
+    for m, (y0, x1, loss) in enumerate(acts):
+        if split:
+            gx, works[1, m] = backward_input_step(x1, loss, None, config)
+            _, works[0, m] = backward_input_step(None, y0, gx, config)
+            for stage, mb in order[m]:
+                works.pop((stage, mb)).run()
+        else:
+            backward_step(None, y0, backward_step(x1, loss, None, config), config)
+    assert not works
+    return losses
+
+
+def test_two_stage_gpt_zero_bubble_order_equals_unsplit_bitwise():
+    """Ws interleaved with later microbatches' Bs (each stage's W in microbatch order) give the unsplit step."""
+    ref = [build_model_chunks(GPT, 4 * GPT.hidden_size, 2, r, 1, seed=3)[0] for r in (0, 1)]
+    tst = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(9)
+    data = [(torch.randint(0, 32, (B, 6), generator=g), torch.randint(0, 32, (B, 6), generator=g)) for _ in range(4)]
+    order = [[], [(1, 0)], [(0, 0), (1, 1)], [(0, 1), (1, 2), (0, 2), (1, 3), (0, 3)]]
+    assert _two_stage_step(ref, data, False, None) == _two_stage_step(tst, data, True, order)
+    for a, b in zip(ref, tst):
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(p.grad, q.grad), name
