@@ -3,7 +3,7 @@
 One model chunk of the vs-torch workload (``benchmarks.common``: residual ``h + gelu(Linear(h))`` layers, hidden
 512, 4 layers = one chunk of 8 layers at P=2; one microbatch ``[s, b, h] = [64, 2, 512]``) in one process with
 ``torch.set_num_threads(--threads)``.  For each repetition and variant (interleaved, so they share conditions):
-(medians, and the minimum as a figure less sensitive to a loaded machine) forward a fresh microbatch (timed: the deferral's forward overhead shows in ``layer``), then time
+forward a fresh microbatch (timed: the deferral's forward overhead shows in ``layer``), then time
 
 * ``full``: ``backward_step`` (the unsplit backward),
 * ``layer``: forward under ``weight_grad_deferral``, ``backward_input_step(mode="layer")`` (B) then ``run()`` (W),
@@ -11,7 +11,8 @@ One model chunk of the vs-torch workload (``benchmarks.common``: residual ``h + 
 
 Bytes between B and W: the distinct non-parameter storages still saved by autograd (saved-tensor hooks) plus the
 handle's recorded gradients (``WeightGradWork.held_bytes``); "after F" is the same saved-tensor count after the
-forward (what the unsplit backward holds until it runs).
+forward (what the unsplit backward holds until it runs).  Times are medians, with the minimum alongside (less
+sensitive to a loaded machine).
 
     python benchmarks/split_backward.py               # ~20 s
     python benchmarks/split_backward.py --repeats 5   # smoke test

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model_parallel_config import ModelParallelConfig
-from engine.runtime.split_backward import (WeightGradWork, backward_input_step, enable_layer_deferral,
-                                           weight_grad_deferral)
+from engine.runtime.split_backward import backward_input_step, enable_layer_deferral, weight_grad_deferral
 from engine.runtime.step import ScheduleContractError, backward_step, deallocate_output_tensor
 from engine.training.config import ModelConfig
 from engine.training.model import build_model_chunks
