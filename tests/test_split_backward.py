@@ -497,13 +497,14 @@ def _two_stage_step(chunks, data, split, order):
     return losses
 
 
+@pytest.mark.slow  # a few seconds on a loaded 2-core machine (the first GPT forwards of a process warm up)
 def test_two_stage_gpt_zero_bubble_order_equals_unsplit_bitwise():
     """Ws interleaved with later microbatches' Bs (each stage's W in microbatch order) give the unsplit step."""
     ref = [build_model_chunks(GPT, 4 * GPT.hidden_size, 2, r, 1, seed=3)[0] for r in (0, 1)]
     tst = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(9)
-    data = [(torch.randint(0, 32, (B, 6), generator=g), torch.randint(0, 32, (B, 6), generator=g)) for _ in range(4)]
-    order = [[], [(1, 0)], [(0, 0), (1, 1)], [(0, 1), (1, 2), (0, 2), (1, 3), (0, 3)]]
+    data = [(torch.randint(0, 32, (B, 6), generator=g), torch.randint(0, 32, (B, 6), generator=g)) for _ in range(3)]
+    order = [[(1, 0)], [(0, 0), (1, 1)], [(0, 1), (1, 2), (0, 2)]]
     assert _two_stage_step(ref, data, False, None) == _two_stage_step(tst, data, True, order)
     for a, b in zip(ref, tst):
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
