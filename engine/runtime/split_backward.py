@@ -13,23 +13,27 @@ Two mechanisms (``mode``):
 ``"layer"`` -- layer-level deferral.  Inside :func:`weight_grad_deferral` (or on a module given to
     :func:`enable_layer_deferral`) every ``F.linear``, ``F.layer_norm`` and ``F.embedding`` whose weight (and bias)
     are leaf tensors requiring grad -- so ``nn.Linear``, ``nn.LayerNorm``, ``nn.Embedding`` and a bare
-    ``F.linear(x, embedding.weight)`` head -- runs as its own small autograd graph behind a bridge node.  In B the
-    bridge computes only the op's input gradient and records the op's (graph, output gradient); W runs all records
-    of the microbatch in one autograd call restricted to the parameters.  Everything else backpropagates in B as in
-    :func:`~engine.runtime.step.backward_step` (B *is* ``backward_step``, with the recorder on).  Held until W: per
-    deferred op its output gradient and the tensors its own backward saved (the op's input; for layer norm also
-    mean and rstd), i.e. about (input, grad_output) per layer.  No recomputation.
+    ``F.linear(x, embedding.weight)`` head -- runs behind a bridge node.  ``F.linear`` on a contiguous ``[n, in]`` /
+    ``[s, b, in]`` input (with bias for 3-D; no autocast) uses autograd's own formulas written out (B: ``grad @ W``;
+    W: ``grad^T @ x`` and ``grad.sum(0)``); every other deferred op runs as its own small autograd graph, B taking
+    the op's input gradient from it and W the rest.  Everything else backpropagates in B as in
+    :func:`~engine.runtime.step.backward_step` (B *is* ``backward_step``, with the recorder on); W backpropagates
+    the microbatch's records in few autograd calls restricted to the parameters.  Held until W: per deferred op
+    its output gradient and the tensors its backward saved (the op's input; for layer norm also mean and rstd),
+    i.e. about (input, grad_output) per layer.  No recomputation.
 ``"generic"`` -- a split over the autograd graph, for any chunk.  B walks the graph from the output, marks the
     nodes from which an input is reachable (the input path), and hooks the *intermediates*: input-path nodes with
-    an edge leaving the path towards the weights.  B runs ``torch.autograd.grad`` from the output to the inputs
-    with ``retain_graph=True``, the hooks recording the gradient arriving at each intermediate.  W re-runs each
-    intermediate from its recorded gradient, computing only its outgoing weight-side edges (ops honour the
-    needed-output mask, so e.g. an ``addmm`` computes only ``mat2``'s gradient; a custom ``autograd.Function``
-    computes all of its outputs again), sums those edge gradients per target in B's execution order, and runs one
-    backward from them to the leaves.  Cost: ``retain_graph`` keeps **every saved tensor of the chunk's graph**
-    (all its activations, as after the forward) alive until W, plus the recorded gradients at the
-    intermediates; the intermediates' backward runs twice with disjoint output masks.  Tensor hooks on the
-    intermediates' output tensors run again in W (their result is replaced by B's).
+    an edge leaving the path towards the weights.  B runs autograd from the output to the inputs only, with the
+    graph retained, the hooks recording the gradient arriving at each intermediate.  W re-runs each intermediate
+    from its recorded gradient, computing only its edges leaving the path (ops honour autograd's needed-output
+    mask, so an ``addmm`` computes only ``mat2``'s gradient; a custom ``autograd.Function`` computes all of its
+    outputs again), sums those edge gradients per target in B's execution order, and backpropagates them to the
+    leaves in one call.  Cost: the retained graph keeps **every saved tensor of the chunk's graph below the first
+    intermediate** (about all its activations, as after the forward) alive until W, plus the gradient recorded
+    at each intermediate (about one activation per weight op); the intermediates' backward runs twice with
+    disjoint output masks; where one parameter is used by two ops on the input path (a module applied twice) W
+    also re-runs the input path between the two uses (values discarded).  Tensor hooks on the intermediates'
+    output tensors run again in W (their result is replaced by B's); parameters' tensor hooks run once.
 ``"auto"`` -- ``"layer"`` when no parameter is reached outside deferred ops (the graph has no ``AccumulateGrad``
     besides the inputs'), else ``"generic"``.
 
@@ -40,9 +44,12 @@ Exactness: each parameter's gradient of one microbatch is summed by autograd fro
 the same order as the unsplit backward and accumulated into ``.grad`` once, so running each chunk's W in microbatch
 order gives bitwise the unsplit ``.grad`` (tests/test_split_backward.py).
 
-Not supported: activation checkpointing inside a split chunk (the recomputed forward does not run under the
-deferral), sparse embeddings and ``max_norm`` (those run undeferred), two threads running split backward
-concurrently (the recorder is one process-wide slot, so that autograd's device threads see it).
+Activation checkpointing (``torch.utils.checkpoint``) inside a split chunk: non-reentrant checkpointing works in
+generic mode (recomputed in B, exact); in layer mode the recomputed forward does not run under the deferral and
+torch's checkpoint raises ``CheckpointError`` (use generic mode or the unsplit backward for such microbatches);
+reentrant checkpointing is refused by torch in generic mode and is not split in layer mode (all gradients in B).
+Not deferred: sparse embeddings and ``max_norm`` (run as plain ops).  Not supported: two threads running split
+backward at once (the recorder is one process-wide slot, so that autograd's device threads see it).
 """
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.variable import Variable
 from torch.overrides import TorchFunctionMode
 
 from .step import ScheduleContractError, backward_step
@@ -68,6 +76,19 @@ _recorder: Optional[list] = None
 process-wide slot, not thread-local: autograd runs CUDA nodes' backward on its own device threads."""
 
 _anchors: dict = {}
+
+
+def _engine(roots: Sequence, grads: Sequence, inputs: Sequence = (), keep_graph: bool = False,
+            accumulate: bool = True):
+    """Run autograd's engine from ``roots`` (tensors or ``GradientEdge``) with ``grads``: accumulate into the
+    leaves (all, or only ``inputs``), or with ``accumulate=False`` return the gradients of ``inputs``.
+
+    ``torch.autograd.backward`` / ``grad`` make the same call after Python-side shape checks that cost tens of
+    microseconds per ``GradientEdge`` root (symbolic-shape comparisons); the shapes are checked by the engine
+    anyway.  The same PyTorch-private entry as :func:`engine.runtime.step.custom_backward`."""
+    return Variable._execution_engine.run_backward(
+        tensors=tuple(roots), grad_tensors=tuple(grads), keep_graph=keep_graph, create_graph=False,
+        inputs=tuple(inputs), allow_unreachable=True, accumulate_grad=accumulate)
 
 
 @contextlib.contextmanager
@@ -94,6 +115,17 @@ def _anchor(device: torch.device) -> torch.Tensor:
     return anchor
 
 
+class _Record:
+    """What one deferred op's W needs: ``roots()`` -> ``[(GradientEdge, gradient), ...]`` to backpropagate (its
+    own graph's output, or a parameter's ``AccumulateGrad`` with a computed weight gradient), ``params`` (the
+    leaves it accumulates into), ``held`` (``(data_ptr, bytes)`` of the storages it keeps alive)."""
+
+    __slots__ = ("roots", "params", "held")
+
+    def __init__(self, roots: Callable[[], list], params: tuple, held: tuple) -> None:
+        self.roots, self.params, self.held = roots, params, held
+
+
 class _Bridge(torch.autograd.Function):
     """Runs one op as its own autograd graph: ``op(x)`` with the parameters; backward = B part (+ a record)."""
 
@@ -111,13 +143,57 @@ class _Bridge(torch.autograd.Function):
         local_in, edge, records = ctx.local_in, ctx.edge, _recorder
         del ctx.edge
         if records is None:  # unsplit backward: everything now, as the plain op would
-            torch.autograd.backward([edge], [grad])
+            _engine([edge], [grad])
             return (None if local_in is None else local_in.grad), None, None, None
-        records.append((edge, grad, ctx.params, ctx.held + (_storage_key(grad),)))
+        records.append(_Record(lambda: [(edge, grad)], ctx.params, ctx.held + (_storage_key(grad),)))
         if local_in is None:
             return None, None, None, None
-        (grad_in,) = torch.autograd.grad([edge], [local_in], [grad], retain_graph=True)
+        (grad_in,) = _engine([edge], [grad], [local_in], keep_graph=True, accumulate=False)
         return grad_in, None, None, None
+
+
+class _LinearBridge(torch.autograd.Function):
+    """``F.linear`` on a contiguous 2-D / 3-D input requiring grad, with autograd's own backward formulas written
+    out (no graph of its own): B computes ``grad_x = grad @ W`` and records ``(x, grad)``; W computes
+    ``grad_W = grad^T @ x`` and ``grad_b = grad.sum(0)`` (over ``[n, out]`` / ``[n, in]`` views, ``n = s*b``) and
+    accumulates them through the parameters' ``AccumulateGrad``.  The same kernels on the same operands as
+    ``addmm`` / ``mm`` backward: bitwise the plain op's gradients (tests/test_split_backward.py)."""
+
+    @staticmethod
+    def forward(ctx, x, params):
+        weight, bias = params
+        ctx.save_for_backward(x)
+        ctx.params = params
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,), (weight, bias) = ctx.saved_tensors, ctx.params
+        x2d = x.view(-1, x.shape[-1]) if x.dim() == 3 else x
+        g2d = grad.reshape(-1, grad.shape[-1]) if x.dim() == 3 else grad
+        grad_in = g2d.mm(weight)
+        records = _recorder
+        pairs = lambda: [(get_gradient_edge(p), g) for p, g in  # noqa: E731
+                         ((weight, g2d.t().mm(x2d)), (bias, None if bias is None else g2d.sum(0)))
+                         if p is not None and p.requires_grad]
+        params = tuple(p for p in (weight, bias) if p is not None and p.requires_grad)
+        record = _Record(pairs, params, (_storage_key(x), _storage_key(g2d)))
+        if records is None:
+            _backward_records([record])
+        else:
+            records.append(record)
+        return grad_in.view(x.shape) if x.dim() == 3 else grad_in, None
+
+
+def _fast_linear(input, weight, bias) -> bool:
+    """The cases where :class:`_LinearBridge`'s formulas are autograd's for ``F.linear``: row-major operands with
+    exactly row-major strides (autograd's ``mm`` backward picks its formula by the strides, and a size-1 dimension
+    can carry any stride), no autocast, one dtype, ``in_features > 1``; others take the generic bridge."""
+    return (input.requires_grad and input.dim() in (2, 3) and input.is_contiguous() and weight.dim() == 2
+            and weight.stride() == (weight.shape[1], 1) and weight.shape[1] > 1 and input.dtype == weight.dtype
+            and (input.dim() == 3 or input.stride() == (input.shape[1], 1))
+            and (bias is None or (bias.dim() == 1 and bias.dtype == weight.dtype))
+            and (input.dim() == 2 or bias is not None) and not torch.is_autocast_enabled(input.device.type))
 
 
 def _leaves(*tensors) -> Optional[tuple]:
@@ -138,6 +214,8 @@ def _linear(input, weight, bias=None):
     params = _leaves(weight, bias)
     if params is None or not isinstance(input, torch.Tensor):
         return F.linear(input, weight, bias)
+    if _fast_linear(input, weight, bias):
+        return _LinearBridge.apply(input, (weight, bias))
     return _defer(input, params, lambda x: F.linear(x, weight, bias))
 
 
@@ -160,12 +238,20 @@ def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sc
 _HANDLERS = {F.linear: _linear, F.layer_norm: _layer_norm, F.embedding: _embedding}
 
 
+_handling = [0]
+"""Depth of deferred-op handling: an op run by a handler (or under a nested deferral) is not deferred again."""
+
+
 class _DeferralMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         handler = _HANDLERS.get(func)
-        if handler is not None and torch.is_grad_enabled():
+        if handler is None or not torch.is_grad_enabled() or _handling[0]:
+            return func(*args, **(kwargs or {}))
+        _handling[0] += 1
+        try:
             return handler(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+        finally:
+            _handling[0] -= 1
 
 
 def weight_grad_deferral():
@@ -237,15 +323,47 @@ class WeightGradWork:
         pass
 
     def held_bytes(self) -> int:
-        return 0
+        return sum(self.held_storages().values())
+
+    def held_storages(self) -> dict:
+        """``{storage data_ptr: bytes}`` of what :meth:`held_bytes` counts (to merge with other counts)."""
+        return {}
+
+
+W_BATCH_BYTES = 64 << 20
+"""Layer-mode W backpropagates its records in as few autograd calls as keep the weight gradients computed ahead
+of accumulation under this many bytes (one call costs tens of microseconds; a record's gradients are
+parameter-sized)."""
 
 
 def _run_records(records: list) -> None:
-    """One backward over deferred ops' graphs, restricted to their parameters (sums shared weights once)."""
+    """Backpropagate deferred ops' W, restricted to their parameters.  Records sharing a parameter go in one
+    call (a shared weight's contributions are summed by autograd, in B's order, and accumulated once); the others
+    in batches of at most :data:`W_BATCH_BYTES` of weight gradients."""
+    uses: dict = {}
+    for r in records:
+        for p in r.params:
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    shared, batch, size = [], [], 0
+    for r in records:
+        if any(uses[id(p)] > 1 for p in r.params):
+            shared.append(r)
+            continue
+        batch.append(r)
+        size += sum(p.numel() * p.element_size() for p in r.params)
+        if size >= W_BATCH_BYTES:
+            _backward_records(batch)
+            batch, size = [], 0
+    _backward_records(batch)
+    _backward_records(shared)
+
+
+def _backward_records(records: list) -> None:
     if not records:
         return
-    params = list({id(p): p for _, _, ps, _ in records for p in ps}.values())
-    torch.autograd.backward([r[0] for r in records], [r[1] for r in records], inputs=params)
+    roots = [pair for r in records for pair in r.roots()]
+    params = list({id(p): p for r in records for p in r.params}.values())
+    _engine([e for e, _ in roots], [g for _, g in roots], params)
 
 
 class _LayerWork(WeightGradWork):
@@ -259,8 +377,8 @@ class _LayerWork(WeightGradWork):
         records, self.records = self.records, []
         _run_records(records)
 
-    def held_bytes(self) -> int:
-        return sum(dict(key for r in self.records for key in r[3]).values())
+    def held_storages(self) -> dict:
+        return dict(key for r in self.records for key in r.held)
 
 
 class _FullWork(WeightGradWork):
@@ -273,10 +391,10 @@ class _FullWork(WeightGradWork):
     def _run(self) -> None:
         root, grad = self.root, self.grad
         self.root = self.grad = None
-        torch.autograd.backward([root], [grad])
+        _engine([root], [grad])
 
-    def held_bytes(self) -> int:
-        return self.grad.untyped_storage().nbytes()
+    def held_storages(self) -> dict:
+        return {} if self.grad is None else dict((_storage_key(self.grad),))
 
 
 class _Capture:
@@ -312,36 +430,66 @@ class _GraphWork(WeightGradWork):
             roots = _replay_intermediates(sorted((c for c in captures if c.grads is not None),
                                                  key=lambda c: c.order))
             if roots:
-                torch.autograd.backward([edge for edge, _ in roots.values()], [g for _, g in roots.values()])
+                _engine([edge for edge, _ in roots.values()], [g for _, g in roots.values()])
         finally:
             for c in captures:
                 c.handle.remove()
         _run_records(records)
 
-    def held_bytes(self) -> int:
-        sizes = {}
-        for c in self.captures:
-            for g in c.grads or ():
-                if g is not None:
-                    sizes.update((_storage_key(g),))
-        return sum(sizes.values()) + sum(dict(key for r in self.records for key in r[3]).values())
+    def held_storages(self) -> dict:
+        sizes = dict(key for r in self.records for key in r.held)
+        sizes.update(_storage_key(g) for c in self.captures for g in (c.grads or ()) if g is not None)
+        return sizes
 
 
 def _replay_intermediates(captures: Sequence[_Capture]) -> dict:
     """Phase 1 of generic W: re-run each intermediate (in B's execution order) from its recorded gradients,
-    computing only its edges leaving the input path; return ``{target key: (edge, summed gradient)}``."""
+    computing only its edges leaving the input path; return ``{target key: (edge, summed gradient)}``.
+
+    The edge gradients are read by a post-hook on the intermediate (as computed, before the targets' tensor hooks,
+    which phase 2 applies once); the targets are only captured, so autograd computes those edges -- and, where a
+    target is also reached from the intermediate's input-path edges (a parameter used by two ops on the input path,
+    e.g. a module applied twice), the input path down to that other use, whose values are discarded (every
+    intermediate replays B's gradients).  The graph is retained (such a segment may run more than once); it is
+    freed when W drops it.  Parameters' tensor hooks are held back meanwhile (capturing at a leaf would run them)."""
     sums: dict = {}
-    for c in captures:
+    for c in captures:  # an intermediate reached again in another's replay runs from its B gradients too
         c.replay = True
+    for c in captures:
         slots = [i for i, g in enumerate(c.grads) if g is not None]
-        targets = list({(id(n), nr): GradientEdge(n, nr) for n, nr in c.targets}.items())
-        grads = torch.autograd.grad([GradientEdge(c.node, i) for i in slots], [e for _, e in targets],
-                                    [c.grads[i] for i in slots], retain_graph=False, allow_unused=True)
-        for (key, edge), g in zip(targets, grads):
+        targets = {(id(n), nr): GradientEdge(n, nr) for _, n, nr in c.targets}
+        seen: list = []
+        post = c.node.register_hook(lambda grad_inputs, grad_outputs: seen.append(grad_inputs))
+        try:
+            with _hooks_held_back([n for _, n, _ in c.targets]):
+                _engine([GradientEdge(c.node, i) for i in slots], [c.grads[i] for i in slots],
+                        list(targets.values()), keep_graph=True, accumulate=False)
+        finally:
+            post.remove()
+        for k, n, nr in c.targets:
+            g = seen[0][k] if seen else None
             if g is not None:
-                sums[key] = (edge, g) if key not in sums else (edge, sums[key][1] + g)
+                key = (id(n), nr)
+                sums[key] = (targets[key], g) if key not in sums else (targets[key], sums[key][1] + g)
+    for c in captures:
         c.grads = None
     return sums
+
+
+@contextlib.contextmanager
+def _hooks_held_back(nodes):
+    """Empty the tensor-hook dicts of the leaves among ``nodes`` (``AccumulateGrad``) and restore them in order."""
+    held = []
+    for n in nodes:
+        hooks = getattr(getattr(n, "variable", None), "_backward_hooks", None)
+        if hooks:
+            held.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in held:
+            hooks.update(items)
 
 
 # ---- graph analysis and B ----------------------------------------------------------------------------------------
@@ -382,10 +530,12 @@ class _Graph:
                    for n in self.on_path)
 
     def intermediates(self) -> list:
-        """``(node, [(child, nr), ...])`` for each input-path node with edges leaving the path."""
+        """``(node, [(k, child, nr), ...])`` for each input-path node with edges leaving the path (``k``: the
+        index of the edge in ``node.next_functions``)."""
         on_path = self.on_path
         return [(n, off) for n, ok in on_path.items() if ok and n not in self.stops
-                for off in [[(c, nr) for c, nr in self.edges[n] if not on_path[c]]] if off]
+                for off in [[(k, c, nr) for k, (c, nr) in enumerate(n.next_functions)
+                             if c is not None and not on_path[c]]] if off]
 
 
 def _input_list(input_tensor) -> tuple:
@@ -426,8 +576,7 @@ def _generic_step(inputs: list, unwrap: bool, root: torch.Tensor, grad: torch.Te
     records: list = []
     try:
         with _recording(records):
-            got = torch.autograd.grad([get_gradient_edge(root)], wanted, [grad], retain_graph=bool(captures),
-                                      allow_unused=True)
+            got = _engine([get_gradient_edge(root)], [grad], wanted, keep_graph=bool(captures), accumulate=False)
     except BaseException:
         for c in captures:
             c.handle.remove()
