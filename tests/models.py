@@ -110,15 +110,15 @@ class Chunk(nn.Module):
 
 
 def build_chunks(config, pp_size: int, pp_rank: int, num_chunks: int, *, hidden: int = 8, layers_per_stage: int = 1,
-                 seed: int = 0, kind: str = "linear", dtype=torch.float32, log=None):
-    """The model chunks of ``pp_rank`` (one per virtual stage ``c*P + pp_rank``) and their shared compute log
-    (``log``: a list to record into, default a new one)."""
+                 seed: int = 0, kind: str = "linear", dtype=torch.float32, log=None, stages=None):
+    """The model chunks of ``pp_rank`` (chunk ``c`` is virtual stage ``stages[c]``, default ``c*P + pp_rank``) and
+    their shared compute log (``log``: a list to record into, default a new one)."""
     num_stages = pp_size * num_chunks
     params = _params(num_stages * layers_per_stage, hidden, seed, kind)
     log = [] if log is None else log
     chunks = []
     for c in range(num_chunks):
-        s = c * pp_size + pp_rank
+        s = c * pp_size + pp_rank if stages is None else stages[c]
         chunk = Chunk(config, s, num_stages, c, params[s * layers_per_stage:(s + 1) * layers_per_stage], log, kind)
         chunks.append(chunk.to(dtype))
     return chunks, log

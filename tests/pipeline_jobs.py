@@ -24,7 +24,7 @@ DEFAULTS = dict(pp=None, chunks=None, M=4, G=None, batch=True, overlap=False, de
                 mode=2, per_token=False, grad_scale=None, repeats=1, seq=4, mbs=2, hidden=8, kind="linear",
                 layers=1, variable=False, seqs=None, zero_mb=None, moe=False, collect=False, first_val_step=None,
                 ckpt=None, hooks=False, sleep=0.0, dtype="float32", tokens=None, sequence=None, explicit=True,
-                M_by_rank=None, seed=0, func=None, seq_by_dp=None)
+                M_by_rank=None, seed=0, func=None, seq_by_dp=None, schedule=None, max_in_flight=None)
 
 
 def case(**kw) -> dict:
@@ -111,8 +111,12 @@ def run_case(rank: int, pgc, c: dict) -> dict:
     C = c["chunks"] or 1
     cfg = _config(c, pp)
     log = _TraceLog()
+    stages = None
+    if c["schedule"]:  # pipecast's own schedules: the plan's placement decides the stages of this rank
+        stages = build_plan(c["schedule"], pp, c["M"], C, max_in_flight=c["max_in_flight"]).stages_of(pp_rank)
     chunks, _ = tm.build_chunks(cfg, pp, pp_rank, C, hidden=c["hidden"], layers_per_stage=c["layers"],
-                                kind=c["kind"], dtype=getattr(torch, c["dtype"]), seed=c["seed"], log=log)
+                                kind=c["kind"], dtype=getattr(torch, c["dtype"]), seed=c["seed"], log=log,
+                                stages=stages)
     rec = _Recorder(log, chunks)
     log.rec = rec
     cfg.no_sync_func = rec.no_sync
@@ -145,15 +149,17 @@ def run_case(rank: int, pgc, c: dict) -> dict:
     result = {"rank": rank, "pp_rank": pp_rank, "error": None, "grad_err": 0.0, "loss_err": 0.0,
               "calls": [], "next_rank": probe.next_rank, "prev_rank": probe.prev_rank,
               "pp_ranks": list(pgc.pp_ranks)}
-    if c["func"]:
+    if c["schedule"]:
+        func = _with_schedule(c, pp)
+    elif c["func"]:
         func = getattr(schedules, c["func"])
     elif c["explicit"]:
         func = schedules.get_forward_backward_func(pp, c["chunks"])
     else:
         func = schedules.get_forward_backward_func()  # sizes from engine.parallel_state
-    schedule = {"forward_backward_no_pipelining": "no_pipelining",
-                "forward_backward_pipelining_without_interleaving": "1f1b",
-                "forward_backward_pipelining_with_interleaving": "interleaved"}[func.__name__]
+    schedule = c["schedule"] or {"forward_backward_no_pipelining": "no_pipelining",
+                                 "forward_backward_pipelining_without_interleaving": "1f1b",
+                                 "forward_backward_pipelining_with_interleaving": "interleaved"}[func.__name__]
     comm = schedules.P2PCommunicator(pgc.pp, cfg) if c["explicit"] else None
     accumulated = None
     for fo, M, seq in steps:
@@ -177,8 +183,7 @@ def run_case(rank: int, pgc, c: dict) -> dict:
             result["error"] = (type(exc).__name__, str(exc))
             return result
         call = {"forward_only": fo, "M": M, "store_len": len(store), "order": log.compute_order(), "events": list(log),
-                "plan_order": build_plan(schedule, pp, M, C, c["G"] if c["chunks"] else None,
-                                         fo).compute_order(pp_rank) * (1 if fo else c["repeats"]),
+                "plan_order": _plan_order(c, schedule, pp, M, C, fo, pp_rank),
                 "seen_ok": all(mb == cur for ch in chunks for mb, cur, _ in ch.seen),
                 "input_dtypes": sorted({str(d) for ch in chunks for d in ch.input_dtypes}),
                 "inputs_alive": _alive_inputs(chunks),
@@ -212,6 +217,34 @@ def run_case(rank: int, pgc, c: dict) -> dict:
     result["grad_err"] = max((k.get("grad_err", 0.0) for k in result["calls"]), default=0.0)
     result["loss_err"] = max((k.get("loss_err", 0.0) for k in result["calls"]), default=0.0)
     return result
+
+
+def _with_schedule(c, pp):
+    """``forward_backward_pipelining_with_schedule`` for the case's named schedule (``max_in_flight``: a budgeted
+    ``zb`` plan built for each call)."""
+    def func(**kw):
+        schedule = c["schedule"]
+        if c["max_in_flight"] is not None:
+            schedule = build_plan("zb", pp, kw["num_microbatches"], c["chunks"] or 1, forward_only=kw["forward_only"],
+                                  max_in_flight=c["max_in_flight"])
+        return schedules.forward_backward_pipelining_with_schedule(schedule=schedule, **kw)
+    return func
+
+
+def _plan_order(c, schedule, pp, M, C, fo, pp_rank):
+    """The order the chunks record for this rank's plan, per repeat: ``F`` and ``B`` as planned; with split
+    backward the first stage has no input gradient, so its backward (recorded by the chunk's output node) runs in
+    ``W`` (the generic split's whole backward) and its ``B`` records nothing."""
+    kw = dict(max_in_flight=c["max_in_flight"]) if c["max_in_flight"] is not None else {}
+    plan = build_plan(schedule, pp, M, C, c["G"] if schedule == "interleaved" else None, fo, **kw)
+    order = []
+    for a in plan.actions[pp_rank]:
+        first = plan.is_first_stage(pp_rank, a.chunk)
+        if a.op.value == "F" or (a.op.value == "B" and not (first and plan.splits_backward)):
+            order.append(str(a))
+        elif a.op.value == "W" and first:
+            order.append(f"B{a.microbatch}.{a.chunk}")
+    return order * (1 if fo else c["repeats"])
 
 
 def _alive_inputs(chunks) -> int:
