@@ -36,6 +36,7 @@ from torch import nn  # noqa: E402
 
 from engine.plan import build_plan  # noqa: E402
 from graphs import capture  # noqa: E402
+from graphs.capture import DebugOptions  # noqa: E402
 from graphs.local_rank import make_rank_data, run_rank_step  # noqa: E402
 
 CONFIGS = {  # name: hidden, ffn, seq, micro batch, layers per chunk
@@ -198,7 +199,8 @@ def negative_control(cfg, args, device, dtype, backend, plan, rank, data) -> dic
     shared = copy.deepcopy(eager)
     sample = [(torch.ones(cfg["seq"], cfg["mbs"], cfg["hidden"], device=device, dtype=dtype, requires_grad=True),)
               for _ in range(args.vp * args.microbatches * cfg["layers"])]
-    layers = capture(shared, plan, rank, sample, backend=backend, share_graphs=True, allow_unsafe_sharing=True)
+    layers = capture(shared, plan, rank, sample, backend=backend, share_graphs=True,
+            _debug=DebugOptions(allow_unsafe_sharing=True))
     diff = compare(train(eager, plan, rank, data, 1), train(shared, plan, rank, data, 1))
     layers.remove()
     return {"detected": not diff["bitwise"], "max_rel_diff": diff["max_rel_diff"]}

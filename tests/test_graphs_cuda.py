@@ -12,6 +12,7 @@ import torch
 
 from engine.plan import build_plan
 from graphs import capture
+from graphs.capture import DebugOptions
 from graphs.local_rank import make_rank_data
 from tests.test_graphs_emulate import Block, bitwise_equal, run_steps
 
@@ -56,7 +57,8 @@ def test_torch_backend_shared_graph_negative_control():
     eager = cuda_chunks(2, 1)
     shared = copy.deepcopy(eager)
     data = make_rank_data(2, 4, (S, B, H), device="cuda")
-    capture(shared, plan, 0, cuda_samples(shared, 4), backend="torch", share_graphs=True, allow_unsafe_sharing=True)
+    capture(shared, plan, 0, cuda_samples(shared, 4), backend="torch", share_graphs=True,
+            _debug=DebugOptions(allow_unsafe_sharing=True))
     assert not bitwise_equal(run_steps(eager, plan, 0, data, 1), run_steps(shared, plan, 0, data, 1))
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.plan import build_plan
 from graphs import capture, graph_order
+from graphs.capture import DebugOptions
 from graphs.local_rank import make_rank_data, run_rank_step, sgd_step
 from graphs.order import LayerEvent, order_events
 
@@ -112,7 +113,8 @@ def test_negative_control_shared_graph_per_layer_is_detected():
     data = make_rank_data(2, 4, (S, B, H))
     with pytest.raises(ValueError, match="in flight"):
         capture(copy.deepcopy(eager), plan, 0, samples(eager, 4), backend="emulate", share_graphs=True)
-    capture(graphed, plan, 0, samples(graphed, 4), backend="emulate", share_graphs=True, allow_unsafe_sharing=True)
+    capture(graphed, plan, 0, samples(graphed, 4), backend="emulate", share_graphs=True,
+            _debug=DebugOptions(allow_unsafe_sharing=True))
     ref = run_steps(eager, plan, 0, data, 1)
     got = run_steps(graphed, plan, 0, data, 1)
     assert not bitwise_equal(ref, got)
@@ -140,7 +142,8 @@ def test_negative_control_capture_order_differs_from_runtime_is_detected():
     with pytest.raises(ValueError, match="differs from the runtime plan"):
         capture(graphed, plan, 0, samples(graphed, 4), backend="emulate", order=torch_style)
     wrong_rank = graph_order(plan, 1)
-    layers = capture(graphed, plan, 0, samples(graphed, 4), backend="emulate", order=wrong_rank, check=False)
+    layers = capture(graphed, plan, 0, samples(graphed, 4), backend="emulate", order=wrong_rank,
+                     _debug=DebugOptions(check_order=False))
     data = make_rank_data(2, 4, (S, B, H))
     with pytest.raises(RuntimeError, match="diverged from the capture order at pass"):
         run_rank_step(graphed, plan, 0, data)
@@ -157,7 +160,8 @@ def test_negative_control_param_grads_aliasing_static_buffers_b17():
     cloned, aliased = copy.deepcopy(eager), copy.deepcopy(eager)
     data = make_rank_data(2, 4, (S, B, H))
     capture(cloned, plan, 0, samples(cloned, 4), backend="emulate")
-    layers = capture(aliased, plan, 0, samples(aliased, 4), backend="emulate", clone_param_grads=False)
+    layers = capture(aliased, plan, 0, samples(aliased, 4), backend="emulate",
+                     _debug=DebugOptions(param_grads="alias"))
     ref = run_steps(eager, plan, 0, data, 3, zero_in_place=True)
     assert bitwise_equal(ref, run_steps(cloned, plan, 0, data, 3, zero_in_place=True))
     assert not bitwise_equal(ref, run_steps(aliased, plan, 0, data, 3, zero_in_place=True))
