@@ -321,13 +321,15 @@ class _CallerState:
     cpu_rng: torch.Tensor
     cuda_rng: list | None
     stream: Any
+    generators: list[tuple[torch.Generator, torch.Tensor]]
 
     @classmethod
-    def save(cls) -> "_CallerState":
+    def save(cls, generators: Sequence[torch.Generator] = ()) -> "_CallerState":
         on_cuda = _quietly(torch_cuda.cuda.is_available) or False
         return cls(gc.isenabled(), torch.get_rng_state(),
                    _quietly(torch_cuda.cuda.get_rng_state_all) if on_cuda else None,
-                   _quietly(torch_cuda.cuda.current_stream) if on_cuda else None)
+                   _quietly(torch_cuda.cuda.current_stream) if on_cuda else None,
+                   [(g, g.get_state()) for g in generators])
 
     def restore(self) -> list[str]:
         """Restore everything; returns the errors of the steps that failed (for the report)."""
@@ -336,6 +338,8 @@ class _CallerState:
         _quietly(torch.set_rng_state, self.cpu_rng, errors=errors)  # warmup/capture leave no trace on dropout
         if self.cuda_rng is not None:
             _quietly(torch_cuda.cuda.set_rng_state_all, self.cuda_rng, errors=errors)
+        for g, state in self.generators:  # the registered generators too (TE restores its tracker's)
+            _quietly(g.set_state, state, errors=errors)
         if self.stream is not None:
             _quietly(torch_cuda.cuda.set_stream, self.stream, errors=errors)
         return errors
@@ -379,7 +383,7 @@ def describe_failure(exc: BaseException) -> str:
 
 def _run_capture(chosen: str, job: _Job):
     """``(GraphSet, None)`` or ``(None, one-line error)``; never raises an ``Exception``."""
-    caller = _CallerState.save()
+    caller = _CallerState.save(job.generators)
     start = time.perf_counter()
     try:
         with job.layers.suspend(), autocast_context(job.autocast):

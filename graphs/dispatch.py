@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .hazards import GeneratorsSeen
 from .order import LayerEvent, flat_index, layer_events
 from .specs import AutocastState, CallSpec, current_autocast
 
@@ -112,6 +113,7 @@ class Recording:
     events: list[LayerEvent] = field(default_factory=list)
     specs: dict[tuple[int, int, int], CallSpec] = field(default_factory=dict)
     autocast: set[AutocastState] = field(default_factory=set)
+    generators: list[torch.Generator] = field(default_factory=list)  # non-default ones the layers drew from
 
     def _starts_pass(self, ev: LayerEvent) -> bool:
         return ev.layer == (0 if ev.kind == "F" else self.layers_per_chunk[ev.chunk] - 1)
@@ -300,7 +302,8 @@ class GraphedLayers:
         rec.events.append(LayerEvent("F", chunk, m, layer))
         rec.specs[(chunk, m, layer)] = CallSpec.of(args, kwargs)
         rec.autocast.add(current_autocast())
-        out = original(*args, **kwargs)
+        with GeneratorsSeen(rec.generators):
+            out = original(*args, **kwargs)
         self._on_backward(out, LayerEvent("B", chunk, m, layer), rec.events.append)
         return out
 

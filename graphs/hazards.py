@@ -98,7 +98,7 @@ class HazardCheck(TorchDispatchMode):
                        "a CUDA graph cannot capture it and would freeze the value it reads -- keep the value on the "
                        "device (torch.where, masks) or compute it outside the graphed layer")
         gen = kwargs.get("generator")
-        if gen is not None and not any(gen is g for g in self.generators) and gen is not _default_for(gen):
+        if gen is not None and not any(_same(gen, g) for g in self.generators) and not _same(gen, _default_for(gen)):
             self._fail(f"aten.{name} draws from a torch.Generator that is not registered with the graphs",
                        "a replay would repeat the same random numbers (pytorch#84614) -- pass the generator in "
                        "capture(generators=...) / GraphRuntime(generators=...)")
@@ -161,6 +161,11 @@ class HazardCheck(TorchDispatchMode):
                     f"storage: update tensors in place (p.copy_(new)) or recapture")
 
 
+def _same(a: torch.Generator, b: torch.Generator) -> bool:
+    """One generator (dispatch hands ops a fresh Python wrapper of the same C++ generator)."""
+    return a._cdata == b._cdata
+
+
 def _default_for(gen: torch.Generator) -> torch.Generator:
     if gen.device.type == "cuda":
         return torch.cuda.default_generators[gen.device.index or 0]
@@ -177,3 +182,19 @@ def storage_names(module: torch.nn.Module, static_inputs: Sequence[torch.Tensor]
 
 def describe(module: Any, chunk: int, layer: int) -> str:
     return f"chunk {chunk} layer {layer} ({type(module).__name__})"
+
+
+class GeneratorsSeen(TorchDispatchMode):
+    """Dispatch mode collecting every non-default ``torch.Generator`` passed to an op (``.generators``, in first-use
+    order): the generators a graph must register so that its random numbers advance per replay."""
+
+    def __init__(self, into: list[torch.Generator] | None = None):
+        super().__init__()
+        self.generators = into if into is not None else []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        gen = kwargs.get("generator")
+        if gen is not None and not _same(gen, _default_for(gen)) and not any(_same(gen, g) for g in self.generators):
+            self.generators.append(gen)
+        return func(*args, **kwargs)

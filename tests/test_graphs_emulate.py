@@ -285,3 +285,25 @@ def test_keyword_tensors_and_frozen_constants():
         layer(x)
     assert spec.mismatch((x,), {"mask": m_in.double(), "scale": 2.0}).startswith("kwargs['mask'] is float64")
     layers.remove()
+
+
+def test_emulate_replays_under_the_captured_autocast_with_the_cast_cache_off():
+    """A graph recasts the weights on every replay (capture requires the cast cache off).  A caller that keeps one
+    autocast region (cache on) over two optimizer steps would reuse step 1's bf16 weight casts in step 2; the
+    emulation must compute what the graph computes, i.e. eager with autocast entered per step."""
+    plan = build_plan("interleaved", 2, 4, 2, 2)
+    eager = make_chunks(2, 1)
+    graphed, stale = copy.deepcopy(eager), copy.deepcopy(eager)
+    data = make_rank_data(2, 4, (S, B, H))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layers = capture(graphed, plan, 0, samples(graphed, 4), backend="emulate")
+    assert layers.active and str(layers.graphs.autocast) == "cpu:bfloat16"
+    ref = []
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref += run_steps(eager, plan, 0, data, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # one cached region over both steps
+        got = run_steps(graphed, plan, 0, data, 2)
+        cached = run_steps(stale, plan, 0, data, 2)
+    assert bitwise_equal(ref, got)
+    assert not bitwise_equal(ref, cached)  # the cache really is stale in step 2: the check has teeth
