@@ -80,9 +80,9 @@ class GradBuffers:
         return buf
 
     @staticmethod
-    @torch.no_grad()
     def attach(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Make every ``p.grad`` its buffer: zeroed if ``p.grad`` was ``None``, holding its value otherwise."""
+        """Make every ``p.grad`` its buffer: zeroed if ``p.grad`` was ``None``, holding its value otherwise.
+        Called from the replayed backward, where grad mode is off."""
         for p, buf in pairs:
             g = p.grad
             if g is buf:
@@ -242,9 +242,9 @@ class ReplaySlot:
         return tracer.span("graph", self._labels[which]) if tracer is not None else _NULL
 
 
-@torch.no_grad()
 def _load(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """Copy ``src`` into ``dst`` except where a source already is its destination (same address and strides)."""
+    """Copy ``src`` into ``dst`` except where a source already is its destination (same address and strides).
+    Called inside :class:`_GraphedPass` (grad mode off: no ``no_grad`` context on the hot path)."""
     for d, s in zip(dst, src):
         if s is None or d is s or (d.data_ptr() == s.data_ptr() and d.stride() == s.stride()):
             continue
