@@ -168,40 +168,34 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
     """Capture the graphs of pipeline rank ``rank`` of ``plan`` and install them on its layers.
 
     Args:
-        modules_per_chunk: per model chunk of this rank, the layers to graph (``[s, b, h] -> [s, b, h]`` blocks,
+        modules_per_chunk: per model chunk of this rank, its layers to graph (``[s, b, h] -> [s, b, h]`` blocks,
             in call order), or an existing :class:`GraphedLayers` (recapture).
-        plan: the training plan the executor runs (``engine.plan.build_plan``).
-        rank: this pipeline rank.
-        sample_args: per forward pass, in TE's flat layout (``graphs.order.flat_index``, ``sum(L)*M`` entries), a
-            tuple of tensors shaped, typed and ``requires_grad``-flagged like the real inputs.  They become the
-            static inputs.  Either this or ``specs``.
-        sample_kwargs: tensor keyword arguments per forward pass, same layout (optional).
-        specs: one :class:`CallSpec` per ``(chunk, layer)``; sample arguments are made from it.
-        backend: see module docstring.
-        num_warmup_iters: eager warmup rounds before capture (at least one runs: it finds host syncs).
-        order: the capture order; default ``graph_order(plan, rank)``; it must equal the runtime's.
-        share_graphs: one graph per layer for all microbatches; requires at most one microbatch per chunk in
-            flight (PP=1), else ``ValueError``.
-        chain_layers: layer ``l``'s static input is layer ``l-1``'s static output (torch/emulate; no copy between
-            layers); a layer then must be called on its predecessor's output.
-        pool: a CUDA graph memory pool to share (torch/te); default one fresh pool for this capture.
-        generators: extra generators to register with every graph (dropout under a TP RNG tracker); a layer
-            drawing from any other non-default generator fails the capture (``graphs.hazards``).
+        plan, rank: the training plan the executor runs (``engine.plan.build_plan``) and this pipeline rank.
+        sample_args: per forward pass in TE's flat layout (``graphs.order.flat_index``, ``sum(L)*M`` entries) a
+            tuple of tensors shaped, typed and ``requires_grad``-flagged like the real inputs (the static inputs);
+            ``sample_kwargs``: tensor keyword arguments, same layout.  Or ``specs``: a :class:`CallSpec` per
+            ``(chunk, layer)``.
+        backend: see module docstring.  ``num_warmup_iters``: eager rounds before capture (at least one runs).
+        order: the capture order (default ``graph_order(plan, rank)``); it must equal the runtime's.
+        share_graphs: one graph per layer for all microbatches; only with one microbatch per chunk in flight.
+        chain_layers: layer ``l``'s static input is layer ``l-1``'s static output (torch/emulate: no copy); each
+            layer must then be called on its predecessor's output.
+        pool: a CUDA graph memory pool to share (torch/te); default one fresh pool.
+        generators: generators to register with every graph (dropout under a TP RNG tracker); a layer drawing
+            from any other non-default generator fails the capture (``graphs.hazards``).
         group: process group of the collective decision (default: the world, if initialised).
         tracer: receives ``"graph"`` spans around replays.
-        veto: a reason this rank must not capture (found by the caller, e.g. variable shapes); it joins the
-            collective decision so every rank runs eagerly.  Sample arguments are not needed then.
-        autocast: the autocast state the layers run in at training time (``graphs.specs.current_autocast()``
-            inside the forward step); default: the state at this call.  Capture (and every emulated replay) runs
-            under it with the cast cache off; replay checks the caller is in it.
+        veto: a reason this rank must not capture (e.g. variable shapes); it joins the collective decision.
+        autocast: the autocast state of the forward steps (default: the state at this call); capture and every
+            emulated replay run under it with the cast cache off, and replay checks the caller is in it.
         _debug: :class:`DebugOptions` for negative-control tests.
 
     Returns:
         The :class:`GraphedLayers` (``.report`` is a :class:`CaptureReport`; ``.active`` tells graphs from eager).
 
     Raises:
-        ValueError / TypeError: bad arguments, before any communication.  Capture failures do not raise: they make
-        every rank fall back to eager with one log line naming the failing rank and the root error.
+        ValueError / TypeError: bad arguments, before any communication.  Capture failures do not raise: every
+        rank falls back to eager with one log line naming the failing rank and the root error.
     """
     created = not isinstance(modules_per_chunk, GraphedLayers)
     layers = GraphedLayers(modules_per_chunk, tracer=tracer) if created else modules_per_chunk
@@ -216,12 +210,8 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
         raise
     layers.clear_graphs()
     job.report = layers.report = CaptureReport(requested=backend, backend="eager", order=list(job.order))
-    chosen, reason = resolve_backend(backend)
-    if veto is not None:
-        reason = veto
-    elif chosen in ("torch", "te") and reason is None:
-        reason = _local_problem(layers, job.sample_args)
-    ok, reason = decision.agree(reason is None and chosen != "eager", reason, group)
+    chosen, reason = _local_verdict(job, backend, veto)
+    ok, reason = decision.agree(reason is None, reason, group)
     if not ok:
         return _fall_back(layers, backend, reason, group)
     graphs, error = _run_capture(chosen, job)
@@ -230,11 +220,25 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
         if graphs is not None:
             _quietly(graphs.release)
         return _fall_back(layers, backend, reason, group)
+    return _install(job, chosen, graphs)
+
+
+def _install(job: _Job, chosen: str, graphs: GraphSet) -> GraphedLayers:
     job.report.backend = chosen
     job.report.num_graphs = sum(job.lpc) if job.share else num_graphs(job.lpc, job.M)
     graphs.autocast = job.autocast
-    layers.set_graphs(graphs)
-    return layers
+    job.layers.set_graphs(graphs)
+    return job.layers
+
+
+def _local_verdict(job: _Job, backend: str, veto: str | None) -> tuple[str, str | None]:
+    """``(backend, reason this rank cannot capture or None)`` before the first collective decision."""
+    chosen, reason = resolve_backend(backend)
+    if veto is not None:
+        return chosen, veto
+    if chosen in ("torch", "te") and reason is None:
+        reason = _local_problem(job.layers, job.sample_args)
+    return chosen, reason if reason is not None or chosen != "eager" else "cuda_graphs.backend='eager'"
 
 
 def _fall_back(layers: GraphedLayers, backend: str, reason: str, group) -> GraphedLayers:

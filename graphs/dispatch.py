@@ -265,7 +265,9 @@ class GraphedLayers:
         m = module.__dict__.get("current_microbatch")
         if type(m) is not int or m < 0 or m >= graphs.num_microbatches:
             m = self._checked_microbatch(chunk, layer, module, graphs)
-        if not graphs.specs[(chunk, layer)].matches(args, kwargs) or current_autocast() != graphs.autocast:
+        autocast_differs = (graphs.autocast.regions or torch._C._is_any_autocast_enabled()) and \
+            current_autocast() != graphs.autocast  # (the cheap test first: autocast is usually off)
+        if autocast_differs or not graphs.specs[(chunk, layer)].matches(args, kwargs):
             self._raise_mismatch(chunk, layer, m, graphs, args, kwargs)
         self.guard.expect(LayerEvent("F", chunk, m, layer))
         fn = graphs.callables[graphs.index(chunk, m, layer)]
