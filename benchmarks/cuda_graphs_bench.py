@@ -13,6 +13,12 @@ each (median ms per step, speedup), peak memory of one step each and the memory 
 runs a negative control (one graph per layer shared by all microbatches, which must NOT match) and, if Transformer
 Engine is importable, the same comparison through ``backend="te"``.
 
+Before that, on any machine: ``[memory NAME]`` lines -- the bytes the captured graphs of one rank hold with the
+pre-issue-17 layout (a parameter-gradient copy and separate static buffers per slot) and the current one (one
+gradient buffer per parameter, chained buffers), against the eager step's peak, counted on the ``meta`` device
+(``graphs.accounting``; ``gpu_cuda_graphs`` is ``configs/gpu_cuda_graphs.yaml``'s rank 0) -- and a ``[replay host
+work]`` line: aten ops outside each emulated replay and CPU time per replay against eager.
+
 Without CUDA the graph part is skipped (said so in the output and the JSON); the emulate backend then runs a tiny
 version so the script itself is exercised.  Exit status: 0 when every compared run is bitwise equal (within
 ``--tolerance``) and the negative control is detected, 1 otherwise.
