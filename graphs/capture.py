@@ -27,6 +27,7 @@ from engine.plan import Plan
 from . import decision
 from .backends import common, emulate as emulate_backend, te as te_backend, torch_cuda
 from .dispatch import GraphedLayers, GraphSet
+from .hazards import HazardError
 from .order import (LayerEvent, check_order, flat_index, graph_order, layer_events, max_in_flight, num_graphs,
                     order_events)
 from .specs import AutocastState, CallSpec, autocast_context, current_autocast
@@ -461,7 +462,23 @@ def _slot_capture(slot_cls, warmup_ctx, job: _Job, prepare=None) -> GraphSet:
     gs = GraphSet(backend="", order=list(job.order), layers_per_chunk=list(job.lpc), num_microbatches=job.M,
                   specs=job.layer_specs, callables=slots, shared=job.share, release=release)
     gs.extra["grad_buffers"] = slots[0].grads if slots else None
+    gs.check_step = _storage_check(job)
     return gs
+
+
+def _storage_check(job: _Job):
+    """A check, run once per step, that every graphed parameter still has the storage its graphs read."""
+    captured = [(f"chunk {c} layer {l} ({type(m).__name__}) parameter {n}", m, n, p, p.data_ptr())
+                for c, chunk in enumerate(job.layers.modules) for l, m in enumerate(chunk)
+                for n, p in m.named_parameters()]
+
+    def check() -> None:
+        for name, module, pname, p, ptr in captured:
+            now = module.get_parameter(pname)
+            if now is not p or now.data_ptr() != ptr:
+                raise HazardError(f"{name} was replaced (p.data = ..., load_state_dict(assign=True)): the graphs "
+                                   f"read its old storage -- update parameters in place (p.copy_(new)) or recapture")
+    return check
 
 
 def _capture_emulate(job: _Job) -> GraphSet:

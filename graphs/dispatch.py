@@ -95,6 +95,7 @@ class GraphSet:
     release: Callable[[], None] = lambda: None
     autocast: AutocastState = AutocastState()
     extra: dict[str, Any] = field(default_factory=dict)
+    check_step: Callable[[], None] = lambda: None  # run before the first replay of every step
 
     def index(self, chunk: int, microbatch: int, layer: int) -> int:
         if self.shared:
@@ -269,6 +270,8 @@ class GraphedLayers:
             current_autocast() != graphs.autocast  # (the cheap test first: autocast is usually off)
         if autocast_differs or not graphs.specs[(chunk, layer)].matches(args, kwargs):
             self._raise_mismatch(chunk, layer, m, graphs, args, kwargs)
+        if self.guard.position == 0:
+            graphs.check_step()
         self.guard.expect(LayerEvent("F", chunk, m, layer))
         fn = graphs.callables[graphs.index(chunk, m, layer)]
         if self._slot_backends:  # torch/emulate: the slot reports spans and checks its backward's order

@@ -120,15 +120,15 @@ def test_parameter_replaced_instead_of_updated_in_place_raises_at_replay():
         chunks[0][0].fc1.weight.copy_(chunks[0][0].fc1.weight * 0.5)  # in place: fine
     run_rank_step(chunks, plan, 0, data)
     chunks[0][0].fc1.weight.data = chunks[0][0].fc1.weight.data * 0.5  # new storage: a graph keeps the old one
-    with pytest.raises(HazardError, match="reads parameter fc1.weight from storage the graph did not capture"):
-        run_rank_step(chunks, plan, 0, data)
+    with pytest.raises(HazardError, match=r"chunk 0 layer 0 \(Block\) parameter fc1.weight was replaced"):
+        run_rank_step(chunks, plan, 0, data)  # the per-step storage check (every backend)
 
 
 def test_load_state_dict_assign_raises_at_replay():
     plan, chunks, data = _captured()
     state = {k: v.clone() for k, v in chunks[0][0].state_dict().items()}
     chunks[0][0].load_state_dict(state, assign=True)
-    with pytest.raises(HazardError, match="reads parameter"):
+    with pytest.raises(HazardError, match=r"chunk 0 layer 0 \(Block\) parameter fc2.weight was replaced"):
         run_rank_step(chunks, plan, 0, data)
 
 
@@ -162,4 +162,18 @@ def test_python_state_read_in_forward_raises_at_replay():
     run_rank_step(chunks, plan, 0, data)
     chunks[0][0].scale = 3.0
     with pytest.raises(HazardError, match=r"op \d+ is aten.mul\[3.0\] but the graph captured aten.mul\[1.0\]"):
+        run_rank_step(chunks, plan, 0, data)
+
+
+def test_replaced_parameter_is_caught_by_the_emulated_replay_trace_too():
+    """Without the per-step storage check, the emulated replay's trace check still sees the new storage."""
+    plan = build_plan("1f1b", 2, 2)
+    torch.manual_seed(0)
+    chunks = [[Block()]]
+    layers = capture(chunks, plan, 0, samples(chunks, 2), backend="emulate")
+    layers.graphs.check_step = lambda: None
+    data = make_rank_data(1, 2, (S, B, H))
+    run_rank_step(chunks, plan, 0, data)
+    chunks[0][0].fc2.bias.data = torch.zeros(H)
+    with pytest.raises(HazardError, match="reads parameter fc2.bias from storage the graph did not capture"):
         run_rank_step(chunks, plan, 0, data)
