@@ -115,6 +115,8 @@ class Recording:
     specs: dict[tuple[int, int, int], CallSpec] = field(default_factory=dict)
     autocast: set[AutocastState] = field(default_factory=set)
     generators: list[torch.Generator] = field(default_factory=list)  # non-default ones the layers drew from
+    unchained: set[tuple[int, int]] = field(default_factory=set)  # (chunk, layer > 0) not called on l-1's output
+    last_output: dict[tuple[int, int], int] = field(default_factory=dict)  # (chunk, mb) -> address of last output
 
     def _starts_pass(self, ev: LayerEvent) -> bool:
         return ev.layer == (0 if ev.kind == "F" else self.layers_per_chunk[ev.chunk] - 1)
@@ -307,8 +309,15 @@ class GraphedLayers:
         rec.events.append(LayerEvent("F", chunk, m, layer))
         rec.specs[(chunk, m, layer)] = CallSpec.of(args, kwargs)
         rec.autocast.add(current_autocast())
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if layer > 0 and (first is None or rec.last_output.get((chunk, m)) != first.data_ptr()):
+            rec.unchained.add((chunk, layer))
         with GeneratorsSeen(rec.generators):
             out = original(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            rec.last_output[(chunk, m)] = out.data_ptr()
+        else:
+            rec.last_output.pop((chunk, m), None)
         self._on_backward(out, LayerEvent("B", chunk, m, layer), rec.events.append)
         return out
 

@@ -172,7 +172,7 @@ class GraphRuntime:
         share = self.pp_size == 1 and max_in_flight(plan.order(self.pp_rank)) == 1
         layers = capture(self.layers, plan, self.pp_rank, specs=specs, backend=self.backend,
                          num_warmup_iters=self.num_warmup_iters, group=self.group, tracer=self.tracer, veto=veto,
-                         autocast=autocast, share_graphs=share,
+                         autocast=autocast, share_graphs=share, chain_layers=not rec.unchained,
                          generators=self.generators + [g for g in rec.generators if all(g._cdata != h._cdata for h in
                                                                                          self.generators)])
         report = layers.report
