@@ -230,7 +230,8 @@ class ReplaySlot:
         return outs[0] if self.out_struct is None else self.out_struct(outs)
 
     def load_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
-        if self.chained_input and tensors[0].data_ptr() != self.static_inputs[0].data_ptr():
+        first, static = tensors[0], self.static_inputs[0]
+        if self.chained_input and (first.data_ptr() != static.data_ptr() or first.stride() != static.stride()):
             raise RuntimeError(
                 f"{self.where}: its input is not layer {self.event.layer - 1}'s output, but the graphs chain static "
                 f"buffers between consecutive layers (layer l reads layer l-1's static output in place); call the "
