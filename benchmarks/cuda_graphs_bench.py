@@ -13,6 +13,12 @@ each (median ms per step, speedup), peak memory of one step each and the memory 
 runs a negative control (one graph per layer shared by all microbatches, which must NOT match) and, if Transformer
 Engine is importable, the same comparison through ``backend="te"``.
 
+Before that, on any machine: ``[memory NAME]`` lines -- the bytes the captured graphs of one rank hold with the
+pre-issue-17 layout (a parameter-gradient copy and separate static buffers per slot) and the current one (one
+gradient buffer per parameter, chained buffers), against the eager step's peak, counted on the ``meta`` device
+(``graphs.accounting``; ``gpu_cuda_graphs`` is ``configs/gpu_cuda_graphs.yaml``'s rank 0) -- and a ``[replay host
+work]`` line: aten ops outside each emulated replay and CPU time per replay against eager.
+
 Without CUDA the graph part is skipped (said so in the output and the JSON); the emulate backend then runs a tiny
 version so the script itself is exercised.  Exit status: 0 when every compared run is bitwise equal (within
 ``--tolerance``) and the negative control is detected, 1 otherwise.
@@ -36,7 +42,10 @@ from torch import nn  # noqa: E402
 
 from engine.plan import build_plan  # noqa: E402
 from graphs import capture  # noqa: E402
+from graphs.capture import DebugOptions  # noqa: E402
 from graphs.local_rank import make_rank_data, run_rank_step  # noqa: E402
+from graphs.accounting import LiveBytes, OpCounter, held_bytes  # noqa: E402
+from graphs.backends import emulate as emulate_backend  # noqa: E402
 
 CONFIGS = {  # name: hidden, ffn, seq, micro batch, layers per chunk
     "launch": dict(hidden=256, ffn=1024, seq=128, mbs=2, layers=8),
@@ -198,7 +207,8 @@ def negative_control(cfg, args, device, dtype, backend, plan, rank, data) -> dic
     shared = copy.deepcopy(eager)
     sample = [(torch.ones(cfg["seq"], cfg["mbs"], cfg["hidden"], device=device, dtype=dtype, requires_grad=True),)
               for _ in range(args.vp * args.microbatches * cfg["layers"])]
-    layers = capture(shared, plan, rank, sample, backend=backend, share_graphs=True, allow_unsafe_sharing=True)
+    layers = capture(shared, plan, rank, sample, backend=backend, share_graphs=True,
+            _debug=DebugOptions(allow_unsafe_sharing=True))
     diff = compare(train(eager, plan, rank, data, 1), train(shared, plan, rank, data, 1))
     layers.remove()
     return {"detected": not diff["bitwise"], "max_rel_diff": diff["max_rel_diff"]}
@@ -228,6 +238,122 @@ def te_comparison(cfg, args, device, dtype, plan, rank, data) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+MEMORY_CONFIGS = {  # name: layer kind, hidden, ffn, heads, seq, micro batch, layers per chunk, pp, vp, microbatches
+    "launch": ("mlp", 256, 1024, 0, 128, 2, 8, 2, 2, 8),
+    "compute": ("mlp", 4096, 16384, 0, 2048, 2, 1, 2, 2, 8),
+    "gpu_cuda_graphs": ("gpt", 1024, 4096, 16, 1024, 8, 2, 4, 2, 16),  # configs/gpu_cuda_graphs.yaml, one rank
+}
+
+
+def _memory_layers(kind, hidden, ffn, heads, seq, chunks, layers):
+    if kind == "mlp":
+        return [[Block(hidden, ffn).to("meta") for _ in range(layers)] for _ in range(chunks)]
+    from engine.training.config import ModelConfig
+    from engine.training.model import Block as GPTBlock
+    cfg = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq)
+    return [[GPTBlock(cfg, ffn).to("meta") for _ in range(layers)] for _ in range(chunks)]
+
+
+def memory_figures(name: str, rank: int = 0) -> dict:
+    """Bytes the captured graphs of pipeline rank ``rank`` hold (``graphs.accounting.held_bytes``, emulate backend
+    on the ``meta`` device: shapes only, nothing allocated) with the pre-issue-17 layout (a parameter-gradient copy
+    and separate static buffers per slot) and the current one, against the eager step's peak (``LiveBytes``).
+    fp32 throughout (the GPU preset's bf16 autocast keeps parameters, gradients and the residual stream fp32; its
+    saved activations would be bf16, so the eager peak here is an upper bound)."""
+    kind, hidden, ffn, heads, seq, mbs, n_layers, pp, vp, m = MEMORY_CONFIGS[name]
+    plan = build_plan("interleaved" if vp > 1 else "1f1b", pp, m, vp, pp if vp > 1 else None)
+    data = make_rank_data(vp, m, (seq, mbs, hidden), device="meta")
+    eager = _memory_layers(kind, hidden, ffn, heads, seq, vp, n_layers)
+    with LiveBytes() as live:
+        run_rank_step(eager, plan, rank, data)
+    out = {"eager_step_peak": live.peak, "layers_per_rank": vp * n_layers, "microbatches": m}
+    for layout, kwargs in (("before", dict(chain_layers=False, _debug=DebugOptions(param_grads="clone"))),
+                           ("after", {})):
+        graphed = _memory_layers(kind, hidden, ffn, heads, seq, vp, n_layers)
+        sample = [(torch.ones(seq, mbs, hidden, device="meta", requires_grad=True),)
+                  for _ in range(vp * m * n_layers)]
+        layers = capture(graphed, plan, rank, sample, backend="emulate", **kwargs)
+        if not layers.active:
+            raise RuntimeError(f"memory figures for {name}: capture fell back: {layers.report.reason}")
+        out[layout] = held_bytes(layers.graphs)
+        layers.remove()
+    return out
+
+
+def print_memory(names) -> dict:
+    figures = {}
+    for name in names:
+        f = figures[name] = memory_figures(name)
+        gib = 2 ** 30
+        print(f"[memory {name}] {f['layers_per_rank']} layers/rank x M={f['microbatches']}: graphs hold "
+              f"{f['before']['total'] / gib:.2f} GiB before -> {f['after']['total'] / gib:.2f} GiB now "
+              f"(of which {f['after']['param_grad_buffers'] / gib:.2f} GiB gradient buffers = eager's .grad); "
+              f"eager step peak {f['eager_step_peak'] / gib:.2f} GiB")
+    return figures
+
+
+def _none_grads(model) -> None:
+    for p in params(model):
+        p.grad = None
+
+
+def _replays_paused(counter: OpCounter | None):
+    """Patch the emulated replays: uncounted by ``counter``, or (``None``) no-ops, leaving the host work around."""
+    saved = emulate_backend.EmulatedSlot.replay_forward, emulate_backend.EmulatedSlot.replay_backward
+
+    def wrap(fn):
+        def run(slot):
+            if counter is not None:
+                with counter.paused():
+                    fn(slot)
+        return run
+    emulate_backend.EmulatedSlot.replay_forward, emulate_backend.EmulatedSlot.replay_backward = map(wrap, saved)
+    return saved
+
+
+def replay_overhead(steps: int = 10) -> dict:
+    """Host work per replay on the emulate backend (CPU): aten ops outside the replays (a dispatch-mode counter)
+    and CPU time per replay with the replay itself a no-op (driver included), next to eager per layer pass."""
+    cfg, vp, m = CONFIGS["cpu_tiny"], 2, 4
+    cfg = dict(cfg, layers=4)
+    plan = build_plan("interleaved", 2, m, vp, 2)
+    data = make_rank_data(vp, m, (cfg["seq"], cfg["mbs"], cfg["hidden"]))
+    eager = build(cfg, vp, torch.device("cpu"), torch.float32)
+    graphed = copy.deepcopy(eager)
+    sample = [(torch.ones(cfg["seq"], cfg["mbs"], cfg["hidden"], requires_grad=True),) for _ in range(vp * m * 4)]
+    layers = capture(graphed, plan, 0, sample, backend="emulate")
+    replays, counter, eager_ops = 2 * vp * m * cfg["layers"], OpCounter(), OpCounter()
+    saved = _replays_paused(counter)
+    try:
+        run_rank_step(graphed, plan, 0, data)
+        _none_grads(graphed)
+        with counter:
+            run_rank_step(graphed, plan, 0, data)
+        _none_grads(graphed)
+        with eager_ops:
+            run_rank_step(eager, plan, 0, data)
+        _none_grads(eager)
+        _replays_paused(None)
+        graph_s, eager_s = _cpu_seconds(graphed, plan, data, steps), _cpu_seconds(eager, plan, data, steps)
+    finally:
+        emulate_backend.EmulatedSlot.replay_forward, emulate_backend.EmulatedSlot.replay_backward = saved
+    layers.remove()
+    return {"ops_per_replay": counter.total / replays, "ops": dict(sorted(counter.counts.items())),
+            "eager_ops_per_layer_pass": eager_ops.total / replays, "host_us_per_replay": graph_s * 1e6 / replays,
+            "eager_us_per_layer_pass": eager_s * 1e6 / replays}
+
+
+def _cpu_seconds(model, plan, data, steps: int) -> float:
+    """Median CPU time of this process per step (s): robust to other processes sharing the cores."""
+    times = []
+    for _ in range(steps):
+        t0 = time.process_time()
+        run_rank_step(model, plan, 0, data)
+        times.append(time.process_time() - t0)
+        _none_grads(model)
+    return statistics.median(times)
+
+
 def fmt(x, spec=".3f"):
     return "n/a" if x is None else format(x, spec)
 
@@ -247,10 +373,21 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-iters", type=int, default=1, help="warmup rounds inside the capture")
     ap.add_argument("--tolerance", type=float, default=0.0, help="max relative difference accepted (0: bitwise)")
     ap.add_argument("--no-te", action="store_true", help="skip the optional Transformer Engine comparison")
+    ap.add_argument("--memory", default="launch,compute,gpu_cuda_graphs",
+                    help="configs of the memory accounting (meta device, runs without a GPU); empty: skip")
+    ap.add_argument("--memory-only", action="store_true", help="print the memory accounting and exit")
     ap.add_argument("--nvtx", action="store_true",
                     help="NVTX range per graph replay (engine.profiling.nvtx_ranges), for nsys --cuda-graph-trace=node")
     args = ap.parse_args(argv)
 
+    memory = print_memory([n for n in args.memory.split(",") if n]) if args.memory else {}
+    if args.memory_only:
+        return 0
+    overhead = replay_overhead()
+    print(f"[replay host work] {overhead['ops_per_replay']:.2f} aten ops outside each replay {overhead['ops']}, "
+          f"{overhead['host_us_per_replay']:.1f} us CPU per replay (replay a no-op, driver included) vs eager "
+          f"{overhead['eager_ops_per_layer_pass']:.1f} ops / {overhead['eager_us_per_layer_pass']:.1f} us per layer "
+          f"pass")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     args.tracer = None
@@ -259,7 +396,8 @@ def main(argv=None) -> int:
         args.tracer = NvtxTracer()
     dtype = getattr(torch, args.dtype)
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
-                    "dtype": args.dtype, "argv": sys.argv[1:], "configs": {},
+                    "dtype": args.dtype, "argv": sys.argv[1:], "configs": {}, "memory_bytes": memory,
+                    "replay_overhead": overhead,
                     "notes": "eager_peak_mib / graph_peak_mib: max_memory_allocated during one step of each copy; both "
                              "include everything alive in the process (both model copies, the graph pool); "
                              "capture_held_mib is what capturing added (static buffers + pool)"}

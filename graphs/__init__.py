@@ -6,6 +6,9 @@
 * :class:`graphs.runtime.GraphRuntime`: the trainer's hook -- eager warmup steps, recording, collective capture,
   recapture when the microbatch count or shapes change.
 * :mod:`graphs.liveness`: a shared-pool model showing why the capture order must equal the runtime order.
+* :mod:`graphs.hazards`: what a frozen replay would not reproduce (host syncs, unregistered generators, replaced
+  parameters, Python state read in forward), checked in warmup and on every emulated replay.
+* :mod:`graphs.accounting`: bytes held by captured graphs, the eager step's peak, ops per replay.
 * :mod:`graphs.local_rank`: run one rank's plan in one process (fixed received tensors), for tests and benchmarks.
 
 Dependencies run graphs -> ``engine.plan`` / ``engine.plan.table`` (the pure layer) only.

@@ -27,11 +27,13 @@ from engine.plan import Plan
 from . import decision
 from .backends import common, emulate as emulate_backend, te as te_backend, torch_cuda
 from .dispatch import GraphedLayers, GraphSet
+from .hazards import HazardError
 from .order import (LayerEvent, check_order, flat_index, graph_order, layer_events, max_in_flight, num_graphs,
                     order_events)
 from .specs import AutocastState, CallSpec, autocast_context, current_autocast
 
-__all__ = ["BACKENDS", "CaptureReport", "capture", "resolve_backend", "make_sample_args"]
+__all__ = ["BACKENDS", "CaptureReport", "DebugOptions", "capture", "resolve_backend", "make_sample_args",
+           "describe_failure", "root_cause"]
 
 BACKENDS = ("auto", "te", "torch", "pipecast", "emulate", "eager")
 
@@ -114,127 +116,159 @@ def make_sample_args(specs: dict[tuple[int, int], CallSpec], layers_per_chunk: S
     return args_out, kwargs_out
 
 
+@dataclass(frozen=True)
+class DebugOptions:
+    """Switches that only negative-control tests use; never set in training (``capture(..., _debug=...)``).
+
+    Attributes:
+        check_order: verify the capture order against the plan (off: test the replay guard).
+        allow_unsafe_sharing: allow ``share_graphs`` with several microbatches in flight (Megatron-LM#422).
+        param_grads: ``"accumulate"`` (default, in-graph), ``"clone"`` or ``"alias"`` (B17's failure).
+    """
+
+    check_order: bool = True
+    allow_unsafe_sharing: bool = False
+    param_grads: str = "accumulate"
+
+    def __post_init__(self):
+        if self.param_grads not in common.PARAM_GRAD_MODES:
+            raise ValueError(f"param_grads={self.param_grads!r}; use one of {common.PARAM_GRAD_MODES}")
+
+
+@dataclass
+class _Job:
+    """Everything one capture needs, validated."""
+
+    layers: GraphedLayers
+    order: list[int]
+    M: int
+    sample_args: Sequence[tuple] | None
+    sample_kwargs: Sequence[dict] | None
+    layer_specs: dict[tuple[int, int], CallSpec] | None
+    num_warmup_iters: int
+    share: bool
+    chain: bool
+    pool: Any
+    generators: tuple
+    tracer: Any
+    autocast: AutocastState
+    test: DebugOptions
+    report: CaptureReport | None = None
+
+    @property
+    def lpc(self) -> list[int]:
+        return self.layers.layers_per_chunk
+
+
 def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLayers, plan: Plan, rank: int,
             sample_args: Sequence[tuple] | None = None, sample_kwargs: Sequence[dict] | None = None, *,
             specs: dict[tuple[int, int], CallSpec] | None = None, backend: str = "auto", num_warmup_iters: int = 1,
-            order: Sequence[int] | None = None, check: bool = True, share_graphs: bool = False,
-            allow_unsafe_sharing: bool = False, clone_param_grads: bool = True, pool=None,
-            generators: Sequence[torch.Generator] = (), group=None, tracer=None,
-            veto: str | None = None, autocast: AutocastState | None = None) -> GraphedLayers:
+            order: Sequence[int] | None = None, share_graphs: bool = False, chain_layers: bool = True, pool=None,
+            generators: Sequence[torch.Generator] = (), group=None, tracer=None, veto: str | None = None,
+            autocast: AutocastState | None = None, _debug: DebugOptions | None = None) -> GraphedLayers:
     """Capture the graphs of pipeline rank ``rank`` of ``plan`` and install them on its layers.
 
     Args:
-        modules_per_chunk: per model chunk of this rank, the layers to graph (``[s, b, h] -> [s, b, h]`` blocks,
+        modules_per_chunk: per model chunk of this rank, its layers to graph (``[s, b, h] -> [s, b, h]`` blocks,
             in call order), or an existing :class:`GraphedLayers` (recapture).
-        plan: the training plan the executor runs (``engine.plan.build_plan``).
-        rank: this pipeline rank.
-        sample_args: per forward pass, in TE's flat layout (``graphs.order.flat_index``, ``sum(L)*M`` entries), a
-            tuple of tensors shaped, typed and ``requires_grad``-flagged like the real inputs.  They become the
-            static inputs.  Either this or ``specs``.
-        sample_kwargs: tensor keyword arguments per forward pass, same layout (optional).
-        specs: one :class:`CallSpec` per ``(chunk, layer)``; sample arguments are made from it.
-        backend: see module docstring.
-        num_warmup_iters: eager warmup rounds before capture (Megatron usually passes 1).
-        order: the capture order; default ``graph_order(plan, rank)``.  With ``check`` it must equal the runtime.
-        check: verify the order with :func:`graphs.order.check_order` (disable only to test the replay guard).
-        share_graphs: one graph per layer for all microbatches; requires at most one microbatch per chunk in
-            flight (PP=1), else ``ValueError`` unless ``allow_unsafe_sharing`` (negative-control tests only).
-        clone_param_grads: return parameter gradients as clones (B17); ``False`` only for negative controls.
-        pool: a CUDA graph memory pool to share (torch/te); default one fresh pool for this capture.
-        generators: extra CUDA generators to register with every graph (dropout under a TP RNG tracker).
+        plan, rank: the training plan the executor runs (``engine.plan.build_plan``) and this pipeline rank.
+        sample_args: per forward pass in TE's flat layout (``graphs.order.flat_index``, ``sum(L)*M`` entries) a
+            tuple of tensors shaped, typed and ``requires_grad``-flagged like the real inputs (the static inputs);
+            ``sample_kwargs``: tensor keyword arguments, same layout.  Or ``specs``: a :class:`CallSpec` per
+            ``(chunk, layer)``.
+        backend: see module docstring.  ``num_warmup_iters``: eager rounds before capture (at least one runs).
+        order: the capture order (default ``graph_order(plan, rank)``); it must equal the runtime's.
+        share_graphs: one graph per layer for all microbatches; only with one microbatch per chunk in flight.
+        chain_layers: layer ``l``'s static input is layer ``l-1``'s static output (torch/emulate: no copy); each
+            layer must then be called on its predecessor's output.
+        pool: a CUDA graph memory pool to share (torch/te); default one fresh pool.
+        generators: generators to register with every graph (dropout under a TP RNG tracker); a layer drawing
+            from any other non-default generator fails the capture (``graphs.hazards``).
         group: process group of the collective decision (default: the world, if initialised).
         tracer: receives ``"graph"`` spans around replays.
-        autocast: the autocast state the layers run in at training time (``graphs.specs.current_autocast()``
-            inside the forward step); default: the state at this call.  Capture runs under it with the cast cache
-            off, and replay checks it.
-        veto: a reason this rank must not capture (found by the caller, e.g. variable shapes); it joins the
-            collective decision so every rank runs eagerly.  Sample arguments are not needed then.
+        veto: a reason this rank must not capture (e.g. variable shapes); it joins the collective decision.
+        autocast: the autocast state of the forward steps (default: the state at this call); capture and every
+            emulated replay run under it with the cast cache off, and replay checks the caller is in it.
+        _debug: :class:`DebugOptions` for negative-control tests.
 
     Returns:
         The :class:`GraphedLayers` (``.report`` is a :class:`CaptureReport`; ``.active`` tells graphs from eager).
 
     Raises:
-        ValueError / TypeError: bad arguments, before any communication.  Capture failures do not raise: they make
-        every rank fall back to eager with one log line.
+        ValueError / TypeError: bad arguments, before any communication.  Capture failures do not raise: every
+        rank falls back to eager with one log line naming the failing rank and the root error.
     """
     created = not isinstance(modules_per_chunk, GraphedLayers)
     layers = GraphedLayers(modules_per_chunk, tracer=tracer) if created else modules_per_chunk
     try:
-        if veto is not None:
-            resolve_backend_name(backend)
-            order = graph_order(plan, rank) if order is None else list(order)
-        else:
-            order, layer_specs, sample_args, sample_kwargs = _validate(
-                layers, backend, plan, rank, sample_args, sample_kwargs, specs, order, check, share_graphs,
-                allow_unsafe_sharing, num_warmup_iters)
+        job = _Job(layers, [], plan.num_microbatches, sample_args, sample_kwargs, None, num_warmup_iters,
+                   share_graphs, chain_layers, pool, tuple(generators), tracer,
+                   current_autocast() if autocast is None else autocast, _debug or DebugOptions())
+        _validate(job, backend, plan, rank, specs, order, veto)
     except BaseException:
         if created:
             layers.remove()
         raise
     layers.clear_graphs()
-    lpc, M = layers.layers_per_chunk, plan.num_microbatches
-
-    report = CaptureReport(requested=backend, backend="eager", order=list(order))
-    layers.report = report
-    chosen, reason = resolve_backend(backend)
-    if veto is not None:
-        reason = veto
-    elif chosen in ("torch", "te") and reason is None:
-        reason = _local_problem(layers, sample_args)
-    ok, reason = decision.agree(reason is None and chosen != "eager", reason, group)
+    job.report = layers.report = CaptureReport(requested=backend, backend="eager", order=list(job.order))
+    chosen, reason = _local_verdict(job, backend, veto)
+    ok, reason = decision.agree(reason is None, reason, group)
     if not ok:
-        report.reason = reason
-        report.log_line = decision.log_fallback(backend, reason, group)
-        return layers
-
-    start = time.perf_counter()
-    graphs, error = None, None
-    autocast = current_autocast() if autocast is None else autocast
-    with layers.suspend(), autocast_context(autocast):
-        try:
-            graphs = _CAPTURERS[chosen](layers, order, lpc, M, sample_args, sample_kwargs, layer_specs,
-                                        num_warmup_iters, share_graphs, clone_param_grads, pool, generators,
-                                        tracer, report)
-        except Exception as exc:  # noqa: BLE001 - any capture failure means eager, collectively
-            error = f"capture error: {type(exc).__name__}: {exc}"
-            report.traceback = traceback.format_exc()
-            _cleanup_after_failure()
-    ok, reason = decision.agree(error is None, error, group)
+        return _fall_back(layers, backend, reason, group)
+    graphs, error = _run_capture(chosen, job)
+    ok, reason = decision.agree(error is None, error, group)  # every rank gets here, whatever capture did
     if not ok:
         if graphs is not None:
-            graphs.release()
-        report.reason = reason
-        report.log_line = decision.log_fallback(backend, reason, group)
-        return layers
-    report.backend = chosen
-    report.seconds = time.perf_counter() - start
-    report.num_graphs = sum(lpc) if share_graphs else num_graphs(lpc, M)
-    graphs.autocast = autocast
-    layers.set_graphs(graphs)
+            _quietly(graphs.release)
+        return _fall_back(layers, backend, reason, group)
+    return _install(job, chosen, graphs)
+
+
+def _install(job: _Job, chosen: str, graphs: GraphSet) -> GraphedLayers:
+    job.report.backend = chosen
+    job.report.num_graphs = sum(job.lpc) if job.share else num_graphs(job.lpc, job.M)
+    graphs.autocast = job.autocast
+    job.layers.set_graphs(graphs)
+    return job.layers
+
+
+def _local_verdict(job: _Job, backend: str, veto: str | None) -> tuple[str, str | None]:
+    """``(backend, reason this rank cannot capture or None)`` before the first collective decision."""
+    chosen, reason = resolve_backend(backend)
+    if veto is not None:
+        return chosen, veto
+    if chosen in ("torch", "te") and reason is None:
+        reason = _local_problem(job.layers, job.sample_args)
+    return chosen, reason if reason is not None or chosen != "eager" else "cuda_graphs.backend='eager'"
+
+
+def _fall_back(layers: GraphedLayers, backend: str, reason: str, group) -> GraphedLayers:
+    layers.report.reason = reason
+    layers.report.log_line = decision.log_fallback(backend, reason, group)
     return layers
 
 
-def _validate(layers, backend, plan, rank, sample_args, sample_kwargs, specs, order, check, share_graphs,
-              allow_unsafe_sharing, num_warmup_iters):
-    lpc = layers.layers_per_chunk
+def _validate(job: _Job, backend: str, plan: Plan, rank: int, specs, order, veto) -> None:
+    lpc = job.lpc
     resolve_backend_name(backend)
+    job.order = graph_order(plan, rank) if order is None else list(order)
+    if veto is not None:
+        return
     if len(lpc) != plan.num_model_chunks:
         raise ValueError(f"modules_per_chunk has {len(lpc)} model chunks but the plan has num_model_chunks="
                          f"{plan.num_model_chunks}")
-    order = graph_order(plan, rank) if order is None else list(order)
-    if check:
-        check_order(order, plan, rank)
-    M = plan.num_microbatches
-    layer_specs = _layer_specs(sample_args, sample_kwargs, specs, lpc, M)
-    if sample_args is None:
-        sample_args, sample_kwargs = make_sample_args(layer_specs, lpc, M)
-    if share_graphs and max_in_flight(order) > 1 and not allow_unsafe_sharing:
-        raise ValueError(f"share_graphs=True but rank {rank} has up to {max_in_flight(order)} microbatches of a chunk "
-                         f"in flight; one graph per layer would be overwritten before its backward (Megatron-LM#422)"
-                         f" -- share graphs only with no pipelining")
-    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int) or num_warmup_iters < 0:
-        raise ValueError(f"num_warmup_iters={num_warmup_iters!r} must be an int >= 0")
-    return order, layer_specs, sample_args, sample_kwargs
+    if job.test.check_order:
+        check_order(job.order, plan, rank)
+    job.layer_specs = _layer_specs(job.sample_args, job.sample_kwargs, specs, lpc, job.M)
+    if job.sample_args is None:
+        job.sample_args, job.sample_kwargs = make_sample_args(job.layer_specs, lpc, job.M)
+    if job.share and max_in_flight(job.order) > 1 and not job.test.allow_unsafe_sharing:
+        raise ValueError(f"share_graphs=True but rank {rank} has up to {max_in_flight(job.order)} microbatches of a "
+                         f"chunk in flight; one graph per layer would be overwritten before its backward "
+                         f"(Megatron-LM#422) -- share graphs only with no pipelining")
+    n = job.num_warmup_iters
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"num_warmup_iters={n!r} must be an int >= 0")
 
 
 def _layer_specs(sample_args, sample_kwargs, specs, lpc, M) -> dict[tuple[int, int], CallSpec]:
@@ -282,108 +316,211 @@ def _local_problem(layers: GraphedLayers, sample_args) -> str | None:
     return None
 
 
-def _cleanup_after_failure() -> None:
-    gc.enable()
-    if torch.cuda.is_available():
-        try:
-            torch.cuda.synchronize()
-        except Exception:  # noqa: BLE001 - a failed capture can leave the device in an error state; keep going
-            pass
-        gc.collect()
-        torch.cuda.empty_cache()
+# -- running a capture: the caller's state comes back whatever happens ---------------------------------------------
+@dataclass
+class _CallerState:
+    """GC setting, RNG states and (on CUDA) the current stream of the caller, restored step by step, never
+    raising: a failed restore must not keep this rank from the collective decision."""
+
+    gc_enabled: bool
+    cpu_rng: torch.Tensor
+    cuda_rng: list | None
+    stream: Any
+    generators: list[tuple[torch.Generator, torch.Tensor]]
+
+    @classmethod
+    def save(cls, generators: Sequence[torch.Generator] = ()) -> "_CallerState":
+        on_cuda = _quietly(torch_cuda.cuda.is_available) or False
+        return cls(gc.isenabled(), torch.get_rng_state(),
+                   _quietly(torch_cuda.cuda.get_rng_state_all) if on_cuda else None,
+                   _quietly(torch_cuda.cuda.current_stream) if on_cuda else None,
+                   [(g, g.get_state()) for g in generators])
+
+    def restore(self) -> list[str]:
+        """Restore everything; returns the errors of the steps that failed (for the report)."""
+        errors: list[str] = []
+        _quietly(gc.enable if self.gc_enabled else gc.disable, errors=errors)
+        _quietly(torch.set_rng_state, self.cpu_rng, errors=errors)  # warmup/capture leave no trace on dropout
+        if self.cuda_rng is not None:
+            _quietly(torch_cuda.cuda.set_rng_state_all, self.cuda_rng, errors=errors)
+        for g, state in self.generators:  # the registered generators too (TE restores its tracker's)
+            _quietly(g.set_state, state, errors=errors)
+        if self.stream is not None:
+            _quietly(torch_cuda.cuda.set_stream, self.stream, errors=errors)
+        return errors
+
+
+def _quietly(fn, *args, errors: list[str] | None = None):
+    """``fn(*args)``, or ``None`` if it raises (the error text is appended to ``errors``)."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - cleanup steps must never raise
+        if errors is not None:
+            errors.append(f"{getattr(fn, '__name__', fn)}: {type(exc).__name__}: {_first_line(exc)}")
+        return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The first error of a chain (``__cause__`` / ``__context__``): a failed capture's ``capture_end()`` error
+    hides the host sync that invalidated it."""
+    seen = {id(exc)}
+    while True:
+        nxt = exc.__cause__ or exc.__context__
+        if nxt is None or id(nxt) in seen:
+            return exc
+        seen.add(id(nxt))
+        exc = nxt
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line: the root error, then the error that surfaced if it differs."""
+    root = root_cause(exc)
+    line = f"capture error: {type(root).__name__}: {_first_line(root)}"
+    if root is not exc:
+        line += f" (then {type(exc).__name__}: {_first_line(exc)})"
+    return line
+
+
+def _run_capture(chosen: str, job: _Job):
+    """``(GraphSet, None)`` or ``(None, one-line error)``; never raises an ``Exception``."""
+    caller = _CallerState.save(job.generators)
+    start = time.perf_counter()
+    try:
+        with job.layers.suspend(), autocast_context(job.autocast):
+            return _CAPTURERS[chosen](job), None
+    except Exception as exc:  # noqa: BLE001 - any capture failure means eager, collectively
+        job.report.traceback = traceback.format_exc()
+        return None, describe_failure(exc)
+    finally:
+        cleanup = caller.restore()
+        if job.report.traceback is not None:
+            cleanup += _release_device_memory()
+            if cleanup:
+                job.report.traceback += "cleanup errors: " + "; ".join(cleanup) + "\n"
+        job.report.seconds = time.perf_counter() - start
+
+
+def _release_device_memory() -> list[str]:
+    """After a failed capture: collect the dropped graphs and return the pool's blocks to the driver."""
+    errors: list[str] = []
+    _quietly(gc.collect, errors=errors)
+    if _quietly(torch_cuda.cuda.is_available):
+        _quietly(torch_cuda.cuda.synchronize, errors=errors)
+        _quietly(torch_cuda.cuda.empty_cache, errors=errors)
+    return errors
 
 
 # -- backends ----------------------------------------------------------------------------------------------------
-def _slot_capture(slot_cls, warmup_ctx, layers: GraphedLayers, order, lpc, M, sample_args, sample_kwargs,
-                  layer_specs, num_warmup_iters, share, clone_param_grads, tracer, prepare=None) -> GraphSet:
-    n_mb = 1 if share else M
+def _make_slots(slot_cls, job: _Job, n_mb: int) -> list[common.ReplaySlot]:
+    """One slot per ``(chunk, microbatch, layer)`` (``n_mb`` microbatches), consecutive layers linked."""
+    options = common.SlotOptions(job.test.param_grads, job.generators, job.tracer)
+    grads = common.GradBuffers() if job.test.param_grads == "accumulate" else None
     slots: list[common.ReplaySlot] = []
-    for c, n in enumerate(lpc):
+    for c, n in enumerate(job.lpc):
         for m in range(n_mb):
             for l in range(n):
-                i = flat_index(c, m, l, lpc, M)
-                spec = layer_specs[(c, l)]
-                kw = sample_kwargs[i] if sample_kwargs is not None else {}
-                static = spec.flatten(sample_args[i], kw)
-                slots.append(slot_cls(LayerEvent("F", c, m, l), layers.original_forward[(c, l)],
-                                      layers.modules[c][l], spec, static, clone_param_grads, tracer))
-    events = layer_events(order, lpc)
-    if share:
+                i = flat_index(c, m, l, job.lpc, job.M)
+                spec = job.layer_specs[(c, l)]
+                kw = job.sample_kwargs[i] if job.sample_kwargs is not None else {}
+                slot = slot_cls(LayerEvent("F", c, m, l), job.layers.original_forward[(c, l)],
+                                job.layers.modules[c][l], spec, spec.flatten(job.sample_args[i], kw), options, grads)
+                slot.autocast = job.autocast
+                if l > 0 and job.chain:
+                    slot.prev, slots[-1].next = slots[-1], slot
+                slots.append(slot)
+    return slots
+
+
+def _slot_capture(slot_cls, warmup_ctx, job: _Job, prepare=None) -> GraphSet:
+    n_mb = 1 if job.share else job.M
+    slots = _make_slots(slot_cls, job, n_mb)
+    events = layer_events(job.order, job.lpc)
+    if job.share:
         events = [e for e in events if e.microbatch == 0]
 
     def slot_of(ev: LayerEvent) -> common.ReplaySlot:
-        return slots[flat_index(ev.chunk, ev.microbatch, ev.layer, lpc, n_mb)]
+        return slots[flat_index(ev.chunk, ev.microbatch, ev.layer, job.lpc, n_mb)]
 
     def release():
         for s in slots:
-            s.release()
+            _quietly(s.release)
 
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    gc_was = gc.isenabled()
     try:
         if prepare is not None:
             prepare(slots)
         gc.disable()  # a GC pass freeing an old graph during another capture is a CUDA error (TE PR #2092)
-        common.walk_capture(events, slot_of, num_warmup_iters, warmup_ctx, lambda s: s.capture_forward(),
+        common.walk_capture(events, slot_of, job.num_warmup_iters, warmup_ctx, lambda s: s.capture_forward(),
                             lambda s: s.capture_backward())
     except BaseException:
-        release()
+        release()  # drops every graph and static tensor: the pool's blocks become free
         raise
-    finally:
-        if gc_was:
-            gc.enable()
-        torch.set_rng_state(cpu_rng)  # warmup and capture leave no trace on dropout numerics
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-    return GraphSet(backend="", order=list(order), layers_per_chunk=list(lpc), num_microbatches=M,
-                    specs=layer_specs, callables=slots, shared=share, release=release)
+    gs = GraphSet(backend="", order=list(job.order), layers_per_chunk=list(job.lpc), num_microbatches=job.M,
+                  specs=job.layer_specs, callables=slots, shared=job.share, release=release)
+    gs.extra["grad_buffers"] = slots[0].grads if slots else None
+    gs.check_step = _storage_check(job)
+    return gs
 
 
-def _capture_emulate(layers, order, lpc, M, sample_args, sample_kwargs, layer_specs, num_warmup_iters, share,
-                     clone_param_grads, pool, generators, tracer, report) -> GraphSet:
-    gs = _slot_capture(emulate_backend.EmulatedSlot, emulate_backend.warmup_context, layers, order, lpc, M,
-                       sample_args, sample_kwargs, layer_specs, num_warmup_iters, share, clone_param_grads, tracer)
+def _storage_check(job: _Job):
+    """A check, run once per step, that every graphed parameter still has the storage its graphs read."""
+    captured = [(f"chunk {c} layer {l} ({type(m).__name__}) parameter {n}", m, n, p, p.data_ptr())
+                for c, chunk in enumerate(job.layers.modules) for l, m in enumerate(chunk)
+                for n, p in m.named_parameters()]
+
+    def check() -> None:
+        for name, module, pname, p, ptr in captured:
+            now = module.get_parameter(pname)
+            if now is not p or now.data_ptr() != ptr:
+                raise HazardError(f"{name} was replaced (p.data = ..., load_state_dict(assign=True)): the graphs "
+                                   f"read its old storage -- update parameters in place (p.copy_(new)) or recapture")
+    return check
+
+
+def _capture_emulate(job: _Job) -> GraphSet:
+    gs = _slot_capture(emulate_backend.EmulatedSlot, emulate_backend.warmup_context, job)
     gs.backend = "emulate"
     return gs
 
 
-def _capture_torch(layers, order, lpc, M, sample_args, sample_kwargs, layer_specs, num_warmup_iters, share,
-                   clone_param_grads, pool, generators, tracer, report) -> GraphSet:
-    def prepare(slots):
-        torch.cuda.synchronize()
-        gc.collect()  # before GC is disabled for the capture: no stale graph may die during it
-        torch.cuda.empty_cache()
-        torch_cuda.capture_context(slots, pool, generators)  # one shared pool for every graph of this rank
+def _capture_torch(job: _Job) -> GraphSet:
+    cuda = torch_cuda.cuda
 
-    gs = _slot_capture(torch_cuda.CudaGraphSlot, torch_cuda.warmup_context, layers, order, lpc, M, sample_args,
-                       sample_kwargs, layer_specs, num_warmup_iters, share, clone_param_grads, tracer,
-                       prepare=prepare)
+    def prepare(slots):
+        cuda.synchronize()
+        gc.collect()  # before GC is disabled for the capture: no stale graph may die during it
+        cuda.empty_cache()
+        torch_cuda.capture_context(slots, job.pool)  # one shared pool for every graph of this rank
+
+    gs = _slot_capture(torch_cuda.CudaGraphSlot, torch_cuda.warmup_context, job, prepare=prepare)
     gs.backend = "torch"
-    torch.cuda.synchronize()
+    cuda.synchronize()
     return gs
 
+def _te_inputs(job: _Job) -> tuple[list[int], int, Sequence[tuple], Sequence[dict] | None]:
+    """``(order, microbatches, sample_args, sample_kwargs)`` as TE gets them (one microbatch when shared)."""
+    if not job.share:
+        return job.order, job.M, job.sample_args, job.sample_kwargs
+    lpc, M = job.lpc, job.M
+    first = [flat_index(c, 0, l, lpc, M) for c, n in enumerate(lpc) for l in range(n)]
+    kwargs = None if job.sample_kwargs is None else [job.sample_kwargs[i] for i in first]
+    return _single_microbatch_order(job.order), 1, [job.sample_args[i] for i in first], kwargs
 
-def _capture_te(layers, order, lpc, M, sample_args, sample_kwargs, layer_specs, num_warmup_iters, share,
-                clone_param_grads, pool, generators, tracer, report) -> GraphSet:
-    runtime_order = list(order)
-    if share:
-        order = _single_microbatch_order(order)
-        n_mb = 1
-        sample_args = [sample_args[flat_index(c, 0, l, lpc, M)] for c, n in enumerate(lpc) for l in range(n)]
-        if sample_kwargs is not None:
-            sample_kwargs = [sample_kwargs[flat_index(c, 0, l, lpc, M)] for c, n in enumerate(lpc)
-                             for l in range(n)]
-    else:
-        n_mb = M
+
+def _capture_te(job: _Job) -> GraphSet:
+    order, n_mb, sample_args, sample_kwargs = _te_inputs(job)
     fn = te_backend.load_make_graphed_callables()
-    modules = [m for chunk in layers.modules for m in chunk]
-    callables, features, kwargs = te_backend.te_capture(fn, modules, sample_args, sample_kwargs, order, lpc, n_mb,
-                                                       num_warmup_iters, pool)
-    report.te_kwargs = {k: v for k, v in kwargs.items()}
-    report.te_features = str(features)
+    modules = [m for chunk in job.layers.modules for m in chunk]
+    callables, features, kwargs = te_backend.te_capture(fn, modules, sample_args, sample_kwargs, order, job.lpc,
+                                                       n_mb, job.num_warmup_iters, job.pool)
+    job.report.te_kwargs = dict(kwargs)
+    job.report.te_features = str(features)
     hooks = []
-    if "clone_param_grads_on_return" not in features and clone_param_grads:
+    if "clone_param_grads_on_return" not in features and job.test.param_grads != "alias":
         # TE <= 2.18 returns static buffers as parameter grads (B17): clone them before AccumulateGrad keeps them
         for module in modules:
             for p in common.module_params(module):
@@ -391,14 +528,14 @@ def _capture_te(layers, order, lpc, M, sample_args, sample_kwargs, layer_specs, 
 
     def release():
         for h in hooks:
-            h.remove()
+            _quietly(h.remove)
         for f in callables:
             reset = getattr(f, "reset", None)
             if callable(reset):
-                reset()
+                _quietly(reset)
 
-    return GraphSet(backend="te", order=runtime_order, layers_per_chunk=list(lpc),
-                    num_microbatches=M, specs=layer_specs, callables=callables, shared=share, release=release)
+    return GraphSet(backend="te", order=list(job.order), layers_per_chunk=list(job.lpc), num_microbatches=job.M,
+                    specs=job.layer_specs, callables=callables, shared=job.share, release=release)
 
 
 def _single_microbatch_order(order: Sequence[int]) -> list[int]:

@@ -20,8 +20,8 @@ log = logging.getLogger("pipecast.graphs")
 def agree(ok: bool, reason: str | None, group=None) -> tuple[bool, str | None]:
     """All ranks of ``group`` (default: the world, when initialised) agree on graphs or eager.
 
-    Returns ``(all_ok, reason)`` where ``reason`` names the first failing rank and its reason (``None`` when all
-    are ok).  Without an initialised process group the local verdict is returned unchanged.
+    Returns ``(all_ok, reason)`` where ``reason`` is ``"rank R: <R's reason>"`` for the first failing rank ``R``
+    of the group, identical on every rank (``None`` when all are ok).  Without an initialised process group the local verdict is returned unchanged.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return ok, (None if ok else reason)
@@ -30,10 +30,9 @@ def agree(ok: bool, reason: str | None, group=None) -> tuple[bool, str | None]:
     bad = [(r, why) for r, (good, why) in enumerate(verdicts) if not good]
     if not bad:
         return True, None
-    me = dist.get_rank(group)
-    rank, why = next(((r, w) for r, w in bad if r == me), bad[0])
+    rank, why = bad[0]  # the same line on every rank: the first failing rank and its own reason
     more = f" (+{len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
-    return False, (why if rank == me else f"rank {rank}: {why}") + more
+    return False, f"rank {rank}: {why}{more}"
 
 
 def log_fallback(requested: str, reason: str, group=None) -> str:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .hazards import GeneratorsSeen
 from .order import LayerEvent, flat_index, layer_events
 from .specs import AutocastState, CallSpec, current_autocast
 
@@ -94,6 +95,7 @@ class GraphSet:
     release: Callable[[], None] = lambda: None
     autocast: AutocastState = AutocastState()
     extra: dict[str, Any] = field(default_factory=dict)
+    check_step: Callable[[], None] = lambda: None  # run before the first replay of every step
 
     def index(self, chunk: int, microbatch: int, layer: int) -> int:
         if self.shared:
@@ -112,6 +114,9 @@ class Recording:
     events: list[LayerEvent] = field(default_factory=list)
     specs: dict[tuple[int, int, int], CallSpec] = field(default_factory=dict)
     autocast: set[AutocastState] = field(default_factory=set)
+    generators: list[torch.Generator] = field(default_factory=list)  # non-default ones the layers drew from
+    unchained: set[tuple[int, int]] = field(default_factory=set)  # (chunk, layer > 0) not called on l-1's output
+    last_output: dict[tuple[int, int], int] = field(default_factory=dict)  # (chunk, mb) -> address of last output
 
     def _starts_pass(self, ev: LayerEvent) -> bool:
         return ev.layer == (0 if ev.kind == "F" else self.layers_per_chunk[ev.chunk] - 1)
@@ -154,6 +159,7 @@ class GraphedLayers:
         self.recording: Recording | None = None
         self.suspended = 0
         self.report = None  # set by graphs.capture.capture
+        self._slot_backends = False
         seen: set[int] = set()
         self._saved: list[tuple[torch.nn.Module, Any]] = []
         self.original_forward: dict[tuple[int, int], Callable] = {}
@@ -198,6 +204,10 @@ class GraphedLayers:
         self.clear_graphs()
         self.graphs = graphs
         self.guard = ReplayGuard(layer_events(graphs.order, self.layers_per_chunk))
+        self._slot_backends = graphs.backend in ("torch", "emulate")
+        if self._slot_backends:  # their autograd function checks the backward order itself (no tensor hook)
+            for slot in graphs.callables:
+                slot.guard = self.guard
 
     def clear_graphs(self) -> None:
         if self.graphs is not None:
@@ -255,25 +265,43 @@ class GraphedLayers:
         graphs = self.graphs
         if graphs is None:
             return original(*args, **kwargs)
+        m = module.__dict__.get("current_microbatch")
+        if type(m) is not int or m < 0 or m >= graphs.num_microbatches:
+            m = self._checked_microbatch(chunk, layer, module, graphs)
+        autocast_differs = (graphs.autocast.regions or torch._C._is_any_autocast_enabled()) and \
+            current_autocast() != graphs.autocast  # (the cheap test first: autocast is usually off)
+        if autocast_differs or not graphs.specs[(chunk, layer)].matches(args, kwargs):
+            self._raise_mismatch(chunk, layer, m, graphs, args, kwargs)
+        if self.guard.position == 0:
+            graphs.check_step()
+        self.guard.expect(LayerEvent("F", chunk, m, layer))
+        fn = graphs.callables[graphs.index(chunk, m, layer)]
+        if self._slot_backends:  # torch/emulate: the slot reports spans and checks its backward's order
+            fn.backward_event = LayerEvent("B", chunk, m, layer)
+            return fn(*args, **kwargs)
+        if self.tracer is not None:
+            with self.tracer.span("graph", f"replay F c{chunk} mb{m} l{layer}"):
+                out = fn(*args, **kwargs)
+        else:
+            out = fn(*args, **kwargs)
+        self._on_backward(out, LayerEvent("B", chunk, m, layer), self.guard.expect)
+        return out
+
+    def _checked_microbatch(self, chunk: int, layer: int, module: torch.nn.Module, graphs: GraphSet) -> int:
         m = self._microbatch(chunk, layer, module)
         if m >= graphs.num_microbatches:
             raise RuntimeError(f"chunk {chunk} layer {layer}: microbatch {m} but graphs were captured for "
                                f"num_microbatches={graphs.num_microbatches}; recapture when the microbatch count "
                                f"changes (graphs.runtime.GraphRuntime does) -- graphs never wrap around")
+        return m
+
+    @staticmethod
+    def _raise_mismatch(chunk, layer, m, graphs: GraphSet, args, kwargs):
         problem = graphs.specs[(chunk, layer)].mismatch(args, kwargs)
-        if problem is None and current_autocast() != graphs.autocast:
+        if problem is None:
             problem = f"autocast is '{current_autocast()}', the graphs were captured under '{graphs.autocast}'"
-        if problem is not None:
-            raise RuntimeError(f"chunk {chunk} layer {layer} microbatch {m}: {problem}; a graph replays with its "
-                               f"captured shapes only -- recapture for the new shapes or run eagerly")
-        self.guard.expect(LayerEvent("F", chunk, m, layer))
-        if self.tracer is not None and graphs.backend == "te":  # torch/emulate slots report their own spans
-            with self.tracer.span("graph", f"replay F c{chunk} mb{m} l{layer}"):
-                out = graphs.call(chunk, m, layer, args, kwargs)
-        else:
-            out = graphs.call(chunk, m, layer, args, kwargs)
-        self._on_backward(out, LayerEvent("B", chunk, m, layer), self.guard.expect)
-        return out
+        raise RuntimeError(f"chunk {chunk} layer {layer} microbatch {m}: {problem}; a graph replays with its "
+                           f"captured shapes only -- recapture for the new shapes or run eagerly")
 
     def _record(self, chunk, layer, module, original, args, kwargs):
         m = self._microbatch(chunk, layer, module)
@@ -281,7 +309,15 @@ class GraphedLayers:
         rec.events.append(LayerEvent("F", chunk, m, layer))
         rec.specs[(chunk, m, layer)] = CallSpec.of(args, kwargs)
         rec.autocast.add(current_autocast())
-        out = original(*args, **kwargs)
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if layer > 0 and (first is None or rec.last_output.get((chunk, m)) != first.data_ptr()):
+            rec.unchained.add((chunk, layer))
+        with GeneratorsSeen(rec.generators):
+            out = original(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            rec.last_output[(chunk, m)] = out.data_ptr()
+        else:
+            rec.last_output.pop((chunk, m), None)
         self._on_backward(out, LayerEvent("B", chunk, m, layer), rec.events.append)
         return out
 

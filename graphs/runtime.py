@@ -53,6 +53,8 @@ class GraphRuntime:
         layers_of: ``chunk -> list of layers to graph`` (default ``.decoder.layers`` or ``.layers``).
         variable_seq_lengths: the run varies sequence lengths (Megatron's config flag): graphs are off, decided at
             the capture point with one log line.
+        generators: generators to register with every graph; every non-default generator the layers drew from in
+            the recorded step is registered as well (dropout masks then advance per replay, pytorch#84614).
 
     Raises:
         ValueError: unknown backend, ``warmup_steps < 0``, chunk count not matching.
@@ -61,7 +63,8 @@ class GraphRuntime:
     def __init__(self, model_chunks: Sequence[torch.nn.Module], schedule: str, pp_size: int, pp_rank: int,
                  num_model_chunks: int = 1, group_size: int | None = None, backend: str = "auto",
                  warmup_steps: int = 2, num_warmup_iters: int = 1, group=None, tracer=None,
-                 layers_of: Callable[[torch.nn.Module], list] = layers_of_chunk, variable_seq_lengths: bool = False):
+                 layers_of: Callable[[torch.nn.Module], list] = layers_of_chunk, variable_seq_lengths: bool = False,
+                 generators: Sequence[torch.Generator] = ()):
         if backend not in BACKENDS:
             raise ValueError(f"cuda_graphs.backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -79,6 +82,7 @@ class GraphRuntime:
         self.backend, self.warmup_steps, self.num_warmup_iters = backend, warmup_steps, num_warmup_iters
         self.group, self.tracer = group, tracer
         self.variable_seq_lengths = variable_seq_lengths
+        self.generators = list(generators)
         self.layers = GraphedLayers([layers_of(c) for c in self.chunks], tracer=tracer)
         self.disabled_reason: str | None = None
         self.steps_seen = 0
@@ -168,7 +172,9 @@ class GraphRuntime:
         share = self.pp_size == 1 and max_in_flight(plan.order(self.pp_rank)) == 1
         layers = capture(self.layers, plan, self.pp_rank, specs=specs, backend=self.backend,
                          num_warmup_iters=self.num_warmup_iters, group=self.group, tracer=self.tracer, veto=veto,
-                         autocast=autocast, share_graphs=share)
+                         autocast=autocast, share_graphs=share, chain_layers=not rec.unchained,
+                         generators=self.generators + [g for g in rec.generators if all(g._cdata != h._cdata for h in
+                                                                                         self.generators)])
         report = layers.report
         if layers.active:
             self._captured_key = key

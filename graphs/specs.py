@@ -133,6 +133,29 @@ class CallSpec:
         """Fresh static input tensors, one per tensor argument."""
         return [s.make(fill) for s in self.tensor_specs]
 
+    def matches(self, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> bool:
+        """``mismatch(args, kwargs) is None``, fast for the usual call of positional tensors only (the replay
+        hot path); anything else goes through :meth:`mismatch`."""
+        fast = self._positional_tensors
+        if kwargs or fast is None or len(args) != len(fast):
+            return self.mismatch(args, kwargs) is None
+        for a, (shape, dtype, device, grad) in zip(args, fast):
+            if type(a) is not torch.Tensor and not isinstance(a, torch.Tensor):
+                return False
+            if a.shape != shape or a.dtype != dtype or a.device != device or a.requires_grad != grad:
+                return False
+        return True
+
+    @property
+    def _positional_tensors(self):
+        """``(shape, dtype, device, requires_grad)`` per argument if every argument is a positional tensor."""
+        cached = self.__dict__.get("_fast", False)
+        if cached is False:
+            ok = not self.kwargs and all(isinstance(a, TensorSpec) for a in self.args)
+            cached = tuple((a.shape, a.dtype, a.device, a.requires_grad) for a in self.args) if ok else None
+            object.__setattr__(self, "_fast", cached)
+        return cached
+
     def mismatch(self, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> str | None:
         """``None`` if the call matches this spec, else a sentence saying what differs."""
         kwargs = kwargs or {}

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.plan import build_plan
 from graphs import capture, graph_order
+from graphs.capture import DebugOptions
 from graphs.local_rank import make_rank_data, run_rank_step, sgd_step
 from graphs.order import LayerEvent, order_events
 
@@ -112,7 +113,8 @@ def test_negative_control_shared_graph_per_layer_is_detected():
     data = make_rank_data(2, 4, (S, B, H))
     with pytest.raises(ValueError, match="in flight"):
         capture(copy.deepcopy(eager), plan, 0, samples(eager, 4), backend="emulate", share_graphs=True)
-    capture(graphed, plan, 0, samples(graphed, 4), backend="emulate", share_graphs=True, allow_unsafe_sharing=True)
+    capture(graphed, plan, 0, samples(graphed, 4), backend="emulate", share_graphs=True,
+            _debug=DebugOptions(allow_unsafe_sharing=True))
     ref = run_steps(eager, plan, 0, data, 1)
     got = run_steps(graphed, plan, 0, data, 1)
     assert not bitwise_equal(ref, got)
@@ -140,7 +142,8 @@ def test_negative_control_capture_order_differs_from_runtime_is_detected():
     with pytest.raises(ValueError, match="differs from the runtime plan"):
         capture(graphed, plan, 0, samples(graphed, 4), backend="emulate", order=torch_style)
     wrong_rank = graph_order(plan, 1)
-    layers = capture(graphed, plan, 0, samples(graphed, 4), backend="emulate", order=wrong_rank, check=False)
+    layers = capture(graphed, plan, 0, samples(graphed, 4), backend="emulate", order=wrong_rank,
+                     _debug=DebugOptions(check_order=False))
     data = make_rank_data(2, 4, (S, B, H))
     with pytest.raises(RuntimeError, match="diverged from the capture order at pass"):
         run_rank_step(graphed, plan, 0, data)
@@ -157,7 +160,8 @@ def test_negative_control_param_grads_aliasing_static_buffers_b17():
     cloned, aliased = copy.deepcopy(eager), copy.deepcopy(eager)
     data = make_rank_data(2, 4, (S, B, H))
     capture(cloned, plan, 0, samples(cloned, 4), backend="emulate")
-    layers = capture(aliased, plan, 0, samples(aliased, 4), backend="emulate", clone_param_grads=False)
+    layers = capture(aliased, plan, 0, samples(aliased, 4), backend="emulate",
+                     _debug=DebugOptions(param_grads="alias"))
     ref = run_steps(eager, plan, 0, data, 3, zero_in_place=True)
     assert bitwise_equal(ref, run_steps(cloned, plan, 0, data, 3, zero_in_place=True))
     assert not bitwise_equal(ref, run_steps(aliased, plan, 0, data, 3, zero_in_place=True))
@@ -281,3 +285,25 @@ def test_keyword_tensors_and_frozen_constants():
         layer(x)
     assert spec.mismatch((x,), {"mask": m_in.double(), "scale": 2.0}).startswith("kwargs['mask'] is float64")
     layers.remove()
+
+
+def test_emulate_replays_under_the_captured_autocast_with_the_cast_cache_off():
+    """A graph recasts the weights on every replay (capture requires the cast cache off).  A caller that keeps one
+    autocast region (cache on) over two optimizer steps would reuse step 1's bf16 weight casts in step 2; the
+    emulation must compute what the graph computes, i.e. eager with autocast entered per step."""
+    plan = build_plan("interleaved", 2, 4, 2, 2)
+    eager = make_chunks(2, 1)
+    graphed, stale = copy.deepcopy(eager), copy.deepcopy(eager)
+    data = make_rank_data(2, 4, (S, B, H))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layers = capture(graphed, plan, 0, samples(graphed, 4), backend="emulate")
+    assert layers.active and str(layers.graphs.autocast) == "cpu:bfloat16"
+    ref = []
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref += run_steps(eager, plan, 0, data, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # one cached region over both steps
+        got = run_steps(graphed, plan, 0, data, 2)
+        cached = run_steps(stale, plan, 0, data, 2)
+    assert bitwise_equal(ref, got)
+    assert not bitwise_equal(ref, cached)  # the cache really is stale in step 2: the check has teeth

@@ -160,3 +160,37 @@ def test_no_pipelining_shares_one_graph_per_layer():
         runtime.before_step(4)
         assert bitwise_equal(run_steps(eager, plan, 0, data, 1), run_steps(graphed, plan, 0, data, 1))
     assert runtime.active and runtime.layers.graphs.shared and runtime.layers.report.num_graphs == 2
+
+
+class ScaledBetweenLayers(PlainChunk):
+    """Something runs between two graphed layers, so layer 1's input is not layer 0's output."""
+
+    def forward(self, x):
+        x = self.layers[0](x)
+        return self.layers[1](x * 0.5)
+
+
+def test_layers_not_called_on_each_others_outputs_are_captured_unchained():
+    torch.manual_seed(0)
+    layers = make_chunks(1, 2)[0]
+    eager_chunk, graphed_chunk = ScaledBetweenLayers(copy.deepcopy(layers)), ScaledBetweenLayers(layers)
+    runtime = GraphRuntime([graphed_chunk], "1f1b", 2, 0, backend="emulate", warmup_steps=1)
+    plan = build_plan("1f1b", 2, 2)
+    data = make_rank_data(1, 2, (S, B, H))
+    for _ in range(3):
+        runtime.before_step(2)
+        outs = []
+        for chunk in (eager_chunk, graphed_chunk):
+            live = {}
+            for a in plan.actions[0]:
+                if a.op.value == "F":
+                    live[a.microbatch] = chunk(data.inputs[0][a.microbatch].clone().requires_grad_())
+                else:
+                    live.pop(a.microbatch).backward(data.grads[0][a.microbatch])
+            outs.append([p.grad.clone() for p in chunk.parameters()])
+            for p in chunk.parameters():
+                p.grad = None
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert runtime.active and runtime.last_recording.unchained == {(0, 1)}
+    assert not any(s.chained_input for s in runtime.layers.graphs.callables)
+    runtime.close()

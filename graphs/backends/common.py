@@ -1,30 +1,41 @@
 """What the ``torch`` and ``emulate`` backends share: one replay slot per ``(chunk, microbatch, layer)``, the
-autograd function that replays it, and the walk that warms up and captures slots in the rank's order.
+autograd function that replays it, the per-parameter gradient buffers, and the walk that warms up and captures
+slots in the rank's order.
 
 Static-buffer semantics (``shared/spec/cuda_graphs.md`` 1.4, 3.3), identical in both backends:
 
 * a forward replay copies the call's tensors into the slot's static inputs (skipped when the address is already
   the static input's) and writes the outputs into the slot's static outputs; the caller gets detached aliases of
   them, valid until this slot replays again;
-* a backward replay copies the incoming gradients into the slot's static grad-outputs and writes the gradients of
-  the inputs and parameters into the slot's static grad-inputs; input gradients are returned as aliases, parameter
-  gradients as clones (``clone_param_grads=True``), so autograd never installs a static buffer as ``param.grad``
-  (pytorch#181723, TE PR #2937, ``cases/public_bugs.md`` B17).
+* **chained buffers**: layer ``l``'s static input *is* layer ``l-1``'s static output of the same ``(chunk,
+  microbatch)`` (same storage), and layer ``l-1``'s static grad-output is layer ``l``'s static input gradient, so
+  no copy happens between consecutive layers; a chained layer called on anything else raises;
+* a backward replay copies the incoming gradients into the slot's static grad-outputs, writes the input gradients
+  into static grad-inputs (returned as aliases) and **accumulates each parameter gradient inside the graph** into
+  one persistent buffer per parameter (Megatron's ``main_grad`` approach) that is installed as ``param.grad``: no
+  per-microbatch parameter-gradient copy is held and no clone is made (pytorch#181723, TE PR #2937, B17).  Before a
+  backward replay a parameter whose ``.grad`` is ``None`` gets the zeroed buffer, one with another ``.grad`` gets
+  the buffer holding its value -- the values eager ``AccumulateGrad`` produces, in the same order.  Post-accumulate
+  grad hooks do not fire for graphed parameters (their gradients never pass through autograd).
 """
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..hazards import HazardCheck, describe, storage_names
 from ..order import LayerEvent
-from ..specs import CallSpec, flatten_outputs, unflatten_outputs
+from ..specs import AutocastState, CallSpec, TensorSpec, autocast_context, flatten_outputs, unflatten_outputs
 
-__all__ = ["ReplaySlot", "walk_capture", "module_params", "check_capturable", "CaptureError"]
+__all__ = ["ReplaySlot", "SlotOptions", "GradBuffers", "walk_capture", "module_params", "check_capturable",
+           "CaptureError", "PARAM_GRAD_MODES"]
 
 _NULL = contextlib.nullcontext()
+PARAM_GRAD_MODES = ("accumulate", "clone", "alias")
 
 
 class CaptureError(RuntimeError):
@@ -56,38 +67,90 @@ def check_capturable(module: torch.nn.Module, where: str) -> None:
             raise CaptureError(f"{name} has a buffer with requires_grad=True, which a graph cannot differentiate")
 
 
+class GradBuffers:
+    """One persistent gradient buffer per parameter (same shape and dtype), shared by every slot of its layer."""
+
+    def __init__(self):
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def of(self, p: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(id(p))
+        if buf is None:
+            buf = self.buffers[id(p)] = torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
+        return buf
+
+    @staticmethod
+    def attach(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Make every ``p.grad`` its buffer: zeroed if ``p.grad`` was ``None``, holding its value otherwise.
+        Called from the replayed backward, where grad mode is off."""
+        for p, buf in pairs:
+            g = p.grad
+            if g is buf:
+                continue
+            if g is None:
+                buf.zero_()
+            else:
+                buf.copy_(g)
+            p.grad = buf
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+@dataclass(frozen=True)
+class SlotOptions:
+    """How slots return parameter gradients and what they check.
+
+    ``param_grads``: ``"accumulate"`` (in-graph, into :class:`GradBuffers`), ``"clone"`` (a copy per replay) or
+    ``"alias"`` (the static buffer itself; negative-control tests only, B17).  ``generators``: registered with the
+    graphs.  ``check_replays``: compare every emulated replay's trace with the capture's (``graphs.hazards``).
+    """
+
+    param_grads: str = "accumulate"
+    generators: tuple[torch.Generator, ...] = ()
+    tracer: Any = None
+    check_replays: bool = True
+
+
 class ReplaySlot:
     """Static buffers and replay of one ``(chunk, microbatch, layer)`` forward/backward pair.
 
     Subclasses implement :meth:`capture_forward`, :meth:`capture_backward`, :meth:`replay_forward`,
-    :meth:`replay_backward` and :meth:`release`.
+    :meth:`replay_backward` and :meth:`release`.  The backward computes two target groups, the input gradients
+    (:attr:`input_targets`) and the parameter gradients (:attr:`params`); a split-backward ``W`` slot would
+    capture the second group in a graph of its own.
 
     Args:
         event: the ``(chunk, microbatch, layer)`` this slot serves (``kind`` is ignored).
         forward_fn: the layer's original (eager) forward.
         module: the layer, for its parameters.
-        spec: layout of the call; :attr:`static_inputs` are made from it.
+        spec: layout of the call.
         static_inputs: the static input tensors (sample arguments), one per tensor argument of ``spec``.
-        clone_param_grads: return parameter gradients as clones (safe) or as static aliases (only for the
-            negative-control tests of B17).
-        tracer: receives a ``"graph"`` span around every replay.
+        options: :class:`SlotOptions`.
+        grads: the per-parameter buffers (``options.param_grads == "accumulate"``), else ``None``.
     """
 
     def __init__(self, event: LayerEvent, forward_fn: Callable, module: torch.nn.Module, spec: CallSpec,
-                 static_inputs: Sequence[torch.Tensor], clone_param_grads: bool = True, tracer=None):
-        self.event = event
-        self.forward_fn = forward_fn
-        self.spec = spec
+                 static_inputs: Sequence[torch.Tensor], options: SlotOptions = SlotOptions(),
+                 grads: GradBuffers | None = None):
+        self.event, self.forward_fn, self.module, self.spec, self.options = event, forward_fn, module, spec, options
+        self.where = describe(module, event.chunk, event.layer) + f" microbatch {event.microbatch}"
         self.params = module_params(module)
         self.static_inputs = list(static_inputs)
         self.input_needs_grad = [t.requires_grad for t in self.static_inputs]
-        self.clone_param_grads = clone_param_grads
-        self.tracer = tracer
+        self.grads = grads
+        self.accumulate: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, buffer) that receive a gradient
         self.static_outputs: list[torch.Tensor] = []
         self.out_struct: Any = None
         self.diff_outputs: list[bool] = []
         self.static_grad_outputs: list[torch.Tensor] = []
-        self.static_grad_inputs: list[torch.Tensor | None] = []  # per grad target (inputs needing grad, params)
+        self.static_grad_inputs: list[torch.Tensor | None] = []  # per grad target (inputs needing grad[, params])
+        self.prev: ReplaySlot | None = None  # layer l-1 / l+1 of the same (chunk, microbatch)
+        self.next: ReplaySlot | None = None
+        self.chained_input = False
+        self.autocast = AutocastState()
+        self.guard = None  # a graphs.dispatch.ReplayGuard checking backward passes (set by GraphedLayers)
+        self.backward_event = event  # the backward pass of the current call (set by the dispatcher)
         self.replays = 0
         label = f"c{event.chunk} mb{event.microbatch} l{event.layer}"
         self._labels = (f"replay F {label}", f"replay B {label}")
@@ -101,17 +164,25 @@ class ReplaySlot:
 
     # -- helpers for subclasses -----------------------------------------------------------------------------
     @property
+    def input_targets(self) -> list[torch.Tensor]:
+        return [t for t, g in zip(self.static_inputs, self.input_needs_grad) if g]
+
+    @property
     def grad_targets(self) -> list[torch.Tensor]:
         """Tensors whose gradient a backward computes: inputs that need grad, then the parameters."""
-        return [t for t, g in zip(self.static_inputs, self.input_needs_grad) if g] + list(self.params)
+        return self.input_targets + list(self.params)
 
-    def run_eager(self) -> list[torch.Tensor]:
-        """The layer's eager forward on the static inputs, with autograd; returns the flat outputs."""
+    def run_eager(self, check: HazardCheck | None = None) -> list[torch.Tensor]:
+        """The layer's eager forward on the static inputs, with autograd (under ``check`` if given)."""
         args, kwargs = self.spec.rebuild(self.static_inputs)
-        with torch.enable_grad():
+        with torch.enable_grad(), (check if check is not None else _NULL):
             outs, struct = flatten_outputs(self.forward_fn(*args, **kwargs))
         self.out_struct = struct
         return outs
+
+    def hazard_check(self) -> HazardCheck:
+        """A fresh :class:`graphs.hazards.HazardCheck` for one call of this slot's layer."""
+        return HazardCheck(self.where, self.options.generators, storage_names(self.module, self.static_inputs))
 
     def eager_backward(self, outs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
                        retain_graph: bool = False):
@@ -122,23 +193,63 @@ class ReplaySlot:
         return torch.autograd.grad(diff, self.grad_targets, list(grad_outputs), retain_graph=retain_graph,
                                    allow_unused=True)
 
+    def split_grads(self, grads) -> tuple[list, list]:
+        """``(input grads, param grads)`` of an :meth:`eager_backward` result."""
+        n = sum(self.input_needs_grad)
+        return list(grads[:n]), list(grads[n:])
+
+    def note_param_grads(self, param_grads) -> None:
+        """After warmup: which parameters receive a gradient (only those get a buffer installed as ``.grad``)."""
+        if self.grads is not None:
+            self.accumulate = [(p, self.grads.of(p)) for p, g in zip(self.params, param_grads) if g is not None]
+
+    # -- chained buffers ------------------------------------------------------------------------------------
+    def chain_input(self) -> None:
+        """Before forward capture: take layer ``l-1``'s static output as this layer's first static input."""
+        prev, args = self.prev, self.spec.args
+        if prev is None or len(prev.static_outputs) != 1 or not args or not isinstance(args[0], TensorSpec):
+            return
+        out, want = prev.static_outputs[0], args[0]
+        if (tuple(out.shape), out.dtype, out.device) != (want.shape, want.dtype, want.device) or \
+                prev.diff_outputs[0] != want.requires_grad or not out.is_contiguous():
+            return
+        self.static_inputs[0] = out.detach().requires_grad_(want.requires_grad)
+        self.chained_input = True
+
+    def chained_grad_output(self) -> torch.Tensor | None:
+        """Before backward capture: layer ``l+1``'s static input gradient, if it can be this grad-output."""
+        nxt = self.next
+        if nxt is None or not nxt.chained_input or not nxt.input_needs_grad[0] or self.diff_outputs != [True]:
+            return None
+        return nxt.static_grad_inputs[0]
+
     # -- the call the dispatcher makes ----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        tensors = self.spec.flatten(args, kwargs)
+        tensors = self.spec.flatten(args, kwargs) if kwargs or len(args) != len(self.static_inputs) else args
         outs = _GraphedPass.apply(self, *tensors, *self.params)
-        return unflatten_outputs(list(outs), self.out_struct)
+        return outs[0] if self.out_struct is None else self.out_struct(outs)
 
-    def _load(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for d, s in zip(dst, src):
-                if s is None or d is s:
-                    continue
-                if d.data_ptr() == s.data_ptr() and d.stride() == s.stride():
-                    continue  # already in place (e.g. the previous layer's static output)
-                d.copy_(s)
+    def load_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
+        first, static = tensors[0], self.static_inputs[0]
+        if self.chained_input and (first.data_ptr() != static.data_ptr() or first.stride() != static.stride()):
+            raise RuntimeError(
+                f"{self.where}: its input is not layer {self.event.layer - 1}'s output, but the graphs chain static "
+                f"buffers between consecutive layers (layer l reads layer l-1's static output in place); call the "
+                f"layers in sequence on each other's outputs, or capture with chain_layers=False")
+        _load(self.static_inputs, tensors)
 
     def span(self, which: int):
-        return self.tracer.span("graph", self._labels[which]) if self.tracer is not None else _NULL
+        tracer = self.options.tracer
+        return tracer.span("graph", self._labels[which]) if tracer is not None else _NULL
+
+
+def _load(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """Copy ``src`` into ``dst`` except where a source already is its destination (same address and strides).
+    Called inside :class:`_GraphedPass` (grad mode off: no ``no_grad`` context on the hot path)."""
+    for d, s in zip(dst, src):
+        if s is None or d is s or (d.data_ptr() == s.data_ptr() and d.stride() == s.stride()):
+            continue
+        d.copy_(s)
 
 
 class _GraphedPass(torch.autograd.Function):
@@ -146,36 +257,45 @@ class _GraphedPass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, slot: ReplaySlot, *tensors):
-        n_inputs = len(slot.static_inputs)
         with slot.span(0):
-            slot._load(slot.static_inputs, tensors[:n_inputs])
+            slot.load_inputs(tensors[:len(slot.static_inputs)])
             slot.replay_forward()
         slot.replays += 1
-        ctx.slot = slot
+        ctx.slot, ctx.event = slot, slot.backward_event
         outs = tuple(o.detach() for o in slot.static_outputs)
-        ctx.mark_non_differentiable(*[o for o, d in zip(outs, slot.diff_outputs) if not d])
+        if not all(slot.diff_outputs):
+            ctx.mark_non_differentiable(*[o for o, d in zip(outs, slot.diff_outputs) if not d])
         return outs
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
         slot: ReplaySlot = ctx.slot
-        diff_grads = [g for g, d in zip(grads, slot.diff_outputs) if d]
+        if slot.guard is not None:
+            slot.guard.expect(ctx.event)
         with slot.span(1):
-            slot._load(slot.static_grad_outputs, diff_grads)
+            GradBuffers.attach(slot.accumulate)
+            _load(slot.static_grad_outputs, grads if all(slot.diff_outputs) else
+                  [g for g, d in zip(grads, slot.diff_outputs) if d])
             slot.replay_backward()
-        n_in = sum(slot.input_needs_grad)
-        in_grads = iter(slot.static_grad_inputs[:n_in])
-        out: list[torch.Tensor | None] = [None]  # for ``slot``
-        for needs in slot.input_needs_grad:
-            g = next(in_grads) if needs else None
-            out.append(None if g is None else g.detach())
-        for g in slot.static_grad_inputs[n_in:]:
-            if g is None:
-                out.append(None)
-            else:
-                out.append(g.clone() if slot.clone_param_grads else g.detach())
-        return tuple(out)
+        return (None, *_backward_results(slot))
+
+
+def _backward_results(slot: ReplaySlot) -> list[torch.Tensor | None]:
+    """What autograd receives: input-gradient aliases, then per parameter ``None`` (accumulated in the graph), a
+    clone, or the static buffer itself (``alias``, negative controls)."""
+    n_in = sum(slot.input_needs_grad)
+    in_grads = iter(slot.static_grad_inputs[:n_in])
+    out: list[torch.Tensor | None] = []
+    for needs in slot.input_needs_grad:
+        g = next(in_grads) if needs else None
+        out.append(None if g is None else g.detach())
+    mode = slot.options.param_grads
+    if mode == "accumulate":
+        return out + [None] * len(slot.params)
+    for g in slot.static_grad_inputs[n_in:]:
+        out.append(None if g is None else (g.clone() if mode == "clone" else g.detach()))
+    return out
 
 
 def walk_capture(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], ReplaySlot],
@@ -183,25 +303,30 @@ def walk_capture(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], R
                  capture_bwd: Callable[[ReplaySlot], None]) -> None:
     """Warm up, then capture, every slot by walking ``events`` (the rank's per-layer order).
 
-    Warmup runs each forward eagerly on the slot's static inputs and each backward with zero grad-outputs through
-    ``torch.autograd.grad`` (it never touches ``.grad``), ``num_warmup_iters`` times, inside ``warmup_ctx()``
-    (a side stream on CUDA).  Capture then calls ``capture_fwd`` / ``capture_bwd`` in exactly the order of
-    ``events``, so every slot's buffers are allocated where the runtime will need them (invariant I1).
+    Warmup runs each forward eagerly on the slot's static inputs under a :class:`graphs.hazards.HazardCheck` (a
+    host sync or an unregistered generator raises :class:`graphs.hazards.HazardError` naming the layer and op,
+    before any capture) and each backward with zero grad-outputs through ``torch.autograd.grad`` (it never touches
+    ``.grad``), ``max(1, num_warmup_iters)`` times, inside ``warmup_ctx()`` (a side stream on CUDA).  Capture then
+    calls ``capture_fwd`` / ``capture_bwd`` in exactly the order of ``events``, so every slot's buffers are
+    allocated where the runtime will need them (invariant I1).
     """
     with warmup_ctx():
-        for _ in range(num_warmup_iters):
-            live: dict[tuple[int, int, int], list[torch.Tensor]] = {}
-            for ev in events:
-                slot = slot_of(ev)
-                key = (ev.chunk, ev.microbatch, ev.layer)
-                if ev.kind == "F":
-                    live[key] = slot.run_eager()
-                    if not slot.diff_outputs:
-                        slot.diff_outputs = [o.requires_grad for o in live[key]]
-                else:
-                    outs = live.pop(key)
-                    zeros = [torch.zeros_like(o) for o, d in zip(outs, slot.diff_outputs) if d]
-                    slot.eager_backward(outs, zeros)
+        for _ in range(max(1, num_warmup_iters)):
+            _warmup_round(events, slot_of)
     for ev in events:
         slot = slot_of(ev)
         (capture_fwd if ev.kind == "F" else capture_bwd)(slot)
+
+
+def _warmup_round(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], ReplaySlot]) -> None:
+    live: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+    for ev in events:
+        slot = slot_of(ev)
+        key = (ev.chunk, ev.microbatch, ev.layer)
+        if ev.kind == "F":
+            live[key] = slot.run_eager(slot.hazard_check())
+            slot.diff_outputs = [o.requires_grad for o in live[key]]
+        else:
+            outs = live.pop(key)
+            zeros = [torch.zeros_like(o) for o, d in zip(outs, slot.diff_outputs) if d]
+            slot.note_param_grads(slot.split_grads(slot.eager_backward(outs, zeros))[1])

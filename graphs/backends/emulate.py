@@ -1,12 +1,22 @@
 """``emulate``: a CPU (any device) backend with the static-buffer semantics of a CUDA graph.
 
-Each ``(chunk, microbatch, layer)`` slot owns fixed input, output, grad-output and grad-input tensors.  A forward
-"replay" copies the call's tensors into the static inputs, re-runs the layer eagerly on them and writes the result
-into the *same* static output tensors; the autograd graph it builds replaces the slot's previous one, exactly as a
-real replay overwrites the activations saved in the graph's memory.  A backward "replay" differentiates the slot's
-current graph and writes into the same static grad-input tensors.  So every buffer-lifetime mistake a real graph
-would make (one graph shared by microbatches that are in flight together, a gradient aliasing a static buffer kept
-past the next replay) gives wrong numbers here too, and CPU tests catch it (``shared/spec/cuda_graphs.md`` 5.1.5).
+Each ``(chunk, microbatch, layer)`` slot owns fixed input, output, grad-output and grad-input tensors (chained
+between consecutive layers like the ``torch`` backend's) and accumulates parameter gradients into the same
+per-parameter buffers.  A forward "replay" copies the call's tensors into the static inputs, re-runs the layer
+eagerly on them and writes the result into the *same* static output tensors; the autograd graph it builds replaces
+the slot's previous one, exactly as a real replay overwrites the activations saved in the graph's memory.  A
+backward "replay" differentiates the slot's current graph and writes into the same static grad-input tensors.  So
+every buffer-lifetime mistake a real graph would make gives wrong numbers here too (``shared/spec/cuda_graphs.md``
+5.1.5).
+
+What a real replay freezes, the emulation enforces instead of silently re-running Python:
+
+* replays run under the *captured* autocast state with the cast cache off (a graph recasts weights on every
+  replay; a caller's cached autocast would reuse stale casts);
+* every replay runs under :class:`graphs.hazards.HazardCheck` and must repeat the capture's trace: the same ops
+  and scalar arguments (no Python-state branches) and no tensor read from storage the capture did not see
+  (parameters replaced by ``p.data = ...`` / ``load_state_dict(assign=True)``, rebound closure tensors);
+* host syncs and unregistered generators raise already in the warmup (``graphs.backends.common.walk_capture``).
 """
 from __future__ import annotations
 
@@ -14,6 +24,8 @@ import contextlib
 
 import torch
 
+from ..hazards import CallTrace
+from ..specs import autocast_context
 from .common import ReplaySlot
 
 __all__ = ["EmulatedSlot", "warmup_context"]
@@ -23,22 +35,33 @@ class EmulatedSlot(ReplaySlot):
     """One emulated graph pair."""
 
     _live: list[torch.Tensor] | None = None
+    _trace: CallTrace | None = None
 
     def capture_forward(self) -> None:
-        outs = self.run_eager()
+        self.chain_input()
+        check = self.hazard_check()
+        outs = self.run_eager(check)
+        self._trace = check.trace
         self.diff_outputs = [o.requires_grad for o in outs]
         self.static_outputs = [o.detach().clone() for o in outs]
         self._live = outs
 
     def capture_backward(self) -> None:
-        self.static_grad_outputs = [torch.zeros_like(o) for o, d in zip(self.static_outputs, self.diff_outputs)
-                                    if d]
+        chained = self.chained_grad_output()
+        self.static_grad_outputs = [chained] if chained is not None else [
+            torch.zeros_like(o) for o, d in zip(self.static_outputs, self.diff_outputs) if d]
         grads = self.eager_backward(self._live, self.static_grad_outputs, retain_graph=True)
-        self.static_grad_inputs = [None if g is None else g.detach().clone() for g in grads]
+        in_grads, param_grads = self.split_grads(grads)
+        kept = in_grads if self.options.param_grads == "accumulate" else list(grads)
+        self.static_grad_inputs = [None if g is None else g.detach().clone() for g in kept]
         self._live = None  # a captured graph keeps no activations between its capture and its first replay
 
     def replay_forward(self) -> None:
-        outs = self.run_eager()
+        check = self.hazard_check() if self.options.check_replays else None
+        with autocast_context(self.autocast):
+            outs = self.run_eager(check)
+        if check is not None:
+            check.compare(self._trace)
         with torch.no_grad():
             for static, out in zip(self.static_outputs, outs):
                 static.copy_(out)
@@ -46,21 +69,22 @@ class EmulatedSlot(ReplaySlot):
 
     def replay_backward(self) -> None:
         if self._live is None:
-            raise RuntimeError(f"backward replay of {self.event.chunk, self.event.microbatch, self.event.layer} "
-                               f"without a forward replay of that slot in this step")
+            raise RuntimeError(f"backward replay of {self.where} without a forward replay of that slot in this step")
         # retain_graph: a real backward graph can be replayed again over the same saved activations
         grads = self.eager_backward(self._live, self.static_grad_outputs, retain_graph=True)
+        in_grads, param_grads = self.split_grads(grads)
         with torch.no_grad():
-            for static, g in zip(self.static_grad_inputs, grads):
-                if static is None:
-                    continue
-                if g is None:
-                    static.zero_()
-                else:
-                    static.copy_(g)
+            kept = in_grads if self.options.param_grads == "accumulate" else grads
+            for static, g in zip(self.static_grad_inputs, kept):
+                if static is not None:
+                    static.zero_() if g is None else static.copy_(g)
+            if self.options.param_grads == "accumulate":
+                for (p, buf), g in zip(self.accumulate, [g for g in param_grads if g is not None]):
+                    buf.add_(g)
 
     def release(self) -> None:
         self._live = None
+        self._trace = None
         self.static_outputs = []
         self.static_grad_outputs = []
         self.static_grad_inputs = []

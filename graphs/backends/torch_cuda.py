@@ -3,9 +3,15 @@
 Unlike ``torch.cuda.make_graphed_callables`` (all forwards, then all backwards reversed: wrong for 1F1B, spec 3.1),
 the forward and backward graph of every ``(chunk, microbatch, layer)`` are captured in the rank's runtime order,
 into one shared memory pool, so that a block freed during one capture is only reused by graphs that the runtime
-replays after that block is dead (invariant I1).  Warmup runs on a side stream; Python GC is off during capture
-(TE PR #2092); extra RNG generators are registered with every graph so dropout masks advance per replay
-(pytorch#84614).
+replays after that block is dead (invariant I1).  Warmup runs on a side stream with
+``torch.cuda.set_sync_debug_mode("error")`` (a host sync raises there, before any capture); Python GC is off during
+capture (TE PR #2092); extra RNG generators are registered with every graph so dropout masks advance per replay
+(pytorch#84614); parameter gradients are accumulated inside each backward graph (``graphs.backends.common``).
+
+Every CUDA call goes through :data:`cuda` (``torch.cuda``; tests substitute a fake to exercise failure paths on
+CPU).  :func:`graph_capture` restores the caller's stream whatever happens: ``torch.cuda.graph.__exit__`` calls
+``capture_end()`` before it leaves its stream context, so when a capture was invalidated (a host sync inside it)
+it raises and would leave the thread on the capture stream for the rest of the process.
 """
 from __future__ import annotations
 
@@ -16,27 +22,41 @@ import torch
 
 from .common import ReplaySlot
 
-__all__ = ["CudaGraphSlot", "warmup_context", "capture_context"]
+__all__ = ["CudaGraphSlot", "warmup_context", "capture_context", "graph_capture", "cuda"]
+
+cuda = torch.cuda  # replaced by a fake in CPU tests of the failure paths
+
+
+@contextlib.contextmanager
+def graph_capture(graph, pool):
+    """``torch.cuda.graph(graph, pool=pool)`` that always returns the thread to the caller's current stream."""
+    caller = cuda.current_stream()
+    try:
+        with cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        cuda.set_stream(caller)
 
 
 class CudaGraphSlot(ReplaySlot):
-    """One real forward/backward CUDA-graph pair.  Set :attr:`pool` and :attr:`generators` before capture."""
+    """One real forward/backward CUDA-graph pair.  Set :attr:`pool` before capture."""
 
     pool = None
-    generators: Sequence[torch.Generator] = ()
     fwd_graph: "torch.cuda.CUDAGraph | None" = None
     bwd_graph: "torch.cuda.CUDAGraph | None" = None
     _capture_outputs: list[torch.Tensor] | None = None
 
     def _new_graph(self) -> "torch.cuda.CUDAGraph":
-        g = torch.cuda.CUDAGraph()
-        for gen in self.generators:
-            g.register_generator_state(gen)
+        g = cuda.CUDAGraph()
+        for gen in self.options.generators:
+            if gen.device.type == "cuda":
+                g.register_generator_state(gen)
         return g
 
     def capture_forward(self) -> None:
+        self.chain_input()
         self.fwd_graph = self._new_graph()
-        with torch.cuda.graph(self.fwd_graph, pool=self.pool):
+        with graph_capture(self.fwd_graph, self.pool):
             outs = self.run_eager()
         self.diff_outputs = [o.requires_grad for o in outs]
         self._capture_outputs = outs  # keeps the captured autograd graph until the backward is captured
@@ -44,12 +64,20 @@ class CudaGraphSlot(ReplaySlot):
 
     def capture_backward(self) -> None:
         outs = self._capture_outputs
+        chained = self.chained_grad_output()
         # allocated outside the capture: they live as long as the slot
-        self.static_grad_outputs = [torch.empty_like(o) for o, d in zip(outs, self.diff_outputs) if d]
+        self.static_grad_outputs = [chained] if chained is not None else [
+            torch.empty_like(o) for o, d in zip(outs, self.diff_outputs) if d]
         self.bwd_graph = self._new_graph()
-        with torch.cuda.graph(self.bwd_graph, pool=self.pool):
-            grads = self.eager_backward(outs, self.static_grad_outputs)
-        self.static_grad_inputs = [None if g is None else g.detach() for g in grads]
+        with graph_capture(self.bwd_graph, self.pool):
+            in_grads, param_grads = self.split_grads(self.eager_backward(outs, self.static_grad_outputs))
+            if self.options.param_grads == "accumulate":
+                for (_, buf), g in zip(self.accumulate, [g for g in param_grads if g is not None]):
+                    buf.add_(g)  # inside the graph: one persistent buffer per parameter, no per-slot copy
+                kept = in_grads
+            else:
+                kept = in_grads + param_grads
+        self.static_grad_inputs = [None if g is None else g.detach() for g in kept]
         self._capture_outputs = None  # frees the saved activations back to the pool, as the runtime will
 
     def replay_forward(self) -> None:
@@ -59,9 +87,13 @@ class CudaGraphSlot(ReplaySlot):
         self.bwd_graph.replay()
 
     def release(self) -> None:
+        """Drop both graphs and every static tensor (never raises: a graph of a failed capture may be broken)."""
         for g in (self.fwd_graph, self.bwd_graph):
-            if g is not None and hasattr(g, "reset"):
-                g.reset()
+            try:
+                if g is not None and hasattr(g, "reset"):
+                    g.reset()
+            except Exception:  # noqa: BLE001 - cleanup must go on; the capture error is reported by the caller
+                pass
         self.fwd_graph = self.bwd_graph = None
         self._capture_outputs = None
         self.static_outputs = []
@@ -71,19 +103,25 @@ class CudaGraphSlot(ReplaySlot):
 
 @contextlib.contextmanager
 def warmup_context():
-    """Run warmup on a fresh side stream ordered after the current stream (torch's own recipe)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        yield
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    """Warmup on a fresh side stream ordered after the current stream (torch's own recipe), with host syncs
+    raising (``set_sync_debug_mode("error")``); the caller's stream and debug mode are restored whatever happens."""
+    caller, mode = cuda.current_stream(), cuda.get_sync_debug_mode()
+    side = cuda.Stream()
+    side.wait_stream(caller)
+    try:
+        cuda.set_sync_debug_mode("error")
+        with cuda.stream(side):
+            yield
+    finally:
+        cuda.set_sync_debug_mode(mode)
+        cuda.set_stream(caller)
+    caller.wait_stream(side)
+    cuda.synchronize()
 
 
-def capture_context(slots: Sequence[CudaGraphSlot], pool=None, generators: Sequence[torch.Generator] = ()):
-    """Give every slot the shared pool (a fresh ``graph_pool_handle`` unless ``pool``) and the generators."""
-    pool = torch.cuda.graph_pool_handle() if pool is None else pool
+def capture_context(slots: Sequence[CudaGraphSlot], pool=None):
+    """Give every slot the shared pool (a fresh ``graph_pool_handle`` unless ``pool``); returns the pool."""
+    pool = cuda.graph_pool_handle() if pool is None else pool
     for s in slots:
         s.pool = pool
-        s.generators = tuple(generators)
     return pool
