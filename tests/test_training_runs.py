@@ -138,3 +138,33 @@ def test_checkpoint_resume_is_bitwise(tmp_path):
         trainer.load(tmp_path / "reshard" / "step_00000006")
         assert trainer.step == 6
         assert abs(trainer.evaluate() - results[0][5]) < 1e-5
+
+
+def _resume_across_schedules(rank, world, run_dir):
+    """3 steps with one schedule, saved; 3 more after loading into the other; and the straight 6-step runs."""
+    from engine import Trainer
+    layouts = {"1f1b": tiny(pipeline=2), "zbv": tiny(pipeline=2, virtual=2, schedule="zbv")}
+    out = {}
+    for first, second in (("zbv", "1f1b"), ("1f1b", "zbv")):
+        base = {"schedule.steps": 6, "logging.run_dir": f"{run_dir}/{first}_{second}"}
+        with Trainer(load_config(None, {**layouts[first], **base})) as a:
+            head = [a.train_step()["loss"] for _ in range(3)]
+            path = a.save()
+        with Trainer(load_config(None, {**layouts[second], **base, "logging.run_dir": f"{run_dir}/{second}_b"})) as b:
+            b.load(path)
+            tail = [b.train_step()["loss"] for _ in range(3)]
+        with Trainer(load_config(None, {**layouts[first], **base, "logging.run_dir": f"{run_dir}/{first}_s"})) as s:
+            straight = [s.train_step()["loss"] for _ in range(6)]
+        out[(first, second)] = (head + tail, straight)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_zbv_checkpoint_resumes_as_1f1b_and_back(tmp_path):
+    """Parameter names do not depend on the placement: a ZB-V run (first and last stage on rank 0) resumes with
+    1F1B and a 1F1B run with ZB-V, continuing the straight run's losses."""
+    results = run_ranks(_resume_across_schedules, 2, tmp_path, timeout=170)
+    for (first, second), (resumed, straight) in results[0].items():
+        diff = max(abs(a - b) for a, b in zip(resumed, straight))
+        assert diff <= 1e-4, f"{first} -> {second}: resumed losses differ from the straight run by {diff:.3g}"

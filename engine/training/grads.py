@@ -86,8 +86,8 @@ class GradSync:
         pg: the process groups (``dp`` for the data-parallel average, ``embd`` for the tied embedding).
         overlap: launch each chunk's data-parallel all-reduce when its gradients are complete.
         tracer: optional ``engine.runtime.tracing.Tracer``; finalize reports a ``"sync"`` span.
-        tied_on_one_rank: the first and the last stage are on one rank (V placement): the two tied copies are
-            summed there, with no embedding-group communication on any rank.
+        tied_on_one_rank: the first and the last stage are on one rank (V placement): they share one tied
+            ``Parameter`` there, and no rank communicates over the embedding group.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], pg: ProcessGroupCollection, overlap: bool = True,
@@ -97,7 +97,10 @@ class GradSync:
         self.dp_size = group_size(pg.dp)
         self.tracer = tracer
         self.sync_enabled = True
-        self.buckets = [_Bucket([p for p in c.parameters() if p.requires_grad]) for c in self.chunks]
+        seen: set = set()  # a Parameter two chunks share (V placement's tied ends) belongs to the first's bucket
+        self.buckets = [_Bucket([p for p in c.parameters() if p.requires_grad and not (id(p) in seen or
+                                                                                       seen.add(id(p)))])
+                        for c in self.chunks]
         self.tied = tied_weights(self.chunks)  # marked shared_embedding (GPTChunk, engine.split_model)
         self._tied_on_one_rank = tied_on_one_rank
         self._hooks = []
@@ -145,21 +148,8 @@ class GradSync:
                         dist.all_reduce(bucket.flat, group=self.pg.dp)
                     bucket.unflatten(bucket.flat.div_(self.dp_size))
                     bucket.reset()
-            if self._tied_on_one_rank:  # V placement: both copies here, no embedding-group communication
-                if len(self.tied) == 2:
-                    self._sum_local_tied()
-            else:
+            if not self._tied_on_one_rank:  # V placement: one shared Parameter, no embedding-group communication
                 sum_tied_grads(self.tied, self.pg)
-
-    def _sum_local_tied(self) -> None:
-        """Both tied copies on this rank: each gets the sum of the two gradients (what the embedding-group
-        all-reduce gives across ranks)."""
-        for weight in self.tied:
-            if weight.grad is None:
-                weight.grad = torch.zeros_like(weight)
-        total = self.tied[0].grad + self.tied[1].grad
-        for weight in self.tied:
-            weight.grad.copy_(total)
 
     def close(self) -> None:
         for h in self._hooks:
@@ -175,7 +165,7 @@ def clip_grad_norm(chunks: Sequence[nn.Module], max_norm: float, pg: ProcessGrou
     gradient equals the first stage's).  ``max_norm <= 0`` computes the norm without clipping.  Returns the norm
     before clipping (same value on every rank).
     """
-    params = [p for c in chunks for p in c.parameters() if p.grad is not None]
+    params = list({id(p): p for c in chunks for p in c.parameters() if p.grad is not None}.values())
     counted = [p.grad for p in params if not getattr(p, "shared_embedding_copy", False)]
     device = params[0].grad.device if params else torch.device("cpu")
     if counted:

@@ -243,8 +243,20 @@ def build_model_chunks(cfg: ModelConfig, ffn_hidden_size: int, pp_size: int, pp_
         log.info("model.transformer_engine=true needs CUDA; using torch layers on %s", device)
     if stages is None:
         stages = [chunk_stage(pp_rank, c, pp_size) for c in range(vp_size)]
-    return [GPTChunk(cfg, ffn_hidden_size, stage, num_stages, seed, mp_config, use_te=use_te).to(device)
-            for stage in stages]
+    chunks = [GPTChunk(cfg, ffn_hidden_size, stage, num_stages, seed, mp_config, use_te=use_te).to(device)
+              for stage in stages]
+    _share_tied_ends(chunks)
+    return chunks
+
+
+def _share_tied_ends(chunks: list[GPTChunk]) -> None:
+    """One rank holding the first and the last stage (V placement): the head uses the embedding's ``Parameter``
+    itself (one weight, one gradient: no copy to keep in sync, counted once in norms and the optimizer)."""
+    first = next((c for c in chunks if c.is_first), None)
+    last = next((c for c in chunks if c.is_last), None)
+    if first is None or last is None or first is last or not last.tied or last.head is None:
+        return
+    last.head.word.weight = first.embedding.word.weight
 
 
 def canonical_module(chunks: Iterable[GPTChunk]) -> nn.Module:
