@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.megatron_vectors import VECTORS, vectors
+from tests.megatron_vectors import VECTORS, missing_vectors, vectors
 from tests.pipeline_jobs import case, register, run_case, shared_results
 
 TOL = 1e-5
@@ -170,6 +170,8 @@ def _megatron_events(events):
 @pytest.mark.parametrize("fixture", ["pp2", "pp4"])
 def test_megatron_traces(fixture, request):
     _, _, traces, per_case = request.getfixturevalue(fixture)
+    if not VECTORS.is_file():
+        missing_vectors(f"Megatron vectors not found at {VECTORS}")
     assert traces, "no Megatron trace vectors for this pipeline size"
     for (vector, c), ranks in zip(traces, per_case):
         for r in ranks:
