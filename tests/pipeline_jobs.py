@@ -24,7 +24,7 @@ DEFAULTS = dict(pp=None, chunks=None, M=4, G=None, batch=True, overlap=False, de
                 mode=2, per_token=False, grad_scale=None, repeats=1, seq=4, mbs=2, hidden=8, kind="linear",
                 layers=1, variable=False, seqs=None, zero_mb=None, moe=False, collect=False, first_val_step=None,
                 ckpt=None, hooks=False, sleep=0.0, dtype="float32", tokens=None, sequence=None, explicit=True,
-                M_by_rank=None, seed=0, func=None, seq_by_dp=None)
+                M_by_rank=None, seed=0, func=None, seq_by_dp=None, warmup_flush=False)
 
 
 def case(**kw) -> dict:
@@ -75,6 +75,7 @@ def _config(c, world_pp):
                               hidden_size=c["hidden"], batch_p2p_comm=c["batch"], overlap_p2p_comm=c["overlap"],
                               deallocate_pipeline_outputs=c["dealloc"], microbatch_group_size_per_vp_stage=c["G"],
                               variable_seq_lengths=c["variable"], calculate_per_token_loss=c["per_token"],
+                              overlap_p2p_comm_warmup_flush=c["warmup_flush"],
                               num_microbatches_with_partial_activation_checkpoints=c["ckpt"],
                               num_moe_experts=2 if c["moe"] else None, params_dtype=dtype)
     if c["grad_scale"] is not None:
@@ -251,6 +252,88 @@ def job(rank: int, world: int, entries: list) -> list:
     finally:
         ps.destroy_model_parallel()
     return out
+
+
+# ---- Megatron trace vectors as cases ------------------------------------------------------------------------------
+TRACE_TOL = 1e-5
+_TRACE_EVENTS = ("F ", "B ", "no_sync", "grad_sync_func", "param_sync_func", "finalize")
+
+
+def trace_cases(traces: list[dict], pp: int) -> list[tuple[dict, dict]]:
+    """``(vector, case)`` for every trace vector (``megatron_vectors.vectors("trace:")``) of pipeline size ``pp``
+    with at least one microbatch: the same schedule, M, G, P2P mode, deallocation, checkpointing, hooks and
+    ``first_val_step``."""
+    out = []
+    for v in traces:
+        a = v["args"]
+        if a["pp_size"] != pp or a["num_microbatches"] < 1:
+            continue
+        chunks = a["vp_size"] if a["schedule"] == "interleaved" else None
+        out.append((v, case(chunks=chunks, M=a["num_microbatches"],
+                            G=a["microbatch_group_size_per_vp_stage"] if chunks else None,
+                            forward_only=a["forward_only"], batch=a["batch_p2p_comm"], overlap=a["overlap_p2p_comm"],
+                            warmup_flush=a["overlap_p2p_comm_warmup_flush"],
+                            dealloc=a["deallocate_pipeline_outputs"],
+                            ckpt=a["num_microbatches_with_partial_activation_checkpoints"],
+                            hooks=a["grad_sync_func/param_sync_func given"], first_val_step=a["first_val_step"])))
+    return out
+
+
+def megatron_events(events: list[str]) -> list[str]:
+    """The events of a Megatron trace the test model records (compute, no_sync, sync hooks, finalize)."""
+    return [e for e in events if e.startswith(_TRACE_EVENTS)]
+
+
+def label(c: dict) -> dict:
+    """The settings of case ``c`` that differ from the defaults' off values (for failure messages)."""
+    return {k: v for k, v in c.items() if v not in (None, False) and k not in ("hidden", "mbs", "seq", "kind",
+                                                                               "dtype", "explicit", "seed")}
+
+
+def check_traces(traces: list[tuple[dict, dict]], per_case: list) -> None:
+    """Assert each rank ran its trace vector as Megatron did: compute order, hook events, returned entries and
+    gradients (<= :data:`TRACE_TOL` against the reference), or raised the same exception type."""
+    for (vector, c), ranks in zip(traces, per_case):
+        for r in ranks:
+            want = vector["result"]["per_rank"][str(r["pp_rank"])]
+            name = f"{vector['function'].split('.')[-1]} {label(c)} rank {r['pp_rank']}"
+            if want["result"]["status"] != "ok":
+                assert r["error"] is not None, f"{name}: Megatron raised {want['result']['error']}, pipecast ran"
+                assert r["error"][0] == want["result"]["error"], f"{name}: {r['error']}"
+                continue
+            assert r["error"] is None, f"{name}: {r['error']}"
+            call = r["calls"][0]
+            assert call["order"] == want["compute_order"], name
+            assert call["events"] == megatron_events(want["events"]), name
+            returned = want["result"]["returned"]
+            assert call["store_len"] == len(returned), name
+            if returned:
+                assert call["store_mbs"] == [x["mb"] for x in returned], name
+            assert call.get("grad_err", 0.0) <= TRACE_TOL, name
+
+
+def check_equivalence(grid: list[dict], per_case: list, pp: int, tol: float) -> float:
+    """Assert every case of ``grid`` ran on every rank and equals the reference: relative gradient and loss errors
+    <= ``tol``, ``current_microbatch`` right, the loss stage returning M entries in microbatch order and the other
+    ranks none, forward-only calls leaving gradients alone.  Returns the largest error seen."""
+    worst = 0.0
+    for c, ranks in zip(grid, per_case):
+        for r in ranks:
+            assert r["error"] is None, f"{label(c)} rank {r['rank']}: {r['error']}"
+            for call in r["calls"]:
+                where = f"{label(c)} rank {r['rank']} call {call['M']}/{call['forward_only']}"
+                assert call.get("grad_err", 0.0) <= tol, where
+                assert call.get("loss_err", 0.0) <= tol, where
+                assert call["seen_ok"], f"{where}: current_microbatch differs from the microbatch"
+                if r["pp_rank"] == pp - 1:
+                    assert call["store_len"] == call["M"], where
+                    assert call["store_mbs"] == list(range(call["M"])), where
+                else:
+                    assert call["store_len"] == 0, where
+                if call["forward_only"]:
+                    assert call["grads_unchanged"], f"{where}: forward-only changed gradients"
+            worst = max(worst, r["grad_err"], r["loss_err"])
+    return worst
 
 
 # ---- one job per world size for the whole pytest session ----------------------------------------------------------
