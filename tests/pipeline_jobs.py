@@ -24,7 +24,10 @@ DEFAULTS = dict(pp=None, chunks=None, M=4, G=None, batch=True, overlap=False, de
                 mode=2, per_token=False, grad_scale=None, repeats=1, seq=4, mbs=2, hidden=8, kind="linear",
                 layers=1, variable=False, seqs=None, zero_mb=None, moe=False, collect=False, first_val_step=None,
                 ckpt=None, hooks=False, sleep=0.0, dtype="float32", tokens=None, sequence=None, explicit=True,
-                M_by_rank=None, seed=0, func=None, seq_by_dp=None, warmup_flush=False)
+                M_by_rank=None, seed=0, func=None, seq_by_dp=None, warmup_flush=False, plant=None)
+# ``plant`` (negative controls, tests/test_harness_controls.py): "grad_scale" gives the schedule a grad_scale_func of
+# x * 2 that the reference does not apply; "no_M" multiplies each microbatch's loss by M, cancelling the schedule's
+# division by M (a loss without / M).  Both must make the case fail the equivalence check.
 
 
 def case(**kw) -> dict:
@@ -80,7 +83,25 @@ def _config(c, world_pp):
                               num_moe_experts=2 if c["moe"] else None, params_dtype=dtype)
     if c["grad_scale"] is not None:
         cfg.grad_scale_func = lambda t, s=c["grad_scale"]: t * s
+    if c["plant"] == "grad_scale":
+        cfg.grad_scale_func = lambda t: t * 2.0
     return cfg
+
+
+def _plant_loss(forward_step_func, c: dict):
+    """``forward_step_func`` whose loss function returns ``M x`` the loss when ``c["plant"] == "no_M"``."""
+    if c["plant"] != "no_M":
+        return forward_step_func
+
+    def planted(data_iterator, model, *args):
+        out, loss_func = forward_step_func(data_iterator, model, *args)
+
+        def scaled(output, non_loss_data=False):
+            got = loss_func(output, non_loss_data)
+            return got if non_loss_data else (got[0] * c["M"], *got[1:])
+        return out, scaled
+
+    return planted
 
 
 class _TraceLog(list):
@@ -127,7 +148,7 @@ def run_case(rank: int, pgc, c: dict) -> dict:
     if c["sleep"]:
         rnd = random.Random(rank * 7919 + c["M"])
         sleep = lambda mb: time.sleep(rnd.random() * c["sleep"])  # noqa: E731
-    fsf = tm.make_forward_step(c["mode"], sleep)
+    fsf = _plant_loss(tm.make_forward_step(c["mode"], sleep), c)
 
     def forward_step_func(data_iterator, model, checkpoint_activations_microbatch=None):
         out, loss = fsf(data_iterator, model, checkpoint_activations_microbatch)
@@ -363,7 +384,7 @@ def custom_plans(rank: int, world: int) -> list:
     the previous rank receives the gradients in another order than it consumes them; plus Megatron's 1F1B and
     interleaved plans with the NCCL posting depth (receives one action ahead) run on gloo.  Returns, per plan, the
     largest relative gradient error against the reference and the recorded vs planned compute order."""
-    from engine.runtime.executor import NCCL_PREFETCH, ExecutionContext, execute, program_for
+    from engine.runtime.executor import NCCL_PREFETCH
     from engine.plan import Action, Op, Plan
     pgc = build_process_groups(world)
     M, plans = 4, []
@@ -376,23 +397,40 @@ def custom_plans(rank: int, world: int) -> list:
         plans.append((Plan("gpipe", world, 1, M, M, False, (M,) * world, tuple(per_rank)), 2))
     plans += [(build_plan("1f1b", world, M), NCCL_PREFETCH), (build_plan("interleaved", world, M, 2, world),
                                                                NCCL_PREFETCH)]
-    out = []
-    for plan, prefetch in plans:
-        C = plan.num_model_chunks
-        c = case(M=M, chunks=C if plan.schedule == "interleaved" else None, dealloc=True)
-        cfg = _config(c, world)
-        log = _TraceLog()
-        chunks, _ = tm.build_chunks(cfg, world, rank, C, log=log)
-        log.rec = _Recorder(log, chunks)
-        data = tm.make_data(M, c["seq"], c["mbs"], c["hidden"])
-        shape = (c["seq"], c["mbs"], c["hidden"])
-        ctx = ExecutionContext(forward_step_func=tm.make_forward_step(2), data_iterators=tm.iterators(data, C),
-                               models=chunks, config=cfg, communicator=schedules.P2PCommunicator(pgc.pp, cfg),
-                               num_microbatches=M, act_shape=shape, grad_shape=shape, pg_collection=pgc,
-                               vp_stages=C > 1)
-        store = execute(program_for(plan, rank, prefetch), ctx)
-        _, ref = tm.reference(None, world, C, data)
-        order = [e if e[0] == "F" else f"B{e.split()[1][1:]}.{e.split()[2][1:]}" for e in log if e[0] in "FB"]
-        out.append({"grad_err": tm.max_rel_error(tm.chunk_grads(chunks), ref), "order": order,
-                    "plan_order": plan.compute_order(rank), "store_len": len(store)})
-    return out
+    return [_execute_plan(rank, world, pgc, plan, prefetch) for plan, prefetch in plans]
+
+
+def _execute_plan(rank: int, world: int, pgc, plan, prefetch: int) -> dict:
+    """Run ``plan`` with ``engine.runtime.executor.execute`` on this rank (the test model, output deallocation on);
+    the largest relative gradient error against the reference, the recorded and planned compute orders."""
+    from engine.runtime.executor import ExecutionContext, execute, program_for
+    M, C = plan.num_microbatches, plan.num_model_chunks
+    c = case(M=M, chunks=C if plan.schedule == "interleaved" else None, dealloc=True)
+    cfg = _config(c, world)
+    log = _TraceLog()
+    chunks, _ = tm.build_chunks(cfg, world, rank, C, log=log)
+    log.rec = _Recorder(log, chunks)
+    data = tm.make_data(M, c["seq"], c["mbs"], c["hidden"])
+    shape = (c["seq"], c["mbs"], c["hidden"])
+    ctx = ExecutionContext(forward_step_func=tm.make_forward_step(2), data_iterators=tm.iterators(data, C),
+                           models=chunks, config=cfg, communicator=schedules.P2PCommunicator(pgc.pp, cfg),
+                           num_microbatches=M, act_shape=shape, grad_shape=shape, pg_collection=pgc,
+                           vp_stages=C > 1)
+    store = execute(program_for(plan, rank, prefetch), ctx)
+    _, ref = tm.reference(None, world, C, data)
+    order = [e if e[0] == "F" else f"B{e.split()[1][1:]}.{e.split()[2][1:]}" for e in log if e[0] in "FB"]
+    return {"grad_err": tm.max_rel_error(tm.chunk_grads(chunks), ref), "order": order,
+            "plan_order": plan.compute_order(rank), "store_len": len(store), "pp_rank": rank}
+
+
+def swapped_backward_plan(rank: int, world: int) -> dict:
+    """Negative control: Megatron's interleaved plan (``P = world``, VP 2, M 4, G 2) with rank 0's last two
+    backwards swapped, run by the executor.  Returns :func:`_execute_plan`'s result (``order`` as run)."""
+    import dataclasses
+    plan = build_plan("interleaved", world, 4, 2, 2)
+    actions = list(plan.actions)
+    first = list(actions[0])
+    first[-2], first[-1] = first[-1], first[-2]
+    actions[0] = tuple(first)
+    swapped = dataclasses.replace(plan, actions=tuple(actions))
+    return _execute_plan(rank, world, build_process_groups(world), swapped, 1)
