@@ -204,7 +204,8 @@ def run_case(rank: int, pgc, c: dict) -> dict:
                 "seen_ok": all(mb == cur for ch in chunks for mb, cur, _ in ch.seen),
                 "input_dtypes": sorted({str(d) for ch in chunks for d in ch.input_dtypes}),
                 "inputs_alive": _alive_inputs(chunks),
-                "tokens": rec.tokens, "collected": store if c["collect"] else None}
+                "tokens": rec.tokens, "collected": store if c["collect"] else None,
+                "received": sorted(r for ch in chunks for r in ch.received)}
         call["sent_numels"] = sorted({n for ch in chunks for n in ch.sent_numels})
         losses, ref = tm.reference(None, pp, C, data, hidden=c["hidden"], layers_per_stage=c["layers"],
                                    kind=c["kind"], mode=c["mode"], per_token=c["per_token"],
@@ -230,6 +231,7 @@ def run_case(rank: int, pgc, c: dict) -> dict:
             ch.input_dtypes.clear()
             ch.sent.clear()
             ch.inputs.clear()
+            ch.received.clear()
         result["calls"].append(call)
     result["grad_err"] = max((k.get("grad_err", 0.0) for k in result["calls"]), default=0.0)
     result["loss_err"] = max((k.get("loss_err", 0.0) for k in result["calls"]), default=0.0)
