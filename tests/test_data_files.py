@@ -44,6 +44,7 @@ def test_no_test_reads_shared_beside_the_repository():
     assert not offenders, f"these test modules read ../shared (absent on a bare clone): {offenders}"
 
 
+@pytest.mark.slow  # a pytest subprocess (imports torch)
 def test_ci_turns_a_skip_into_a_failure(tmp_path):
     """An ``importorskip`` of a module that does not import fails under ``CI=true`` (locally it skips)."""
     (tmp_path / "test_probe.py").write_text("import pytest\n\ndef test_probe():\n"
