@@ -1,6 +1,15 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and loud skips under CI."""
 import pytest
 import torch
+
+try:
+    from tests.megatron_vectors import in_ci
+except ImportError:  # tests/ itself on sys.path (pytest's default "prepend" import mode)
+    from megatron_vectors import in_ci
+
+# Skips CI accepts: hardware or OS features the machine lacks. Any other skip (missing data, an import turned into a
+# skip) fails the test under CI=true, so a green CI run never hides tests that checked nothing.
+ALLOWED_CI_SKIPS = ("CUDA", "/proc")
 
 
 @pytest.fixture
@@ -10,3 +19,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def skip_reason(report) -> str:
+    """The reason text of a skipped test's report."""
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under ``CI=true``, a skip whose reason names none of :data:`ALLOWED_CI_SKIPS` becomes a failure."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and in_ci()) or hasattr(report, "wasxfail"):
+        return
+    reason = skip_reason(report)
+    if not any(allowed in reason for allowed in ALLOWED_CI_SKIPS):
+        report.outcome = "failed"
+        report.longrepr = f"CI=true: this test skipped ({reason}); under CI only {ALLOWED_CI_SKIPS} skips are allowed"

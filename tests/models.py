@@ -39,18 +39,26 @@ def _layer(x, w, b, kind):
     return torch.tanh((x @ w.t() if kind == "linear" else x * w) + b)
 
 
+def _received(kind: str, mb: int, t: torch.Tensor) -> tuple:
+    """``(kind, microbatch, shape, bytes of the storage behind t)``: what a receiver allocated for a message."""
+    return kind, mb, tuple(t.shape), t.untyped_storage().nbytes()
+
+
 class _Tap(torch.autograd.Function):
-    """Identity (a copy) whose backward records a label: the start of a chunk's backward."""
+    """Identity (a copy) whose backward records a label (the start of a chunk's backward) and, into ``sink``
+    (a list, or None on the loss stage), the incoming output gradient as :func:`_received` describes it."""
 
     @staticmethod
-    def forward(ctx, x, log, label):
-        ctx.log, ctx.label = log, label
+    def forward(ctx, x, log, label, sink=None, mb=None):
+        ctx.log, ctx.label, ctx.sink, ctx.mb = log, label, sink, mb
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
         ctx.log.append(ctx.label)
-        return grad, None, None
+        if ctx.sink is not None:
+            ctx.sink.append(_received("grad", ctx.mb, grad))
+        return grad, None, None, None, None
 
 
 class Layer(nn.Module):
@@ -83,6 +91,7 @@ class Chunk(nn.Module):
         self.input_dtypes = []  # dtype of every received input
         self.sent = []          # weak references to outputs sent downstream
         self.inputs = []        # weak references to received inputs
+        self.received = []      # _received(...) of every activation and output gradient received from a neighbour
 
     def set_input_tensor(self, tensors):
         if not isinstance(tensors, list):
@@ -101,9 +110,10 @@ class Chunk(nn.Module):
                 raise AssertionError(f"stage {self.stage} got no input for microbatch {mb}")
             self.input_dtypes.append(x.dtype)
             self.inputs.append(weakref.ref(x))
+            self.received.append(_received("act", mb, x))
         for layer in self.decoder.layers:
             x = _layer(x, layer.weight, layer.bias, self.kind)
-        out = _Tap.apply(x, self.log, f"B{mb}.{self.chunk}")
+        out = _Tap.apply(x, self.log, f"B{mb}.{self.chunk}", None if self.is_last else self.received, mb)
         if not self.is_last:
             self.sent.append(out)
         return out
@@ -220,6 +230,7 @@ def zero_grads(chunks) -> None:
         chunk.input_dtypes.clear()
         chunk.sent.clear()
         chunk.inputs.clear()
+        chunk.received.clear()
 
 
 def max_rel_error(got: dict, ref: dict) -> float:

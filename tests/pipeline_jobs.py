@@ -24,7 +24,11 @@ DEFAULTS = dict(pp=None, chunks=None, M=4, G=None, batch=True, overlap=False, de
                 mode=2, per_token=False, grad_scale=None, repeats=1, seq=4, mbs=2, hidden=8, kind="linear",
                 layers=1, variable=False, seqs=None, zero_mb=None, moe=False, collect=False, first_val_step=None,
                 ckpt=None, hooks=False, sleep=0.0, dtype="float32", tokens=None, sequence=None, explicit=True,
-                M_by_rank=None, seed=0, func=None, seq_by_dp=None, schedule=None, max_in_flight=None)
+                M_by_rank=None, seed=0, func=None, seq_by_dp=None, warmup_flush=False, plant=None, schedule=None,
+                max_in_flight=None)
+# ``plant`` (negative controls, tests/test_harness_controls.py): "grad_scale" gives the schedule a grad_scale_func of
+# x * 2 that the reference does not apply; "no_M" multiplies each microbatch's loss by M, cancelling the schedule's
+# division by M (a loss without / M).  Both must make the case fail the equivalence check.
 
 
 def case(**kw) -> dict:
@@ -75,11 +79,30 @@ def _config(c, world_pp):
                               hidden_size=c["hidden"], batch_p2p_comm=c["batch"], overlap_p2p_comm=c["overlap"],
                               deallocate_pipeline_outputs=c["dealloc"], microbatch_group_size_per_vp_stage=c["G"],
                               variable_seq_lengths=c["variable"], calculate_per_token_loss=c["per_token"],
+                              overlap_p2p_comm_warmup_flush=c["warmup_flush"],
                               num_microbatches_with_partial_activation_checkpoints=c["ckpt"],
                               num_moe_experts=2 if c["moe"] else None, params_dtype=dtype)
     if c["grad_scale"] is not None:
         cfg.grad_scale_func = lambda t, s=c["grad_scale"]: t * s
+    if c["plant"] == "grad_scale":
+        cfg.grad_scale_func = lambda t: t * 2.0
     return cfg
+
+
+def _plant_loss(forward_step_func, c: dict):
+    """``forward_step_func`` whose loss function returns ``M x`` the loss when ``c["plant"] == "no_M"``."""
+    if c["plant"] != "no_M":
+        return forward_step_func
+
+    def planted(data_iterator, model, *args):
+        out, loss_func = forward_step_func(data_iterator, model, *args)
+
+        def scaled(output, non_loss_data=False):
+            got = loss_func(output, non_loss_data)
+            return got if non_loss_data else (got[0] * c["M"], *got[1:])
+        return out, scaled
+
+    return planted
 
 
 class _TraceLog(list):
@@ -130,7 +153,7 @@ def run_case(rank: int, pgc, c: dict) -> dict:
     if c["sleep"]:
         rnd = random.Random(rank * 7919 + c["M"])
         sleep = lambda mb: time.sleep(rnd.random() * c["sleep"])  # noqa: E731
-    fsf = tm.make_forward_step(c["mode"], sleep)
+    fsf = _plant_loss(tm.make_forward_step(c["mode"], sleep), c)
 
     def forward_step_func(data_iterator, model, checkpoint_activations_microbatch=None):
         out, loss = fsf(data_iterator, model, checkpoint_activations_microbatch)
@@ -187,7 +210,8 @@ def run_case(rank: int, pgc, c: dict) -> dict:
                 "seen_ok": all(mb == cur for ch in chunks for mb, cur, _ in ch.seen),
                 "input_dtypes": sorted({str(d) for ch in chunks for d in ch.input_dtypes}),
                 "inputs_alive": _alive_inputs(chunks),
-                "tokens": rec.tokens, "collected": store if c["collect"] else None}
+                "tokens": rec.tokens, "collected": store if c["collect"] else None,
+                "received": sorted(r for ch in chunks for r in ch.received)}
         call["sent_numels"] = sorted({n for ch in chunks for n in ch.sent_numels})
         losses, ref = tm.reference(None, pp, C, data, hidden=c["hidden"], layers_per_stage=c["layers"],
                                    kind=c["kind"], mode=c["mode"], per_token=c["per_token"],
@@ -213,6 +237,7 @@ def run_case(rank: int, pgc, c: dict) -> dict:
             ch.input_dtypes.clear()
             ch.sent.clear()
             ch.inputs.clear()
+            ch.received.clear()
         result["calls"].append(call)
     result["grad_err"] = max((k.get("grad_err", 0.0) for k in result["calls"]), default=0.0)
     result["loss_err"] = max((k.get("loss_err", 0.0) for k in result["calls"]), default=0.0)
@@ -286,6 +311,88 @@ def job(rank: int, world: int, entries: list) -> list:
     return out
 
 
+# ---- Megatron trace vectors as cases ------------------------------------------------------------------------------
+TRACE_TOL = 1e-5
+_TRACE_EVENTS = ("F ", "B ", "no_sync", "grad_sync_func", "param_sync_func", "finalize")
+
+
+def trace_cases(traces: list[dict], pp: int) -> list[tuple[dict, dict]]:
+    """``(vector, case)`` for every trace vector (``megatron_vectors.vectors("trace:")``) of pipeline size ``pp``
+    with at least one microbatch: the same schedule, M, G, P2P mode, deallocation, checkpointing, hooks and
+    ``first_val_step``."""
+    out = []
+    for v in traces:
+        a = v["args"]
+        if a["pp_size"] != pp or a["num_microbatches"] < 1:
+            continue
+        chunks = a["vp_size"] if a["schedule"] == "interleaved" else None
+        out.append((v, case(chunks=chunks, M=a["num_microbatches"],
+                            G=a["microbatch_group_size_per_vp_stage"] if chunks else None,
+                            forward_only=a["forward_only"], batch=a["batch_p2p_comm"], overlap=a["overlap_p2p_comm"],
+                            warmup_flush=a["overlap_p2p_comm_warmup_flush"],
+                            dealloc=a["deallocate_pipeline_outputs"],
+                            ckpt=a["num_microbatches_with_partial_activation_checkpoints"],
+                            hooks=a["grad_sync_func/param_sync_func given"], first_val_step=a["first_val_step"])))
+    return out
+
+
+def megatron_events(events: list[str]) -> list[str]:
+    """The events of a Megatron trace the test model records (compute, no_sync, sync hooks, finalize)."""
+    return [e for e in events if e.startswith(_TRACE_EVENTS)]
+
+
+def label(c: dict) -> dict:
+    """The settings of case ``c`` that differ from the defaults' off values (for failure messages)."""
+    return {k: v for k, v in c.items() if v not in (None, False) and k not in ("hidden", "mbs", "seq", "kind",
+                                                                               "dtype", "explicit", "seed")}
+
+
+def check_traces(traces: list[tuple[dict, dict]], per_case: list) -> None:
+    """Assert each rank ran its trace vector as Megatron did: compute order, hook events, returned entries and
+    gradients (<= :data:`TRACE_TOL` against the reference), or raised the same exception type."""
+    for (vector, c), ranks in zip(traces, per_case):
+        for r in ranks:
+            want = vector["result"]["per_rank"][str(r["pp_rank"])]
+            name = f"{vector['function'].split('.')[-1]} {label(c)} rank {r['pp_rank']}"
+            if want["result"]["status"] != "ok":
+                assert r["error"] is not None, f"{name}: Megatron raised {want['result']['error']}, pipecast ran"
+                assert r["error"][0] == want["result"]["error"], f"{name}: {r['error']}"
+                continue
+            assert r["error"] is None, f"{name}: {r['error']}"
+            call = r["calls"][0]
+            assert call["order"] == want["compute_order"], name
+            assert call["events"] == megatron_events(want["events"]), name
+            returned = want["result"]["returned"]
+            assert call["store_len"] == len(returned), name
+            if returned:
+                assert call["store_mbs"] == [x["mb"] for x in returned], name
+            assert call.get("grad_err", 0.0) <= TRACE_TOL, name
+
+
+def check_equivalence(grid: list[dict], per_case: list, pp: int, tol: float) -> float:
+    """Assert every case of ``grid`` ran on every rank and equals the reference: relative gradient and loss errors
+    <= ``tol``, ``current_microbatch`` right, the loss stage returning M entries in microbatch order and the other
+    ranks none, forward-only calls leaving gradients alone.  Returns the largest error seen."""
+    worst = 0.0
+    for c, ranks in zip(grid, per_case):
+        for r in ranks:
+            assert r["error"] is None, f"{label(c)} rank {r['rank']}: {r['error']}"
+            for call in r["calls"]:
+                where = f"{label(c)} rank {r['rank']} call {call['M']}/{call['forward_only']}"
+                assert call.get("grad_err", 0.0) <= tol, where
+                assert call.get("loss_err", 0.0) <= tol, where
+                assert call["seen_ok"], f"{where}: current_microbatch differs from the microbatch"
+                if r["pp_rank"] == pp - 1:
+                    assert call["store_len"] == call["M"], where
+                    assert call["store_mbs"] == list(range(call["M"])), where
+                else:
+                    assert call["store_len"] == 0, where
+                if call["forward_only"]:
+                    assert call["grads_unchanged"], f"{where}: forward-only changed gradients"
+            worst = max(worst, r["grad_err"], r["loss_err"])
+    return worst
+
+
 # ---- one job per world size for the whole pytest session ----------------------------------------------------------
 _REGISTRY: dict = {}
 _RESULTS: dict = {}
@@ -313,8 +420,7 @@ def custom_plans(rank: int, world: int) -> list:
     the previous rank receives the gradients in another order than it consumes them; plus Megatron's 1F1B and
     interleaved plans with the NCCL posting depth (receives one action ahead) run on gloo.  Returns, per plan, the
     largest relative gradient error against the reference and the recorded vs planned compute order."""
-    from engine.plan.lowering import program_for
-    from engine.runtime.executor import NCCL_PREFETCH, ExecutionContext, execute
+    from engine.runtime.executor import NCCL_PREFETCH
     from engine.plan import Action, Op, Plan
     pgc = build_process_groups(world)
     M, plans = 4, []
@@ -327,23 +433,41 @@ def custom_plans(rank: int, world: int) -> list:
         plans.append((Plan("gpipe", world, 1, M, M, False, (M,) * world, tuple(per_rank)), 2))
     plans += [(build_plan("1f1b", world, M), NCCL_PREFETCH), (build_plan("interleaved", world, M, 2, world),
                                                                NCCL_PREFETCH)]
-    out = []
-    for plan, prefetch in plans:
-        C = plan.num_model_chunks
-        c = case(M=M, chunks=C if plan.schedule == "interleaved" else None, dealloc=True)
-        cfg = _config(c, world)
-        log = _TraceLog()
-        chunks, _ = tm.build_chunks(cfg, world, rank, C, log=log)
-        log.rec = _Recorder(log, chunks)
-        data = tm.make_data(M, c["seq"], c["mbs"], c["hidden"])
-        shape = (c["seq"], c["mbs"], c["hidden"])
-        ctx = ExecutionContext(forward_step_func=tm.make_forward_step(2), data_iterators=tm.iterators(data, C),
-                               models=chunks, config=cfg, communicator=schedules.P2PCommunicator(pgc.pp, cfg),
-                               num_microbatches=M, act_shape=shape, grad_shape=shape, pg_collection=pgc,
-                               vp_stages=C > 1)
-        store = execute(program_for(plan, rank, prefetch), ctx)
-        _, ref = tm.reference(None, world, C, data)
-        order = [e if e[0] == "F" else f"B{e.split()[1][1:]}.{e.split()[2][1:]}" for e in log if e[0] in "FB"]
-        out.append({"grad_err": tm.max_rel_error(tm.chunk_grads(chunks), ref), "order": order,
-                    "plan_order": plan.compute_order(rank), "store_len": len(store)})
-    return out
+    return [_execute_plan(rank, world, pgc, plan, prefetch) for plan, prefetch in plans]
+
+
+def _execute_plan(rank: int, world: int, pgc, plan, prefetch: int) -> dict:
+    """Run ``plan`` with ``engine.runtime.executor.execute`` on this rank (the test model, output deallocation on);
+    the largest relative gradient error against the reference, the recorded and planned compute orders."""
+    from engine.plan.lowering import program_for
+    from engine.runtime.executor import ExecutionContext, execute
+    M, C = plan.num_microbatches, plan.num_model_chunks
+    c = case(M=M, chunks=C if plan.schedule == "interleaved" else None, dealloc=True)
+    cfg = _config(c, world)
+    log = _TraceLog()
+    chunks, _ = tm.build_chunks(cfg, world, rank, C, log=log)
+    log.rec = _Recorder(log, chunks)
+    data = tm.make_data(M, c["seq"], c["mbs"], c["hidden"])
+    shape = (c["seq"], c["mbs"], c["hidden"])
+    ctx = ExecutionContext(forward_step_func=tm.make_forward_step(2), data_iterators=tm.iterators(data, C),
+                           models=chunks, config=cfg, communicator=schedules.P2PCommunicator(pgc.pp, cfg),
+                           num_microbatches=M, act_shape=shape, grad_shape=shape, pg_collection=pgc,
+                           vp_stages=C > 1)
+    store = execute(program_for(plan, rank, prefetch), ctx)
+    _, ref = tm.reference(None, world, C, data)
+    order = [e if e[0] == "F" else f"B{e.split()[1][1:]}.{e.split()[2][1:]}" for e in log if e[0] in "FB"]
+    return {"grad_err": tm.max_rel_error(tm.chunk_grads(chunks), ref), "order": order,
+            "plan_order": plan.compute_order(rank), "store_len": len(store), "pp_rank": rank}
+
+
+def swapped_backward_plan(rank: int, world: int) -> dict:
+    """Negative control: Megatron's interleaved plan (``P = world``, VP 2, M 4, G 2) with rank 0's last two
+    backwards swapped, run by the executor.  Returns :func:`_execute_plan`'s result (``order`` as run)."""
+    import dataclasses
+    plan = build_plan("interleaved", world, 4, 2, 2)
+    actions = list(plan.actions)
+    first = list(actions[0])
+    first[-2], first[-1] = first[-1], first[-2]
+    actions[0] = tuple(first)
+    swapped = dataclasses.replace(plan, actions=tuple(actions))
+    return _execute_plan(rank, world, build_process_groups(world), swapped, 1)

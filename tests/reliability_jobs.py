@@ -210,7 +210,8 @@ def _forward_step(data_iterator, model):
 
 def pipeline_case(rank: int, case: dict) -> dict:
     """Run one 2-rank 1F1B schedule call described by ``case`` in fresh pipeline groups (timeout
-    ``case["timeout_s"]``); returns how this rank ended: ``{"ok": bool, "error": "Type: message", "seconds": t}``.
+    ``case["timeout_s"]``); returns how this rank ended: ``{"ok": bool, "error": "Type: message", "seconds": t}``,
+    and after a call that ran, its ``losses`` (the stored per-microbatch losses) and this stage's weight ``grad``.
 
     ``case`` keys (each a value, or ``{rank: value}`` for a per-rank value): ``hidden``, ``out_hidden``,
     ``out_dtype``, ``pipeline_dtype``, ``config_hidden`` (``config.hidden_size``; default ``hidden``),
@@ -247,10 +248,12 @@ def pipeline_case(rank: int, case: dict) -> dict:
             time.sleep(pick("skip"))
             result["error"] = "skipped"
         else:
-            get_forward_backward_func(2, None)(
+            store = get_forward_backward_func(2, None)(
                 forward_step_func=_forward_step, data_iterator=data if rank == 0 else None, model=model,
                 num_microbatches=m, seq_length=seq, micro_batch_size=mbs,
                 p2p_communicator=P2PCommunicator(pgc.pp, config), pg_collection=pgc)
+            result["losses"] = [entry["loss"].item() for entry in store]
+            result["grad"] = model.weight.grad.tolist()
     except Exception as exc:  # noqa: BLE001 - the outcome is the result
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}")
     result["seconds"] = time.monotonic() - t0

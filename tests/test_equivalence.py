@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.megatron_vectors import VECTORS, vectors
-from tests.pipeline_jobs import case, register, run_case, shared_results
+from tests.megatron_vectors import VECTORS, missing_vectors, vectors
+from tests.pipeline_jobs import (case, check_equivalence, check_traces, label, megatron_events, register, run_case,
+                                 shared_results, trace_cases)
 
 TOL = 1e-5
 MODES = [dict(batch=True, overlap=False), dict(batch=False, overlap=False), dict(batch=False, overlap=True)]
-KEEP = ("F ", "B ", "no_sync", "grad_sync_func", "param_sync_func", "finalize")
 LARGEST = {}
 
 
@@ -57,21 +57,7 @@ def _grid(pp: int) -> list[dict]:
 
 
 def _trace_cases(pp: int):
-    out = []
-    if not VECTORS.is_file():
-        return out
-    for v in vectors("trace:"):
-        a = v["args"]
-        if a["pp_size"] != pp or a["num_microbatches"] < 1:
-            continue
-        chunks = a["vp_size"] if a["schedule"] == "interleaved" else None
-        out.append((v, case(chunks=chunks, M=a["num_microbatches"],
-                            G=a["microbatch_group_size_per_vp_stage"] if chunks else None,
-                            forward_only=a["forward_only"], batch=a["batch_p2p_comm"], overlap=a["overlap_p2p_comm"],
-                            dealloc=a["deallocate_pipeline_outputs"], ckpt=a[
-                                "num_microbatches_with_partial_activation_checkpoints"],
-                            hooks=a["grad_sync_func/param_sync_func given"], first_val_step=a["first_val_step"])))
-    return out
+    return trace_cases(vectors("trace:"), pp) if VECTORS.is_file() else []
 
 
 def _register(pp: int):
@@ -99,29 +85,8 @@ def pp4():
     return _results(4)
 
 
-def _label(c):
-    return {k: v for k, v in c.items() if v not in (None, False) and k not in ("hidden", "mbs", "seq", "kind",
-                                                                                 "dtype", "explicit", "seed")}
-
-
 def _check_equivalence(grid, per_case, pp):
-    worst = 0.0
-    for c, ranks in zip(grid, per_case):
-        for r in ranks:
-            assert r["error"] is None, f"{_label(c)} rank {r['rank']}: {r['error']}"
-            for call in r["calls"]:
-                where = f"{_label(c)} rank {r['rank']} call {call['M']}/{call['forward_only']}"
-                assert call.get("grad_err", 0.0) <= TOL, where
-                assert call.get("loss_err", 0.0) <= TOL, where
-                assert call["seen_ok"], f"{where}: current_microbatch differs from the microbatch"
-                if r["pp_rank"] == pp - 1:
-                    assert call["store_len"] == call["M"], where
-                    assert call["store_mbs"] == list(range(call["M"])), where
-                else:
-                    assert call["store_len"] == 0, where
-                if call["forward_only"]:
-                    assert call["grads_unchanged"], f"{where}: forward-only changed gradients"
-            worst = max(worst, r["grad_err"], r["loss_err"])
+    worst = check_equivalence(grid, per_case, pp, TOL)
     LARGEST[pp] = worst
     print(f"\nlargest relative error PP={pp}: {worst:.3g} over {len(grid)} configurations")
 
@@ -145,7 +110,7 @@ def test_compute_order_equals_plan(fixture, request):
     for c, ranks in zip(grid, per_case):
         for r in ranks:
             for call in r["calls"]:
-                assert call["order"] == call["plan_order"], f"{_label(c)} rank {r['rank']}"
+                assert call["order"] == call["plan_order"], f"{label(c)} rank {r['rank']}"
 
 
 @pytest.mark.timeout(280)
@@ -157,37 +122,19 @@ def test_dealloc_shrinks_sent_outputs(pp2):
                 if not call["sent_numels"]:
                     continue
                 if c["dealloc"] and not call["forward_only"]:
-                    assert call["sent_numels"] == [1], _label(c)
+                    assert call["sent_numels"] == [1], label(c)
                 else:
-                    assert 1 not in call["sent_numels"], _label(c)
-
-
-def _megatron_events(events):
-    return [e for e in events if e.startswith(KEEP)]
+                    assert 1 not in call["sent_numels"], label(c)
 
 
 @pytest.mark.timeout(280)
 @pytest.mark.parametrize("fixture", ["pp2", "pp4"])
 def test_megatron_traces(fixture, request):
     _, _, traces, per_case = request.getfixturevalue(fixture)
+    if not VECTORS.is_file():
+        missing_vectors(f"Megatron vectors not found at {VECTORS}")
     assert traces, "no Megatron trace vectors for this pipeline size"
-    for (vector, c), ranks in zip(traces, per_case):
-        for r in ranks:
-            want = vector["result"]["per_rank"][str(r["pp_rank"])]
-            name = f"{vector['function'].split('.')[-1]} {_label(c)} rank {r['pp_rank']}"
-            if want["result"]["status"] != "ok":
-                assert r["error"] is not None, f"{name}: Megatron raised {want['result']['error']}, pipecast ran"
-                assert r["error"][0] == want["result"]["error"], f"{name}: {r['error']}"
-                continue
-            assert r["error"] is None, f"{name}: {r['error']}"
-            call = r["calls"][0]
-            assert call["order"] == want["compute_order"], name
-            assert call["events"] == _megatron_events(want["events"]), name
-            returned = want["result"]["returned"]
-            assert call["store_len"] == len(returned), name
-            if returned:
-                assert call["store_mbs"] == [x["mb"] for x in returned], name
-            assert call.get("grad_err", 0.0) <= TOL, name
+    check_traces(traces, per_case)
 
 
 @pytest.mark.timeout(60)
@@ -207,7 +154,7 @@ def test_megatron_traces_one_rank():
         want = v["result"]["per_rank"]["0"]
         assert r["error"] is None, r["error"]
         assert r["calls"][0]["order"] == want["compute_order"]
-        assert r["calls"][0]["events"] == _megatron_events(want["events"]), a
+        assert r["calls"][0]["events"] == megatron_events(want["events"]), a
         assert r["grad_err"] <= TOL
         checked += 1
     assert checked >= 3

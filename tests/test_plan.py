@@ -1,6 +1,6 @@
 """Plans against Megatron's executed schedules (``trace:`` vectors) and invariants over parameter grids.
 
-Every ``trace:*forward_backward_*`` vector of ``shared/vectors/megatron_schedules.json`` is a real Megatron-Core 0.16.1
+Every ``trace:*forward_backward_*`` vector of ``tests/data/megatron_schedules.json`` is a real Megatron-Core 0.16.1
 schedule run with fake compute and a fake network; each rank's ``compute_order`` must equal ``Plan.compute_order``.
 Where Megatron raises, ``build_plan`` raises the same exception type.  pipecast deliberately differs on three
 degenerate inputs, listed in ``DELIBERATE`` with Megatron's recorded behaviour (checked here too).

@@ -13,6 +13,7 @@ groups with a short timeout so that a hang would show up as a timeout error, not
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed import run_ranks
 from tests.reliability_jobs import pipeline_cases
@@ -57,9 +58,32 @@ def _both_fail_fast(out, *parts):
 
 
 @pytest.mark.timeout(160)
+def _reference(hidden: int, seq: int, mbs: int, m: int):
+    """The two stages of ``tests.reliability_jobs._Stage`` run unpipelined: per-microbatch losses and each stage's
+    weight gradient of ``sum(loss) / M`` (the schedule's loss contract)."""
+    weights = [(torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(r)) / hidden ** 0.5)
+               .requires_grad_() for r in (0, 1)]
+    losses = []
+    for i in range(m):
+        x = torch.randn(seq, mbs, hidden, generator=torch.Generator().manual_seed(i))
+        for w in weights:
+            x = torch.tanh(x @ w.t())
+        losses.append(x.square().mean())
+    (sum(losses) / m).backward()
+    return [loss.item() for loss in losses], [w.grad for w in weights]
+
+
 def test_sane_calls_run(outcomes):
-    for name in ("ok", "variable_ok"):
+    """Sane calls (fixed and negotiated shapes) return the reference's losses on the last stage and its gradients
+    on both."""
+    for name, seq in (("ok", 4), ("variable_ok", 5)):
         assert all(r["ok"] for r in outcomes[name]), outcomes[name]
+        losses, grads = _reference(8, seq, 2, 3)
+        first, last = outcomes[name]
+        # the stored loss is a detach() of the loss tensor the schedule then divides by M in place (as Megatron)
+        assert first["losses"] == [] and last["losses"] == pytest.approx([x / 3 for x in losses], rel=1e-6), name
+        for r, want in zip((first, last), grads):
+            assert torch.allclose(torch.tensor(r["grad"]), want, rtol=1e-5, atol=1e-7), name
 
 
 @pytest.mark.timeout(160)

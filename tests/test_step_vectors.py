@@ -1,4 +1,4 @@
-"""Megatron-Core 0.16.1 behaviour vectors for the per-microbatch functions (``shared/vectors/megatron_schedules.json``).
+"""Megatron-Core 0.16.1 behaviour vectors for the per-microbatch functions (``tests/data/megatron_schedules.json``).
 
 Each vector records arguments and the observed result of the real function; the test rebuilds the same call
 (the vectors name the model output, the loss-function pattern and the stage) and compares tensors by value, dtype
@@ -6,35 +6,23 @@ and shape, stores entry by entry, and errors by type (pipecast's contract errors
 """
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine import parallel_state as ps
+from engine import schedules
 from engine.model_parallel_config import ModelParallelConfig
 from engine.runtime.step import backward_step, check_first_val_step, custom_backward, deallocate_output_tensor
 from engine.schedules import forward_step, forward_step_calc_loss, select_schedule_name
+from tests.megatron_vectors import vector_params
 
 ERRORS = {e.__name__: e for e in (TypeError, ValueError, RuntimeError, AssertionError, IndexError)}
-VECTORS = Path(__file__).resolve().parents[1].parent / "shared" / "vectors" / "megatron_schedules.json"
-
-
-def _load():
-    if not VECTORS.exists():
-        return []
-    return json.loads(VECTORS.read_text())
-
-
-_ALL = _load()
-pytestmark = pytest.mark.skipif(not _ALL, reason=f"vector file {VECTORS} not present")
 
 
 def vectors(name):
-    found = [v for v in _ALL if v["function"] == name]
-    return pytest.mark.parametrize("vec", found, ids=[str(i) for i in range(len(found))])
+    return pytest.mark.parametrize("vec", vector_params(name))
 
 
 def encode(obj):
@@ -94,10 +82,7 @@ def test_select_schedule_name(vec):
 
 @vectors("get_forward_backward_func")
 def test_get_forward_backward_func(vec):
-    schedules = pytest.importorskip("engine.schedules")
-    func = getattr(schedules, "get_forward_backward_func", None)
-    if func is None:
-        pytest.skip("engine.schedules.get_forward_backward_func not written yet")
+    func = schedules.get_forward_backward_func
     want = vec["result"]
     if isinstance(want, dict):
         with pytest.raises(ERRORS[want["error"]]):

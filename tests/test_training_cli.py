@@ -3,6 +3,8 @@ README's Python example (tests/readme_example.py), each as a subprocess."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -23,23 +25,39 @@ def _pipecast(*args: str, timeout: float = 100) -> subprocess.CompletedProcess:
                           capture_output=True, text=True)
 
 
+def _step_lines(log: str) -> dict[int, str]:
+    """``{step: "loss .. | grad norm .. | lr .."}`` from the ``step N/T | loss ...`` lines (timings dropped)."""
+    out = {}
+    for m in re.finditer(r"step (\d+)/\d+ \| (loss \S+ \| grad norm \S+ \| lr \S+)", log):
+        out[int(m.group(1))] = m.group(2)
+    return out
+
+
 @pytest.mark.timeout(150)
 def test_pipecast_train_and_resume(tmp_path):
+    """A straight 6-step run (checkpoints at 4 and 6, dropout on), then the step-6 checkpoint removed -- a run
+    stopped after step 4 -- and ``--resume``: steps 5 and 6 log the straight run's loss, grad norm and LR."""
     run_dir = tmp_path / "run"
-    common = ["configs/default.yaml", *(f"--{o}" for o in TINY), f"--logging.run_dir={run_dir}"]
-    first = _pipecast(*common, "--schedule.steps=4")
+    common = ["configs/default.yaml", *(f"--{o}" for o in TINY), f"--logging.run_dir={run_dir}",
+              "--schedule.steps=6", "--checkpoint.interval=4", "--model.dropout=0.1"]
+    first = _pipecast(*common)
     assert first.returncode == 0, first.stderr
     log = first.stderr
     assert "interleaved schedule, pipeline=2 virtual=2 data=1" in log
-    assert "step 4/4 | loss" in log and "grad norm" in log and "tokens/s" in log and "val loss" in log
+    assert "step 6/6 | loss" in log and "grad norm" in log and "tokens/s" in log and "val loss" in log
     assert (run_dir / "checkpoints" / "step_00000004" / ".metadata").is_file()
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert resolved["schedule"]["steps"] == 4 and resolved["parallel"]["data"] == 1
-    assert "step 4/4" in (run_dir / "train.log").read_text()
-    second = _pipecast(*common, "--schedule.steps=6", "--resume")
+    assert resolved["schedule"]["steps"] == 6 and resolved["parallel"]["data"] == 1
+    assert "step 6/6" in (run_dir / "train.log").read_text()
+    straight = _step_lines(log)
+    assert sorted(straight) == list(range(1, 7))
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000006")
+    second = _pipecast(*common, "--resume")
     assert second.returncode == 0, second.stderr
-    assert "at step 4" in second.stderr and "step 5/6 | loss" in second.stderr
-    assert "step 1/6 | loss" not in second.stderr
+    assert "at step 4" in second.stderr
+    resumed = _step_lines(second.stderr)
+    assert sorted(resumed) == [5, 6], "the resumed run trains steps 5 and 6 only"
+    assert resumed == {k: straight[k] for k in (5, 6)}, "resumed steps differ from the straight run"
     assert (run_dir / "checkpoints" / "step_00000006").is_dir()
 
 

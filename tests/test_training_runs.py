@@ -96,16 +96,21 @@ def _resume(rank, world, overrides, run_dir):
     config = load_config(None, {**overrides, "logging.run_dir": str(run_dir), "schedule.steps": 6,
                                 "model.dropout": 0.1})
     with Trainer(config) as straight:
-        straight_losses = [straight.train_step()["loss"] for _ in range(6)]
+        straight_steps = [straight.train_step() for _ in range(6)]
+        straight_losses = [m["loss"] for m in straight_steps]
+        straight_lrs = [m["lr"] for m in straight_steps]
         straight_weights = {k: _digest(v) for k, v in straight.canonical.state_dict().items()}
     with Trainer(config) as first:
         first.train(steps=3)
         path = first.save()
     with Trainer(config) as second:
         assert second.load() == path and second.step == 3
-        resumed_losses = [second.train_step()["loss"] for _ in range(3)]
+        lr = {"after_load": [g["lr"] for g in second.optimizer.param_groups],
+              "scheduler": second.scheduler.get_last_lr(), "straight": straight_lrs}
+        resumed_steps = [second.train_step() for _ in range(3)]
+        resumed_losses = [m["loss"] for m in resumed_steps]
+        lr["resumed"] = [m["lr"] for m in resumed_steps]
         resumed_weights = {k: _digest(v) for k, v in second.canonical.state_dict().items()}
-        lr = second.optimizer.param_groups[0]["lr"]
         second.save(run_dir / "reshard")  # for the layout-change test in the parent (pp=1)
         val_loss = second.evaluate()
     # a truncated checkpoint is a clear error on every rank, not a hang
@@ -129,6 +134,9 @@ def test_checkpoint_resume_is_bitwise(tmp_path):
     for straight, resumed, same_weights, lr, error, _ in results:
         assert resumed == straight[3:], "resumed losses differ from the straight run"
         assert same_weights, "resumed weights differ from the straight run"
+        # the LR schedule resumes at step 3: every param group, the scheduler and each resumed step
+        assert lr["after_load"] == [lr["straight"][3]] * 2 == lr["scheduler"], lr
+        assert lr["resumed"] == lr["straight"][3:], lr
         assert error is not None and "corrupt, truncated" in error
     assert (tmp_path / "config.yaml").is_file()
     # checkpoint names do not depend on the layout: the pp=2 x vp=2 checkpoint loads into pp=1 (this process)
