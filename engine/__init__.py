@@ -13,6 +13,8 @@ _LAZY_EXPORTS = {
     "ModelParallelConfig": ".model_parallel_config",
     "ProcessGroupCollection": ".runtime.process_groups",
     "build_process_groups": ".runtime.process_groups",
+    # local ranks for any function (the plain launcher; ``engine.training.spawn`` runs a training config)
+    "spawn": ".runtime.spawn",
     # training recipe (never imported by the API modules above)
     "Trainer": ".training.trainer",
     "load_config": ".training.config",
