@@ -15,6 +15,7 @@ _LAZY_EXPORTS = {
     "build_process_groups": ".runtime.process_groups",
     # local ranks for any function (the plain launcher; ``engine.training.spawn`` runs a training config)
     "spawn": ".runtime.spawn",
+    "RankError": ".runtime.spawn",
     # training recipe (never imported by the API modules above)
     "Trainer": ".training.trainer",
     "load_config": ".training.config",

@@ -24,7 +24,7 @@ DEFAULTS = dict(pp=None, chunks=None, M=4, G=None, batch=True, overlap=False, de
                 mode=2, per_token=False, grad_scale=None, repeats=1, seq=4, mbs=2, hidden=8, kind="linear",
                 layers=1, variable=False, seqs=None, zero_mb=None, moe=False, collect=False, first_val_step=None,
                 ckpt=None, hooks=False, sleep=0.0, dtype="float32", tokens=None, sequence=None, explicit=True,
-                M_by_rank=None, seed=0, func=None, seq_by_dp=None)
+                M_by_rank=None, seed=0, func=None, seq_by_dp=None, output="plain")
 
 
 def case(**kw) -> dict:
@@ -112,7 +112,8 @@ def run_case(rank: int, pgc, c: dict) -> dict:
     cfg = _config(c, pp)
     log = _TraceLog()
     chunks, _ = tm.build_chunks(cfg, pp, pp_rank, C, hidden=c["hidden"], layers_per_stage=c["layers"],
-                                kind=c["kind"], dtype=getattr(torch, c["dtype"]), seed=c["seed"], log=log)
+                                kind=c["kind"], dtype=getattr(torch, c["dtype"]), seed=c["seed"], log=log,
+                                output=c["output"])
     rec = _Recorder(log, chunks)
     log.rec = rec
     cfg.no_sync_func = rec.no_sync
@@ -184,6 +185,8 @@ def run_case(rank: int, pgc, c: dict) -> dict:
                 "inputs_alive": _alive_inputs(chunks),
                 "tokens": rec.tokens, "collected": store if c["collect"] else None}
         call["sent_numels"] = sorted({n for ch in chunks for n in ch.sent_numels})
+        call["bases_alive_at_forward"] = max((n for ch in chunks for n in ch.alive_at_forward), default=0)
+        call["hook_calls"] = sum(len(ch.hook_calls) for ch in chunks)
         losses, ref = tm.reference(None, pp, C, data, hidden=c["hidden"], layers_per_stage=c["layers"],
                                    kind=c["kind"], mode=c["mode"], per_token=c["per_token"],
                                    grad_scale=c["grad_scale"] or 1.0, repeats=c["repeats"],
@@ -204,6 +207,8 @@ def run_case(rank: int, pgc, c: dict) -> dict:
                 accumulated = {k: (accumulated[k][0] + ref[k][0], accumulated[k][1] + ref[k][1]) for k in got}
             call["grad_err"] = tm.max_rel_error(got, accumulated)
         for ch in chunks:
+            for kept in (ch.bases, ch.alive_at_forward, ch.hook_calls):
+                kept.clear()
             ch.seen.clear()
             ch.input_dtypes.clear()
             ch.sent.clear()

@@ -50,7 +50,8 @@ import torch
 
 from .p2p import TAG_ACT, TAG_ACT_SHAPE, TAG_GRAD, TAG_GRAD_SHAPE, decode_shape, encode_shape
 from ..plan import Message, Op, Plan, build_plan
-from .step import ChunkHooks, backward_step, check_first_val_step, deallocate_output_tensor, run_forward
+from .step import (ChunkHooks, backward_step, check_first_val_step, deallocate_output_tensor, run_forward,
+                   sendable_output)
 from .tracing import current_tracer
 
 __all__ = ["OVERLAP_PREFETCH", "GLOO_PREFETCH", "NCCL_PREFETCH", "default_prefetch", "RankProgram", "Step", "Recv",
@@ -676,8 +677,7 @@ class _Runner:
                 send = None
                 if st.send_peer >= 0:
                     self._check_send(y, st)
-                    if not y.is_contiguous():
-                        y = y.contiguous()
+                    y = sendable_output(y, dealloc)  # contiguous; owns its storage when it will be freed
                     send = (y.detach() if dealloc else y, st)
                 if send is not None or st.posts:
                     exchange(send, st.posts)

@@ -83,9 +83,9 @@ def run(args: argparse.Namespace) -> int:
                 config = validate_world_size(config, int(os.environ["WORLD_SIZE"]))
             from .data import check_data
             check_data(config)
-            check_fresh_run(config, bool(args.resume))
             from .outputs import check_outputs
             check_outputs(config, args.timeline)
+            check_fresh_run(config, bool(args.resume))
             from ..runtime import gloo_io
             gloo_io.check_environment()
         except (ConfigError, TypeError, ValueError, RuntimeError, OSError) as exc:

@@ -67,11 +67,16 @@ def _writable_folder(field: str, value: str) -> None:
     for part in path.parts:
         size = len(os.fsencode(part))
         if size > _name_max(path):
-            raise ConfigError(f"{field}={value!r}: the path component {part[:24]!r}... is {size} bytes long, over "
+            shown = value if len(value) <= 80 else value[:60] + "..."
+            raise ConfigError(f"{field}={shown!r}: the path component {part[:24]!r}... is {size} bytes long, over "
                               f"the file system's limit of {_name_max(path)} bytes per name; use a shorter name")
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{field}={value!r} is a file, not a folder; choose a folder (it is created if "
                           f"missing) or remove that file")
+    above = _existing_ancestor(path)
+    if above is not None and above != path and not above.is_dir():
+        raise ConfigError(f"{field}={value!r} cannot be created: {str(above)!r} is a file, not a folder; choose a "
+                          f"path under a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".pipecast-write-probe-{os.getpid()}"
@@ -83,12 +88,24 @@ def _writable_folder(field: str, value: str) -> None:
                           f"you can write, e.g. under your home or the working directory") from None
 
 
-def _name_max(path: Path) -> int:
+def _existing_ancestor(path: Path) -> Path | None:
+    """``path`` or its nearest ancestor that exists (None if none does, e.g. a relative path's first part)."""
     probe = path
-    while not probe.exists() and probe != probe.parent:
+    while True:
+        try:
+            if probe.exists():
+                return probe
+        except OSError:  # e.g. a component over the name limit
+            pass
+        if probe == probe.parent:
+            return None
         probe = probe.parent
+
+
+def _name_max(path: Path) -> int:
+    probe = _existing_ancestor(path.absolute())
     try:
-        return int(os.pathconf(probe if probe.exists() else ".", "PC_NAME_MAX"))
+        return int(os.pathconf(probe if probe is not None else ".", "PC_NAME_MAX"))
     except (OSError, ValueError):
         return _NAME_MAX
 
