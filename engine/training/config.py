@@ -463,9 +463,7 @@ def validate(config: TrainConfig) -> None:
                          ("profile.wait", config.profile.wait), ("profile.warmup", config.profile.warmup)]:
         _positive(where, value, "use 0 or a positive integer", minimum=0)
     _positive("profile.active", config.profile.active, "profile at least one step")
-    if s.steps > MAX_STEPS:
-        raise ConfigError(f"schedule.steps={s.steps} is over the upper bound {MAX_STEPS:_}; use a step count "
-                          f"<= {MAX_STEPS:_} (at one step per millisecond that is 11 days)")
+    _validate_steps_bound(s)
     _positive("cuda_graphs.warmup_steps", config.cuda_graphs.warmup_steps,
               "capture needs at least one eager step to record the passes it captures")
     if m.hidden_size % m.num_attention_heads:
@@ -501,6 +499,12 @@ def validate(config: TrainConfig) -> None:
             raise ConfigError(f"{where}={beta} must be in [0, 1)")
     _validate_data(config)
     _validate_device(config)  # last: the only check that may import torch
+
+
+def _validate_steps_bound(s: ScheduleConfig) -> None:
+    if s.steps > MAX_STEPS:
+        raise ConfigError(f"schedule.steps={s.steps} is over the upper bound {MAX_STEPS:_}; use a step count "
+                          f"<= {MAX_STEPS:_} (at one step per millisecond that is 11 days)")
 
 
 def _validate_device(config: TrainConfig) -> None:
