@@ -151,8 +151,10 @@ def test_second_run_into_a_running_folder_is_refused_and_the_first_finishes(tmp_
     first = _job({"overrides": overrides, "record_dir": str(tmp_path), "patch": None})
     try:
         _wait_for(lambda: len(read_records(tmp_path)) == 2, 60, first)
+        start = time.monotonic()
         second = _train("configs/default.yaml", *_flags(overrides), timeout=30)
         assert second.returncode == 2, second.stderr
+        assert time.monotonic() - start < 4, "the lock is taken only after the slow imports"
         line = _error_lines(second.stderr)[0]
         assert f"in use by another pipecast run (pid {first.pid} " in line, line
         _, err = first.communicate(timeout=120)

@@ -41,7 +41,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-__all__ = ["spawn", "RankError", "JobTimeout", "Interrupted", "Terminated", "free_port", "describe_exception",
+__all__ = ["spawn", "RankError", "JobTimeout", "Interrupted", "Terminated", "free_port", "describe_exception", "os_error_under",
            "teardown", "STOP_GRACE_S", "REPORT_GRACE_S", "TERM_GRACE_S"]
 
 STOP_GRACE_S = 5.0  # seconds a stopped rank has to exit (after SIGINT) before SIGKILL
@@ -400,13 +400,15 @@ def describe_exception(exc: BaseException, limit: int = 1000) -> str:
     the line does not already say it, `` (OSError: [Errno 28] No space left on device: 'path')``."""
     first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
     line = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    os_error = _os_error_under(exc)
+    os_error = os_error_under(exc)
     if os_error is not None and (os_error.strerror or str(os_error)) not in line:
         line += f" ({type(os_error).__name__}: {os_error})"
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
-def _os_error_under(exc: BaseException, depth: int = 0) -> OSError | None:
+def os_error_under(exc: BaseException, depth: int = 0) -> OSError | None:
+    """The operating-system error (an ``OSError`` with an ``errno``) that ``exc`` is or wraps -- through its
+    ``__cause__`` / ``__context__`` chain or the per-rank failures of a DCP ``CheckpointException`` -- or None."""
     if depth > 8 or exc is None:
         return None
     if isinstance(exc, OSError) and exc.errno is not None:
@@ -414,7 +416,7 @@ def _os_error_under(exc: BaseException, depth: int = 0) -> OSError | None:
     for wrapped in (getattr(exc, "failures", None) or {}).values():  # DCP: rank -> (exception, traceback)
         inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
         if isinstance(inner, BaseException):
-            found = _os_error_under(inner, depth + 1)
+            found = os_error_under(inner, depth + 1)
             if found is not None:
                 return found
-    return _os_error_under(exc.__cause__ or exc.__context__, depth + 1)
+    return os_error_under(exc.__cause__ or exc.__context__, depth + 1)

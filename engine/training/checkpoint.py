@@ -106,12 +106,13 @@ def _save_errors(directory: Path, step: int):
     try:
         yield
     except (OSError, CheckpointException) as exc:
-        from ..runtime.spawn import describe_exception
+        from ..runtime.spawn import describe_exception, os_error_under
+        cause = os_error_under(exc)
+        cause = describe_exception(exc) if cause is None else f"{type(cause).__name__}: {cause}"
         previous = latest_checkpoint(directory)
         kept = f"the previous checkpoint {str(previous)!r} is intact" if previous else "no earlier checkpoint"
-        raise CheckpointError(f"cannot save the checkpoint of step {step} in {str(directory)!r}: "
-                              f"{describe_exception(exc)}; {kept}; free space or set checkpoint.dir to a folder "
-                              f"with room, then --resume") from exc
+        raise CheckpointError(f"cannot save the checkpoint of step {step} in {str(directory)!r}: {cause}; {kept}; "
+                              f"free space or set checkpoint.dir to a folder with room, then --resume") from exc
 
 
 def read_checkpoint_meta(path: str | os.PathLike) -> dict | None:

@@ -77,23 +77,26 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``pipecast train``; returns the exit status (0 ok, 1 a rank failed, 2 bad config, data or
     output path, or the run folder is locked by another run; 130 interrupted; 143 stopped by SIGTERM)."""
     try:
-        try:
-            config = load_config(args.config, parse_override_args(list(getattr(args, "extra", []) or [])))
+        with contextlib.ExitStack() as held:
+            try:
+                config = load_config(args.config, parse_override_args(list(getattr(args, "extra", []) or [])))
+                if under_torchrun():
+                    config = validate_world_size(config, int(os.environ["WORLD_SIZE"]))
+                from .data import check_data
+                check_data(config)
+                from .outputs import check_outputs, run_lock
+                check_outputs(config, args.timeline)
+                if not under_torchrun():  # locked before torch is imported: a second run is refused at once
+                    held.enter_context(run_lock(config))
+                check_fresh_run(config, bool(args.resume))
+                from ..runtime import gloo_io
+                gloo_io.check_environment()
+            except (ConfigError, TypeError, ValueError, RuntimeError, OSError) as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
             if under_torchrun():
-                config = validate_world_size(config, int(os.environ["WORLD_SIZE"]))
-            from .data import check_data
-            check_data(config)
-            from .outputs import check_outputs
-            check_outputs(config, args.timeline)
-            check_fresh_run(config, bool(args.resume))
-            from ..runtime import gloo_io
-            gloo_io.check_environment()
-        except (ConfigError, TypeError, ValueError, RuntimeError, OSError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        if under_torchrun():
-            return _join_torchrun(config, args.resume, args.timeline, args.nvtx)
-        return run_spawned(train_worker, config, args.resume, args.timeline, args.nvtx)
+                return _join_torchrun(config, args.resume, args.timeline, args.nvtx)
+            return run_spawned(train_worker, config, args.resume, args.timeline, args.nvtx)
     except KeyboardInterrupt:  # before the ranks started, or a one-rank run in this process
         print("interrupted", file=sys.stderr)
         return 130
@@ -215,11 +218,11 @@ def spawn(fn, config: TrainConfig, *args):
         RankError / Interrupted / Terminated: from :func:`engine.runtime.spawn.spawn`.
         ConfigError: another run holds the run folder's or checkpoint folder's lock.
     """
-    import torch.distributed as dist
-    from ..runtime.spawn import spawn as spawn_ranks
     from .outputs import check_outputs, run_lock
     check_outputs(config)
     with run_lock(config):
+        import torch.distributed as dist
+        from ..runtime.spawn import spawn as spawn_ranks
         if config.world_size == 1 and not dist.is_initialized():
             dist.init_process_group(_backend(config), store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=datetime.timedelta(seconds=config.parallel.timeout_s))

@@ -8,7 +8,8 @@
 * :func:`run_lock` -- an advisory lock (``fcntl.flock``, exclusive) on ``<folder>/.pipecast.lock`` for the run
   folder and the checkpoint folder, held by the launcher for the whole run.  The kernel releases it when the
   process ends, however it ends, so a crashed run never blocks the next; a second run into a locked folder is
-  refused naming the holder's pid (written into the lock file).  Advisory locks work between processes of one
+  refused naming the holder's pid (written into the lock file).  Nested use in one process is allowed (the
+  launcher locks before it imports torch, so a second run is refused within a second, and ``spawn`` locks again).  Advisory locks work between processes of one
   machine; on a network file system they are as good as its ``flock`` support.
 
 Standard library only (no torch), so the checks take milliseconds.
@@ -127,8 +128,18 @@ def run_lock(config: TrainConfig):
         yield
 
 
+_HELD: dict[Path, int] = {}  # folders this process holds the lock of -> nesting depth (run() and spawn() both lock)
+
+
 @contextlib.contextmanager
 def _locked(folder: Path, field: str, value: str):
+    if folder in _HELD:  # already ours: nested use in this process
+        _HELD[folder] += 1
+        try:
+            yield
+        finally:
+            _HELD[folder] -= 1
+        return
     import fcntl
     folder.mkdir(parents=True, exist_ok=True)
     fh = open(folder / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held for the block
@@ -146,6 +157,9 @@ def _locked(folder: Path, field: str, value: str):
         fh.truncate()
         fh.write(f"{os.getpid()}\n{socket.gethostname()}\n{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         fh.flush()
+        _HELD[folder] = 1
         yield
     finally:
+        if _HELD.get(folder) == 1:
+            del _HELD[folder]
         fh.close()  # releases the lock
