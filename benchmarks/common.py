@@ -16,19 +16,15 @@ import datetime
 import json
 import os
 import platform
-import queue
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,65 +109,18 @@ def mse(out, target):
 
 # ---------------------------------------------------------------------------------------------------------------
 # launching fresh processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, port, threads, pin, fn, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    if pin:  # each rank (all its threads, gloo's included) on its own core
-        os.sched_setaffinity(0, {rank % os.cpu_count()})
-    torch.set_num_threads(threads)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-        results.put((rank, True, fn(rank, world, *args)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def launch(fn, world: int, *args, threads: int = 1, pin: bool = False, timeout: float = 600.0) -> list:
-    """Run ``fn(rank, world, *args)`` in ``world`` fresh gloo processes; return per-rank results in rank order.
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh gloo processes; return per-rank results in rank order
+    (:func:`engine.runtime.spawn.spawn`, the project's one spawner).
 
     ``threads``: torch threads per rank.  ``pin``: pin rank ``r`` (every thread of the process) to CPU
     ``r mod cpu_count`` with ``os.sched_setaffinity``; the same for every engine of a benchmark.
 
     Raises:
-        RuntimeError: a rank raised (its traceback in the message) or the job timed out.
+        RankError (a RuntimeError) when a rank raised or died; JobTimeout when the job ran past ``timeout``.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, threads, pin, fn, args, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got, deadline = {}, time.monotonic() + timeout
-    try:
-        while len(got) < world:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"benchmark job timed out after {timeout:.0f}s")
-            try:
-                rank, ok, out = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
-                if dead:
-                    raise RuntimeError(f"ranks {dead} exited with codes {[procs[r].exitcode for r in dead]}")
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{out}")
-            got[rank] = out
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [got[r] for r in range(world)]
+    from engine.runtime.spawn import spawn
+    return spawn(fn, world, args=args, threads=threads, pin_cpus=pin, timeout_s=timeout, group_timeout_s=120)
 
 
 # ---------------------------------------------------------------------------------------------------------------

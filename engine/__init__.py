@@ -19,6 +19,9 @@ _LAZY_EXPORTS = {
     "looped_stages": ".model_split",
     "v_stages": ".model_split",
     "finalize_model_grads": ".finalize",
+    # local ranks for any function (the plain launcher; ``engine.training.spawn`` runs a training config)
+    "spawn": ".runtime.spawn",
+    "RankError": ".runtime.spawn",
     # training recipe (never imported by the API modules above)
     "Trainer": ".training.trainer",
     "load_config": ".training.config",

@@ -78,8 +78,13 @@ class _Decoder(nn.Module):
 class Chunk(nn.Module):
     """Virtual pipeline stage ``stage`` of ``num_stages``: ``layers_per_stage`` layers; records into ``log``."""
 
-    def __init__(self, config, stage: int, num_stages: int, chunk: int, params, log: list, kind: str = "linear"):
+    def __init__(self, config, stage: int, num_stages: int, chunk: int, params, log: list, kind: str = "linear",
+                 output: str = "plain"):
         super().__init__()
+        self.output = output  # "plain" (owns its storage), "view" or "hooked" (see _not_owned)
+        self.bases, self.alive_at_forward, self.hook_calls = [], [], []
+        self.hooked = nn.Identity()
+        self.hooked.register_full_backward_hook(lambda m, gin, gout: self.hook_calls.append(gout[0].shape))
         self.config = config
         self.stage, self.num_stages, self.chunk, self.kind = stage, num_stages, chunk, kind
         self.decoder = _Decoder([Layer(w, b) for w, b in params])
@@ -114,22 +119,36 @@ class Chunk(nn.Module):
         for layer in self.decoder.layers:
             x = _layer(x, layer.weight, layer.bias, self.kind)
         out = _Tap.apply(x, self.log, f"B{mb}.{self.chunk}", None if self.is_last else self.received, mb)
+        if self.output != "plain" and not self.is_last:
+            return self._not_owned(out)
         if not self.is_last:
             self.sent.append(out)
         return out
 
+    def _not_owned(self, out):
+        """``out`` returned as a tensor that does not own its storage (``output="view"``: ``.view``; ``"hooked"``:
+        through a submodule with a full backward hook); the storage owner is tracked by a weak reference only."""
+        base = out * 1  # saved by no autograd node: alive only through the returned view
+        self.bases.append(weakref.ref(base))
+        self.alive_at_forward.append(sum(r() is not None for r in self.bases[:-1]))
+        if self.output == "view":
+            return base.view(base.shape)
+        return self.hooked(base)
+
 
 def build_chunks(config, pp_size: int, pp_rank: int, num_chunks: int, *, hidden: int = 8, layers_per_stage: int = 1,
-                 seed: int = 0, kind: str = "linear", dtype=torch.float32, log=None, stages=None):
+                 seed: int = 0, kind: str = "linear", dtype=torch.float32, log=None, stages=None,
+                 output: str = "plain"):
     """The model chunks of ``pp_rank`` (chunk ``c`` is virtual stage ``stages[c]``, default ``c*P + pp_rank``) and
-    their shared compute log (``log``: a list to record into, default a new one)."""
+    their shared compute log (``log``: a list to record into, default a new one); ``output``: see ``Chunk``."""
     num_stages = pp_size * num_chunks
     params = _params(num_stages * layers_per_stage, hidden, seed, kind)
     log = [] if log is None else log
     chunks = []
     for c in range(num_chunks):
         s = c * pp_size + pp_rank if stages is None else stages[c]
-        chunk = Chunk(config, s, num_stages, c, params[s * layers_per_stage:(s + 1) * layers_per_stage], log, kind)
+        chunk = Chunk(config, s, num_stages, c, params[s * layers_per_stage:(s + 1) * layers_per_stage], log, kind,
+                      output)
         chunks.append(chunk.to(dtype))
     return chunks, log
 

@@ -25,7 +25,7 @@ DEFAULTS = dict(pp=None, chunks=None, M=4, G=None, batch=True, overlap=False, de
                 layers=1, variable=False, seqs=None, zero_mb=None, moe=False, collect=False, first_val_step=None,
                 ckpt=None, hooks=False, sleep=0.0, dtype="float32", tokens=None, sequence=None, explicit=True,
                 M_by_rank=None, seed=0, func=None, seq_by_dp=None, warmup_flush=False, plant=None, schedule=None,
-                max_in_flight=None)
+                max_in_flight=None, output="plain")
 # ``plant`` (negative controls, tests/test_harness_controls.py): "grad_scale" gives the schedule a grad_scale_func of
 # x * 2 that the reference does not apply; "no_M" multiplies each microbatch's loss by M, cancelling the schedule's
 # division by M (a loss without / M).  Both must make the case fail the equivalence check.
@@ -139,7 +139,7 @@ def run_case(rank: int, pgc, c: dict) -> dict:
         stages = build_plan(c["schedule"], pp, c["M"], C, max_in_flight=c["max_in_flight"]).stages_of(pp_rank)
     chunks, _ = tm.build_chunks(cfg, pp, pp_rank, C, hidden=c["hidden"], layers_per_stage=c["layers"],
                                 kind=c["kind"], dtype=getattr(torch, c["dtype"]), seed=c["seed"], log=log,
-                                stages=stages)
+                                stages=stages, output=c["output"])
     rec = _Recorder(log, chunks)
     log.rec = rec
     cfg.no_sync_func = rec.no_sync
@@ -213,6 +213,8 @@ def run_case(rank: int, pgc, c: dict) -> dict:
                 "tokens": rec.tokens, "collected": store if c["collect"] else None,
                 "received": sorted(r for ch in chunks for r in ch.received)}
         call["sent_numels"] = sorted({n for ch in chunks for n in ch.sent_numels})
+        call["bases_alive_at_forward"] = max((n for ch in chunks for n in ch.alive_at_forward), default=0)
+        call["hook_calls"] = sum(len(ch.hook_calls) for ch in chunks)
         losses, ref = tm.reference(None, pp, C, data, hidden=c["hidden"], layers_per_stage=c["layers"],
                                    kind=c["kind"], mode=c["mode"], per_token=c["per_token"],
                                    grad_scale=c["grad_scale"] or 1.0, repeats=c["repeats"],
@@ -233,6 +235,8 @@ def run_case(rank: int, pgc, c: dict) -> dict:
                 accumulated = {k: (accumulated[k][0] + ref[k][0], accumulated[k][1] + ref[k][1]) for k in got}
             call["grad_err"] = tm.max_rel_error(got, accumulated)
         for ch in chunks:
+            for kept in (ch.bases, ch.alive_at_forward, ch.hook_calls):
+                kept.clear()
             ch.seen.clear()
             ch.input_dtypes.clear()
             ch.sent.clear()

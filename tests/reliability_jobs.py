@@ -26,8 +26,8 @@ __all__ = ["Fault", "tiny_overrides", "write_corpus", "faulty_train_worker", "we
 
 @dataclass(frozen=True)
 class Fault:
-    """Inject ``kind`` (``"sigkill"``, ``"raise"`` or ``"hang"``) on global rank ``rank`` when it starts step
-    ``step``."""
+    """Inject ``kind`` (``"sigkill"``, ``"raise"``, ``"hang"`` or ``"sigstop"``) on global rank ``rank`` when it
+    starts step ``step``."""
 
     kind: str
     rank: int
@@ -146,6 +146,8 @@ def _arm(trainer, fault: Fault, before) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault.kind == "hang":  # alive but stuck: only the peers' communication timeout ends the job
                 time.sleep(3600)
+            if fault.kind == "sigstop":  # stopped (as by a debugger or `kill -STOP`): only the timeout ends it
+                os.kill(os.getpid(), signal.SIGSTOP)
             raise RuntimeError(f"injected fault: rank {dist.get_rank()} raises in its forward step "
                                f"(step {fault.step})")
         return inner(data_iterator, model)
@@ -153,12 +155,58 @@ def _arm(trainer, fault: Fault, before) -> None:
     trainer._forward_step = forward_step  # the trainer looks it up per schedule call
 
 
+def patched_train_worker(config, resume: bool, record_dir: str, patch: str | None = None):
+    """``engine.training.launch.train_worker`` (the real ``pipecast train`` rank, ``Trainer.train`` and all) after
+    recording this rank's pid and applying ``patch``:
+
+    * ``"slow_preempt_save"``: a checkpoint save that runs after SIGTERM writes its files, then marks
+      ``<record_dir>/in_save`` and sleeps 60 s before the rename (a slow file system);
+    * ``"enospc"``: every checkpoint file write fails with ``OSError(ENOSPC)`` (a full disk) inside DCP.
+    """
+    from engine.training import launch
+    rank = dist.get_rank()
+    _record(Path(record_dir), rank, {"pid": os.getpid()})
+    if patch == "slow_preempt_save":
+        _slow_preempt_save(Path(record_dir))
+    elif patch == "enospc":
+        _full_disk()
+    return launch.train_worker(config, resume)
+
+
+def _slow_preempt_save(record_dir: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from engine.training import preempt
+    real = dcp.save
+
+    def save(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if preempt.requested():
+            (record_dir / "in_save").write_text(str(time.time()))
+            time.sleep(60)
+        return out
+
+    dcp.save = save
+
+
+def _full_disk() -> None:
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    def create_stream(self, path, mode):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    filesystem.FileSystem.create_stream = create_stream
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m tests.reliability_jobs JSON``: a ``pipecast train``-like launcher process running
     :func:`faulty_train_worker` under ``engine.training.launch.run_spawned``.
 
     JSON keys: ``overrides`` (config overrides), ``record_dir``, ``resume`` (bool), ``fault`` (``[kind, rank, step]``
-    or null), ``then_straight`` (bool), ``sleep`` (run :func:`sleeper` instead).  Exits with the launcher's status.
+    or null), ``then_straight`` (bool), ``sleep`` (run :func:`sleeper` instead), ``patch`` (run
+    :func:`patched_train_worker` with that patch, or null for none).  Exits with the launcher's status.
     """
     import sys
 
@@ -168,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(None, spec["overrides"])
     if spec.get("sleep"):
         return run_spawned(sleeper, config, spec["record_dir"])
+    if "patch" in spec:
+        return run_spawned(patched_train_worker, config, bool(spec.get("resume")), spec["record_dir"],
+                           spec["patch"])
     fault = Fault(*spec["fault"]) if spec.get("fault") else None
     return run_spawned(faulty_train_worker, config, bool(spec.get("resume")), spec["record_dir"], fault,
                        bool(spec.get("then_straight")))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import free_port
+from engine.runtime.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -131,50 +131,6 @@ def test_ranks_die_with_the_launcher(tmp_path):
         proc.kill()
 
 
-def test_failure_message_blames_the_killed_rank():
-    """A rank that raised because its peer vanished is not the culprit when another rank was killed by a signal;
-    ranks stopped by the launcher (SIGTERM) are never blamed."""
-    import signal
-    from types import SimpleNamespace
-
-    import torch.multiprocessing as mp
-
-    from engine.training.launch import _blame_killed_rank, _describe_failure
-    raised = mp.ProcessRaisedException("Traceback ...\nRuntimeError: Connection closed by peer", 0, 100)
-    procs = [SimpleNamespace(exitcode=1, pid=100), SimpleNamespace(exitcode=-int(signal.SIGTERM), pid=101),
-             SimpleNamespace(exitcode=-int(signal.SIGKILL), pid=102), SimpleNamespace(exitcode=-15, pid=103)]
-    with pytest.raises(mp.ProcessExitedException) as info:
-        _blame_killed_rank(SimpleNamespace(processes=procs), raised)
-    assert info.value.error_index == 2 and info.value.signal_name == "SIGKILL"
-    assert _describe_failure(info.value, 4) == ("rank 2 (pid 102) was killed by SIGKILL; the launcher stopped the "
-                                                "other ranks (0, 1, 3)")
-    _blame_killed_rank(SimpleNamespace(processes=procs[:2]), raised)  # no killed rank: the raise stands
-    assert _describe_failure(raised, 2).startswith("rank 0 failed: RuntimeError: Connection closed by peer; the "
-                                                   "launcher stopped the other ranks (1)")
-
-
-def test_failure_message_blames_the_rank_that_raised_first(tmp_path):
-    """Rank 1 raises and closes its groups; rank 0 then fails on the closed connection and may be reported first:
-    the launcher blames the rank whose recorded failure is earliest."""
-    from types import SimpleNamespace
-
-    import torch.multiprocessing as mp
-
-    from engine.training import launch
-    for rank, (stamp, error) in {0: (2_000, "RuntimeError: Connection closed by peer"),
-                                 1: (1_000, "ValueError: injected")}.items():
-        (tmp_path / f"rank_{rank}").write_text(f"{stamp}\nTraceback (most recent call last):\n{error}\n")
-    (tmp_path / "rank_2.tmp").write_text("unfinished")
-    context = SimpleNamespace(processes=[SimpleNamespace(pid=100), SimpleNamespace(pid=101)])
-    reported = mp.ProcessRaisedException("Traceback ...\nRuntimeError: Connection closed by peer", 0, 100)
-    with pytest.raises(mp.ProcessRaisedException) as info:
-        launch._blame_first_failure(context, reported, str(tmp_path))
-    assert info.value.error_index == 1 and info.value.error_pid == 101
-    assert launch._describe_failure(info.value, 2).startswith("rank 1 failed: ValueError: injected; the launcher")
-    first = mp.ProcessRaisedException("Traceback ...\nValueError: injected", 1, 101)
-    launch._blame_first_failure(context, first, str(tmp_path))  # already the first: stands
-
-
 @pytest.mark.timeout(120)
 def test_stuck_rank_ends_the_job_after_the_communication_timeout(tmp_path):
     """A rank that is alive but stuck (never sends): its peer's receive fails after ``parallel.timeout_s``, naming

@@ -70,10 +70,20 @@ def test_bad_config_exits_fast_with_the_field():
     assert _pipecast("configs/default.yaml", "--model.layers=6", timeout=30).returncode == 2
 
 
-@pytest.mark.timeout(120)
-def test_readme_example_runs(tmp_path):
-    out = subprocess.run([sys.executable, "tests/readme_example.py", *TINY, "schedule.steps=3",
-                          f"logging.run_dir={tmp_path}"], cwd=ROOT, timeout=110, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stderr
-    assert "step 3: val loss" in out.stdout and (tmp_path / "checkpoints" / "step_00000003").is_dir()
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_readme_example_runs_twice_in_a_row(tmp_path):
+    """The README's Python example runs, and runs again into the same folder (it continues from its checkpoint);
+    a rank's error reaches the user as one ``error:`` line, not a traceback."""
+    def example(*extra):
+        return subprocess.run([sys.executable, "tests/readme_example.py", *TINY, "schedule.steps=3",
+                               f"logging.run_dir={tmp_path}", *extra], cwd=ROOT, timeout=110, capture_output=True,
+                              text=True, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    for _ in range(2):
+        out = example()
+        assert out.returncode == 0, out.stderr
+        assert "step 3: val loss" in out.stdout and (tmp_path / "checkpoints" / "step_00000003").is_dir()
+    out = example("model.hidden_size=96", "model.num_attention_heads=2")  # another model: the resume is refused
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: rank "), out.stderr
+    assert "CheckpointError: cannot resume" in out.stderr and "model.hidden_size" in out.stderr, out.stderr

@@ -54,11 +54,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..plan.build import Op
 from ..plan.lowering import TAG_ACT, TAG_ACT_SHAPE, TAG_GRAD, TAG_GRAD_SHAPE, RankProgram, exchange_order
 from .p2p import decode_shape, encode_shape
-from ..plan.build import Op
 from .step import (ChunkCall, ChunkHooks, ForwardCall, backward_step, check_first_val_step, deallocate_output_tensor,
-                   run_forward)
+                   run_forward, sendable_output)
 from .tracing import current_tracer
 
 __all__ = ["OVERLAP_PREFETCH", "GLOO_PREFETCH", "NCCL_PREFETCH", "default_prefetch", "ExecutionContext", "execute"]
@@ -441,10 +441,10 @@ class _Runner:
         send = None
         if st.send_peer >= 0:
             self._check_send(y, st)
-            if not y.is_contiguous():
-                y = y.contiguous()
+            y = sendable_output(y, self.dealloc)  # contiguous; owns its storage when it will be freed
             send = (y.detach() if self.dealloc else y, st)
         elif st.local_out >= 0:  # the next stage is on this rank: hand over a fresh leaf, as a receive would
+            y = sendable_output(y, self.dealloc)
             self.local[st.local_out] = y.detach().requires_grad_(not self.forward_only)
         if send is not None or st.posts:
             self._exchange(send, st.posts)

@@ -37,8 +37,8 @@ from .process_groups import group_rank, group_size
 
 __all__ = [
     "ScheduleContractError", "ScheduleContractTypeError", "ChunkHooks", "ForwardCall", "ChunkCall", "run_forward",
-    "apply_loss", "get_attr_wrapped_model", "get_model_config", "set_current_microbatch", "check_first_val_step", "deallocate_output_tensor", "custom_backward",
-    "backward_step", "get_tensor_shapes",
+    "apply_loss", "sendable_output", "get_attr_wrapped_model", "get_model_config", "set_current_microbatch",
+    "check_first_val_step", "deallocate_output_tensor", "custom_backward", "backward_step", "get_tensor_shapes",
     "clear_embedding_activation_buffer", "finish_embedding_wgrad_compute", "is_pp_first_stage", "is_pp_last_stage",
     "is_vp_first_stage", "is_vp_last_stage", "aux_loss_scale", "AuxLossScale", "Shape",
 ]
@@ -205,8 +205,26 @@ def deallocate_output_tensor(out, deallocate_pipeline_outputs: bool = False) -> 
                                         "pass the output tensor itself (e.g. output[0] of a list)")
     if out._base is not None:
         raise ScheduleContractError("deallocate_output_tensor: counter-productive to free a view of another tensor; "
-                                    "return a tensor that owns its storage (e.g. .clone()) from the model chunk")
+                                    "pass a tensor that owns its storage (the pipecast schedules send a copy of a "
+                                    "view, see sendable_output; called directly, pass out.clone())")
     out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def sendable_output(out: torch.Tensor, deallocate_pipeline_outputs: bool) -> torch.Tensor:
+    """The tensor a stage sends downstream (and, with ``deallocate_pipeline_outputs``, frees after the send).
+
+    A non-contiguous output is made contiguous (a tracked copy).  With deallocation on, an output that does not own
+    its storage -- a view (``out._base`` set: returned through ``.view`` / ``.transpose``, or by a module with full
+    backward hooks, which autograd hands back as a view) -- is replaced by a tracked copy (``out.clone()``): freeing
+    a view would free nothing (its base keeps the storage), while the copy owns what is sent, so
+    :func:`deallocate_output_tensor` releases it and the view (and its base, unless autograd saved it) is
+    dropped with the caller's reference.  Gradients are unchanged: the copy's backward hands ``grad`` to ``out``.
+    """
+    if not out.is_contiguous():
+        return out.contiguous()
+    if deallocate_pipeline_outputs and out._base is not None:
+        return out.clone()
+    return out
 
 
 def custom_backward(output: torch.Tensor, grad_output: Optional[torch.Tensor]) -> None:

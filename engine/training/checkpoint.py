@@ -16,6 +16,7 @@ bitwise-equal copies of the tied embedding share one key, data-parallel replicas
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -72,17 +73,18 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
     """
     d = Path(directory)
     final, tmp = d / f"step_{step:08d}", d / f".step_{step:08d}.tmp"
-    if _rank() == 0:
-        d.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()
-    import torch.distributed.checkpoint as dcp  # heavy (DTensor); only when checkpointing
-    dcp.save(state, checkpoint_id=str(tmp))
-    _barrier()
-    if _rank() == 0:
-        if meta is not None:
+    with _save_errors(d, step):
+        if _rank() == 0:
+            d.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        _barrier()
+        import torch.distributed.checkpoint as dcp  # heavy (DTensor); only when checkpointing
+        dcp.save(state, checkpoint_id=str(tmp))
+        _barrier()
+        if _rank() == 0 and meta is not None:
             (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+    if _rank() == 0:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -93,6 +95,24 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return final
+
+
+@contextlib.contextmanager
+def _save_errors(directory: Path, step: int):
+    """Turn a failed write (an ``OSError``, or DCP's ``CheckpointException`` wrapping one) into a
+    :class:`CheckpointError` whose first line carries the operating system's reason (e.g. ``No space left on
+    device``) and says that the previous checkpoint is intact."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        yield
+    except (OSError, CheckpointException) as exc:
+        from ..runtime.spawn import describe_exception, os_error_under
+        cause = os_error_under(exc)
+        cause = describe_exception(exc) if cause is None else f"{type(cause).__name__}: {cause}"
+        previous = latest_checkpoint(directory)
+        kept = f"the previous checkpoint {str(previous)!r} is intact" if previous else "no earlier checkpoint"
+        raise CheckpointError(f"cannot save the checkpoint of step {step} in {str(directory)!r}: {cause}; {kept}; "
+                              f"free space or set checkpoint.dir to a folder with room, then --resume") from exc
 
 
 def read_checkpoint_meta(path: str | os.PathLike) -> dict | None:

@@ -33,6 +33,9 @@ __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "Optimi
            "validate", "validate_world_size", "dump_config", "ConfigLoader", "check_fresh_run"]
 
 
+MAX_STEPS = 10**9  # the upper bound of schedule.steps
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, its value and the fix."""
 
@@ -384,6 +387,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        ConfigError: ``path`` is a folder, unreadable, not UTF-8 text or not YAML (the message names the file).
         ConfigError / TypeError: unknown keys, wrong types, invalid values (message names the field and fix);
             TypeError also when ``overrides`` is a string instead of a list.
     """
@@ -392,22 +396,36 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
                         f"or a dict {{'section.key': value}}, not a string")
     data: Any = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {str(path)!r} does not exist; pass a YAML file such as "
-                                    f"configs/default.yaml")
-        try:
-            data = _yaml_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
-        except ConfigError as exc:  # a duplicate key
-            raise ConfigError(f"config file {str(path)!r}: {exc}") from None
+        data = _read_config_file(Path(path))
         if not isinstance(data, dict):
             raise TypeError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
     config = config_from_dict(apply_overrides(data, overrides))
     if check:
         validate(config)
     return config
+
+
+def _read_config_file(path: Path) -> Any:
+    """The YAML data in ``path``; every failure names the file (a folder, unreadable, not text, not YAML)."""
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a folder, not a file; pass a YAML file such as "
+                          f"{str(path / 'default.yaml')!r} or configs/default.yaml")
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist; pass a YAML file such as "
+                                f"configs/default.yaml")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); it "
+                          f"looks binary -- pass a YAML file such as configs/default.yaml") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        return _yaml_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    except ConfigError as exc:  # a duplicate key
+        raise ConfigError(f"config file {str(path)!r}: {exc}") from None
 
 
 def dump_config(config: TrainConfig, path: str | os.PathLike) -> None:
@@ -450,6 +468,7 @@ def validate(config: TrainConfig) -> None:
                          ("profile.wait", config.profile.wait), ("profile.warmup", config.profile.warmup)]:
         _positive(where, value, "use 0 or a positive integer", minimum=0)
     _positive("profile.active", config.profile.active, "profile at least one step")
+    _validate_steps_bound(s)
     _positive("cuda_graphs.warmup_steps", config.cuda_graphs.warmup_steps,
               "capture needs at least one eager step to record the passes it captures")
     if m.hidden_size % m.num_attention_heads:
@@ -485,6 +504,12 @@ def validate(config: TrainConfig) -> None:
             raise ConfigError(f"{where}={beta} must be in [0, 1)")
     _validate_data(config)
     _validate_device(config)  # last: the only check that may import torch
+
+
+def _validate_steps_bound(s: ScheduleConfig) -> None:
+    if s.steps > MAX_STEPS:
+        raise ConfigError(f"schedule.steps={s.steps} is over the upper bound {MAX_STEPS:_}; use a step count "
+                          f"<= {MAX_STEPS:_} (at one step per millisecond that is 11 days)")
 
 
 def _validate_device(config: TrainConfig) -> None:

@@ -37,6 +37,7 @@ from .checkpoint import (CheckpointError, checkpoint_keys, latest_checkpoint, li
 from .config import TrainConfig, check_fresh_run, dump_config, validate, validate_world_size
 from .data import Batches, load_corpus
 from .grads import GradSync, clip_grad_norm
+from . import preempt
 from .model import build_model_chunks, canonical_module
 from .seed import set_seed_and_determinism
 
@@ -114,6 +115,7 @@ class Trainer:
         self.val_history: list[tuple[int, float]] = []
         self._graphs = None  # graphs.runtime.GraphRuntime, created by _maybe_capture_graphs when enabled
         self._resumed = False
+        self.preempted: Path | None = None  # the checkpoint saved when SIGTERM stopped train()
         self._forward_backward, self._p2p = self._schedule()
         if self.rank == 0 and self._run_files_open:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -359,6 +361,9 @@ class Trainer:
         steps (and before the first step of this run, fresh or resumed, and at the end) and checkpointing every
         ``checkpoint.interval`` steps and at the end.  Returns the per-step metrics of this call.
 
+        SIGTERM (to any rank, while training) stops every rank after the current step with a checkpoint of it
+        (:mod:`engine.training.preempt`); :attr:`preempted` is then that checkpoint's path (None otherwise).
+
         Raises:
             ConfigError: a fresh run (nothing loaded) whose ``checkpoint.dir`` holds another run's checkpoints.
             NonFiniteLossError: the loss or grad norm is NaN / inf (``optimizer.check_for_nan_in_loss_and_grad``).
@@ -375,7 +380,7 @@ class Trainer:
             return []
         if not self.val_history:  # also at the start of a resumed run: "val loss A -> B" covers this run
             self._log_eval(self.evaluate())
-        with self._progress(start, end) as bar:
+        with self._progress(start, end) as bar, preempt.sigterm_requests():
             while self.step < end:
                 metrics = self.train_step()
                 if self.step % c.logging.log_interval == 0 or self.step == end:
@@ -389,10 +394,22 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+                if self.step < end and preempt.stop_agreed():  # collective: every rank stops after this step
+                    self.preempted = self._save_for_stop()
+                    break
         if c.checkpoint.save_at_end and self.step == c.schedule.steps and self.step > start and \
                 not (c.checkpoint.interval and self.step % c.checkpoint.interval == 0):
             self.save()
         return self.history[len(self.history) - (self.step - start):]
+
+    def _save_for_stop(self) -> Path:
+        """SIGTERM reached a rank: save this step (unless ``checkpoint.interval`` just did) and say so."""
+        latest = latest_checkpoint(self.config.checkpoint_dir)
+        path = latest if latest is not None and latest.name == f"step_{self.step:08d}" else self.save()
+        if self.is_log_rank:
+            log.info("step %d | SIGTERM: stopped after this step; checkpoint %s (continue with --resume)",
+                     self.step, path)
+        return path
 
     @contextlib.contextmanager
     def _progress(self, start: int, end: int):
