@@ -36,6 +36,7 @@ from .checkpoint import (CheckpointError, checkpoint_keys, latest_checkpoint, li
 from .config import TrainConfig, check_fresh_run, dump_config, validate, validate_world_size
 from .data import Batches, load_corpus
 from .grads import GradSync, clip_grad_norm
+from .metrics import MetricsLog, known_peak_tflops, model_flops_per_token
 from .model import build_model_chunks, canonical_module
 from .seed import set_seed_and_determinism
 
@@ -109,6 +110,9 @@ class Trainer:
         self.val_history: list[tuple[int, float]] = []
         self._graphs = None  # graphs.runtime.GraphRuntime, created by _maybe_capture_graphs when enabled
         self._resumed = False
+        self._metrics: MetricsLog | None = None  # opened by train() on the logging rank
+        self.flops_per_token = model_flops_per_token(config.model, config.ffn_hidden_size)
+        self.peak_tflops = self._peak_tflops()
         self._forward_backward, self._p2p = self._schedule()
         if self.rank == 0 and self._run_files_open:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -142,6 +146,12 @@ class Trainer:
             torch.cuda.set_device(local)
             return torch.device("cuda", local)
         return torch.device("cpu")
+
+    def _peak_tflops(self) -> float | None:
+        """Per-GPU peak for MFU: ``logging.peak_tflops``, else the GPU's known dense bf16 peak; None on CPU."""
+        if self.device.type != "cuda":
+            return None
+        return self.config.logging.peak_tflops or known_peak_tflops(torch.cuda.get_device_name(self.device))
 
     def _model_parallel_config(self) -> ModelParallelConfig:
         c, p = self.config, self.config.parallel
@@ -248,8 +258,10 @@ class Trainer:
                                  (self.config.model.seq_length, self.config.schedule.micro_batch_size))
 
     def train_step(self) -> dict:
-        """Run one optimizer step; returns ``{step, loss, grad_norm, lr, tokens_per_s, step_time_s}`` (same on every
-        rank; ``loss`` in nats per token, averaged over the global batch).
+        """Run one optimizer step; returns ``{step, loss, grad_norm, lr, tokens_per_s, tokens_seen, step_time_s,
+        tflops}`` plus on CUDA ``max_memory_gib``, ``reserved_memory_gib`` and ``mfu`` (same on every rank; ``loss``
+        in nats per token, averaged over the global batch; ``tflops``: model TFLOP/s of the whole job from
+        :func:`~engine.training.metrics.model_flops_per_token`).
 
         Raises:
             NonFiniteLossError: NaN / inf loss or grad norm (when ``optimizer.check_for_nan_in_loss_and_grad``); the
@@ -274,9 +286,13 @@ class Trainer:
         self.step += 1
         tokens = self.config.global_batch_size * self.config.model.seq_length
         metrics = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / dt,
-                   "step_time_s": dt}
+                   "tokens_seen": self.step * tokens, "step_time_s": dt,
+                   "tflops": self.flops_per_token * tokens / dt / 1e12}
         if self.device.type == "cuda":
             metrics["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics["reserved_memory_gib"] = torch.cuda.memory_reserved(self.device) / 2**30
+            if self.peak_tflops:
+                metrics["mfu"] = metrics["tflops"] / (self.peak_tflops * self.config.world_size)
         self.history.append(metrics)
         return metrics
 
@@ -352,6 +368,10 @@ class Trainer:
                 log.info("nothing to do: %s step %d >= schedule.steps=%d; raise schedule.steps to train further",
                          "checkpoint" if self._resumed else "trainer", self.step, c.schedule.steps)
             return []
+        if self.is_log_rank and self._metrics is None:
+            self._metrics = MetricsLog(self.run_dir, self.step if self._resumed else None, c.logging.tensorboard,
+                                       title=f"{self.run_dir.name}: {c.schedule_name}, pipeline={c.parallel.pipeline}"
+                                             f" virtual={c.parallel.virtual} data={self.dp_size}")
         if not self.val_history:  # also at the start of a resumed run: "val loss A -> B" covers this run
             self._log_eval(self.evaluate())
         with self._progress(start, end) as bar:
@@ -368,6 +388,8 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+        if self._metrics is not None and self.val_history[-1][0] != self.step:
+            self._metrics.plot()  # the end (an evaluation at this step has drawn it already)
         if c.checkpoint.save_at_end and self.step == c.schedule.steps and self.step > start and \
                 not (c.checkpoint.interval and self.step % c.checkpoint.interval == 0):
             self.save()
@@ -387,15 +409,24 @@ class Trainer:
             yield bar
 
     def _log_step(self, m: dict) -> None:
-        if self.is_log_rank:
-            memory = f" | mem {m['max_memory_gib']:.2f} GiB" if "max_memory_gib" in m else ""
-            log.info("step %d/%d | loss %.4f | grad norm %.3f | lr %.3e | %.0f tokens/s | step %.3f s%s",
-                     m["step"], self.config.schedule.steps, m["loss"], m["grad_norm"], m["lr"], m["tokens_per_s"],
-                     m["step_time_s"], memory)
+        """One log line and one ``metrics.jsonl`` line (logging rank)."""
+        if not self.is_log_rank:
+            return
+        memory = f" | mem {m['max_memory_gib']:.2f} GiB" if "max_memory_gib" in m else ""
+        mfu = f" | MFU {100 * m['mfu']:.1f}%" if "mfu" in m else ""
+        log.info("step %d/%d | loss %.4f | grad norm %.3f | lr %.3e | %.0f tokens/s | %.3g TFLOP/s%s | step %.3f s%s",
+                 m["step"], self.config.schedule.steps, m["loss"], m["grad_norm"], m["lr"], m["tokens_per_s"],
+                 m["tflops"], mfu, m["step_time_s"], memory)
+        if self._metrics is not None:
+            self._metrics.write({k: v for k, v in m.items() if k != "val_loss"})
 
     def _log_eval(self, loss: float) -> None:
+        """The validation line of the log and of ``metrics.jsonl``; redraws ``loss.png`` (logging rank)."""
         if self.is_log_rank:
             log.info("step %d/%d | val loss %.4f", self.step, self.config.schedule.steps, loss)
+            if self._metrics is not None:
+                self._metrics.write({"step": self.step, "val_loss": loss})
+                self._metrics.plot()
 
     # ---- state ------------------------------------------------------------------------------------------------
     def _dcp_state(self):
@@ -510,6 +541,9 @@ class Trainer:
         if not failed and dist.is_initialized():
             dist.barrier()
         self.grad_sync.close()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         if self._graphs is not None:
             self._graphs.close()
         if self._log_file is not None:
