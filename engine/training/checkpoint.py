@@ -63,10 +63,11 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
 
 
 def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: int = 2,
-                    meta: dict | None = None) -> Path:
+                    meta: dict | None = None, extra_files: dict[str, str] | None = None) -> Path:
     """Collectively save ``state`` (nested dicts of tensors) as ``<directory>/step_<step>``; returns the path.
 
-    Every rank calls it.  Writes to a temporary folder (with ``meta`` as JSON in :data:`META_FILE` when given),
+    Every rank calls it.  Writes to a temporary folder (with ``meta`` as JSON in :data:`META_FILE` when given, and
+    rank 0's ``extra_files``, ``{file name: text}``, e.g. the run's ``tokenizer.json``),
     then rank 0 renames it and removes temporary folders left by crashed saves and the oldest checkpoints so that
     ``keep`` remain -- the one just written always stays, even beside higher-step checkpoints of another run.
     """
@@ -83,6 +84,8 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
     if _rank() == 0:
         if meta is not None:
             (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

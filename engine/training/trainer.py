@@ -17,6 +17,7 @@ replica 0.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import math
@@ -444,22 +445,33 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
                 "trainer": {"step": torch.tensor(self.step, dtype=torch.int64)},
+                "scheduler": _scheduler_tensors(self.scheduler.state_dict()),
                 "rng": {f"rank{self.rank}": rng}}
 
     def save(self, directory: str | Path | None = None) -> Path:
         """Collective: write a checkpoint of the current step (``checkpoint.dir`` by default); returns its path."""
         if self.step == 0:
             raise RuntimeError("nothing to save before the first training step")
+        tok = getattr(self.batches.corpus, "tokenizer", None) if self.batches is not None else None
+        extra = {"tokenizer.json": tok.to_str()} if getattr(tok, "kind", None) == "bpe" else None
         path = save_checkpoint(self.state_dict(), directory or self.config.checkpoint_dir, self.step,
-                               self.config.checkpoint.keep, meta=self._checkpoint_meta())
+                               self.config.checkpoint.keep, meta=self._checkpoint_meta(), extra_files=extra)
         if self.is_log_rank:
             log.info("step %d | saved checkpoint %s", self.step, path)
         return path
 
     def _checkpoint_meta(self) -> dict:
-        """What a resume must match, saved beside the tensors: the model settings (``ffn_hidden_size`` resolved)."""
-        return {"step": self.step, "model": {k: getattr(self.config.model, k) for k in _MODEL_MUST_MATCH} |
-                {"ffn_hidden_size": self.config.ffn_hidden_size}}
+        """Saved beside the tensors: what a resume must match (``model``: the settings that fix parameter names
+        and shapes, ``ffn_hidden_size`` resolved), and what ``pipecast sample`` / ``export`` need to rebuild the
+        model in one process (``model_config``: every model field; ``tokenizer``: ``bytes``, ``bpe`` with its
+        ``tokenizer.json`` in the checkpoint folder, or ``none`` for ``.bin`` token files)."""
+        c = self.config
+        kind = "none" if c.data.source == "bin" else c.data.tokenizer
+        return {"step": self.step, "model": {k: getattr(c.model, k) for k in _MODEL_MUST_MATCH} |
+                {"ffn_hidden_size": c.ffn_hidden_size},
+                "model_config": dataclasses.asdict(c.model) | {"ffn_hidden_size": c.ffn_hidden_size},
+                "tokenizer": {"kind": kind} | ({"file": "tokenizer.json"} if kind == "bpe" else {}),
+                "seed": c.schedule.seed}
 
     def _check_checkpoint_meta(self, path: Path) -> None:
         """Compare the model settings saved with ``path`` to this config before loading any tensor.
@@ -474,6 +486,9 @@ class Trainer:
         ours = self._checkpoint_meta()["model"]
         diffs = [f"checkpoint has model.{k}={saved[k]!r}, the config has {ours[k]!r}"
                  for k in ours if k in saved and saved[k] != ours[k]]
+        saved_tok, our_tok = (meta.get("tokenizer") or {}).get("kind"), self._checkpoint_meta()["tokenizer"]["kind"]
+        if saved_tok is not None and saved_tok != our_tok:
+            diffs.append(f"checkpoint was trained on {saved_tok!r} tokens, the config's data gives {our_tok!r}")
         if diffs:
             raise CheckpointError(f"cannot resume from {str(path)!r}: it was written for another model: "
                                   f"{'; '.join(diffs)}; resume with the same model settings (the parallel layout "
@@ -497,6 +512,9 @@ class Trainer:
         model_sd, optim_sd, options = self._dcp_state()
         target = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
                   "trainer": {"step": torch.tensor(0, dtype=torch.int64)}}
+        has_scheduler = "scheduler.last_epoch" in keys  # checkpoints of earlier versions hold the step only
+        if has_scheduler:
+            target["scheduler"] = _scheduler_tensors(self.scheduler.state_dict())
         rng_key = f"rng.rank{self.rank}.cpu"
         if rng_key in keys:
             target["rng"] = {f"rank{self.rank}": {"cpu": torch.get_rng_state()}}
@@ -505,7 +523,7 @@ class Trainer:
         set_state_dict(self.canonical, self.optimizer, model_state_dict=target["model"], optim_state_dict=optim_sd,
                        options=options)
         self.step = int(target["trainer"]["step"])
-        self._set_schedule_position(self.step)
+        self._load_scheduler(target["scheduler"] if has_scheduler else None)
         if "rng" in target:
             torch.set_rng_state(target["rng"][f"rank{self.rank}"]["cpu"])
         self._resumed = True
@@ -523,13 +541,18 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(self.config, self.run_dir / "config.yaml")
 
-    def _set_schedule_position(self, step: int) -> None:
-        self.scheduler.last_epoch = step
-        self.scheduler._step_count = step + 1
-        lrs = [base * self._lr_multiplier(step) for base in self.scheduler.base_lrs]
-        for group, lr in zip(self.optimizer.param_groups, lrs):
+    def _load_scheduler(self, saved: dict | None) -> None:
+        """Restore the LR schedule through ``LambdaLR.load_state_dict`` from the saved tensors (or, for a checkpoint
+        without them, from the step: ``step`` scheduler steps taken), then set each group's LR to it."""
+        state = self.scheduler.state_dict()
+        if saved is not None:
+            state.update(_scheduler_values(saved))
+        else:
+            lrs = [base * self._lr_multiplier(self.step) for base in self.scheduler.base_lrs]
+            state.update(last_epoch=self.step, _step_count=self.step + 1, _last_lr=lrs)
+        self.scheduler.load_state_dict(state)
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
-        self.scheduler._last_lr = lrs
 
     def close(self, failed: bool = False) -> None:
         """Release hooks and process groups (and the default group if this trainer created it).
@@ -563,6 +586,20 @@ class Trainer:
 # model settings that fix the parameter names and shapes (ffn_hidden_size is saved resolved)
 _MODEL_MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                      "tie_embeddings")
+
+
+_SCHEDULER_FIELDS = {"last_epoch": int, "_step_count": int, "base_lrs": list, "_last_lr": list}
+
+
+def _scheduler_tensors(state: dict) -> dict:
+    """The numeric entries of ``LambdaLR.state_dict()`` as tensors (checkpoints store tensors only)."""
+    return {k: torch.tensor(state[k], dtype=torch.int64 if kind is int else torch.float64)
+            for k, kind in _SCHEDULER_FIELDS.items() if k in state}
+
+
+def _scheduler_values(tensors: dict) -> dict:
+    """Inverse of :func:`_scheduler_tensors`."""
+    return {k: (int(v) if _SCHEDULER_FIELDS[k] is int else [float(x) for x in v]) for k, v in tensors.items()}
 
 
 def _loss_func(output: torch.Tensor):
