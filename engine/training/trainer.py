@@ -224,13 +224,16 @@ class Trainer:
     def _iterators(self, microbatches: Iterator[dict] | None) -> list:
         return [microbatches if (c.is_first or c.is_last) else None for c in self.model]
 
-    def _run_schedule(self, microbatches, num_microbatches: int, forward_only: bool) -> list:
+    def _run_schedule(self, microbatches, num_microbatches: int, forward_only: bool, forward_step_func=None,
+                      micro_batch_size: int | None = None, collect_non_loss_data: bool = False) -> list:
         c = self.config
         kwargs: dict[str, Any] = dict(
-            forward_step_func=self._forward_step, data_iterator=self._iterators(microbatches), model=self.model,
-            num_microbatches=num_microbatches, seq_length=c.model.seq_length,
-            micro_batch_size=c.schedule.micro_batch_size, forward_only=forward_only, pg_collection=self.pg,
-            p2p_communicator=self._p2p)
+            forward_step_func=forward_step_func or self._forward_step, data_iterator=self._iterators(microbatches),
+            model=self.model, num_microbatches=num_microbatches, seq_length=c.model.seq_length,
+            micro_batch_size=micro_batch_size or c.schedule.micro_batch_size, forward_only=forward_only,
+            pg_collection=self.pg, p2p_communicator=self._p2p)
+        if collect_non_loss_data:
+            kwargs["collect_non_loss_data"] = True
         return self._forward_backward(**kwargs)
 
     def _data(self, step: int):
@@ -349,6 +352,70 @@ class Trainer:
         self.val_history.append((self.step, loss))
         return loss
 
+    # ---- sampling ---------------------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The run's tokenizer on ranks that read data (None elsewhere, and for ``.bin`` token ids)."""
+        return None if self.batches is None else self.batches.corpus.tokenizer
+
+    def _next_token_logits(self, ids: list[int]) -> torch.Tensor | None:
+        """Logits ``[V]`` after the last ``seq_length`` tokens of ``ids``: one forward-only pipeline pass of one
+        microbatch ``[1, s]``, the context right-padded to ``s`` (causal attention: padding after the position
+        read cannot change it).  Returns the logits on the last pipeline stage, None elsewhere."""
+        s = self.config.model.seq_length
+        window = ids[-s:]
+        n = len(window)
+        tokens = torch.tensor([window + [0] * (s - n)], dtype=torch.int64, device=self.device)
+
+        def step(data_iterator, model):
+            if data_iterator is not None:
+                next(data_iterator)
+            return model(tokens if model.is_first else None), lambda out, non_loss_data=False: out[n - 1, 0].float()
+
+        batch = iter([{}]) if self.batches is not None else None
+        store = self._run_schedule(batch, 1, True, forward_step_func=step, micro_batch_size=1,
+                                   collect_non_loss_data=True)
+        return store[0].cpu() if self.pp_rank == self.pp_size - 1 and store else None
+
+    @torch.no_grad()
+    def sample(self, num_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
+               seed: int | None = None) -> list[int]:
+        """Collective (every rank): ``num_tokens`` token ids generated after a newline prompt by the model as it
+        is now (eval mode, the training RNG untouched: draws come from a generator seeded with ``seed``, default
+        ``schedule.seed + step``).  Returns the ids on every rank (sampled on the last stage, broadcast over the
+        pipeline group); see :func:`engine.training.generate.sample_token`."""
+        from .generate import encode_prompt, sample_token
+        for chunk in self.model:
+            chunk.eval()
+        tok, vocab = self.tokenizer, self.config.model.vocab_size
+        ids = encode_prompt(tok, "", vocab) if self.batches is not None else [0]
+        generator = torch.Generator().manual_seed(self.config.schedule.seed + self.step if seed is None else seed)
+        suspend = self._graphs.suspend() if self._graphs is not None else contextlib.nullcontext()
+        new: list[int] = []
+        with suspend:
+            for _ in range(num_tokens):
+                logits = self._next_token_logits(ids)
+                token = torch.tensor([-1 if logits is None else sample_token(logits, temperature, top_k, generator)],
+                                     dtype=torch.int64)
+                if self.pp_size > 1:
+                    token = _broadcast_cpu(token, self.pg.pp_ranks[-1], self.pg.pp)
+                ids.append(int(token))
+                new.append(int(token))
+        for chunk in self.model:
+            chunk.train()
+        return new
+
+    def _log_sample(self) -> None:
+        """``logging.sample_every_eval`` tokens of text, logged after an evaluation (collective)."""
+        n = self.config.logging.sample_every_eval
+        if not n:
+            return
+        ids = self.sample(n)
+        if self.is_log_rank:
+            from .generate import decode
+            log.info("step %d | sample of %d tokens (temperature 0.8, top-k 50):\n%s", self.step, n,
+                     decode(self.tokenizer, ids))
+
     # ---- the loop ---------------------------------------------------------------------------------------------
     def train(self, steps: int | None = None) -> list[dict]:
         """Train until ``schedule.steps`` (or ``steps`` more steps), evaluating every ``schedule.eval_interval``
@@ -384,6 +451,7 @@ class Trainer:
                         self.step == c.schedule.steps:
                     metrics["val_loss"] = self.evaluate()
                     self._log_eval(metrics["val_loss"])
+                    self._log_sample()
                 if c.checkpoint.interval and self.step % c.checkpoint.interval == 0:
                     self.save()
                 if bar is not None:
