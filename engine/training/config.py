@@ -587,6 +587,12 @@ def _validate_data(config: TrainConfig) -> None:
     d = config.data
     if not 0.0 < d.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
+    if d.source == "bin" and d.tokenizer != "bytes":
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r} does not apply to data.source='bin' (its files hold "
+                          f"token ids already); remove data.tokenizer, or use data.source=text / stdlib")
+    if d.tokenizer == "bpe" and config.model.vocab_size < 257:
+        raise ConfigError(f"model.vocab_size={config.model.vocab_size} is too small for data.tokenizer='bpe': a "
+                          f"byte-level BPE starts from the 256 byte tokens; set model.vocab_size > 256 (e.g. 4096)")
     if d.source == "stdlib":
         if d.paths:
             raise ConfigError(f"data.paths={d.paths} is set but data.source='stdlib' ignores it; set "
@@ -597,12 +603,6 @@ def _validate_data(config: TrainConfig) -> None:
     for i, raw in enumerate(d.paths):
         if not Path(raw).exists():
             raise ConfigError(f"data.paths[{i}]={raw!r} does not exist; fix the path or use data.source=stdlib")
-    if d.source == "bin" and d.tokenizer != "bytes":
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r} does not apply to data.source='bin' (its files hold "
-                          f"token ids already); remove data.tokenizer, or use data.source=text / stdlib")
-    if d.tokenizer == "bpe" and config.model.vocab_size < 257:
-        raise ConfigError(f"model.vocab_size={config.model.vocab_size} is too small for data.tokenizer='bpe': a "
-                          f"byte-level BPE starts from the 256 byte tokens; set model.vocab_size > 256 (e.g. 4096)")
 
 
 def _validate_logging(config: TrainConfig) -> None:

@@ -1,6 +1,7 @@
 """``pipecast export CHECKPOINT --out model.safetensors [--dtype fp32|bf16|fp16]``: the consolidated model of a
-checkpoint (any pipeline layout) as one ``safetensors`` file, with ``<out>.json`` beside it (the model settings,
-tokenizer kind, step and source checkpoint) and, for BPE runs, ``<out stem>.tokenizer.json``.
+checkpoint (any pipeline layout) as one ``safetensors`` file, with ``<stem>.config.json`` beside it (the model
+settings, tokenizer kind, step and source checkpoint; also in the file's metadata) and, for BPE runs,
+``<stem>.tokenizer.json``.
 
 Tensor names are the layout-independent checkpoint names (``layers.<i>.*``, ``embedding.word.weight`` -- also the
 output head when tied --, ``embedding.pos.weight``, ``final_norm.*``).  Every file is written under a temporary
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _sidecars(out: Path) -> tuple[Path, Path]:
-    return out.with_name(out.name + ".json"), out.with_name(out.stem + ".tokenizer.json")
+    return out.with_name(out.stem + ".config.json"), out.with_name(out.stem + ".tokenizer.json")
 
 
 def export_checkpoint(checkpoint, out, dtype: str = "fp32") -> list[Path]:
