@@ -319,3 +319,32 @@ def test_foreign_token_file_headers_are_refused(tmp_path, kind):
     with pytest.raises(ConfigError, match=expect) as info:
         read_bin(path)
     assert str(path) in str(info.value)
+
+
+# ---- discoverable config --------------------------------------------------------------------------------------
+def test_every_config_field_is_documented_in_train_help(capsys):
+    from engine.cli import main
+    from engine.training.config_help import FIELD_HELP, field_rows
+    rows = field_rows()
+    assert {name for name, *_ in rows} == set(FIELD_HELP)  # every field has a meaning, no stale entry
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for name, kind, default, _ in rows:
+        assert f"--{name} {kind} (default {default})" in text
+    assert "--data.tokenizer 'bytes' | 'bpe' (default bytes)" in text and "--print-config" in text
+
+
+def test_print_config_prints_the_resolved_yaml_and_exits(capsys, tmp_path):
+    import yaml
+    from engine.cli import main
+    run_dir = tmp_path / "never_made"
+    assert main(["train", "configs/default.yaml", "--print-config", "--schedule.steps=7",
+                 f"--logging.run_dir={run_dir}"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["schedule"]["steps"] == 7 and printed["parallel"]["data"] == 1
+    assert printed["parallel"]["virtual"] == 2 and not run_dir.exists()
+    assert load_config(None, {f"{s}.{k}": v for s, sec in printed.items() for k, v in sec.items()}).schedule.steps == 7
+    assert main(["train", "configs/default.yaml", "--print-config", "--data.tokenizer=words"]) == 2
+    assert capsys.readouterr().err.startswith("error: data.tokenizer='words' is not allowed")

@@ -67,9 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="record every rank's timeline; write a Chrome/Perfetto trace, a Gantt chart and the "
                              "measured vs simulated bubble to DIR")
     parser.add_argument("--nvtx", action="store_true", help="NVTX ranges per action / P2P call (for nsys)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (file + overrides, validated) as YAML and exit")
+    from .config_help import help_text
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = ("Override any config field with --section.key=value, e.g. --schedule.steps=50 "
                      "--parallel.pipeline=4. Under torchrun each process joins the job; otherwise the configured "
-                     "number of local ranks is spawned.")
+                     "number of local ranks is spawned.\n\n" + help_text())
 
 
 def under_torchrun() -> bool:
@@ -85,6 +89,12 @@ def run(args: argparse.Namespace) -> int:
             config = load_config(args.config, parse_override_args(list(getattr(args, "extra", []) or [])))
             if under_torchrun():
                 config = validate_world_size(config, int(os.environ["WORLD_SIZE"]))
+            if getattr(args, "print_config", False):
+                import yaml
+                from .config import config_to_dict
+                resolved = validate_world_size(config, config.world_size) if not under_torchrun() else config
+                sys.stdout.write(yaml.safe_dump(config_to_dict(resolved), sort_keys=False))
+                return 0
             from .data import check_data
             check_data(config)
             check_fresh_run(config, bool(args.resume))
