@@ -29,24 +29,25 @@ def tiny(run_dir, **extra) -> dict:
             "optimizer.warmup_steps": 1, "logging.progress_bar": False, "logging.run_dir": str(run_dir), **extra}
 
 
-def _train(rank, world, overrides) -> dict:
-    """Train; returns the final weights under the checkpoint's layout-independent names."""
+def _train(rank, world, overrides) -> tuple[dict, list[int]]:
+    """Train; returns this rank's final weights under the checkpoint's layout-independent names and 12 tokens
+    sampled through the pipeline (``Trainer.sample``, seed 5)."""
     from engine import Trainer
     with Trainer(load_config(None, overrides)) as trainer:
         trainer.train()
-        return {k: v.detach().clone() for k, v in trainer.canonical.state_dict().items()}
+        weights = {k: v.detach().clone() for k, v in trainer.canonical.state_dict().items()}
+        return weights, trainer.sample(12, seed=5)
 
 
-def _train_layouts(rank, world, runs: dict) -> None:
-    for overrides in runs.values():
-        _train(rank, world, overrides)
+def _train_layouts(rank, world, runs: dict) -> dict:
+    return {name: _train(rank, world, overrides)[1] for name, overrides in runs.items()}
 
 
 @pytest.fixture(scope="module")
 def pp1(tmp_path_factory):
-    """``(run_dir, final weights)`` of the tiny model trained 4 steps with pp=1 in this process."""
+    """``(run_dir, final weights, pipeline sample)`` of the tiny model trained 4 steps with pp=1 in this process."""
     run_dir = tmp_path_factory.mktemp("layouts") / "pp1"
-    return run_dir, _train(0, 1, tiny(run_dir))
+    return (run_dir, *_train(0, 1, tiny(run_dir)))
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +55,10 @@ def runs(pp1):
     """The same model trained with pp=1 (this process), pp=2 and pp=2 x vp=2 (one 2-rank job): run folders."""
     root = pp1[0].parent
     layouts = {"pp2": {"parallel.pipeline": 2}, "pp2_vp2": {"parallel.pipeline": 2, "parallel.virtual": 2}}
-    run_ranks(_train_layouts, 2, {name: tiny(root / name, **extra) for name, extra in layouts.items()}, timeout=110)
-    return {"pp1": pp1[0], **{name: root / name for name in layouts}}
+    samples = run_ranks(_train_layouts, 2, {name: tiny(root / name, **extra) for name, extra in layouts.items()},
+                        timeout=110)
+    assert samples[0] == samples[1]  # Trainer.sample returns the same ids on every rank
+    return {"pp1": pp1[0], **{name: root / name for name in layouts}}, samples[0]
 
 
 # ---- metrics.jsonl and loss.png -------------------------------------------------------------------------------
@@ -168,6 +171,8 @@ def test_sampling_is_seeded(pp1):
     first = generate(loaded.model, prompt, 24, 0.8, 50, seed=7)
     assert len(first) == 24 and generate(loaded.model, prompt, 24, 0.8, 50, seed=7) == first
     assert generate(loaded.model, prompt, 24, 0.8, 50, seed=8) != first
+    # the in-training sampler (forward-only pipeline schedule, right-padded window) draws the same tokens
+    assert generate(loaded.model, loaded.tokenizer.encode("\n"), 12, 0.8, 50, seed=5) == pp1[2]
     greedy = generate(loaded.model, prompt, 8, 0.0, None, seed=1)
     assert greedy == generate(loaded.model, prompt, 8, 0.0, None, seed=2)  # temperature 0: argmax, seed unused
 
@@ -176,6 +181,7 @@ def test_sampling_is_seeded(pp1):
 @pytest.mark.timeout(150)
 def test_sampling_is_layout_independent(runs):
     from engine.training.generate import generate, load_model, model_state_dict
+    runs, pipeline_samples = runs
     loaded = {name: load_model(path) for name, path in runs.items()}
     reference = model_state_dict(loaded["pp1"].model)
     for name, one in loaded.items():  # the three layouts trained the same model (within fp32 rounding)
@@ -186,6 +192,9 @@ def test_sampling_is_layout_independent(runs):
     prompt = loaded["pp1"].tokenizer.encode("def ")
     samples = {name: generate(one.model, prompt, 24, 0.8, 50, seed=7) for name, one in loaded.items()}
     assert len(set(map(tuple, samples.values()))) == 1, samples
+    newline = loaded["pp1"].tokenizer.encode("\n")
+    for name, ids in pipeline_samples.items():  # sampled during training through the pp=2 (x vp=2) pipeline
+        assert ids == generate(loaded[name].model, newline, 12, 0.8, 50, seed=5), name
     # the pipelined run's metrics.jsonl is written by its last stage: every step and evaluation once
     lines = [json.loads(line) for line in (runs["pp2_vp2"] / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], "loss" in r) for r in lines] == [(0, False), (1, True), (2, True), (2, False), (3, True),

@@ -359,9 +359,12 @@ class Trainer:
         return None if self.batches is None else self.batches.corpus.tokenizer
 
     def _next_token_logits(self, ids: list[int]) -> torch.Tensor | None:
-        """Logits ``[V]`` after the last ``seq_length`` tokens of ``ids``: one forward-only pipeline pass of one
-        microbatch ``[1, s]``, the context right-padded to ``s`` (causal attention: padding after the position
-        read cannot change it).  Returns the logits on the last pipeline stage, None elsewhere."""
+        """Logits ``[V]`` after the last ``seq_length`` tokens of ``ids``: one forward-only pipeline pass of
+        microbatches ``[1, s]`` (one; interleaved 1F1B needs a whole microbatch group, so G copies there), the
+        context right-padded to ``s`` (causal attention: padding after the position read cannot change it).
+        Returns the logits on the last pipeline stage, None elsewhere."""
+        p = self.config.parallel
+        m = (p.microbatch_group_size_per_vp_stage or p.pipeline) if p.virtual > 1 else 1
         s = self.config.model.seq_length
         window = ids[-s:]
         n = len(window)
@@ -372,8 +375,8 @@ class Trainer:
                 next(data_iterator)
             return model(tokens if model.is_first else None), lambda out, non_loss_data=False: out[n - 1, 0].float()
 
-        batch = iter([{}]) if self.batches is not None else None
-        store = self._run_schedule(batch, 1, True, forward_step_func=step, micro_batch_size=1,
+        batch = iter([{}] * m) if self.batches is not None else None
+        store = self._run_schedule(batch, m, True, forward_step_func=step, micro_batch_size=1,
                                    collect_non_loss_data=True)
         return store[0].cpu() if self.pp_rank == self.pp_size - 1 and store else None
 
