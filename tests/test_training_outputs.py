@@ -154,7 +154,7 @@ def test_flops_parameter_count_is_the_models_matmul_parameters(tied):
 def test_gpt2_preset_flops():
     """GPT-2 124M (nanoGPT's estimate_mfu): N = 124M less the position embedding; ~0.87 GFLOP per token."""
     from engine.training.metrics import flops_parameter_count, model_flops_per_token
-    config = load_config(ROOT / "configs" / "gpt2_124m.yaml", {"data.tokenizer": "bytes"}, check=False)
+    config = load_config(ROOT / "configs" / "gpt2_124m.yaml")
     assert config.model.vocab_size % 64 == 0
     n = flops_parameter_count(config.model, config.ffn_hidden_size)
     assert 123e6 < n < 125e6

@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1234, help="sampling seed: same seed, same text (default 1234)")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                         help="where to run the model (default cpu)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads (default 1: one token at a time is too little work to share, and extra "
+                             "threads on a busy machine slow it down)")
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -36,6 +39,8 @@ def _check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature={args.temperature} must be a finite number >= 0 (0 = greedy)")
     if args.top_k < 0:
         raise ValueError(f"--top-k={args.top_k} must be >= 0 (0 = no limit)")
+    if args.threads < 1:
+        raise ValueError(f"--threads={args.threads} must be >= 1")
 
 
 def _device(name: str):
@@ -51,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from .generate import decode, encode_prompt, generate, load_model
     try:
         _check_options(args)
+        import torch
+        torch.set_num_threads(args.threads)
         loaded = load_model(args.path, _device(args.device))
         prompt = encode_prompt(loaded.tokenizer, args.prompt, loaded.config.vocab_size)
     except (CheckpointError, ValueError) as exc:  # TokenizerError is a ValueError
