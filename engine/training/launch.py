@@ -90,11 +90,7 @@ def run(args: argparse.Namespace) -> int:
             if under_torchrun():
                 config = validate_world_size(config, int(os.environ["WORLD_SIZE"]))
             if getattr(args, "print_config", False):
-                import yaml
-                from .config import config_to_dict
-                resolved = validate_world_size(config, config.world_size) if not under_torchrun() else config
-                sys.stdout.write(yaml.safe_dump(config_to_dict(resolved), sort_keys=False))
-                return 0
+                return _print_config(config)
             from .data import check_data
             check_data(config)
             check_fresh_run(config, bool(args.resume))
@@ -109,6 +105,15 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # before the ranks started, or a one-rank run in this process
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _print_config(config: TrainConfig) -> int:
+    """``--print-config``: the resolved config as YAML on stdout (``parallel.data`` filled in); exit status 0."""
+    import yaml
+    from .config import config_to_dict
+    resolved = config if under_torchrun() else validate_world_size(config, config.world_size)
+    sys.stdout.write(yaml.safe_dump(config_to_dict(resolved), sort_keys=False))
+    return 0
 
 
 def run_spawned(fn, config: TrainConfig, *args) -> int:
