@@ -357,3 +357,20 @@ def test_print_config_prints_the_resolved_yaml_and_exits(capsys, tmp_path):
     assert load_config(None, {f"{s}.{k}": v for s, sec in printed.items() for k, v in sec.items()}).schedule.steps == 7
     assert main(["train", "configs/default.yaml", "--print-config", "--data.tokenizer=words"]) == 2
     assert capsys.readouterr().err.startswith("error: data.tokenizer='words' is not allowed")
+
+
+def test_bpe_run_keeps_its_tokenizer_with_the_checkpoint(tmp_path):
+    """A data.tokenizer=bpe run saves tokenizer.json into each checkpoint; sample and export decode with it."""
+    from engine.training.export import export_checkpoint
+    from engine.training.generate import encode_prompt, load_model
+    (tmp_path / "corpus.txt").write_text("".join(f"value_{i} = compute({i}, 'x')\n" for i in range(4000)))
+    over = tiny(tmp_path / "run", **{"data.source": "text", "data.paths": [str(tmp_path / "corpus.txt")],
+                                     "data.tokenizer": "bpe", "model.vocab_size": 384,
+                                     "data.cache_dir": str(tmp_path / "cache"), "schedule.steps": 2})
+    _train(0, 1, over)
+    loaded = load_model(tmp_path / "run")
+    assert loaded.tokenizer.kind == "bpe" and (loaded.checkpoint / "tokenizer.json").is_file()
+    text = "value_7 = compute(7, 'x')\n"
+    assert loaded.tokenizer.decode(encode_prompt(loaded.tokenizer, text, 384)) == text
+    export_checkpoint(tmp_path / "run", tmp_path / "m.safetensors")
+    assert (tmp_path / "m.tokenizer.json").read_text() == (loaded.checkpoint / "tokenizer.json").read_text()
