@@ -445,6 +445,7 @@ class Trainer:
                                              f" virtual={c.parallel.virtual} data={self.dp_size}")
         if not self.val_history:  # also at the start of a resumed run: "val loss A -> B" covers this run
             self._log_eval(self.evaluate())
+            self._log_sample()
         with self._progress(start, end) as bar:
             while self.step < end:
                 metrics = self.train_step()
