@@ -416,8 +416,9 @@ class Trainer:
         ids = self.sample(n)
         if self.is_log_rank:
             from .generate import decode
-            log.info("step %d | sample of %d tokens (temperature 0.8, top-k 50):\n%s", self.step, n,
-                     decode(self.tokenizer, ids))
+            text = "".join(ch if ch in "\n\t" or ch.isprintable() else ascii(ch)[1:-1]
+                           for ch in decode(self.tokenizer, ids))  # no raw control bytes into the terminal / log
+            log.info("step %d | sample of %d tokens (temperature 0.8, top-k 50):\n%s", self.step, n, text)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def train(self, steps: int | None = None) -> list[dict]:
