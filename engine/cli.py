@@ -1,4 +1,5 @@
-"""The ``pipecast`` command: ``pipecast schedule ...`` (plans) and ``pipecast train ...`` (training runs)."""
+"""The ``pipecast`` command: ``pipecast schedule ...`` (plans), ``pipecast train ...`` (training runs),
+``pipecast sample ...`` (text from a checkpoint) and ``pipecast export ...`` (a checkpoint as safetensors)."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,8 @@ import sys
 COMMANDS = {
     "schedule": ("engine.plan.cli", "print a schedule's per-rank action grid and simulated bubble"),
     "train": ("engine.training.launch", "run a YAML-configured training job (spawns local ranks or joins torchrun)"),
+    "sample": ("engine.training.sample", "generate text from a run's checkpoint (any pipeline layout, one process)"),
+    "export": ("engine.training.export", "write a checkpoint's model as one safetensors file (+ its config)"),
 }
 
 

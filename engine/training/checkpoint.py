@@ -64,10 +64,11 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
 
 
 def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: int = 2,
-                    meta: dict | None = None) -> Path:
+                    meta: dict | None = None, extra_files: dict[str, str] | None = None) -> Path:
     """Collectively save ``state`` (nested dicts of tensors) as ``<directory>/step_<step>``; returns the path.
 
-    Every rank calls it.  Writes to a temporary folder (with ``meta`` as JSON in :data:`META_FILE` when given),
+    Every rank calls it.  Writes to a temporary folder (with ``meta`` as JSON in :data:`META_FILE` when given, and
+    rank 0's ``extra_files``, ``{file name: text}``, e.g. the run's ``tokenizer.json``),
     then rank 0 renames it and removes temporary folders left by crashed saves and the oldest checkpoints so that
     ``keep`` remain -- the one just written always stays, even beside higher-step checkpoints of another run.
     """
@@ -84,6 +85,8 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
         _barrier()
         if _rank() == 0 and meta is not None:
             (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        for name, text in ((extra_files or {}).items() if _rank() == 0 else ()):
+            (tmp / name).write_text(text)
     if _rank() == 0:
         if final.exists():
             shutil.rmtree(final)
@@ -218,6 +221,7 @@ def load_checkpoint(state: dict, path: str | os.PathLike) -> None:
         dcp.load(state, storage_reader=_safe_reader(path))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises CheckpointException (a
         # BaseException) on every rank when any rank fails to read
+        from .launch import exception_line  # the line that names the error, not DCP's per-rank traceback
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: it is corrupt, truncated or was written for "
-                              f"another model ({type(exc).__name__}: {str(exc).strip()[:500]}); delete it or "
-                              f"resume from an older one") from None
+                              f"another model ({type(exc).__name__}: {exception_line(str(exc).strip(), 300)}); "
+                              f"delete it or resume from an older one") from None

@@ -117,9 +117,11 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    """Training text.  ``source``: ``stdlib`` (this Python's standard library ``.py`` files, bytes), ``text``
-    (files or folders in ``paths``, bytes) or ``bin`` (uint16 token files, nanoGPT layout: a folder with
-    ``train.bin`` / ``val.bin``, or one ``.bin`` file that is split)."""
+    """Training text.  ``source``: ``stdlib`` (this Python's standard library ``.py`` files), ``text`` (files or
+    folders in ``paths``) or ``bin`` (token files: nanoGPT's raw uint16 or llm.c's headered uint16 / uint32; a
+    folder with ``train.bin`` / ``val.bin``, or one ``.bin`` file that is split).  ``tokenizer`` applies to text
+    sources: ``bytes`` (one token per byte) or ``bpe`` (a byte-level BPE of ``model.vocab_size`` tokens trained on
+    the training split, cached in ``cache_dir``)."""
 
     source: Literal["stdlib", "text", "bin"] = "stdlib"
     paths: list[str] = field(default_factory=list)
@@ -127,6 +129,8 @@ class DataConfig:
     val_fraction: float = 0.05
     split_block_bytes: int = 4096  # train/val split granularity (every k-th block goes to validation)
     max_bytes: int | None = None  # cap the corpus size (None: all of it)
+    tokenizer: Literal["bytes", "bpe"] = "bytes"
+    cache_dir: str | None = None  # BPE tokenizer + tokenized splits; None -> $XDG_CACHE_HOME or ~/.cache, /pipecast
 
 
 @dataclass
@@ -174,6 +178,9 @@ class LoggingConfig:
     log_interval: int = 1
     progress_bar: bool | Literal["auto"] = "auto"  # tqdm bar on the logging rank; auto: when stderr is a terminal
     level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
+    tensorboard: bool = False  # also write RUN_DIR/tensorboard (pip install -e '.[tensorboard]')
+    peak_tflops: float | None = None  # per-GPU peak for MFU; None -> the GPU's known dense bf16 peak
+    sample_every_eval: int = 0  # tokens of a sample printed at each evaluation (0: none)
 
 
 @dataclass
@@ -503,6 +510,7 @@ def validate(config: TrainConfig) -> None:
         if not 0.0 <= beta < 1.0:
             raise ConfigError(f"{where}={beta} must be in [0, 1)")
     _validate_data(config)
+    _validate_logging(config)
     _validate_device(config)  # last: the only check that may import torch
 
 
@@ -638,6 +646,12 @@ def _validate_data(config: TrainConfig) -> None:
     d = config.data
     if not 0.0 < d.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
+    if d.source == "bin" and d.tokenizer != "bytes":
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r} does not apply to data.source='bin' (its files hold "
+                          f"token ids already); remove data.tokenizer, or use data.source=text / stdlib")
+    if d.tokenizer == "bpe" and config.model.vocab_size < 257:
+        raise ConfigError(f"model.vocab_size={config.model.vocab_size} is too small for data.tokenizer='bpe': a "
+                          f"byte-level BPE starts from the 256 byte tokens; set model.vocab_size > 256 (e.g. 4096)")
     if d.source == "stdlib":
         if d.paths:
             raise ConfigError(f"data.paths={d.paths} is set but data.source='stdlib' ignores it; set "
@@ -648,9 +662,18 @@ def _validate_data(config: TrainConfig) -> None:
     for i, raw in enumerate(d.paths):
         if not Path(raw).exists():
             raise ConfigError(f"data.paths[{i}]={raw!r} does not exist; fix the path or use data.source=stdlib")
-    if d.source == "bin" and config.model.vocab_size > 65536:
-        raise ConfigError(f"model.vocab_size={config.model.vocab_size} exceeds what uint16 .bin tokens hold "
-                          f"(65536)")
+
+
+def _validate_logging(config: TrainConfig) -> None:
+    lg = config.logging
+    _positive("logging.sample_every_eval", lg.sample_every_eval, "use 0 (off) or a number of tokens", minimum=0)
+    if lg.peak_tflops is not None and lg.peak_tflops <= 0:
+        raise ConfigError(f"logging.peak_tflops={lg.peak_tflops} must be > 0 (TFLOP/s of one GPU) or null")
+    if lg.tensorboard:
+        import importlib.util
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("logging.tensorboard=true needs the tensorboard package, which is not installed; "
+                              "run pip install -e '.[tensorboard]' or set logging.tensorboard=false")
 
 
 def validate_world_size(config: TrainConfig, world_size: int) -> TrainConfig:

@@ -7,8 +7,15 @@ Sources (``data.source``):
   folder's files sorted by name, then its sub-folders sorted by name, depth first).
 * ``text``: the files in ``data.paths`` (folders are walked the same way, keeping ``data.suffixes``), in the given
   order; bytes.
-* ``bin``: pre-tokenized uint16 tokens in nanoGPT's layout -- a folder with ``train.bin`` and ``val.bin``, or one
-  ``.bin`` file whose last ``val_fraction`` becomes the validation split.  Read with ``np.memmap`` (no copy).
+* ``bin``: pre-tokenized tokens -- a folder with ``train.bin`` and ``val.bin``, or one ``.bin`` file whose last
+  ``val_fraction`` becomes the validation split.  Two layouts, told apart by the first 4 bytes: llm.c's (a header
+  of 256 int32: magic 20240520, version 1 = uint16 tokens or 2 = uint32 tokens, token count; then the tokens) and
+  nanoGPT's (raw uint16 tokens, no header).  A header with another llm.c-style magic or an unknown version is
+  refused (:func:`read_bin`).  Read with ``np.memmap`` (no copy).
+
+Tokenizers (``data.tokenizer``, text sources): ``bytes`` (the byte arrays above) or ``bpe``: a byte-level BPE
+trained on the training split (:mod:`engine.training.tokenizer`), saved with both tokenized splits (llm.c files)
+in a cache folder keyed by the data and settings (:func:`bpe_cache`) and reused by later runs.
 
 Byte corpora are split in blocks of ``data.split_block_bytes``: every ``k``-th block (``k = round(1 /
 val_fraction)``) is validation, the rest training -- same distribution, fixed for a given corpus.
@@ -20,13 +27,18 @@ Validation uses fixed, evenly spaced windows.  Only the first stage reads tokens
 
 Checks (:func:`check_data`, run by ``pipecast train`` before any rank starts, and again by :func:`load_corpus` in
 every rank that reads data): the files exist and are not empty, each split holds at least ``model.seq_length + 2``
-tokens, a ``.bin`` file is a whole number of uint16 tokens, and every token id is below ``model.vocab_size``.
+tokens, a ``.bin`` file is a whole number of tokens after its header, and every token id is below
+``model.vocab_size``.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import shutil
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
@@ -38,11 +50,16 @@ from .config import ConfigError, DataConfig
 if TYPE_CHECKING:  # torch is imported where tensors are made, so that check_data stays cheap for the launcher
     import torch
 
-__all__ = ["Corpus", "load_corpus", "check_data", "stdlib_files", "Batches", "read_text_files", "max_token_id"]
+__all__ = ["Corpus", "load_corpus", "check_data", "stdlib_files", "Batches", "read_text_files", "max_token_id",
+           "read_bin", "write_llmc_bin", "bpe_cache", "default_cache_dir", "LLMC_MAGIC"]
 
 log = logging.getLogger("pipecast." + __name__.rsplit(".", 1)[-1])
 
 BIN_DTYPE = np.uint16  # nanoGPT's token files: little-endian uint16, 2 bytes per token
+LLMC_MAGIC = 20240520  # llm.c token files: int32[256] header [magic, version, token count, 0...]
+LLMC_HEADER_BYTES = 256 * 4
+LLMC_DTYPES = {1: np.uint16, 2: np.uint32}  # header version -> token dtype
+_BPE_CACHE_FORMAT = 1  # bump when the cache layout or the tokenizer settings change
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _MAX_CHUNK = 1 << 24  # tokens per np.max call when scanning a .bin file for its largest token id (32 MiB)
 
@@ -56,10 +73,12 @@ class Corpus:
     val: np.ndarray
     description: str
     max_token: int | None = None
+    tokenizer: object | None = None  # ByteTokenizer / BPETokenizer; None for .bin token files
 
     @property
     def vocab_needed(self) -> int:
-        return 256 if self.train.dtype == np.uint8 else 65536
+        """Ids the token dtype can hold: 256 for bytes, 2**16 for uint16, 2**32 for uint32."""
+        return 1 << (8 * self.train.dtype.itemsize)
 
     def largest_token(self) -> int:
         """The largest token id of both splits (one chunked pass over the arrays, cached)."""
@@ -181,10 +200,63 @@ def _check_split_lengths(n_train: int, n_val: int, seq_length: int, cfg: DataCon
                 f"model.seq_length{' or a larger data.val_fraction' if name == 'validation' else ''}")
 
 
-# ---- nanoGPT .bin files ---------------------------------------------------------------------------------------
+# ---- .bin token files (nanoGPT raw uint16, llm.c headered) ---------------------------------------------------
+def _looks_like_header(first: np.ndarray) -> bool:
+    """An int32 header of an llm.c-style file: a date-like magic (2020..2030) and a small version number."""
+    return 20200101 <= int(first[0]) <= 20301231 and 0 <= int(first[1]) < 64
+
+
+def read_bin(path: Path, where: str = "data.paths[0]") -> np.ndarray:
+    """The tokens of one ``.bin`` file as a read-only memmap: llm.c's layout (``int32[256]`` header, magic
+    20240520, version 1 -> uint16 / 2 -> uint32, then the token count of tokens) or nanoGPT's raw uint16.
+
+    Raises:
+        ConfigError: naming the file and what it found: an empty file, a header of another kind (other magic or
+            version), a token count that does not match the file size, or a raw file of an odd number of bytes.
+    """
+    size = path.stat().st_size
+    if size == 0:
+        raise ConfigError(f"{where}: {path} is empty; write the tokens there (llm.c or nanoGPT layout) or point "
+                          f"data.paths at another corpus")
+    first = np.fromfile(path, dtype="<i4", count=3) if size >= 12 else np.zeros(3, "<i4")
+    if int(first[0]) == LLMC_MAGIC:
+        version, count = int(first[1]), int(first[2])
+        if version not in LLMC_DTYPES:
+            raise ConfigError(f"{where}: {path} has an llm.c header (magic {LLMC_MAGIC}) of version {version}; "
+                              f"pipecast reads version 1 (uint16 tokens) and 2 (uint32 tokens): re-export the file "
+                              f"in one of those")
+        dtype = np.dtype(LLMC_DTYPES[version])
+        expected = LLMC_HEADER_BYTES + count * dtype.itemsize
+        if size != expected:
+            raise ConfigError(f"{where}: {path} has an llm.c header (version {version}) announcing {count:,} "
+                              f"{dtype.name} tokens = {expected:,} bytes, but the file has {size:,} bytes; it is "
+                              f"truncated or was written wrongly -- re-export it")
+        return np.memmap(path, dtype=dtype, mode="r", offset=LLMC_HEADER_BYTES, shape=(count,))
+    if size >= 12 and _looks_like_header(first):
+        raise ConfigError(f"{where}: {path} starts with a header of magic {int(first[0])} version {int(first[1])}, "
+                          f"not an llm.c token file (magic {LLMC_MAGIC}, version 1 or 2) nor raw uint16 tokens; "
+                          f"point data.paths at token files (e.g. llm.c's *_train.bin / *_val.bin)")
+    if size % np.dtype(BIN_DTYPE).itemsize:
+        raise ConfigError(f"{where}: {path} has {size} bytes, not a whole number of tokens: without an llm.c "
+                          f"header data.source='bin' reads raw uint16 token ids (2 bytes each, little-endian, "
+                          f"nanoGPT's np.array(ids, dtype=np.uint16).tofile(path)); the file is truncated or not "
+                          f"in that layout -- re-export it, or use data.source='text' for raw bytes")
+    return np.memmap(path, dtype=BIN_DTYPE, mode="r")
+
+
+def write_llmc_bin(path: Path, tokens: np.ndarray) -> None:
+    """Write ``tokens`` as an llm.c token file (version 1 = uint16 when every id fits, else 2 = uint32)."""
+    version = 1 if (len(tokens) == 0 or int(tokens.max()) < 1 << 16) else 2
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = (LLMC_MAGIC, version, len(tokens))
+    with open(path, "wb") as fh:
+        fh.write(header.tobytes())
+        fh.write(np.ascontiguousarray(tokens, dtype=LLMC_DTYPES[version]).tobytes())
+
+
 def _bin_files(cfg: DataConfig) -> tuple[Path, list[Path]]:
     """``(path, files)``: the one ``data.paths`` entry and its token files (``train.bin``, ``val.bin`` of a folder,
-    or the file itself), each checked to be a non-empty whole number of uint16 tokens."""
+    or the file itself)."""
     if len(cfg.paths) != 1:
         raise ConfigError(f"data.paths={cfg.paths}: data.source='bin' takes exactly one path (a folder with "
                           f"train.bin and val.bin, or one .bin file); set data.paths=[FOLDER] or [FILE.bin]")
@@ -200,28 +272,25 @@ def _bin_files(cfg: DataConfig) -> tuple[Path, list[Path]]:
     else:
         raise ConfigError(f"data.paths[0]={str(p)!r} does not exist; point it at a folder with train.bin and "
                           f"val.bin or at one .bin file (relative paths start from {os.getcwd()})")
-    for f in files:
-        size = f.stat().st_size
-        if size == 0:
-            raise ConfigError(f"data.paths[0]: {f} is empty; write the tokens there (uint16, nanoGPT layout) or "
-                              f"point data.paths at another corpus")
-        if size % np.dtype(BIN_DTYPE).itemsize:
-            raise ConfigError(f"data.paths[0]: {f} has {size} bytes, not a whole number of tokens: data.source="
-                              f"'bin' reads uint16 token ids (2 bytes each, little-endian, nanoGPT's "
-                              f"np.array(ids, dtype=np.uint16).tofile(path)); the file is truncated or not in that "
-                              f"layout -- re-export it, or use data.source='text' for raw bytes")
     return p, files
 
 
 def _bin_arrays(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray, Path]:
     p, files = _bin_files(cfg)
-    if len(files) == 2:
-        train, val = (np.memmap(f, dtype=BIN_DTYPE, mode="r") for f in files)
+    arrays = [read_bin(f) for f in files]
+    if len(arrays) == 2:
+        train, val = arrays
+        if train.dtype != val.dtype:
+            raise ConfigError(f"data.paths[0]={str(p)!r}: train.bin holds {train.dtype.name} tokens but val.bin "
+                              f"{val.dtype.name}; write both splits with the same token width")
     else:
-        tokens = np.memmap(files[0], dtype=BIN_DTYPE, mode="r")
-        cut = int(len(tokens) * (1 - cfg.val_fraction))
-        train, val = tokens[:cut], tokens[cut:]
+        cut = int(len(arrays[0]) * (1 - cfg.val_fraction))
+        train, val = arrays[0][:cut], arrays[0][cut:]
     return train, val, p
+
+
+def _bin_description(train: np.ndarray, val: np.ndarray, p: Path) -> str:
+    return f"{train.dtype.name} tokens from {p}: {len(train):,} train, {len(val):,} val"
 
 
 def _check_vocab(corpus: Corpus, vocab_size: int, where: str) -> None:
@@ -239,27 +308,104 @@ def _check_vocab(corpus: Corpus, vocab_size: int, where: str) -> None:
                           f"model.vocab_size to the tokenizer's vocabulary size (at least {top + 1})")
 
 
+# ---- byte-level BPE cache ------------------------------------------------------------------------------------
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/pipecast`` (``~/.cache/pipecast`` when unset)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pipecast"
+
+
+def _bpe_key(cfg: DataConfig, files: list[Path], vocab_size: int) -> str:
+    """A digest of everything the tokenizer and the tokenized splits depend on: the files (path, size,
+    modification time), the byte cap, the split settings and the vocabulary size."""
+    import tokenizers
+    stamp = [(str(f.resolve()), st.st_size, st.st_mtime_ns) for f in files for st in (f.stat(),)]
+    blob = json.dumps({"format": _BPE_CACHE_FORMAT, "tokenizers": tokenizers.__version__, "files": stamp,
+                       "max_bytes": cfg.max_bytes, "val_fraction": cfg.val_fraction,
+                       "split_block_bytes": cfg.split_block_bytes, "vocab_size": vocab_size})
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _text_pieces(data: np.ndarray, size: int = 1 << 16) -> list[str]:
+    """A byte split as UTF-8 text in pieces of about ``size`` bytes (bytes that are not UTF-8, e.g. characters cut
+    by the block split, become U+FFFD)."""
+    text = data.tobytes().decode("utf-8", errors="replace")
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def bpe_cache(cfg: DataConfig, vocab_size: int) -> Path:
+    """The cache folder of the byte-level BPE of this data with ``vocab_size`` tokens: ``tokenizer.json``,
+    ``train.bin`` / ``val.bin`` (llm.c token files) and ``info.json``; built on first use (tokenizer trained on the
+    training split only) into a temporary folder renamed when complete, so concurrent builders and crashes
+    never leave a half-written cache.  Folder: ``data.cache_dir`` (or :func:`default_cache_dir`)
+    ``/bpe-<vocab>-<key>``."""
+    from .tokenizer import train_bpe
+    files = _text_files(cfg)
+    root = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    final = root / f"bpe-{vocab_size}-{_bpe_key(cfg, files, vocab_size)}"
+    if (final / "info.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tokens, count = read_text_files(files, cfg.max_bytes)
+    train, val = _block_split(tokens, cfg.val_fraction, cfg.split_block_bytes)
+    log.info("training a byte-level BPE of %d tokens on %s bytes of training text (cached in %s)", vocab_size,
+             f"{len(train):,}", final)
+    train_text, val_text = _text_pieces(train), _text_pieces(val)
+    tok = train_bpe(train_text, vocab_size)
+    tmp = Path(tempfile.mkdtemp(prefix=".bpe-", dir=root))
+    try:
+        for name, pieces in (("train", train_text), ("val", val_text)):
+            ids = np.fromiter((i for row in tok.encode_batch(pieces) for i in row), dtype=np.uint32)
+            write_llmc_bin(tmp / f"{name}.bin", ids)
+        tok.save(tmp / "tokenizer.json")
+        (tmp / "info.json").write_text(json.dumps({"vocab_size": tok.vocab_size, "files": count,
+                                                   "bytes": len(tokens)}))
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished the same cache first
+            if not (final / "info.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _bpe_corpus(cfg: DataConfig, vocab_size: int) -> Corpus:
+    """The cached BPE splits and tokenizer (built by :func:`bpe_cache` on first use).
+
+    Raises:
+        ConfigError: the tokenizer has more tokens than ``model.vocab_size``."""
+    from .tokenizer import BPETokenizer
+    folder = bpe_cache(cfg, vocab_size)
+    tok = BPETokenizer.from_file(folder / "tokenizer.json")
+    if tok.vocab_size > vocab_size:
+        raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the vocabulary of the BPE tokenizer "
+                          f"{folder / 'tokenizer.json'} ({tok.vocab_size} tokens); set model.vocab_size >= "
+                          f"{tok.vocab_size} or delete that cache folder")
+    info = json.loads((folder / "info.json").read_text())
+    train, val = (read_bin(folder / f"{n}.bin", "data.cache_dir") for n in ("train", "val"))
+    return Corpus(train, val, f"{info['files']} files ({cfg.source}), {info['bytes']:,} bytes -> {len(train):,} "
+                              f"train + {len(val):,} val BPE tokens (vocabulary {tok.vocab_size}, {folder})",
+                  tokenizer=tok)
+
+
 def check_data(config) -> str:
     """Cheap checks of ``config.data`` against ``config.model`` before any rank starts (``pipecast train`` runs it
     in the launcher, and in every process under torchrun); returns a one-line description of the corpus.
 
     Checked: the files exist and are not empty; the train and validation splits each hold ``model.seq_length + 2``
-    tokens (from the file sizes, nothing is read); a ``.bin`` file is a whole number of uint16 tokens; every
-    token id is below ``model.vocab_size``.  Cost: a walk and a ``stat`` per file (the default stdlib corpus,
-    ~1,800 files: 50 ms idle, 0.25 s on a loaded 2-core machine); for ``bin`` with ``model.vocab_size < 65536``
-    also one pass over the tokens for the largest id (:func:`max_token_id`, ~0.2 s per GB from the page cache;
-    nothing to scan for byte corpora).
+    tokens (from the file sizes, nothing is read); a ``.bin`` file has a known header (:func:`read_bin`) and a
+    whole number of tokens; every token id is below ``model.vocab_size``.  Cost: a walk and a ``stat`` per file
+    (the default stdlib corpus, ~1,800 files: well under a second); for ``bin`` with a vocabulary below the token
+    width also one pass over the tokens for the largest id (:func:`max_token_id`); with ``data.tokenizer=bpe`` the
+    BPE cache is built here when missing (a one-off: tokenizer training and encoding of the corpus).
 
     Raises:
         ConfigError: naming the field (``data.paths``, ``model.seq_length``, ``model.vocab_size``), its value and
             the fix.
     """
     cfg, seq_length, vocab_size = config.data, config.model.seq_length, config.model.vocab_size
-    if cfg.source == "bin":
-        train, val, p = _bin_arrays(cfg)
-        _check_split_lengths(len(train), len(val), seq_length, cfg)
-        _check_vocab(Corpus(train, val, ""), vocab_size, f"data.paths[0]={str(p)!r}")
-        return f"uint16 tokens from {p}: {len(train):,} train, {len(val):,} val"
+    if cfg.source == "bin" or cfg.tokenizer == "bpe":
+        return load_corpus(cfg, seq_length, vocab_size).description
     files = _text_files(cfg)
     n = _text_size(files, cfg.max_bytes)
     if n == 0:
@@ -274,20 +420,25 @@ def load_corpus(cfg: DataConfig, seq_length: int, vocab_size: int) -> Corpus:
     """Read the configured corpus and split it (the checks of :func:`check_data`, on the data read).
 
     Raises:
-        ConfigError: missing / empty / odd-sized files, a split shorter than one sequence, or token ids beyond
-            ``vocab_size`` (the largest id is found once here, in one chunked pass over a ``.bin`` corpus).
+        ConfigError: missing / empty / odd-sized / foreign-header files, a split shorter than one sequence, or
+            token ids beyond ``vocab_size`` (the largest id is found once here, in one chunked pass over a
+            ``.bin`` corpus).
     """
+    from .tokenizer import ByteTokenizer
     if cfg.source == "bin":
         train, val, p = _bin_arrays(cfg)
-        corpus = Corpus(train, val, f"uint16 tokens from {p}: {len(train):,} train, {len(val):,} val")
+        corpus = Corpus(train, val, _bin_description(train, val, p))
         where = f"data.paths[0]={str(p)!r}"
+    elif cfg.tokenizer == "bpe":
+        corpus, where = _bpe_corpus(cfg, vocab_size), "the BPE tokens"
     else:
         tokens, count = read_text_files(_text_files(cfg), cfg.max_bytes)
         if not len(tokens):
             raise ConfigError(f"data.paths={cfg.paths}: the {count} input file(s) are empty; point data.paths at "
                               f"files with text in them")
         train, val = _block_split(tokens, cfg.val_fraction, cfg.split_block_bytes)
-        corpus = Corpus(train, val, f"{count} files ({cfg.source}), {len(tokens):,} bytes")
+        corpus = Corpus(train, val, f"{count} files ({cfg.source}), {len(tokens):,} bytes",
+                        tokenizer=ByteTokenizer())
         where = cfg.source
     _check_split_lengths(len(corpus.train), len(corpus.val), seq_length, cfg)
     _check_vocab(corpus, vocab_size, where)

@@ -63,9 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="record every rank's timeline; write a Chrome/Perfetto trace, a Gantt chart and the "
                              "measured vs simulated bubble to DIR")
     parser.add_argument("--nvtx", action="store_true", help="NVTX ranges per action / P2P call (for nsys)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (file + overrides, validated) as YAML and exit")
+    from .config_help import help_text
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = ("Override any config field with --section.key=value, e.g. --schedule.steps=50 "
                      "--parallel.pipeline=4. Under torchrun each process joins the job; otherwise the configured "
-                     "number of local ranks is spawned.")
+                     "number of local ranks is spawned.\n\n" + help_text())
 
 
 def under_torchrun() -> bool:
@@ -82,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
                 config = load_config(args.config, parse_override_args(list(getattr(args, "extra", []) or [])))
                 if under_torchrun():
                     config = validate_world_size(config, int(os.environ["WORLD_SIZE"]))
+                if getattr(args, "print_config", False):
+                    return _print_config(config)
                 from .data import check_data
                 check_data(config)
                 from .outputs import check_outputs, run_lock
@@ -100,6 +106,15 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # before the ranks started, or a one-rank run in this process
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _print_config(config: TrainConfig) -> int:
+    """``--print-config``: the resolved config as YAML on stdout (``parallel.data`` filled in); exit status 0."""
+    import yaml
+    from .config import config_to_dict
+    resolved = config if under_torchrun() else validate_world_size(config, config.world_size)
+    sys.stdout.write(yaml.safe_dump(config_to_dict(resolved), sort_keys=False))
+    return 0
 
 
 def run_spawned(fn, config: TrainConfig, *args) -> int:

@@ -17,6 +17,7 @@ replica 0.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import logging
@@ -38,6 +39,7 @@ from .config import TrainConfig, check_fresh_run, dump_config, validate, validat
 from .data import Batches, load_corpus
 from .grads import GradSync, clip_grad_norm
 from . import preempt
+from .metrics import MetricsLog, known_peak_tflops, model_flops_per_token
 from .model import build_model_chunks, canonical_module
 from .seed import set_seed_and_determinism
 
@@ -116,6 +118,9 @@ class Trainer:
         self._graphs = None  # graphs.runtime.GraphRuntime, created by _maybe_capture_graphs when enabled
         self._resumed = False
         self.preempted: Path | None = None  # the checkpoint saved when SIGTERM stopped train()
+        self._metrics: MetricsLog | None = None  # opened by train() on the logging rank
+        self.flops_per_token = model_flops_per_token(config.model, config.ffn_hidden_size)
+        self.peak_tflops = self._peak_tflops()
         self._forward_backward, self._p2p = self._schedule()
         if self.rank == 0 and self._run_files_open:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -149,6 +154,12 @@ class Trainer:
             torch.cuda.set_device(local)
             return torch.device("cuda", local)
         return torch.device("cpu")
+
+    def _peak_tflops(self) -> float | None:
+        """Per-GPU peak for MFU: ``logging.peak_tflops``, else the GPU's known dense bf16 peak; None on CPU."""
+        if self.device.type != "cuda":
+            return None
+        return self.config.logging.peak_tflops or known_peak_tflops(torch.cuda.get_device_name(self.device))
 
     def _model_parallel_config(self) -> ModelParallelConfig:
         c, p = self.config, self.config.parallel
@@ -236,13 +247,16 @@ class Trainer:
             return [iter(items) if r else None for r in readers]
         return [microbatches if r else None for r in readers]
 
-    def _run_schedule(self, microbatches, num_microbatches: int, forward_only: bool) -> list:
+    def _run_schedule(self, microbatches, num_microbatches: int, forward_only: bool, forward_step_func=None,
+                      micro_batch_size: int | None = None, collect_non_loss_data: bool = False) -> list:
         c = self.config
         kwargs: dict[str, Any] = dict(
-            forward_step_func=self._forward_step, data_iterator=self._iterators(microbatches), model=self.model,
-            num_microbatches=num_microbatches, seq_length=c.model.seq_length,
-            micro_batch_size=c.schedule.micro_batch_size, forward_only=forward_only, pg_collection=self.pg,
-            p2p_communicator=self._p2p)
+            forward_step_func=forward_step_func or self._forward_step, data_iterator=self._iterators(microbatches),
+            model=self.model, num_microbatches=num_microbatches, seq_length=c.model.seq_length,
+            micro_batch_size=micro_batch_size or c.schedule.micro_batch_size, forward_only=forward_only,
+            pg_collection=self.pg, p2p_communicator=self._p2p)
+        if collect_non_loss_data:
+            kwargs["collect_non_loss_data"] = True
         return self._forward_backward(**kwargs)
 
     def _data(self, step: int):
@@ -271,8 +285,10 @@ class Trainer:
                                  (self.config.model.seq_length, self.config.schedule.micro_batch_size))
 
     def train_step(self) -> dict:
-        """Run one optimizer step; returns ``{step, loss, grad_norm, lr, tokens_per_s, step_time_s}`` (same on every
-        rank; ``loss`` in nats per token, averaged over the global batch).
+        """Run one optimizer step; returns ``{step, loss, grad_norm, lr, tokens_per_s, tokens_seen, step_time_s,
+        tflops}`` plus on CUDA ``max_memory_gib``, ``reserved_memory_gib`` and ``mfu`` (same on every rank; ``loss``
+        in nats per token, averaged over the global batch; ``tflops``: model TFLOP/s of the whole job from
+        :func:`~engine.training.metrics.model_flops_per_token`).
 
         Raises:
             NonFiniteLossError: NaN / inf loss or grad norm (when ``optimizer.check_for_nan_in_loss_and_grad``); the
@@ -297,9 +313,13 @@ class Trainer:
         self.step += 1
         tokens = self.config.global_batch_size * self.config.model.seq_length
         metrics = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / dt,
-                   "step_time_s": dt}
+                   "tokens_seen": self.step * tokens, "step_time_s": dt,
+                   "tflops": self.flops_per_token * tokens / dt / 1e12}
         if self.device.type == "cuda":
             metrics["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics["reserved_memory_gib"] = torch.cuda.memory_reserved(self.device) / 2**30
+            if self.peak_tflops:
+                metrics["mfu"] = metrics["tflops"] / (self.peak_tflops * self.config.world_size)
         self.history.append(metrics)
         return metrics
 
@@ -355,6 +375,74 @@ class Trainer:
         self.val_history.append((self.step, loss))
         return loss
 
+    # ---- sampling ---------------------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The run's tokenizer on ranks that read data (None elsewhere, and for ``.bin`` token ids)."""
+        return None if self.batches is None else self.batches.corpus.tokenizer
+
+    def _next_token_logits(self, ids: list[int]) -> torch.Tensor | None:
+        """Logits ``[V]`` after the last ``seq_length`` tokens of ``ids``: one forward-only pipeline pass of
+        microbatches ``[1, s]`` (one; interleaved 1F1B needs a whole microbatch group, so G copies there), the
+        context right-padded to ``s`` (causal attention: padding after the position read cannot change it).
+        Returns the logits on the last pipeline stage, None elsewhere."""
+        p = self.config.parallel
+        m = (p.microbatch_group_size_per_vp_stage or p.pipeline) if p.virtual > 1 else 1
+        s = self.config.model.seq_length
+        window = ids[-s:]
+        n = len(window)
+        tokens = torch.tensor([window + [0] * (s - n)], dtype=torch.int64, device=self.device)
+
+        def step(data_iterator, model):
+            if data_iterator is not None:
+                next(data_iterator)
+            return model(tokens if model.is_first else None), lambda out, non_loss_data=False: out[n - 1, 0].float()
+
+        batch = iter([{}] * m) if self.batches is not None else None
+        store = self._run_schedule(batch, m, True, forward_step_func=step, micro_batch_size=1,
+                                   collect_non_loss_data=True)
+        return store[0].cpu() if self.pp_rank == self.pp_size - 1 and store else None
+
+    @torch.no_grad()
+    def sample(self, num_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
+               seed: int | None = None) -> list[int]:
+        """Collective (every rank): ``num_tokens`` token ids generated after a newline prompt by the model as it
+        is now (eval mode, the training RNG untouched: draws come from a generator seeded with ``seed``, default
+        ``schedule.seed + step``).  Returns the ids on every rank (sampled on the last stage, broadcast over the
+        pipeline group); see :func:`engine.training.generate.sample_token`."""
+        from .generate import encode_prompt, sample_token
+        for chunk in self.model:
+            chunk.eval()
+        tok, vocab = self.tokenizer, self.config.model.vocab_size
+        ids = encode_prompt(tok, "", vocab) if self.batches is not None else [0]
+        generator = torch.Generator().manual_seed(self.config.schedule.seed + self.step if seed is None else seed)
+        suspend = self._graphs.suspend() if self._graphs is not None else contextlib.nullcontext()
+        new: list[int] = []
+        with suspend:
+            for _ in range(num_tokens):
+                logits = self._next_token_logits(ids)
+                token = torch.tensor([-1 if logits is None else sample_token(logits, temperature, top_k, generator)],
+                                     dtype=torch.int64)
+                if self.pp_size > 1:
+                    token = _broadcast_cpu(token, self.pg.pp_ranks[-1], self.pg.pp)
+                ids.append(int(token))
+                new.append(int(token))
+        for chunk in self.model:
+            chunk.train()
+        return new
+
+    def _log_sample(self) -> None:
+        """``logging.sample_every_eval`` tokens of text, logged after an evaluation (collective)."""
+        n = self.config.logging.sample_every_eval
+        if not n:
+            return
+        ids = self.sample(n)
+        if self.is_log_rank:
+            from .generate import decode
+            text = "".join(ch if ch in "\n\t" or ch.isprintable() else ascii(ch)[1:-1]
+                           for ch in decode(self.tokenizer, ids))  # no raw control bytes into the terminal / log
+            log.info("step %d | sample of %d tokens (temperature 0.8, top-k 50):\n%s", self.step, n, text)
+
     # ---- the loop ---------------------------------------------------------------------------------------------
     def train(self, steps: int | None = None) -> list[dict]:
         """Train until ``schedule.steps`` (or ``steps`` more steps), evaluating every ``schedule.eval_interval``
@@ -378,8 +466,13 @@ class Trainer:
                 log.info("nothing to do: %s step %d >= schedule.steps=%d; raise schedule.steps to train further",
                          "checkpoint" if self._resumed else "trainer", self.step, c.schedule.steps)
             return []
+        if self.is_log_rank and self._metrics is None:
+            self._metrics = MetricsLog(self.run_dir, self.step if self._resumed else None, c.logging.tensorboard,
+                                       title=f"{self.run_dir.name}: {c.schedule_name}, pipeline={c.parallel.pipeline}"
+                                             f" virtual={c.parallel.virtual} data={self.dp_size}")
         if not self.val_history:  # also at the start of a resumed run: "val loss A -> B" covers this run
             self._log_eval(self.evaluate())
+            self._log_sample()
         with self._progress(start, end) as bar, preempt.sigterm_requests():
             while self.step < end:
                 metrics = self.train_step()
@@ -389,6 +482,7 @@ class Trainer:
                         self.step == c.schedule.steps:
                     metrics["val_loss"] = self.evaluate()
                     self._log_eval(metrics["val_loss"])
+                    self._log_sample()
                 if c.checkpoint.interval and self.step % c.checkpoint.interval == 0:
                     self.save()
                 if bar is not None:
@@ -397,6 +491,8 @@ class Trainer:
                 if self.step < end and preempt.stop_agreed():  # collective: every rank stops after this step
                     self.preempted = self._save_for_stop()
                     break
+        if self._metrics is not None and self.val_history[-1][0] != self.step:
+            self._metrics.plot()  # the end (an evaluation at this step has drawn it already)
         if c.checkpoint.save_at_end and self.step == c.schedule.steps and self.step > start and \
                 not (c.checkpoint.interval and self.step % c.checkpoint.interval == 0):
             self.save()
@@ -425,15 +521,24 @@ class Trainer:
             yield bar
 
     def _log_step(self, m: dict) -> None:
-        if self.is_log_rank:
-            memory = f" | mem {m['max_memory_gib']:.2f} GiB" if "max_memory_gib" in m else ""
-            log.info("step %d/%d | loss %.4f | grad norm %.3f | lr %.3e | %.0f tokens/s | step %.3f s%s",
-                     m["step"], self.config.schedule.steps, m["loss"], m["grad_norm"], m["lr"], m["tokens_per_s"],
-                     m["step_time_s"], memory)
+        """One log line and one ``metrics.jsonl`` line (logging rank)."""
+        if not self.is_log_rank:
+            return
+        memory = f" | mem {m['max_memory_gib']:.2f} GiB" if "max_memory_gib" in m else ""
+        mfu = f" | MFU {100 * m['mfu']:.1f}%" if "mfu" in m else ""
+        log.info("step %d/%d | loss %.4f | grad norm %.3f | lr %.3e | %.0f tokens/s | %.3g TFLOP/s%s | step %.3f s%s",
+                 m["step"], self.config.schedule.steps, m["loss"], m["grad_norm"], m["lr"], m["tokens_per_s"],
+                 m["tflops"], mfu, m["step_time_s"], memory)
+        if self._metrics is not None:
+            self._metrics.write({k: v for k, v in m.items() if k != "val_loss"})
 
     def _log_eval(self, loss: float) -> None:
+        """The validation line of the log and of ``metrics.jsonl``; redraws ``loss.png`` (logging rank)."""
         if self.is_log_rank:
             log.info("step %d/%d | val loss %.4f", self.step, self.config.schedule.steps, loss)
+            if self._metrics is not None:
+                self._metrics.write({"step": self.step, "val_loss": loss})
+                self._metrics.plot()
 
     # ---- state ------------------------------------------------------------------------------------------------
     def _dcp_state(self):
@@ -451,22 +556,33 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
                 "trainer": {"step": torch.tensor(self.step, dtype=torch.int64)},
+                "scheduler": _scheduler_tensors(self.scheduler.state_dict()),
                 "rng": {f"rank{self.rank}": rng}}
 
     def save(self, directory: str | Path | None = None) -> Path:
         """Collective: write a checkpoint of the current step (``checkpoint.dir`` by default); returns its path."""
         if self.step == 0:
             raise RuntimeError("nothing to save before the first training step")
+        tok = getattr(self.batches.corpus, "tokenizer", None) if self.batches is not None else None
+        extra = {"tokenizer.json": tok.to_str()} if getattr(tok, "kind", None) == "bpe" else None
         path = save_checkpoint(self.state_dict(), directory or self.config.checkpoint_dir, self.step,
-                               self.config.checkpoint.keep, meta=self._checkpoint_meta())
+                               self.config.checkpoint.keep, meta=self._checkpoint_meta(), extra_files=extra)
         if self.is_log_rank:
             log.info("step %d | saved checkpoint %s", self.step, path)
         return path
 
     def _checkpoint_meta(self) -> dict:
-        """What a resume must match, saved beside the tensors: the model settings (``ffn_hidden_size`` resolved)."""
-        return {"step": self.step, "model": {k: getattr(self.config.model, k) for k in _MODEL_MUST_MATCH} |
-                {"ffn_hidden_size": self.config.ffn_hidden_size}}
+        """Saved beside the tensors: what a resume must match (``model``: the settings that fix parameter names
+        and shapes, ``ffn_hidden_size`` resolved), and what ``pipecast sample`` / ``export`` need to rebuild the
+        model in one process (``model_config``: every model field; ``tokenizer``: ``bytes``, ``bpe`` with its
+        ``tokenizer.json`` in the checkpoint folder, or ``none`` for ``.bin`` token files)."""
+        c = self.config
+        kind = "none" if c.data.source == "bin" else c.data.tokenizer
+        return {"step": self.step, "model": {k: getattr(c.model, k) for k in _MODEL_MUST_MATCH} |
+                {"ffn_hidden_size": c.ffn_hidden_size},
+                "model_config": dataclasses.asdict(c.model) | {"ffn_hidden_size": c.ffn_hidden_size},
+                "tokenizer": {"kind": kind} | ({"file": "tokenizer.json"} if kind == "bpe" else {}),
+                "seed": c.schedule.seed}
 
     def _check_checkpoint_meta(self, path: Path) -> None:
         """Compare the model settings saved with ``path`` to this config before loading any tensor.
@@ -481,6 +597,9 @@ class Trainer:
         ours = self._checkpoint_meta()["model"]
         diffs = [f"checkpoint has model.{k}={saved[k]!r}, the config has {ours[k]!r}"
                  for k in ours if k in saved and saved[k] != ours[k]]
+        saved_tok, our_tok = (meta.get("tokenizer") or {}).get("kind"), self._checkpoint_meta()["tokenizer"]["kind"]
+        if saved_tok is not None and saved_tok != our_tok:
+            diffs.append(f"checkpoint was trained on {saved_tok!r} tokens, the config's data gives {our_tok!r}")
         if diffs:
             raise CheckpointError(f"cannot resume from {str(path)!r}: it was written for another model: "
                                   f"{'; '.join(diffs)}; resume with the same model settings (the parallel layout "
@@ -504,6 +623,9 @@ class Trainer:
         model_sd, optim_sd, options = self._dcp_state()
         target = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
                   "trainer": {"step": torch.tensor(0, dtype=torch.int64)}}
+        has_scheduler = "scheduler.last_epoch" in keys  # checkpoints of earlier versions hold the step only
+        if has_scheduler:
+            target["scheduler"] = _scheduler_tensors(self.scheduler.state_dict())
         rng_key = f"rng.rank{self.rank}.cpu"
         if rng_key in keys:
             target["rng"] = {f"rank{self.rank}": {"cpu": torch.get_rng_state()}}
@@ -512,7 +634,7 @@ class Trainer:
         set_state_dict(self.canonical, self.optimizer, model_state_dict=target["model"], optim_state_dict=optim_sd,
                        options=options)
         self.step = int(target["trainer"]["step"])
-        self._set_schedule_position(self.step)
+        self._load_scheduler(target["scheduler"] if has_scheduler else None)
         if "rng" in target:
             torch.set_rng_state(target["rng"][f"rank{self.rank}"]["cpu"])
         self._resumed = True
@@ -530,13 +652,18 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(self.config, self.run_dir / "config.yaml")
 
-    def _set_schedule_position(self, step: int) -> None:
-        self.scheduler.last_epoch = step
-        self.scheduler._step_count = step + 1
-        lrs = [base * self._lr_multiplier(step) for base in self.scheduler.base_lrs]
-        for group, lr in zip(self.optimizer.param_groups, lrs):
+    def _load_scheduler(self, saved: dict | None) -> None:
+        """Restore the LR schedule through ``LambdaLR.load_state_dict`` from the saved tensors (or, for a checkpoint
+        without them, from the step: ``step`` scheduler steps taken), then set each group's LR to it."""
+        state = self.scheduler.state_dict()
+        if saved is not None:
+            state.update(_scheduler_values(saved))
+        else:
+            lrs = [base * self._lr_multiplier(self.step) for base in self.scheduler.base_lrs]
+            state.update(last_epoch=self.step, _step_count=self.step + 1, _last_lr=lrs)
+        self.scheduler.load_state_dict(state)
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
-        self.scheduler._last_lr = lrs
 
     def close(self, failed: bool = False) -> None:
         """Release hooks and process groups (and the default group if this trainer created it).
@@ -548,6 +675,9 @@ class Trainer:
         if not failed and dist.is_initialized():
             dist.barrier()
         self.grad_sync.close()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         if self._graphs is not None:
             self._graphs.close()
         if self._log_file is not None:
@@ -567,6 +697,20 @@ class Trainer:
 # model settings that fix the parameter names and shapes (ffn_hidden_size is saved resolved)
 _MODEL_MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                      "tie_embeddings")
+
+
+_SCHEDULER_FIELDS = {"last_epoch": int, "_step_count": int, "base_lrs": list, "_last_lr": list}
+
+
+def _scheduler_tensors(state: dict) -> dict:
+    """The numeric entries of ``LambdaLR.state_dict()`` as tensors (checkpoints store tensors only)."""
+    return {k: torch.tensor(state[k], dtype=torch.int64 if kind is int else torch.float64)
+            for k, kind in _SCHEDULER_FIELDS.items() if k in state}
+
+
+def _scheduler_values(tensors: dict) -> dict:
+    """Inverse of :func:`_scheduler_tensors`."""
+    return {k: (int(v) if _SCHEDULER_FIELDS[k] is int else [float(x) for x in v]) for k, v in tensors.items()}
 
 
 def _loss_func(output: torch.Tensor):

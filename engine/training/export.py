@@ -1,0 +1,96 @@
+"""``pipecast export CHECKPOINT --out model.safetensors [--dtype fp32|bf16|fp16]``: the consolidated model of a
+checkpoint (any pipeline layout) as one ``safetensors`` file, with ``<stem>.config.json`` beside it (the model
+settings, tokenizer kind, step and source checkpoint; also in the file's metadata) and, for BPE runs,
+``<stem>.tokenizer.json``.
+
+Tensor names are the layout-independent checkpoint names (``layers.<i>.*``, ``embedding.word.weight`` -- also the
+output head when tied --, ``embedding.pos.weight``, ``final_norm.*``).  Every file is written under a temporary
+name and renamed when complete, so a failed export leaves nothing half-written.  Load with
+:func:`load_exported` (or ``safetensors.torch.load_file``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+__all__ = ["add_arguments", "run", "export_checkpoint", "load_exported", "DTYPES"]
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="a checkpoint folder (step_XXXXXXXX) or a run folder (its latest checkpoint)")
+    parser.add_argument("--out", required=True, help="the .safetensors file to write (e.g. model.safetensors)")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32",
+                        help="tensor dtype in the file (default fp32, the training dtype: bitwise the checkpoint)")
+
+
+def _sidecars(out: Path) -> tuple[Path, Path]:
+    return out.with_name(out.stem + ".config.json"), out.with_name(out.stem + ".tokenizer.json")
+
+
+def export_checkpoint(checkpoint, out, dtype: str = "fp32") -> list[Path]:
+    """Write the model of ``checkpoint`` to ``out`` (+ sidecars); returns the paths written.
+
+    Raises:
+        CheckpointError: no / unreadable checkpoint. ValueError: ``out`` is not a ``.safetensors`` path in an
+            existing folder, or an unknown ``dtype``.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from .generate import load_model, model_state_dict
+    out = Path(out)
+    if out.suffix != ".safetensors":
+        raise ValueError(f"--out={str(out)!r} must end in .safetensors (e.g. model.safetensors)")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out={str(out)!r}: folder {str(out.parent)!r} does not exist; create it first")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    loaded = load_model(checkpoint)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    tensors = {k: v.detach().to(torch_dtype).contiguous() for k, v in model_state_dict(loaded.model).items()}
+    config_path, tok_path = _sidecars(out)
+    info = {"model": loaded.config.__dict__ | {"ffn_hidden_size": loaded.config.ffn_hidden_size or
+                                               4 * loaded.config.hidden_size},
+            "tokenizer": getattr(loaded.tokenizer, "kind", "none"), "dtype": dtype, "step": loaded.step,
+            "checkpoint": str(loaded.checkpoint)}
+    writes = [(out, lambda p: save_file(tensors, str(p), metadata={"format": "pt", "pipecast": json.dumps(info)})),
+              (config_path, lambda p: p.write_text(json.dumps(info, indent=1, sort_keys=True) + "\n"))]
+    if getattr(loaded.tokenizer, "kind", None) == "bpe":
+        writes.append((tok_path, lambda p: shutil.copyfile(loaded.checkpoint / "tokenizer.json", p)))
+    tmps = [(final, final.with_name(f".{final.name}.tmp")) for final, _ in writes]
+    try:
+        for (_, write), (_, tmp) in zip(writes, tmps):
+            write(tmp)
+        for final, tmp in tmps:
+            os.replace(tmp, final)
+    finally:
+        for _, tmp in tmps:
+            tmp.unlink(missing_ok=True)
+    return [final for final, _ in tmps]
+
+
+def load_exported(path) -> tuple[dict, dict]:
+    """``(tensors, info)`` of an exported file: the state dict and the settings stored with it."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    with safe_open(str(path), framework="pt") as fh:
+        info = json.loads(fh.metadata()["pipecast"])
+    return load_file(str(path)), info
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``pipecast export``; 0 ok, 2 bad input (one ``error:`` line, nothing written)."""
+    from .checkpoint import CheckpointError
+    try:
+        written = export_checkpoint(args.checkpoint, args.out, args.dtype)
+    except (CheckpointError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
