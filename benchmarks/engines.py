@@ -93,9 +93,9 @@ def build_torch(rank: int, world: int, w: Workload, schedule: str = "Schedule1F1
 class _Chunk(nn.Module):
     """A pipecast model chunk: Megatron's ``set_input_tensor`` contract around some layers."""
 
-    def __init__(self, layers: nn.Sequential, first: bool, config):
+    def __init__(self, layers: nn.Sequential, first: bool, config, stage: int = 0):
         super().__init__()
-        self.layers, self.first, self.config = layers, first, config
+        self.layers, self.first, self.config, self.stage = layers, first, config, stage
         self.input_tensor = None
 
     def set_input_tensor(self, tensors):
@@ -106,10 +106,12 @@ class _Chunk(nn.Module):
 
 
 def build_pipecast(rank: int, world: int, w: Workload, chunks: int = 1, deallocate: bool = True,
-                   tracer=None, gloo_io_nice="default", **config_overrides) -> Engine:
+                   tracer=None, gloo_io_nice="default", schedule: str | None = None, **config_overrides) -> Engine:
     """pipecast through its Megatron-Core API (``get_forward_backward_func``): 1F1B (``chunks=1``), interleaved
-    1F1B (``chunks>1``) or no pipelining (``world=1``).  ``gloo_io_nice`` goes to ``build_process_groups`` (None:
-    the pipeline group's gloo I/O thread keeps the process's priority)."""
+    1F1B (``chunks>1``) or no pipelining (``world=1``); with ``schedule`` (``"zb_h1"``, ``"zbv"``, ``"zb"``) its
+    split-backward plan through ``forward_backward_pipelining_with_schedule`` (stages placed by the plan).
+    ``gloo_io_nice`` goes to ``build_process_groups`` (None: the pipeline group's gloo I/O thread keeps the
+    process's priority)."""
     from engine.model_parallel_config import ModelParallelConfig
     from engine.runtime.process_groups import build_process_groups
     from engine.schedules import P2PCommunicator, get_forward_backward_func
@@ -122,16 +124,23 @@ def build_pipecast(rank: int, world: int, w: Workload, chunks: int = 1, dealloca
                                  deallocate_pipeline_outputs=deallocate, **config_overrides)
     comm = P2PCommunicator(pgc.pp, config) if world > 1 else None
     idx = [c * world + rank for c in range(chunks)]
-    mods = [_Chunk(stage_layers(w, world, chunks, k), k == 0, config) for k in idx]
+    fb = get_forward_backward_func(world, vp)
+    if schedule is not None:
+        import functools
+        from engine.plan import build_plan
+        from engine.schedules import forward_backward_pipelining_with_schedule
+        plan = build_plan(schedule, world, w.microbatches, chunks)
+        idx = list(plan.stages_of(rank))
+        fb = functools.partial(forward_backward_pipelining_with_schedule, schedule=plan)
+    mods = [_Chunk(stage_layers(w, world, chunks, k), k == 0, config, k) for k in idx]
     mbs = microbatches_sbh(w)
     n_stages = world * chunks
-    fb = get_forward_backward_func(world, vp)
     explicit = {"pg_collection": pgc} if comm is None else {"p2p_communicator": comm, "pg_collection": pgc}
 
     def forward_step(data_iterator, model):
         x, y = next(data_iterator)
         out = model(x)
-        is_loss_stage = world * (chunks - 1) + rank == n_stages - 1 and model is mods[-1]
+        is_loss_stage = model.stage == n_stages - 1
         if not is_loss_stage:
             return out, None
 
@@ -150,7 +159,7 @@ def build_pipecast(rank: int, world: int, w: Workload, chunks: int = 1, dealloca
         _zero(mods)
         return [d["loss"] for d in store]
 
-    name = "pipecast " + ("no_pipelining" if world == 1 else "interleaved" if chunks > 1 else "1f1b")
+    name = "pipecast " + (schedule or ("no_pipelining" if world == 1 else "interleaved" if chunks > 1 else "1f1b"))
     return Engine(name, step, mods)
 
 

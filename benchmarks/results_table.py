@@ -1,7 +1,8 @@
-"""Regenerate the README's results tables (markdown) from the JSON the benchmarks wrote.
+"""Regenerate ``benchmarks/README.md`` (the scripts and their latest results) from the JSON the benchmarks wrote.
 
-Reads ``benchmarks/results/*.json`` (or the files given), prints the markdown and writes it to
-``benchmarks/results/RESULTS.md``.  Each table says the machine, load average and the command that produced it.
+Reads ``benchmarks/results/*.json`` (or the files given), prints the markdown and writes it, after the fixed
+header :data:`HEADER`, to ``benchmarks/README.md``.  Each table says the machine, load average and the command that
+produced it.
 
     python benchmarks/results_table.py
 """
@@ -13,6 +14,26 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+HEADER = """# Benchmarks
+
+Speed and memory are measured here, not in the tests.  Each script prints its figures and writes JSON to
+`benchmarks/results/`; this page is generated from those files by `python benchmarks/results_table.py`.
+
+| script | measures |
+|---|---|
+| `vs_torch_pipelining.py [--pin]` | step time of pipecast 1F1B / interleaved / ZB-H1 / ZB-V against every torch.distributed.pipelining schedule, same model, data and loss (`loss_matches`), side by side in the same jobs |
+| `runtime_overhead.py` | per-action runtime cost over compute, pp=1 and pp=2, pipecast and torch |
+| `memory.py` | peak in-flight activations and pending W per rank against the closed form and the simulator; bytes held by sent outputs with and without deallocation |
+| `split_backward.py` | B + W against the full backward of one chunk; bytes held between B and W |
+| `profile_step.py` | a timeline of pipecast steps, each against its floor (the plan simulated with measured costs) |
+| `plan_scale.py` | build + validate + simulate for p=64, v=8, m=1024 |
+| `cuda_graphs_bench.py` | one GPU: eager vs graph replay (bitwise equality, step time, memory); `--memory-only` on CPU |
+| `investigations/p2p_stalls.py`, `investigations/gloo_post_stalls.py` | one-off studies of gloo receive posting and send stalls |
+
+Method on a shared machine: each fresh job builds all engines and steps them round-robin (shuffled order per
+round), so outside load falls on all engines alike; figures are medians over jobs.  `--pin` pins each rank to its
+own core for every engine alike.
+"""
 
 
 def _machine(d: dict) -> str:
@@ -151,14 +172,14 @@ def render(paths) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="*", help="benchmark JSON files (default: benchmarks/results/*.json)")
-    ap.add_argument("--out", default=str(RESULTS / "RESULTS.md"))
+    ap.add_argument("--out", default=str(RESULTS.parent / "README.md"))
     args = ap.parse_args(argv)
     files = args.files or sorted(RESULTS.glob("*.json"))
     if not files:
         print("no benchmark results found; run benchmarks/vs_torch_pipelining.py, runtime_overhead.py, memory.py",
               file=sys.stderr)
         return 1
-    text = render(files)
+    text = HEADER + "\n" + render(files)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text + "\n")
     print(text)

@@ -1,4 +1,4 @@
-"""pipecast's 1F1B and interleaved 1F1B against torch.distributed.pipelining's schedules, side by side.
+"""pipecast's 1F1B, interleaved 1F1B, ZB-H1 and ZB-V against torch.distributed.pipelining's schedules, side by side.
 
 Same model (``benchmarks.common``: MLP stack, hidden 512, 8 layers), same data (16 sequences of 64 tokens in 8
 microbatches, fp32), 2 ranks on gloo, 1 thread per rank, same process priority.  Each repeat is one fresh 2-rank
@@ -41,6 +41,8 @@ def engines(torch_schedules) -> list[tuple[str, str, dict]]:
     out = [("single process", "single", {}),
            ("pipecast 1F1B", "pipecast", {"chunks": 1}),
            ("pipecast interleaved 1F1B", "pipecast", {"chunks": 2}),
+           ("pipecast ZB-H1", "pipecast", {"chunks": 1, "schedule": "zb_h1"}),
+           ("pipecast ZB-V", "pipecast", {"chunks": 2, "schedule": "zbv"}),
            (f"pipecast 1F1B, {NOT_RENICED}", "pipecast", {"chunks": 1, "gloo_io_nice": None}),
            (f"pipecast interleaved 1F1B, {NOT_RENICED}", "pipecast", {"chunks": 2, "gloo_io_nice": None})]
     out += [(f"torch {s}", "torch", {"schedule": s, "chunks": TORCH_SCHEDULES[s]}) for s in torch_schedules]
@@ -83,7 +85,12 @@ def job(rank: int, world: int, todo: list, workload: Workload, warmup: int, step
 
 
 def bound(schedule: str, pp: int, m: int, chunks: int) -> float:
-    """Speedup bound with equal stage costs and free communication (see module docstring)."""
+    """Speedup bound with equal stage costs and free communication (see module docstring); zero-bubble rows with
+    F = B = W: ZB-H1's bubble ``(P-1)(F+B-W)`` (Qi et al., ICLR 2024), ZB-V's the fill of ``P-1`` chunk forwards."""
+    if "ZB-H1" in schedule:
+        return pp * 3 * m / (3 * m + pp - 1)
+    if "ZB-V" in schedule:
+        return pp * 6 * m / (6 * m + pp - 1)
     if "interleaved" in schedule.lower() or chunks > 1:
         return pp * m / (m + (pp - 1) / chunks)
     return pp * m / (m + pp - 1)
@@ -177,6 +184,15 @@ def _goals(by: dict) -> list[dict]:
     for r in (p1, pi):
         if r:
             add(f"{r['engine']} speedup / bound >= 0.93", r["of_bound"], r["of_bound"] >= 0.93)
+    zb = [by[k] for k in ("pipecast ZB-H1", "pipecast ZB-V") if k in by]
+    if zb:
+        best = max(zb, key=lambda r: r["speedup"])
+        add(f"best pipecast zero-bubble ({best['engine'][9:]}) speedup >= 1.85", best["speedup"],
+            best["speedup"] >= 1.85)
+        if torch_rows:
+            fastest = min(torch_rows, key=lambda r: r["step_ms"])
+            v = best["step_ms"] / fastest["step_ms"]
+            add(f"best pipecast zero-bubble / fastest torch ({fastest['engine'][6:]}) <= 0.80", v, v <= 0.80)
     return goals
 
 

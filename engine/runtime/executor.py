@@ -67,11 +67,9 @@ OVERLAP_PREFETCH = 3
 """Actions ahead whose receives are kept posted with ``overlap_p2p_comm``."""
 GLOO_PREFETCH = 3
 """Without ``overlap_p2p_comm`` on gloo: receives of the next three actions are posted.  gloo moves a message only
-once its receive is posted (measured here: an 8 MiB message posted late costs ~10 ms of transfer on the critical
-path, posted early ~0.03 ms), so posting early lets the transfer run during the current action.  Three rather than
-two: in interleaved 1F1B a wrap-around message is sent well before its consumer is the next action
-(``benchmarks/p2p_stalls.py``, P=2, V=2, M=8 on 2 cores: median step 112 vs 119 ms unpinned, 117-132 vs 138-143 ms
-pinned; 1F1B 105 vs 107 ms)."""
+once its receive is posted, so posting early lets the transfer run during the current action; three rather than
+two because in interleaved 1F1B a wrap-around message is sent well before its consumer is the next action.  The
+measurements behind the choice: ``benchmarks/investigations/p2p_stalls.py`` (results in ``benchmarks/README.md``)."""
 NCCL_PREFETCH = 1
 """Without ``overlap_p2p_comm`` on NCCL: only the next action's receives, grouped with the current send -- the
 pairing of Megatron's lock-step exchanges (a receive posted earlier would hold the pair's stream)."""

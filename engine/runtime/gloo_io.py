@@ -2,22 +2,18 @@
 
 Each gloo process group has one I/O thread (``gloo_tcp_loop``) that moves the bytes of its sends and receives.
 On a machine whose cores are all busy computing (2 pipeline ranks on 2 cores), that thread shares a core with its
-rank's compute thread, and measured here it costs the compute thread far more than the bytes it moves: woken by
-the peer's data while the compute thread is posting a send on the same pair, it took the core for milliseconds
-(its CPU time matched the posting thread's stalls, ``benchmarks/gloo_post_stalls.py``), which stalls the
-pipeline.  At nice 19 the I/O thread still runs whenever the compute thread waits, and gets its (small) fair share
-of the core otherwise, but it no longer holds the compute thread off the core for long.  Measured on 2 cores
-(gloo, 1 thread per rank; 2026-11-30, two runs of 5 fresh jobs each): 1F1B at pp=2 with the tiny model of
-``benchmarks/runtime_overhead.py`` costs 171-175 us per action over compute instead of 234-239 us; on the workload
-of ``benchmarks/vs_torch_pipelining.py`` (ranks pinned) interleaved 1F1B steps in 102.8-105.7 ms instead of
-104.1-109.0 ms and 1F1B in 102.2-104.4 ms instead of 102.8-105.4 ms.  The cost: bytes that need the I/O thread
-while its rank computes (a receive, or a send posted before the peer's receive) may move later; while the rank
-waits, nothing changes.
+rank's compute thread, and it costs the compute thread far more than the bytes it moves: woken by the peer's data
+while the compute thread is posting a send on the same pair, it can take the core for milliseconds, which stalls
+the pipeline (``benchmarks/investigations/gloo_post_stalls.py``).  At nice 19 the I/O thread still runs whenever
+the compute thread waits, and gets its (small) fair share of the core otherwise, but it no longer holds the
+compute thread off the core for long.  The cost: bytes that need the I/O thread while its rank computes (a
+receive, or a send posted before the peer's receive) may move later; while the rank waits, nothing changes.
+Measured effect: ``benchmarks/README.md`` (rows "gloo I/O thread not reniced").
 
 Only the pipeline groups that :func:`engine.runtime.process_groups.build_process_groups` creates are affected: their I/O
 threads are told apart from every other group's by when they appear, so a gloo group that another Python thread
-creates at the same moment would be reniced too.  Raising a thread's nice value needs no privilege.  ``PIPECAST_GLOO_IO_NICE=off`` (or ``build_process_groups(..., gloo_io_nice=None)``) leaves the
-threads alone; ``PIPECAST_GLOO_IO_NICE=<n>`` picks another value.  Where threads cannot be listed or reniced
+creates at the same moment would be reniced too.  Raising a thread's nice value needs no privilege.
+``PIPECAST_GLOO_IO_NICE=off`` (or ``build_process_groups(..., gloo_io_nice=None)``) leaves the threads alone; ``PIPECAST_GLOO_IO_NICE=<n>`` picks another value.  Where threads cannot be listed or reniced
 (no ``/proc``, another OS, a sandbox refusing ``setpriority``) nothing changes.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ the receive waits longer than ``--stall-ms``:
   its own compute thread and runs as soon as that thread waits;
 * ``torch``, ``torch pin``: torch.distributed.pipelining's Schedule1F1B / ScheduleInterleaved1F1B for reference.
 
-    python benchmarks/p2p_stalls.py --chunks 1 --repeats 3 --steps 20
+    python benchmarks/investigations/p2p_stalls.py --chunks 1 --repeats 3 --steps 20
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import Workload, launch, median, write_json  # noqa: E402
 

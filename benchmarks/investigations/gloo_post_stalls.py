@@ -21,8 +21,8 @@ the stalls (measured 2026-11-30: 5-20 % of sends over 1 ms in every variant); ``
 * ``nice19``: the gloo I/O threads (``gloo_tcp_loop``) reniced to 19 (what ``engine.runtime.gloo_io`` does for the
   pipeline groups pipecast creates).
 
-    python benchmarks/gloo_post_stalls.py                      # all variants, 400 iterations each
-    python benchmarks/gloo_post_stalls.py --variants plain split --iterations 200 --pin
+    python benchmarks/investigations/gloo_post_stalls.py                      # all variants, 400 iterations each
+    python benchmarks/investigations/gloo_post_stalls.py --variants plain split --iterations 200 --pin
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import launch, write_json  # noqa: E402
 
