@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from benchmarks.common import Workload, batch, build_layers, microbatches_sbh, mse, stage_layers

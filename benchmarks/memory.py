@@ -14,7 +14,12 @@ Measured inside the ranks, without touching the engine:
   reports.  Peak per rank with ``deallocate_pipeline_outputs`` off and on: with it on, a sent output should hold only
   its ``[1]`` placeholder once the send no longer needs the data.
 
-    python benchmarks/memory.py            # pp=2 and pp=4, 1F1B and interleaved (about a minute)
+* **Split backward** (ZB-H1, ZB-V).  A microbatch's saved tensors now live until its ``W`` (the weight-gradient
+  pass needs each deferred layer's input), so the live tags are the activations held plus the pending ``W``: their
+  peak is compared with the plan's own count, the maximum over the rank's order of forwards done minus ``W`` done,
+  and the simulator's ``peak_in_flight`` (forward done, ``B`` not) and ``peak_pending_w`` are reported beside it.
+
+    python benchmarks/memory.py            # pp=2 and pp=4, 1F1B, interleaved, ZB-H1, ZB-V (about two minutes)
 """
 from __future__ import annotations
 
@@ -31,8 +36,9 @@ import torch  # noqa: E402
 
 from benchmarks.common import Workload, launch, write_json  # noqa: E402
 
-CASES = [  # pp, model chunks
-    (2, 1), (2, 2), (4, 1), (4, 2),
+CASES = [  # pp, model chunks, schedule (None: Megatron's)
+    (2, 1, None), (2, 2, None), (4, 1, None), (4, 2, None), (2, 1, "zb_h1"), (2, 2, "zbv"), (4, 1, "zb_h1"),
+    (4, 2, "zbv"),
 ]
 
 
@@ -115,10 +121,10 @@ class _Null:
 _NULL = _Null()
 
 
-def job(rank: int, world: int, chunks: int, deallocate: bool, w: Workload):
+def job(rank: int, world: int, chunks: int, deallocate: bool, w: Workload, schedule=None):
     from benchmarks.engines import build_pipecast
     from engine.runtime.tracing import use_tracer
-    engine = build_pipecast(rank, world, w, chunks=chunks, deallocate=deallocate)
+    engine = build_pipecast(rank, world, w, chunks=chunks, deallocate=deallocate, schedule=schedule)
     mods = engine.modules
     meter = Meter([p for m in mods for p in m.parameters()])
     n_stages = world * chunks
@@ -126,7 +132,7 @@ def job(rank: int, world: int, chunks: int, deallocate: bool, w: Workload):
     counters = [0] * chunks
     for c, mod in enumerate(mods):
         inner = mod.forward
-        sends = c * world + rank < n_stages - 1
+        sends = mod.stage < n_stages - 1
 
         def forward(x, _inner=inner, _c=c, _sends=sends):
             mb = counters[_c]
@@ -160,6 +166,19 @@ def theory(pp: int, chunks: int, m: int) -> list[int]:
     return out
 
 
+def live_until_w(plan) -> list[int]:
+    """Per rank, the peak of forwards done minus weight-gradient passes done over the rank's order (split plans:
+    a microbatch's saved tensors live from its F until its W)."""
+    out = []
+    for acts in plan.actions:
+        level = peak = 0
+        for a in acts:
+            level += (a.op.value == "F") - (a.op.value == "W")
+            peak = max(peak, level)
+        out.append(peak)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--microbatches", type=int, default=8)
@@ -168,23 +187,27 @@ def main(argv=None) -> int:
     from engine.plan import build_plan
     from engine.plan.simulate import simulate
     rows = []
-    for pp, chunks in CASES:
+    for pp, chunks, schedule in CASES:
         w = Workload(hidden=512, layers=8, sequences=2 * args.microbatches, seq_length=64,
                      microbatches=args.microbatches)
-        plan = build_plan("interleaved" if chunks > 1 else "1f1b", pp, w.microbatches, chunks)
-        sim = list(simulate(plan).peak_in_flight)
-        th = theory(pp, chunks, w.microbatches)
-        res = {d: launch(job, pp, chunks, d, w) for d in (False, True)}
+        name = schedule or ("interleaved" if chunks > 1 else "1f1b")
+        plan = build_plan(name, pp, w.microbatches, chunks)
+        sim = simulate(plan, 1.0, 1.0, 0.0, 1.0) if schedule else simulate(plan)
+        th = live_until_w(plan) if schedule else theory(pp, chunks, w.microbatches)
+        res = {d: launch(job, pp, chunks, d, w, schedule) for d in (False, True)}
         measured = [r["peak_in_flight"] for r in res[False]]
-        row = {"pp": pp, "chunks": chunks, "microbatches": w.microbatches, "theory": th, "simulator": sim,
+        expected_sim = th if schedule else list(sim.peak_in_flight)
+        row = {"pp": pp, "chunks": chunks, "schedule": name, "microbatches": w.microbatches, "theory": th,
+               "simulator": list(sim.peak_in_flight), "simulator_pending_w": list(sim.peak_pending_w),
                "measured": measured, "measured_dealloc": [r["peak_in_flight"] for r in res[True]],
-               "exact": measured == th == sim and [r["peak_in_flight"] for r in res[True]] == th,
+               "exact": measured == th == expected_sim and [r["peak_in_flight"] for r in res[True]] == th,
                "output_bytes": res[False][0]["output_bytes"],
                "sent_output_bytes_peak": [r["peak_output_bytes"] for r in res[False]],
                "sent_output_bytes_peak_dealloc": [r["peak_output_bytes"] for r in res[True]],
                "leaked_after_step": [r["live_after_step"] for r in res[False] + res[True]]}
         rows.append(row)
-        print(f"pp={pp} vp={chunks} m={w.microbatches}: in-flight measured {measured} theory {th} simulator {sim} "
+        print(f"{name} pp={pp} vp={chunks} m={w.microbatches}: live measured {measured} theory {th} simulator "
+              f"in-flight {row['simulator']} pending W {row['simulator_pending_w']} "
               f"{'exact' if row['exact'] else 'MISMATCH'}; sent-output bytes peak "
               f"{row['sent_output_bytes_peak']} -> {row['sent_output_bytes_peak_dealloc']} with deallocation "
               f"(one output {row['output_bytes']} B)", flush=True)

@@ -95,16 +95,18 @@ def overhead(d: dict) -> list[str]:
 
 
 def memory(d: dict) -> list[str]:
-    out = ["### Memory: in-flight activations and sent outputs",
+    out = ["### Memory: in-flight activations, pending W and sent outputs",
            "Peak (model chunk, microbatch) activations alive per rank, measured from autograd's saved tensors, "
-           "against the closed form and the simulator; peak bytes held by sent outputs (their storage), without and "
-           "with `deallocate_pipeline_outputs`.", "",
-           "| pp | vp | m | measured | theory | simulator | one output (B) | sent-output bytes peak | with deallocation |",
-           "|---:|---:|---:|---|---|---|---:|---|---|"]
+           "against the closed form and the simulator (split schedules: alive until W, against the plan's count; "
+           "the simulator's in-flight = F done, B not; pending W = B done, W not); peak bytes held by sent outputs "
+           "(their storage), without and with `deallocate_pipeline_outputs`.", "",
+           "| schedule | pp | vp | m | measured | theory | simulator in-flight | pending W | one output (B) | "
+           "sent-output bytes peak | with deallocation |",
+           "|---|---:|---:|---:|---|---|---|---|---:|---|---|"]
     for r in d["rows"]:
-        out.append(f"| {r['pp']} | {r['chunks']} | {r['microbatches']} | {r['measured']} | {r['theory']} | "
-                   f"{r['simulator']} | {r['output_bytes']} | {r['sent_output_bytes_peak']} | "
-                   f"{r['sent_output_bytes_peak_dealloc']} |")
+        out.append(f"| {r.get('schedule', '')} | {r['pp']} | {r['chunks']} | {r['microbatches']} | {r['measured']} | "
+                   f"{r['theory']} | {r['simulator']} | {r.get('simulator_pending_w', '')} | {r['output_bytes']} | "
+                   f"{r['sent_output_bytes_peak']} | {r['sent_output_bytes_peak_dealloc']} |")
     return out + [""] + _goals(d) + ["", _machine(d)]
 
 

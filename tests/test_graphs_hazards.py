@@ -15,13 +15,12 @@ import logging
 
 import pytest
 import torch
-from torch import nn
 
 from engine.plan import build_plan
 from graphs import GraphRuntime, capture
 from graphs.hazards import HazardError
 from graphs.local_rank import make_rank_data, run_rank_step
-from tests.test_graphs_emulate import B, Block, H, S, bitwise_equal, make_chunks, run_steps, samples
+from tests.test_graphs_emulate import B, Block, H, S, bitwise_equal, run_steps, samples
 from tests.test_graphs_runtime import MegatronChunk
 
 

@@ -109,8 +109,8 @@ def _job(rank, world, cases):
             def boom(*args, **kwargs):  # the root error, then the one a failed capture_end() raises over it
                 try:
                     raise RuntimeError("injected capture failure")
-                except RuntimeError:
-                    raise RuntimeError("operation failed due to a previous error during capture")
+                except RuntimeError:  # the implicit context is what a failed capture_end() leaves
+                    raise RuntimeError("operation failed due to a previous error during capture")  # noqa: B904
             capture_mod._CAPTURERS["emulate"] = boom
         res = {"rank": rank, "case": case, "steps": [], "recorded": None}
         for step, M in enumerate(Ms):

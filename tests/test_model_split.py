@@ -380,7 +380,7 @@ def test_split_model_trains_like_the_unsplit_model_on_two_ranks():
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_gpt2_lm_head_model_from_transformers():
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="optional dependency transformers is not installed")
     case = dict(CASES["1f1b"], model="gpt2", variable=True)
     results = run_ranks(_job, 2, [case], timeout=110)
     _check_equal(case, [r[0] for r in results], _reference(case))

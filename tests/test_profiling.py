@@ -7,7 +7,7 @@ import pytest
 
 from engine.plan import build_plan
 from engine.profiling import (NvtxTracer, Span, StepProfiler, TimelineRecorder, measured_bubble, merge_rank_files,
-                              save_rank_spans, to_chrome_trace, write_chrome_trace)
+                              save_rank_spans, write_chrome_trace)
 from engine.profiling.bubble import busy_ns, union_ns
 from engine.profiling.gantt import action_costs, parse_action_label, plot_measured_timeline, simulated_bubble
 from engine.profiling.session import TimelineSession

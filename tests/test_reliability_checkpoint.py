@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.training import checkpoint as ckpt
 from engine.training.checkpoint import (CheckpointError, checkpoint_keys, latest_checkpoint, list_checkpoints,
                                         load_checkpoint, save_checkpoint)
 

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from engine.training.config import load_config, validate_world_size
 

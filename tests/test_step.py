@@ -59,7 +59,7 @@ def test_token_count_dtypes():
     (a floating count would otherwise break int32 accumulation in the schedule; B07 asks accept-or-reject)."""
     for given, want_dtype in [(torch.tensor(5, dtype=torch.int64), torch.int64), (5, torch.int32),
                               (torch.tensor(5.0), torch.int32), (5.0, torch.int32)]:
-        out, n, _ = calc(lambda x: (torch.tensor(10.0), given, {}), M=1)
+        out, n, _ = calc(lambda x, given=given: (torch.tensor(10.0), given, {}), M=1)
         assert n.dtype == want_dtype and n.item() == 5
         assert out.item() == pytest.approx(2.0)
     with pytest.raises(TypeError, match="token count"):
@@ -357,7 +357,7 @@ def test_chunk_hooks_resolve_what_forward_step_looks_up_per_microbatch():
     assert ChunkHooks(model).set_is_first_microbatch is model.set_is_first_microbatch
     assert ChunkHooks(Affine(ModelParallelConfig())).microbatch_layers == []
     with pytest.raises(RuntimeError, match="set_input_tensor"):
-        ChunkHooks(torch.nn.Linear(1, 1)).set_input_tensor
+        ChunkHooks(torch.nn.Linear(1, 1)).set_input_tensor  # noqa: B018 - the lookup itself raises
 
 
 def test_forward_step_looks_up_layers_only_for_a_current_microbatch():

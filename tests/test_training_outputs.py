@@ -121,7 +121,7 @@ def test_metrics_resume_drops_lines_after_the_checkpoint(tmp_path):
     assert read_metrics(tmp_path / "metrics.jsonl") == []
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="optional dependency tensorboard is not installed (pip install -e '.[tensorboard]')")
 def test_tensorboard_events(tmp_path):
     from engine.training.metrics import MetricsLog
     log = MetricsLog(tmp_path, tensorboard=True)

@@ -85,6 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-time", type=_time, default=0.0, help="latency of every message (default 0)")
     parser.add_argument("--max-in-flight", type=_positive_int, default=None,
                         help="--schedule zb: per-rank limit on activations held (default C*(P-r), 1F1B's)")
+    parser.add_argument("--from-csv", type=Path, default=None, metavar="FILE.csv",
+                        help="read the plan from torch.distributed.pipelining's compute-only CSV (rows = ranks, "
+                             "actions like 0F3, 1I0, 0W2, 1B0) instead of building one; it is validated first")
+    parser.add_argument("--csv", type=Path, default=None, metavar="OUT.csv",
+                        help="write the plan as a compute-only CSV in torch's action grammar")
     parser.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="draw a Gantt chart")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT.json", help="write plan and timeline")
     parser.add_argument("--grid", action="store_true",
@@ -157,12 +162,8 @@ def run(args) -> int:
     _check_size(parser, args)
     _check_output(parser, "--json", args.json, "plan.json")
     _check_output(parser, "--plot", args.plot, "plan.png")
-    try:
-        plan = build_plan(schedule, args.pp, args.microbatches, args.vp, args.group_size, args.forward_only,
-                          max_in_flight=args.max_in_flight)
-    except (ValueError, RuntimeError) as exc:  # Megatron's validation errors: bad option values
-        parser.error(f"{exc} (options --pp {args.pp} --vp {args.vp} --microbatches {args.microbatches}"
-                     + (f" --group-size {args.group_size}" if args.group_size is not None else "") + ")")
+    _check_output(parser, "--csv", args.csv, "plan.csv")
+    plan = _plan_from_csv(parser, args.from_csv) if args.from_csv is not None else _build(parser, args, schedule)
     validate_plan(plan)
     sim = simulate(plan, **_costs(plan, args))
     buffered = max_buffered_messages(plan, sim)
@@ -170,6 +171,10 @@ def run(args) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(to_json(plan, sim, buffered), indent=1))
         print(f"wrote {args.json}")
+    if args.csv is not None:
+        from .torch_csv import plan_to_csv
+        args.csv.write_text(plan_to_csv(plan))
+        print(f"wrote {args.csv}")
     if args.plot is not None:
         from .plotting import plot_timeline
         group = f" G={plan.group_size}" if plan.schedule == "interleaved" else ""
@@ -179,6 +184,28 @@ def run(args) -> int:
         plot_timeline(sim.spans(), args.plot, title, bubbles=sim.bubble)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _build(parser, args, schedule) -> Plan:
+    try:
+        return build_plan(schedule, args.pp, args.microbatches, args.vp, args.group_size, args.forward_only,
+                          max_in_flight=args.max_in_flight)
+    except (ValueError, RuntimeError) as exc:  # Megatron's validation errors: bad option values
+        parser.error(f"{exc} (options --pp {args.pp} --vp {args.vp} --microbatches {args.microbatches}"
+                     + (f" --group-size {args.group_size}" if args.group_size is not None else "") + ")")
+
+
+def _plan_from_csv(parser, path: Path) -> Plan:
+    """``--from-csv``: the validated plan of the file, or exit 2 naming the file and the first bad action."""
+    from .torch_csv import plan_from_csv
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        parser.error(f"--from-csv {path}: cannot be read ({exc}); name a CSV file")
+    try:
+        return plan_from_csv(text, name=f"csv:{path.name}")
+    except ValueError as exc:  # CsvScheduleError and PlanError
+        parser.error(f"--from-csv {path}: {exc}")
 
 
 def report(plan: Plan, sim: Simulation, buffered, args) -> str:

@@ -46,10 +46,8 @@ output as a fresh leaf (``detach().requires_grad_()``, as a receive would) and t
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
-import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch

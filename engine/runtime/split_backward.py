@@ -459,7 +459,7 @@ def _replay_intermediates(captures: Sequence[_Capture]) -> dict:
         slots = [i for i, g in enumerate(c.grads) if g is not None]
         targets = {(id(n), nr): GradientEdge(n, nr) for _, n, nr in c.targets}
         seen: list = []
-        post = c.node.register_hook(lambda grad_inputs, grad_outputs: seen.append(grad_inputs))
+        post = c.node.register_hook(lambda grad_inputs, grad_outputs, seen=seen: seen.append(grad_inputs))
         try:
             with _hooks_held_back([n for _, n, _ in c.targets]):
                 _engine([GradientEdge(c.node, i) for i in slots], [c.grads[i] for i in slots],

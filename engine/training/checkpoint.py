@@ -221,7 +221,7 @@ def load_checkpoint(state: dict, path: str | os.PathLike) -> None:
         dcp.load(state, storage_reader=_safe_reader(path))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises CheckpointException (a
         # BaseException) on every rank when any rank fails to read
-        from .launch import exception_line  # the line that names the error, not DCP's per-rank traceback
+        from ..runtime.spawn import describe_exception  # the line that names the error, not DCP's traceback
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: it is corrupt, truncated or was written for "
-                              f"another model ({type(exc).__name__}: {exception_line(str(exc).strip(), 300)}); "
-                              f"delete it or resume from an older one") from None
+                              f"another model ({describe_exception(exc, 300)}); delete it or resume from an older "
+                              "one") from None

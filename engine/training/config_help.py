@@ -28,7 +28,9 @@ FIELD_HELP = {
     "model.transformer_engine": "Transformer Engine layers when importable and on CUDA",
     "model.precision": "bf16: autocast on CUDA (parameters and pipeline messages stay fp32)",
     "parallel.pipeline": "pipeline ranks P",
-    "parallel.virtual": "model chunks per pipeline rank; > 1 selects interleaved 1F1B",
+    "parallel.virtual": "model chunks per pipeline rank; > 1 selects interleaved 1F1B (schedule: auto)",
+    "parallel.schedule": "auto (Megatron's choice from pipeline / virtual), no_pipelining, 1f1b, interleaved, zb_h1 "
+                         "(split backward, one chunk per rank) or zbv (V placement, needs virtual: 2)",
     "parallel.data": "data-parallel replicas (null: world size / pipeline; 1 when spawning locally)",
     "parallel.microbatch_group_size_per_vp_stage": "interleaved only (null: P); Megatron's rules P <= G <= M, "
                                                    "M mod G in {0} U [P, G)",

@@ -29,7 +29,7 @@ from torch.autograd.function import once_differentiable
 
 from ..hazards import HazardCheck, describe, storage_names
 from ..order import LayerEvent
-from ..specs import AutocastState, CallSpec, TensorSpec, autocast_context, flatten_outputs, unflatten_outputs
+from ..specs import AutocastState, CallSpec, TensorSpec, flatten_outputs
 
 __all__ = ["ReplaySlot", "SlotOptions", "GradBuffers", "walk_capture", "module_params", "check_capturable",
            "CaptureError", "PARAM_GRAD_MODES"]

@@ -181,7 +181,7 @@ class StateGuard:
                 if "__call__" in cls.__dict__:
                     delattr(cls, "__call__")
             elif cls.__dict__.get("__call__", _MISSING) is not call:
-                setattr(cls, "__call__", call)
+                cls.__call__ = call
         for sub, fwd in self.forwards:
             if fwd is _MISSING:
                 sub.__dict__.pop("forward", None)
