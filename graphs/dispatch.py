@@ -146,7 +146,7 @@ class GraphedLayers:
 
     Args:
         modules_per_chunk: per model chunk of this rank, its graphed layers in call order.
-        tracer: gets a ``"graph"`` span (``"replay F c0 mb1 l2"``) around each replay of backends that replay in
+        tracer: gets a ``"graph"`` span (``"replay F1.0 l2"``) around each replay of backends that replay in
             Python (torch, emulate); ``None`` for none.
     """
 
@@ -280,7 +280,7 @@ class GraphedLayers:
             fn.backward_event = LayerEvent("B", chunk, m, layer)
             return fn(*args, **kwargs)
         if self.tracer is not None:
-            with self.tracer.span("graph", f"replay F c{chunk} mb{m} l{layer}"):
+            with self.tracer.span("graph", f"replay F{m}.{chunk} l{layer}"):
                 out = fn(*args, **kwargs)
         else:
             out = fn(*args, **kwargs)

@@ -38,7 +38,7 @@ class LayerEvent:
     layer: int
 
     def __str__(self) -> str:
-        return f"{self.kind} c{self.chunk} mb{self.microbatch} l{self.layer}"
+        return f"{self.kind}{self.microbatch}.{self.chunk} l{self.layer}"  # the action's notation, then the layer
 
 
 def graph_order(plan: Plan, rank: int) -> list[int]:
@@ -140,7 +140,7 @@ def check_order(order: Sequence[int], plan: Plan | None = None, rank: int | None
     for i, ((kind, chunk, mb), action) in enumerate(zip(order_events(order), runtime)):
         if (kind, chunk, mb) != (action.op.value, action.chunk, action.microbatch):
             raise ValueError(f"order differs from the runtime plan of rank {rank} at position {i}: the order "
-                             f"captures {kind} c{chunk} mb{mb}, the rank runs {action.label}; graphs captured in "
+                             f"captures {kind}{mb}.{chunk}, the rank runs {action}; graphs captured in "
                              f"this order would be replayed against the wrong buffers -- use graph_order(plan, rank)")
 
 

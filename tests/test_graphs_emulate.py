@@ -237,8 +237,8 @@ def test_replays_report_graph_spans():
     chunks = make_chunks(1, 1)
     capture(chunks, plan, 0, samples(chunks, 2), backend="emulate", tracer=tracer)
     run_rank_step(chunks, plan, 0, make_rank_data(1, 2, (S, B, H)))
-    assert tracer.spans == [("graph", "replay F c0 mb0 l0"), ("graph", "replay F c0 mb1 l0"),
-                            ("graph", "replay B c0 mb0 l0"), ("graph", "replay B c0 mb1 l0")]
+    assert tracer.spans == [("graph", "replay F0.0 l0"), ("graph", "replay F1.0 l0"),
+                            ("graph", "replay B0.0 l0"), ("graph", "replay B1.0 l0")]
 
 
 def test_bad_arguments_raise_before_capture():

@@ -210,11 +210,11 @@ def test_marked_weights_without_finalize_warn_once():
 def test_batch_first_negotiated_shape_names_the_layout():
     runner = SimpleNamespace(config=_config(2), ctx=SimpleNamespace(micro_batch_size=2), p=SimpleNamespace(rank=0))
     with pytest.raises(RuntimeError) as err:
-        _Runner._check_negotiated(runner, (2, 8, 16), "F c0 mb0 produced")
+        _Runner._check_negotiated(runner, (2, 8, 16), "F0.0 produced")
     msg = str(err.value)
     assert "looks batch-first [b, s, h]" in msg and "micro_batch_size=2" in msg and "is [s, b, h]" in msg
-    _Runner._check_negotiated(runner, (8, 2, 16), "F c0 mb0 produced")  # [s, b, h]: fine
-    _Runner._check_negotiated(runner, (2, 2, 16), "F c0 mb0 produced")  # b == s: cannot be told apart
+    _Runner._check_negotiated(runner, (8, 2, 16), "F0.0 produced")  # [s, b, h]: fine
+    _Runner._check_negotiated(runner, (2, 2, 16), "F0.0 produced")  # b == s: cannot be told apart
 
 
 def test_interleaving_error_names_vp_none():

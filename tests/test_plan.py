@@ -225,3 +225,17 @@ def test_action_keys_cache_equals_generic_computation():
     stride = 2 * 6
     a = plan.actions[1][0]
     assert plan.action_keys[1][0] == {Op.FORWARD: 0, Op.BACKWARD: 1}[a.op] * stride + a.chunk * 6 + a.microbatch
+
+
+def test_one_action_notation_round_trips():
+    """``str(action)`` is the one notation (grids, JSON, spans, errors) and ``Action.parse`` reads it back."""
+    for op in Op:
+        for chunk, mb in ((0, 0), (1, 3), (12, 103)):
+            a = Action(op, chunk, mb)
+            assert Action.parse(str(a)) == a and a.label == str(a)
+    assert str(Action(Op.FORWARD, 1, 3)) == "F3.1"
+    for bad in ("F c1 mb3", "X3.1", "F3", "F-1.0", "", None):
+        with pytest.raises(ValueError, match="is not an action"):
+            Action.parse(bad)
+    plan = build_plan("zbv", 2, 2, 2)
+    assert [Action.parse(s) for s in plan.compute_order(0)] == list(plan.actions[0])

@@ -35,28 +35,28 @@ def test_use_tracer_installs_and_restores():
 def test_fanout_reports_to_every_tracer_in_nesting_order():
     a, b = TimelineRecorder(), TimelineRecorder()
     fan = FanoutTracer(a, NULL_TRACER, b)
-    with fan.span("compute", "F c0 mb0"):
-        with fan.span("p2p", "send act c0 mb0"):
+    with fan.span("compute", "F0.0"):
+        with fan.span("p2p", "send act F0.0"):
             pass
     for rec in (a, b):
         assert [(s.category, s.label, s.depth) for s in rec.spans()] == [
-            ("p2p", "send act c0 mb0", 1), ("compute", "F c0 mb0", 0)]
+            ("p2p", "send act F0.0", 1), ("compute", "F0.0", 0)]
 
 
 # -- timeline recorder -----------------------------------------------------------------------------------------------
 def test_recorder_spans_steps_nesting_and_times():
     rec = TimelineRecorder(rank=3)
     with rec.step(7):
-        with rec.span("compute", "F c1 mb3"):
-            with rec.span("p2p", "recv act c1 mb3"):
+        with rec.span("compute", "F3.1"):
+            with rec.span("p2p", "recv act F3.1"):
                 pass
-        with rec.span("compute", "B c1 mb3"):
+        with rec.span("compute", "B3.1"):
             pass
     with rec.span("sync", "finalize"):
         pass
     spans = rec.spans()
     assert [(s.category, s.label, s.step, s.depth) for s in spans] == [
-        ("p2p", "recv act c1 mb3", 7, 1), ("compute", "F c1 mb3", 7, 0), ("compute", "B c1 mb3", 7, 0),
+        ("p2p", "recv act F3.1", 7, 1), ("compute", "F3.1", 7, 0), ("compute", "B3.1", 7, 0),
         ("sync", "finalize", -1, 0)]
     f, inner = spans[1], spans[0]
     assert f.start_ns <= inner.start_ns <= inner.end_ns <= f.end_ns <= spans[2].start_ns
@@ -67,7 +67,7 @@ def test_recorder_spans_steps_nesting_and_times():
 
 def test_recorder_disabled_and_misuse():
     rec = TimelineRecorder(enabled=False)
-    with rec.span("compute", "F c0 mb0"):
+    with rec.span("compute", "F0.0"):
         pass
     assert rec.spans() == []
     with pytest.raises(RuntimeError, match="span"):
@@ -79,10 +79,10 @@ def test_recorder_disabled_and_misuse():
 
 def test_nvtx_tracer_ranges_nest_and_are_cached():
     tracer = NvtxTracer()
-    with tracer.span("compute", "F c0 mb0"):
-        with tracer.span("p2p", "send act c0 mb0"):
+    with tracer.span("compute", "F0.0"):
+        with tracer.span("p2p", "send act F0.0"):
             pass
-    assert tracer.span("compute", "F c0 mb0") is tracer.span("compute", "F c0 mb0")
+    assert tracer.span("compute", "F0.0") is tracer.span("compute", "F0.0")
     with pytest.raises(ValueError, match="backend"):
         NvtxTracer(backend="nsight")
 
@@ -113,10 +113,10 @@ def test_measured_bubble_equals_simulator_on_simulated_spans(schedule, pp, m, ch
 
 def test_bubble_by_hand_with_nested_waits_and_steps():
     ms = 1_000_000
-    r0 = [Span("compute", "F c0 mb0", 0, 10 * ms, 0), Span("compute", "B c0 mb0", 20 * ms, 30 * ms, 0),
-          Span("p2p", "recv grad c0 mb0", 20 * ms, 24 * ms, 0, 1),   # waiting inside B: idle
-          Span("compute", "F c0 mb0", 100 * ms, 110 * ms, 1)]
-    r1 = [Span("compute", "F c0 mb0", 5 * ms, 25 * ms, 0), Span("compute", "F c0 mb0", 100 * ms, 120 * ms, 1)]
+    r0 = [Span("compute", "F0.0", 0, 10 * ms, 0), Span("compute", "B0.0", 20 * ms, 30 * ms, 0),
+          Span("p2p", "recv grad B0.0", 20 * ms, 24 * ms, 0, 1),   # waiting inside B: idle
+          Span("compute", "F0.0", 100 * ms, 110 * ms, 1)]
+    r1 = [Span("compute", "F0.0", 5 * ms, 25 * ms, 0), Span("compute", "F0.0", 100 * ms, 120 * ms, 1)]
     assert union_ns([(0, 10), (5, 12), (20, 21)]) == 13
     assert busy_ns(r0[:3]) == 16 * ms
     # step 0: window [0, 30] ms; rank 0 busy 16 ms, rank 1 busy 20 ms
@@ -129,10 +129,10 @@ def test_bubble_by_hand_with_nested_waits_and_steps():
 
 
 def test_action_labels_and_costs():
-    assert parse_action_label("B c12 mb103") == ("B", 12, 103)
-    assert parse_action_label("recv act c0 mb2") is None
-    spans = [[Span("compute", "F c0 mb0", 0, 10), Span("compute", "F c0 mb1", 10, 30),
-              Span("p2p", "F c0 mb9", 0, 99)]]
+    assert parse_action_label("B103.12") == ("B", 12, 103)
+    assert parse_action_label("recv act F2.0") is None and parse_action_label("F c1 mb3") is None
+    spans = [[Span("compute", "F0.0", 0, 10), Span("compute", "F1.0", 10, 30),
+              Span("p2p", "F9.0", 0, 99)]]
     assert action_costs(spans) == {("F", 0, 0): 15}
 
 
@@ -140,7 +140,7 @@ def test_action_labels_and_costs():
 def test_chrome_trace_is_valid_and_round_trips_through_rank_files(tmp_path):
     plan = build_plan("interleaved", 2, 4, 2)
     spans = _spans_from_simulation(simulate(plan), scale=1000)
-    spans[1].append(Span("p2p", "recv act c0 mb0", 0, 500, 0, 0))
+    spans[1].append(Span("p2p", "recv act F0.0", 0, 500, 0, 0))
     paths = [save_rank_spans(tmp_path / f"rank{r}.json", r, s) for r, s in enumerate(spans)]
     merged = merge_rank_files(reversed(paths))
     assert merged == spans
@@ -171,7 +171,7 @@ def test_gantt_png_written_with_both_bubbles(tmp_path):
     plan = build_plan("1f1b", 2, 4)
     sim = simulate(plan, 1.0, 2.0)
     spans = _spans_from_simulation(sim, step=3)
-    spans[0].append(Span("p2p", "recv grad c0 mb0", 2_000_000, 4_000_000, 3, 0))  # the idle wait
+    spans[0].append(Span("p2p", "recv grad B0.0", 2_000_000, 4_000_000, 3, 0))  # the idle wait
     info = plot_measured_timeline(spans, tmp_path / "t.png", plan)
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert info["step"] == 3
@@ -233,6 +233,6 @@ def test_pipecast_train_writes_timeline_and_torch_profile(tmp_path):
     assert summary["schedule"] == "no_pipelining" and summary["num_microbatches"] == 3
     trace = json.loads((tl / "timeline.json").read_text())
     labels = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "compute"]
-    assert labels == ["F c0 mb0", "B c0 mb0", "F c0 mb1", "B c0 mb1", "F c0 mb2", "B c0 mb2"] * 2
+    assert labels == ["F0.0", "B0.0", "F1.0", "B1.0", "F2.0", "B2.0"] * 2
     assert (tl / "timeline.png").is_file()
     assert [p.name for p in (run_dir / "profile").iterdir()] == ["torch_profile_rank0_step2.json"]  # after wait + active steps

@@ -42,7 +42,7 @@ def _job(rank, world, out_dir):
         results[schedule] = {"spans": spans, "summary": summary,
                              "plan_labels": [a.label for a in plan.actions[rank]],
                              "inputs": [None if (m := plan.input_message(rank, a)) is None else
-                                        f"recv {m.kind} c{m.dst_chunk} mb{m.microbatch}"
+                                        f"recv {m.kind} {a}"
                                         for a in plan.actions[rank]]}
     dist.barrier()
     return results

@@ -108,7 +108,7 @@ def test_wrong_shape_or_dtype_is_a_clear_error_not_a_hang(outcomes):
         and "expects (4, 2, 8)" in sender["error"], sender
     assert sender["seconds"] < T
     assert not receiver["ok"] and receiver["seconds"] < 3 * T, receiver  # the group timeout, not a hang
-    assert "recv act c0 mb0 from pipeline rank 0 (global rank 0) failed" in receiver["error"], receiver
+    assert "recv act F0.0 from pipeline rank 0 (global rank 0) failed" in receiver["error"], receiver
     sender, receiver = outcomes["wrong_dtype"]
     assert "torch.float64" in sender["error"] and "pipeline_dtype=torch.float32" in sender["error"], sender
     assert not receiver["ok"] and receiver["seconds"] < 3 * T, receiver
@@ -117,11 +117,11 @@ def test_wrong_shape_or_dtype_is_a_clear_error_not_a_hang(outcomes):
 @pytest.mark.timeout(160)
 def test_shape_handshake_catches_a_wrong_shape(outcomes):
     sender, receiver = outcomes["variable_wrong_hidden"]  # caught where it is made, before it is sent
-    assert "F c0 mb0 produced shape (4, 2, 9) on pipeline rank 0" in sender["error"] \
+    assert "F0.0 produced shape (4, 2, 9) on pipeline rank 0" in sender["error"] \
         and "hidden_size=8" in sender["error"], sender
     assert not receiver["ok"] and "from pipeline rank 0 (global rank 0) failed" in receiver["error"], receiver
     sender, receiver = outcomes["variable_wrong_hidden_receiver"]  # caught by the receiver's handshake check
-    assert "shape handshake of recv act c0 mb0 from pipeline rank 0 announced shape (4, 2, 9)" in receiver["error"] \
+    assert "shape handshake of recv act F0.0 from pipeline rank 0 announced shape (4, 2, 9)" in receiver["error"] \
         and "hidden_size=8" in receiver["error"], receiver
     assert receiver["seconds"] < T
     assert not sender["ok"] and sender["seconds"] < 3 * T, sender  # its gradient never comes: the group timeout

@@ -21,6 +21,7 @@ This module is pure: it imports nothing from torch.
 from __future__ import annotations
 
 import enum
+import re
 from array import array
 from dataclasses import dataclass
 from functools import cached_property
@@ -49,21 +50,41 @@ class Op(str, enum.Enum):
         return self.value
 
 
+_NOTATION = re.compile(r"^([FBW])(\d+)\.(\d+)$")
+
+
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One compute step of a pipeline rank: ``op`` on ``(model chunk, microbatch)``."""
+    """One compute step of a pipeline rank: ``op`` on ``(model chunk, microbatch)``.
+
+    One notation everywhere (grids, JSON, spans, NVTX ranges, errors): ``<op><microbatch>.<chunk>``, e.g. ``F3.1``
+    is the forward of microbatch 3 on model chunk 1 (the notation of Megatron-Core's traces);
+    ``Action.parse(str(a)) == a``.
+    """
 
     op: Op
     chunk: int
     microbatch: int
 
-    def __str__(self) -> str:  # the trace notation of shared/vectors: F<mb>.<chunk>
+    def __str__(self) -> str:
         return f"{self.op.value}{self.microbatch}.{self.chunk}"
 
     @property
     def label(self) -> str:
-        """Profiler / NVTX label, e.g. ``"F c1 mb3"``."""
-        return f"{self.op.value} c{self.chunk} mb{self.microbatch}"
+        """The action's notation (``str(action)``), as profiler spans and NVTX ranges show it."""
+        return str(self)
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """The action written ``text`` (``"F3.1"``).
+
+        Raises:
+            ValueError: ``text`` is not ``<F|B|W><microbatch>.<chunk>``.
+        """
+        m = _NOTATION.match(text.strip()) if isinstance(text, str) else None
+        if m is None:
+            raise ValueError(f"{text!r} is not an action: write <F|B|W><microbatch>.<chunk>, e.g. F3.1")
+        return cls(Op(m.group(1)), int(m.group(3)), int(m.group(2)))
 
 
 @dataclass(frozen=True, slots=True)

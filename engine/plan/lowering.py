@@ -63,7 +63,7 @@ class Recv:
     peer: int          # sender's pipeline rank
     tag: int
     shape_tag: int
-    label: str         # "recv act c0 mb2" (destination chunk and microbatch)
+    label: str         # "recv act F2.0": the message and the action that consumes it
     consumer: int      # index of the step that consumes it
     message: Message = None
 
@@ -167,7 +167,7 @@ def incoming(plan: Plan, rank: int):
                 raise ValueError(f"plan is invalid: rank {src} sends {m} but rank {rank} never consumes it")
             consumer = wanted.pop(m)
             tag, shape_tag = _TAGS[m.kind]
-            recvs.append(Recv(m.kind, src, tag, shape_tag, f"recv {m.kind} c{m.dst_chunk} mb{m.microbatch}",
+            recvs.append(Recv(m.kind, src, tag, shape_tag, f"recv {m.kind} {plan.actions[rank][consumer]}",
                               consumer, m))
             step_recv[consumer] = len(recvs) - 1
             links[src].append(len(recvs) - 1)

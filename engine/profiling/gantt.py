@@ -10,23 +10,24 @@ scheduling delays, runtime overhead).
 from __future__ import annotations
 
 import os
-import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
 
+from ..plan.build import Action
 from .bubble import measured_bubble, step_window, steps_of
 from .timeline import Span
 
 __all__ = ["parse_action_label", "action_costs", "simulated_bubble", "timeline_rows", "plot_measured_timeline"]
 
-_LABEL = re.compile(r"^([FBW]) c(\d+) mb(\d+)$")
-
-
 def parse_action_label(label: str) -> tuple[str, int, int] | None:
-    """``"F c1 mb3"`` -> ``("F", 1, 3)``; ``None`` for a label that is not an action's."""
-    m = _LABEL.match(label)
-    return (m.group(1), int(m.group(2)), int(m.group(3))) if m else None
+    """``"F3.1"`` (:meth:`engine.plan.build.Action.parse`) -> ``("F", 1, 3)`` (op, chunk, microbatch); ``None``
+    for a label that is not an action's."""
+    try:
+        a = Action.parse(label)
+    except ValueError:
+        return None
+    return a.op.value, a.chunk, a.microbatch
 
 
 def action_costs(rank_spans: Sequence[Sequence[Span]], steps: Sequence[int] | None = None) -> dict:

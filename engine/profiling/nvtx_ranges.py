@@ -1,7 +1,7 @@
 """NVTX ranges named by schedule action, for Nsight Systems.
 
 :class:`NvtxTracer` turns every executor span into one NVTX push/pop range in the ``"pipecast"`` domain: one range
-per action (``"F c1 mb3"``), per P2P call (``"recv act c0 mb2"``), per CUDA-graph replay and per grad/param sync hook,
+per action (``"F3.1"``), per P2P call (``"recv act F2.0"``), per CUDA-graph replay and per grad/param sync hook,
 colored by category.  Ranges are opened on the host around graph *replays*, never inside a capture.  Without an
 attached profiler the ``nvtx`` package's calls are no-ops costing well under a microsecond, but the tracer is still
 opt-in (``profile.nvtx`` / ``--nvtx``).

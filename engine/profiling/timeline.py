@@ -22,7 +22,7 @@ class Span:
 
     Attributes:
         category: ``"compute"``, ``"p2p"``, ``"graph"`` or ``"sync"`` (see :mod:`engine.runtime.tracing`).
-        label: e.g. ``"F c1 mb3"``, ``"recv act c0 mb2"``.
+        label: e.g. ``"F3.1"``, ``"recv act F2.0"``.
         start_ns, end_ns: nanoseconds since the recorder's anchor.
         step: the training step it belongs to (``-1`` outside :meth:`TimelineRecorder.step`).
         depth: nesting depth (0 = outermost span).

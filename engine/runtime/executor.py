@@ -32,8 +32,8 @@ executor derives everything else from the plan's actions:
   start and chunk ``c >= 2`` at forward step ``k`` when step ``k + r`` is the first microbatch of chunk ``c - 1``;
   ``finalize_model_grads_func(models, total_num_tokens or None, pg_collection=..., force_all_reduce=...)`` at the end
   of a training step.
-* Spans to a tracer (``engine.runtime.tracing``): ``"compute"`` around each action (label ``"F c1 mb3"``), ``"p2p"`` around
-  each receive wait (``"recv act c0 mb2"``) and send wait (``"wait send"``), ``"sync"`` around hooks.
+* Spans to a tracer (``engine.runtime.tracing``): ``"compute"`` around each action (label ``"F3.1"``), ``"p2p"`` around
+  each receive wait (``"recv act F2.0"``) and send wait (``"wait send"``), ``"sync"`` around hooks.
 
 Per-rank programs come from the plan layer's lowering (:mod:`engine.plan.lowering`: ``compile_rank``,
 ``program_for``, cached), the same programs the validator checks; the per-action path does list indexing only.

@@ -24,8 +24,8 @@ CATEGORIES = ("compute", "p2p", "graph", "sync")
 class Tracer(Protocol):
     """Receives spans from the executor.
 
-    ``category`` is one of ``"compute"`` (an action, label like ``"F c1 mb3"``), ``"p2p"`` (a send/receive or a wait,
-    label like ``"recv act c0 mb2"``), ``"graph"`` (a CUDA-graph replay) or ``"sync"`` (grad/param sync hooks).
+    ``category`` is one of ``"compute"`` (an action, label like ``"F3.1"``), ``"p2p"`` (a send/receive or a wait,
+    label like ``"recv act F2.0"``), ``"graph"`` (a CUDA-graph replay) or ``"sync"`` (grad/param sync hooks).
     """
 
     def span(self, category: str, label: str) -> ContextManager[None]: ...

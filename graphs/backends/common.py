@@ -152,8 +152,8 @@ class ReplaySlot:
         self.guard = None  # a graphs.dispatch.ReplayGuard checking backward passes (set by GraphedLayers)
         self.backward_event = event  # the backward pass of the current call (set by the dispatcher)
         self.replays = 0
-        label = f"c{event.chunk} mb{event.microbatch} l{event.layer}"
-        self._labels = (f"replay F {label}", f"replay B {label}")
+        at = f"{event.microbatch}.{event.chunk} l{event.layer}"  # the action's notation, then the layer
+        self._labels = (f"replay F{at}", f"replay B{at}")
 
     # -- subclass interface ---------------------------------------------------------------------------------
     def capture_forward(self) -> None: raise NotImplementedError
