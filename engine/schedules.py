@@ -565,7 +565,9 @@ def forward_backward_pipelining_with_schedule(*, schedule="zb_h1", forward_step_
     pipeline rank, before any pipeline communication.
     """
     plan = schedule if isinstance(schedule, Plan) else None
-    name = parse_schedule(plan.schedule if plan is not None else schedule)
+    # a plan of another origin (e.g. torch's CSV, engine.plan.torch_csv) runs through the generic path of "zb"
+    name = (parse_schedule(schedule) if plan is None else
+            Schedule(plan.schedule) if plan.schedule in tuple(Schedule) else Schedule.ZB)
     if name in (_NO_PIPELINING, _ONE_F_ONE_B, _INTERLEAVED) and plan is None:
         func = _BY_NAME[name.megatron_function]
         return func(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,

@@ -136,7 +136,7 @@ def run_case(rank: int, pgc, c: dict) -> dict:
     log = _TraceLog()
     stages = None
     if c["schedule"]:  # pipecast's own schedules: the plan's placement decides the stages of this rank
-        stages = build_plan(c["schedule"], pp, c["M"], C, max_in_flight=c["max_in_flight"]).stages_of(pp_rank)
+        stages = _named_plan(c, pp, c["M"], C, False).stages_of(pp_rank)
     chunks, _ = tm.build_chunks(cfg, pp, pp_rank, C, hidden=c["hidden"], layers_per_stage=c["layers"],
                                 kind=c["kind"], dtype=getattr(torch, c["dtype"]), seed=c["seed"], log=log,
                                 stages=stages, output=c["output"])
@@ -253,19 +253,28 @@ def _with_schedule(c, pp):
     ``zb`` plan built for each call)."""
     def func(**kw):
         schedule = c["schedule"]
-        if c["max_in_flight"] is not None:
-            schedule = build_plan("zb", pp, kw["num_microbatches"], c["chunks"] or 1, forward_only=kw["forward_only"],
-                                  max_in_flight=c["max_in_flight"])
+        if c["max_in_flight"] is not None or schedule.startswith("csv:"):
+            schedule = _named_plan(c, pp, kw["num_microbatches"], c["chunks"] or 1, kw["forward_only"])
         return schedules.forward_backward_pipelining_with_schedule(schedule=schedule, **kw)
     return func
+
+
+def _named_plan(c, pp, M, C, forward_only):
+    """The case's plan: a built-in schedule (``max_in_flight``: a budgeted ``zb`` plan), or ``"csv:<name>"``: that
+    schedule exported to torch's CSV and imported back (``engine.plan.torch_csv``)."""
+    name = c["schedule"]
+    kw = dict(max_in_flight=c["max_in_flight"]) if c["max_in_flight"] is not None else {}
+    if name.startswith("csv:"):
+        from engine.plan.torch_csv import plan_from_csv, plan_to_csv
+        return plan_from_csv(plan_to_csv(build_plan(name[4:], pp, M, C, forward_only=forward_only, **kw)))
+    return build_plan(name, pp, M, C, c["G"] if name == "interleaved" else None, forward_only, **kw)
 
 
 def _plan_order(c, schedule, pp, M, C, fo, pp_rank):
     """The order the chunks record for this rank's plan, per repeat: ``F`` and ``B`` as planned; with split
     backward the first stage has no input gradient, so its backward (recorded by the chunk's output node) runs in
     ``W`` (the generic split's whole backward) and its ``B`` records nothing."""
-    kw = dict(max_in_flight=c["max_in_flight"]) if c["max_in_flight"] is not None else {}
-    plan = build_plan(schedule, pp, M, C, c["G"] if schedule == "interleaved" else None, fo, **kw)
+    plan = _named_plan({**c, "schedule": schedule}, pp, M, C, fo)
     order = []
     for a in plan.actions[pp_rank]:
         first = plan.is_first_stage(pp_rank, a.chunk)
