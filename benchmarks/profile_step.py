@@ -29,12 +29,12 @@ def job(rank: int, world: int, chunks: int, steps: int, warmup: int, options: di
     rec = TimelineRecorder(rank)
     engine = build_pipecast(rank, world, Workload(), chunks=chunks, tracer=rec, **options)
     for _ in range(warmup):
-        engine.runtime.step()
+        engine.step()
     rec.anchor(dist.group.WORLD)
     for i in range(steps):
         dist.barrier()
         with rec.step(i):
-            engine.runtime.step()
+            engine.step()
     return [(s.category, s.label, s.start_ns, s.end_ns, s.step, s.depth) for s in rec.spans()]
 
 

@@ -73,7 +73,7 @@ def job(rank: int, world: int, cases: list, ms: list[int], warmup: int, steps: i
             else:
                 engine = BUILDERS[builder](rank, world, workload(m), **options)
             if engine is not None:
-                engine.runtime.step()
+                engine.step()
             built[(label, m)] = engine
     keys = list(built)
     times = {k: [] for k in keys}

@@ -64,7 +64,7 @@ def job(rank: int, world: int, todo: list, workload: Workload, warmup: int, step
         else:
             engine = BUILDERS[builder](rank, world, workload, **options)
         built[label] = engine
-        out = engine.runtime.step() if engine is not None else []
+        out = engine.step() if engine is not None else []
         losses[label] = float(sum(float(l) for l in out) / len(out)) if out else None
     times = {label: [] for label in built}
     order = list(built)
