@@ -8,6 +8,7 @@ floor: the plan simulated with the measured mean action costs and free communica
 step faster than that with the same schedule and the same per-action compute).
 
     python benchmarks/profile_step.py --chunks 2 --steps 20
+    python benchmarks/profile_step.py --schedule zbv --chunks 2 --steps 20
 """
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ if __package__ in (None, ""):
 from benchmarks.common import RESULTS, Workload, launch, median  # noqa: E402
 
 
-def job(rank: int, world: int, chunks: int, steps: int, warmup: int, options: dict):
+def job(rank: int, world: int, chunks: int, steps: int, warmup: int, options: dict, schedule=None):
     import torch.distributed as dist
     from benchmarks.engines import build_pipecast
     from engine.profiling import TimelineRecorder
     rec = TimelineRecorder(rank)
-    engine = build_pipecast(rank, world, Workload(), chunks=chunks, tracer=rec, **options)
+    engine = build_pipecast(rank, world, Workload(), chunks=chunks, tracer=rec, schedule=schedule, **options)
     for _ in range(warmup):
         engine.step()
     rec.anchor(dist.group.WORLD)
@@ -62,6 +63,8 @@ def analyse(rank_spans, stall_ms: float) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=1, help="1: 1F1B, 2: interleaved 1F1B")
+    ap.add_argument("--schedule", default=None, choices=("zb_h1", "zbv"),
+                    help="a split-backward schedule instead (zbv: --chunks 2)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--step", type=int, default=None, help="step to draw (default: the slowest)")
@@ -77,9 +80,9 @@ def main(argv=None) -> int:
     for kv in args.config:
         k, v = kv.split("=", 1)
         options[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
-    schedule = "interleaved" if args.chunks > 1 else "1f1b"
+    schedule = args.schedule or ("interleaved" if args.chunks > 1 else "1f1b")
     out = Path(args.out or RESULTS / f"timeline_{schedule}")
-    res = launch(job, 2, args.chunks, args.steps, args.warmup, options, pin=args.pin)
+    res = launch(job, 2, args.chunks, args.steps, args.warmup, options, args.schedule, pin=args.pin)
     rank_spans = [[Span(*t) for t in r] for r in res]
     plan = build_plan(schedule, 2, Workload().microbatches, args.chunks)
     summary = analyse(rank_spans, args.stall_ms)
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
     summary["floor_ms"] = sim.makespan
     print(f"  floor: {sim.makespan:.1f} ms = this plan with the measured mean action costs and free communication "
           f"(rank compute {', '.join(f'{b:.1f}' for b in sim.busy)} ms); median step / floor "
-          f"{median(times) / sim.makespan:.3f}")
+          f"{median(times) / sim.makespan:.3f} (prediction error {100 * (sim.makespan / median(times) - 1):+.1f}%)")
     print(f"  {len(summary['stalls'])} receive waits > {args.stall_ms} ms in {len(times)} steps:",
           ", ".join(f"s{x['step']} r{x['rank']} {x['label']} {x['ms']:.1f}ms" for x in summary["stalls"][:12]))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
