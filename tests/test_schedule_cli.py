@@ -7,7 +7,7 @@ import pytest
 
 from engine.cli import main
 from engine.plan import build_plan
-from engine.plan.plotting import Span, plot_timeline
+from engine.plan.plotting import Bar, plot_timeline
 from engine.plan.simulate import simulate
 
 
@@ -75,13 +75,13 @@ def test_bad_values_exit_2_with_a_clear_message(argv, message, capsys):
 
 def test_plot_timeline_generic_spans(tmp_path):
     """Measured timelines (the profiler) use the same chart: arbitrary kinds, tuples or Spans, bubbles by rank."""
-    rows = [Span(0, 0.0, 1.0, "a", "F"), (1, 0.5, 2.0, "b", "B"), Span(1, 2.0, 2.5, "", "comm")]
+    rows = [Bar(0, 0.0, 1.0, "a", "F"), (1, 0.5, 2.0, "b", "B"), Bar(1, 2.0, 2.5, "", "comm")]
     path = plot_timeline(rows, tmp_path / "t.png", "measured", bubbles={0: 0.6, 1: 0.0}, time_unit="ms")
     assert path.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="no spans"):
         plot_timeline([], tmp_path / "x.png", "empty")
     with pytest.raises(ValueError, match="end >= start"):
-        plot_timeline([Span(0, 2.0, 1.0, "x", "F")], tmp_path / "x.png", "bad")
+        plot_timeline([Bar(0, 2.0, 1.0, "x", "F")], tmp_path / "x.png", "bad")
 
 
 @pytest.mark.timeout(30)

@@ -124,7 +124,7 @@ def test_timeline_is_consistent():
                 j = plan.actions[msg.src].index(next(a for a in plan.actions[msg.src]
                                                      if plan.output_message(msg.src, a) == msg))
                 assert starts[i] >= sim.end[msg.src][j] + 0.25
-    spans = sim.spans()
+    spans = sim.bars()
     assert len(spans) == plan.total_actions
     assert {s.kind for s in spans} == {"F", "B"}
     assert max(s.end for s in spans) == sim.makespan

@@ -181,7 +181,7 @@ def run(args) -> int:
         title = (f"{schedule} pp={plan.pp_size} vp={plan.num_model_chunks} m={plan.num_microbatches}{group}"
                  f"{' forward-only' if plan.forward_only else ''}: makespan "
                  f"{sim.makespan:g}, bubble {100 * sim.bubble_overall:.1f}% (bars: microbatch.chunk)")
-        plot_timeline(sim.spans(), args.plot, title, bubbles=sim.bubble)
+        plot_timeline(sim.bars(), args.plot, title, bubbles=sim.bubble)
         print(f"wrote {args.plot}")
     return 0
 

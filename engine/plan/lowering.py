@@ -25,12 +25,13 @@ import bisect
 import enum
 import functools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .build import Message, Op, Plan, build_plan, looped_placement
 
 __all__ = ["MessageKind", "TAG_ACT", "TAG_GRAD", "TAG_ACT_SHAPE", "TAG_GRAD_SHAPE", "Recv", "Step", "RankProgram",
            "exchange_order", "incoming", "receive_schedule", "reap_points", "local_handovers", "hook_events",
-           "compile_rank", "program_for", "cached_program"]
+           "compile_rank", "program_for", "cached_program", "HookEvent"]
 
 
 class MessageKind(str, enum.Enum):
@@ -256,8 +257,16 @@ def local_handovers(plan: Plan, rank: int) -> tuple[list[int], list[int], int]:
 
 
 # ---- pass 5: grad / param sync hook events --------------------------------------------------------------------------
-# events: ("enable",) leave no_sync; ("disable",) enter no_sync; ("grad", c) grad_sync_func for chunk c (None: the
-# whole model of a one-chunk rank); ("param", c) param_sync_func for chunk c.
+class HookEvent(NamedTuple):
+    """A grad / param sync hook event: ``enable`` leaves ``no_sync``, ``disable`` enters it, ``grad`` calls
+    ``grad_sync_func`` for ``chunk`` (None: the whole model of a one-chunk rank), ``param`` calls
+    ``param_sync_func`` for ``chunk``."""
+
+    kind: str
+    chunk: int | None = None
+
+
+ENABLE, DISABLE = HookEvent("enable"), HookEvent("disable")
 
 def hook_events(plan: Plan, rank: int, has_grad_sync: bool, has_param_sync: bool):
     """``(start, before, after, end)``: the hook events run at the start, before / after each step, and at the end.
@@ -270,23 +279,23 @@ def hook_events(plan: Plan, rank: int, has_grad_sync: bool, has_param_sync: bool
     """
     n = len(plan.actions[rank])
     before, after = [[] for _ in range(n)], [[] for _ in range(n)]
-    start, end = [("disable",)], []
+    start, end = [DISABLE], []
     ops = [a.op for a in plan.actions[rank]]
     if plan.schedule == "no_pipelining":
         fwd = [i for i, op in enumerate(ops) if op is Op.FORWARD]
         if fwd:
-            before[fwd[-1]].append(("enable",))
+            before[fwd[-1]].append(ENABLE)
         return start, before, after, end
     if plan.forward_only or Op.BACKWARD not in ops:
-        return start, before, after, [("enable",)]
+        return start, before, after, [ENABLE]
     if plan.splits_backward:
         return _split_hooks(plan, rank, has_grad_sync, has_param_sync, (start, before, after, end))
     if plan.schedule != "interleaved":
         last_b = max(i for i, op in enumerate(ops) if op is Op.BACKWARD)
         if not has_grad_sync or rank == 0:
-            before[last_b].append(("enable",))
+            before[last_b].append(ENABLE)
         else:
-            end += [("enable",), ("grad", None)]
+            end += [ENABLE, HookEvent("grad", None)]
         return start, before, after, end
     return _interleaved_hooks(plan, rank, has_grad_sync, has_param_sync, (start, before, after, end))
 
@@ -296,14 +305,14 @@ def _split_hooks(plan: Plan, rank: int, has_grad_sync: bool, has_param_sync: boo
     acts = plan.actions[rank]
     last_w = {a.chunk: i for i, a in enumerate(acts) if a.op is Op.WEIGHT}
     if has_param_sync:
-        start += [("param", c) for c in range(plan.num_model_chunks)]
+        start += [HookEvent("param", c) for c in range(plan.num_model_chunks)]
     for c, i in sorted(last_w.items()):
         if has_grad_sync:
-            after[i] += [("enable",), ("grad", c), ("disable",)]
+            after[i] += [ENABLE, HookEvent("grad", c), DISABLE]
         else:
-            before[i].append(("enable",))
-            after[i].append(("disable",))
-    end.append(("enable",))
+            before[i].append(ENABLE)
+            after[i].append(DISABLE)
+    end.append(ENABLE)
     return start, before, after, end
 
 
@@ -316,27 +325,27 @@ def _interleaved_hooks(plan: Plan, rank: int, has_grad_sync: bool, has_param_syn
     bwd_idx = [i for i, a in enumerate(acts) if a.op is Op.BACKWARD]
     chunks, total = plan.num_model_chunks, len(fwd_idx)
     if has_param_sync:
-        start += [("param", c) for c in range(min(2, chunks))]
+        start += [HookEvent("param", c) for c in range(min(2, chunks))]
         for k, i in enumerate(fwd_idx):
             j = k + rank
             if j < total and acts[fwd_idx[j]].microbatch == 0:
                 c2 = acts[fwd_idx[j]].chunk + 1
                 if 1 < c2 < chunks:
-                    before[i].append(("param", c2))
+                    before[i].append(HookEvent("param", c2))
     synced = set()
     for k, i in enumerate(bwd_idx):
         if not has_grad_sync and acts[i].microbatch == last_m:
-            before[i].append(("enable",))
-            after[i].append(("disable",))
+            before[i].append(ENABLE)
+            after[i].append(DISABLE)
         if has_grad_sync:
             j = k - rank
             if j >= 0 and acts[bwd_idx[j]].microbatch == last_m:
                 c2 = acts[bwd_idx[j]].chunk
-                after[i] += [("enable",), ("grad", c2), ("disable",)]
+                after[i] += [ENABLE, HookEvent("grad", c2), DISABLE]
                 synced.add(c2)
-    end.append(("enable",))
+    end.append(ENABLE)
     if has_grad_sync:
-        end += [("grad", c) for c in range(chunks) if c not in synced]
+        end += [HookEvent("grad", c) for c in range(chunks) if c not in synced]
     return start, before, after, end
 
 

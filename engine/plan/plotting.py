@@ -1,6 +1,6 @@
 """Gantt charts of pipeline timelines (simulated or measured), drawn with matplotlib's Agg backend.
 
-:func:`plot_timeline` takes generic :class:`Span` rows, so the simulator (``pipecast schedule --plot``) and the
+:func:`plot_timeline` takes generic :class:`Bar` rows, so the simulator (``pipecast schedule --plot``) and the
 profiler (measured per-rank timelines) share it.  matplotlib is imported only when a chart is drawn; no pyplot
 global state is touched (a ``Figure`` with an Agg canvas), so it works headless and inside tests.
 """
@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["Span", "plot_timeline", "KIND_COLOURS"]
+__all__ = ["Bar", "plot_timeline", "KIND_COLOURS"]
 
 KIND_COLOURS = {"F": "#4C78A8", "B": "#F58518", "W": "#54A24B"}
 """Colours of the known kinds: forward, backward, weight-gradient.  Other kinds get the ``_EXTRA`` palette."""
@@ -18,7 +18,7 @@ _EXTRA = ("#B279A2", "#9D755D", "#72B7B2", "#E45756", "#BAB0AC", "#EECA3B")
 _KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
 
 
-class Span(NamedTuple):
+class Bar(NamedTuple):
     """One bar of a timeline: ``kind`` work on pipeline ``rank`` from ``start`` to ``end`` (any time unit)."""
 
     rank: int
@@ -28,7 +28,7 @@ class Span(NamedTuple):
     kind: str
 
 
-def plot_timeline(rows: Iterable[Span | Sequence], path: str | Path, title: str,
+def plot_timeline(rows: Iterable[Bar | Sequence], path: str | Path, title: str,
                   bubbles: Sequence[float] | Mapping[int, float] | None = None, time_unit: str = "time") -> Path:
     """Draw one row per rank (rank 0 on top), one bar per span coloured by kind and labelled where it fits.
 
@@ -50,7 +50,7 @@ def plot_timeline(rows: Iterable[Span | Sequence], path: str | Path, title: str,
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    spans = [Span(*r) for r in rows]
+    spans = [Bar(*r) for r in rows]
     if not spans:
         raise ValueError("plot_timeline got no spans: nothing to draw")
     for s in spans:

@@ -28,7 +28,7 @@ from typing import Union
 import numpy as np
 
 from .build import Plan
-from .plotting import Span
+from .plotting import Bar
 from .validate import PlanGraph, execution_order, memory_levels, plan_graph
 
 __all__ = ["Cost", "Simulation", "simulate"]
@@ -100,12 +100,12 @@ class Simulation:
         ``(p-1)/(v*m)``."""
         return tuple(i / b if b > 0 else 0.0 for i, b in zip(self.idle, self.busy))
 
-    def spans(self) -> list[Span]:
-        """Every action as a :class:`~engine.plan.plotting.Span` (``kind`` = ``"F"``, ``"B"`` or ``"W"``)."""
+    def bars(self) -> list[Bar]:
+        """Every action as a :class:`~engine.plan.plotting.Bar` (for the Gantt chart) (``kind`` = ``"F"``, ``"B"`` or ``"W"``)."""
         out = []
         for rank, acts in enumerate(self.plan.actions):
             starts, ends = self.start[rank], self.end[rank]
-            out.extend(Span(rank, s, e, f"{a.microbatch}.{a.chunk}", a.op.value)
+            out.extend(Bar(rank, s, e, f"{a.microbatch}.{a.chunk}", a.op.value)
                        for a, s, e in zip(acts, starts, ends))
         return out
 

@@ -67,7 +67,7 @@ def simulated_bubble(plan, rank_spans: Sequence[Sequence[Span]], steps: Sequence
 def timeline_rows(rank_spans: Sequence[Sequence[Span]], step: int | None = None) -> list:
     """The bars of one step: compute/graph spans at nesting depth 0 and the p2p/sync spans outside them, times in
     ms from the step's start."""
-    from ..plan.plotting import Span as Bar
+    from ..plan.plotting import Bar
     lo, _ = step_window(rank_spans, step)
     rows = []
     for rank, spans in enumerate(rank_spans):

@@ -53,7 +53,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..plan.build import Op
-from ..plan.lowering import TAG_ACT, TAG_ACT_SHAPE, TAG_GRAD, TAG_GRAD_SHAPE, RankProgram, exchange_order
+from ..plan.lowering import ENABLE, TAG_ACT, TAG_ACT_SHAPE, TAG_GRAD, TAG_GRAD_SHAPE, RankProgram, exchange_order
 from .p2p import decode_shape, encode_shape
 from .step import (ChunkCall, ChunkHooks, ForwardCall, backward_step, check_first_val_step, deallocate_output_tensor,
                    run_forward, sendable_output)
@@ -99,29 +99,27 @@ class _GradSync:
         return funcs[chunk] if isinstance(funcs, (list, tuple)) else funcs
 
     def run(self, events) -> None:
+        """Run :class:`~engine.plan.lowering.HookEvent` s in order."""
         for ev in events:
-            what = ev[0]
-            if what == "disable":
+            if ev.kind == "disable":
                 if self.stack is None:
                     self.stack = contextlib.ExitStack()
                     for f in self.no_sync:
                         self.stack.enter_context(f())
-            elif what == "enable":
+            elif ev.kind == "enable":
                 if self.stack is not None:
                     stack, self.stack = self.stack, None
                     stack.close()
-            elif what == "grad":
-                c = ev[1]
-                with self.tracer.span("sync", f"grad_sync c{0 if c is None else c}"):
-                    params = self.models[0 if c is None else c].parameters()
-                    self._pick(self.grad_sync, 0 if c is None else c)(params)
+            elif ev.kind == "grad":
+                c = 0 if ev.chunk is None else ev.chunk
+                with self.tracer.span("sync", f"grad_sync c{c}"):
+                    self._pick(self.grad_sync, c)(self.models[c].parameters())
             else:  # param
-                c = ev[1]
-                with self.tracer.span("sync", f"param_sync c{c}"):
-                    self._pick(self.param_sync, c)(self.models[c].parameters())
+                with self.tracer.span("sync", f"param_sync c{ev.chunk}"):
+                    self._pick(self.param_sync, ev.chunk)(self.models[ev.chunk].parameters())
 
     def close(self) -> None:
-        self.run((("enable",),))
+        self.run((ENABLE,))
 
 
 # ---- execution ----------------------------------------------------------------------------------------------------

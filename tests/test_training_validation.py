@@ -1,4 +1,4 @@
-"""Fixes from a fresh-user trial of ``pipecast train``:
+"""Training config and run validation (``pipecast train`` and the ``Trainer``):
 
 * exponent floats (``1e-3``) in files and overrides; non-finite / non-numeric floats rejected; duplicate YAML keys
   rejected; a string passed as ``overrides`` is a TypeError; one field per optimizer error; the group-size field named

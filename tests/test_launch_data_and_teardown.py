@@ -1,4 +1,4 @@
-"""Launcher fixes of the fresh-user trial of ``pipecast train``:
+"""The launcher with the data and the ranks: checked before any rank starts, Ctrl-C, teardown (``pipecast train``):
 
 * data problems are found before any rank starts (``engine.training.data.check_data``, called by the launcher):
   exit 2 with one ``error:`` line naming the field, its value and the fix -- and the ranks' ``load_corpus`` gives
