@@ -15,7 +15,7 @@ Closed forms the tests check (uniform costs, no transfer time; ``p`` ranks, ``m`
   (``m >= p``); ``W+1`` (warmup count + 1) for interleaved ranks whose warmup is below the total.
 
 Cost: one linear pass over the validator's execution order (:func:`engine.plan.validate.execution_order`, computed and
-cached if the plan was not validated yet): about 0.2 s of CPU for 1M actions (P=64, C=8, M=1024).
+cached if the plan was not validated yet); ``benchmarks/plan_scale.py`` times it for P=64, C=8, M=1024.
 """
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ for every plan whose communication follows its virtual-stage topology; the last 
 against that rule, and a plan that breaks it is refused rather than misjudged.
 
 Cost: linear in the number of actions (the deadlock check is one event-driven pass over the ranks: a rank runs
-until it needs a message that is not produced yet, and is resumed when the producer passes that action); about
-0.25 s of CPU for P=64, C=8, M=1024 (1M actions); see ``benchmarks/plan_scale.py``.  The dependency graph and the
+until it needs a message that is not produced yet, and is resumed when the producer passes that action);
+``benchmarks/plan_scale.py`` times it for P=64, C=8, M=1024 (1M actions).  The dependency graph and the
 execution order are cached on the plan, so :func:`engine.plan.simulate.simulate` reuses them.
 """
 from __future__ import annotations
