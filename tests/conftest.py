@@ -14,6 +14,26 @@ except ImportError:  # tests/ itself on sys.path (pytest's default "prepend" imp
 ALLOWED_CI_SKIPS = ("CUDA", "/proc", "optional dependency")
 
 
+# Modules whose tests start processes (gloo ranks, the pipecast CLI, trainers on spawned ranks): marked
+# ``multiprocess`` and ``slow``, so ``pytest -m "not slow"`` is the quick loop of pure, in-process tests.
+MULTIPROCESS_MODULES = {
+    "test_api_messages", "test_deallocation", "test_equivalence", "test_gloo_io", "test_graphs_pipeline",
+    "test_graphs_trainer", "test_harness_controls", "test_launch", "test_launch_data_and_teardown",
+    "test_odd_pipelines", "test_p2p_messages", "test_parallel_state", "test_profiling_pipeline", "test_public_bugs",
+    "test_readme", "test_reliability_config", "test_reliability_faults", "test_reliability_p2p", "test_spawn",
+    "test_trainer_reference", "test_training_cli", "test_training_grads", "test_training_outputs",
+    "test_training_runs", "test_training_validation", "test_zero_bubble_pipeline", "test_model_split",
+    "test_profiling", "test_reliability_checkpoint",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in MULTIPROCESS_MODULES:
+            item.add_marker(pytest.mark.multiprocess)
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def one_thread():
     """Run the test with one intra-op thread (tiny tensors on 2 shared cores), restoring the count afterwards."""
