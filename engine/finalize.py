@@ -85,10 +85,12 @@ def sum_tied_grads(weights: Sequence[nn.Parameter], pg_collection: ProcessGroupC
 
 def _scale_by_tokens(params: Sequence[nn.Parameter], num_tokens: torch.Tensor,
                      pg: ProcessGroupCollection) -> None:
-    """Per-token loss: the loss stage's token count, summed over data-parallel replicas, divides every gradient."""
+    """Per-token loss: the loss stage's token count, summed over data-parallel replicas, divides every gradient.
+    The count is summed over the pipeline group (every other stage counts 0), so it reaches every rank wherever the
+    loss stage is placed (the last rank, or rank 0 under the V placement)."""
     total = num_tokens.clone()
     if group_size(pg.pp) > 1:
-        dist.broadcast(total, src=pg.pp_ranks[-1], group=pg.pp)
+        dist.all_reduce(total, group=pg.pp)
     if group_size(pg.dp_cp) > 1:
         dist.all_reduce(total, group=pg.dp_cp)
     scale = 1.0 / max(float(total), 1.0)
@@ -104,8 +106,9 @@ def finalize_model_grads(model_chunks: Sequence[nn.Module], num_tokens=None, *, 
        given, as Megatron's DDP does with ``calculate_per_token_loss``).  A chunk with ``finish_grad_sync()`` (a
        Megatron-style DDP wrapper) finishes its own reduction instead.
     2. Sum of the tied weights (``shared_embedding = True``) over the embedding group.
-    3. ``num_tokens`` (``calculate_per_token_loss``; an int tensor, the loss stage's count): broadcast from the last
-       pipeline rank, summed over ``dp_cp``, and every gradient is divided by ``max(total, 1)``.
+    3. ``num_tokens`` (``calculate_per_token_loss``; an int tensor: the loss stage's count there, 0 on the other
+       pipeline ranks, as the schedules pass it): summed over the pipeline group and over ``dp_cp``, and every
+       gradient is divided by ``max(total, 1)``.
 
     ``pg_collection`` defaults to ``engine.parallel_state.get_pg_collection()``; ``force_all_reduce`` is accepted
     for the schedule contract (pipecast always all-reduces).  Every rank of a group must call it.

@@ -552,8 +552,9 @@ def forward_backward_pipelining_with_schedule(*, schedule="zb_h1", forward_step_
 
     ``schedule``: ``"zb_h1"`` (one chunk per rank, split backward), ``"zbv"`` (V placement: model chunk 0 of rank
     ``r`` is stage ``r``, chunk 1 is stage ``2P-1-r``), ``"zb"``, ``"1f1b"``, ``"interleaved"``, or a plan built
-    with :func:`engine.plan.build_plan` for this pipeline size, ``num_microbatches`` and ``forward_only`` (a plan's
-    forward-only twin is built from its schedule name when ``forward_only`` differs).  ``model`` /
+    with :func:`engine.plan.build_plan` for this pipeline size (a built-in plan stands for its schedule: its twin
+    for this call's ``num_microbatches`` and ``forward_only`` is built when they differ; other plans, e.g.
+    imported from CSV, must match the call).  ``model`` /
     ``data_iterator``: one entry per model chunk of the plan (a single module is accepted for one chunk).  P2P
     tensors are ``[s, b, h]`` in ``config.pipeline_dtype``.  Split-backward schedules run ``B`` (input gradient)
     and ``W`` (weight gradient) separately; each chunk's ``W`` passes run in microbatch order, so the gradients
@@ -579,8 +580,11 @@ def forward_backward_pipelining_with_schedule(*, schedule="zb_h1", forward_step_
     if plan is None:
         chunks = 2 if name is Schedule.ZBV else (len(model) if isinstance(model, list) else 1)
         plan = _cached_plan(name, _pipeline_size(p2p_communicator), num_microbatches, chunks, bool(forward_only))
-    elif plan.forward_only != bool(forward_only) and plan.schedule in tuple(Schedule):
-        plan = _cached_plan(name, plan.pp_size, plan.num_microbatches, plan.num_model_chunks, bool(forward_only))
+    elif plan.schedule in tuple(Schedule) and (plan.forward_only, plan.num_microbatches) != (bool(forward_only),
+                                                                                            num_microbatches):
+        # a built-in plan stands for its schedule: the twin for this call's microbatches / forward-only flag
+        # (evaluation and sampling run other microbatch counts than the training step the plan was built for)
+        plan = _cached_plan(name, plan.pp_size, num_microbatches, plan.num_model_chunks, bool(forward_only))
     return _run_schedule(name, forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                          num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          decoder_seq_length=decoder_seq_length, forward_only=forward_only,

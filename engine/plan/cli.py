@@ -217,7 +217,7 @@ def report(plan: Plan, sim: Simulation, buffered, args) -> str:
     lines = [f"schedule {plan.schedule}: pp={plan.pp_size} vp={plan.num_model_chunks} "
              f"microbatches={plan.num_microbatches}{group} ({mode}); "
              f"action F/B/W<microbatch>.<chunk> (B = input gradient, W = weight gradient when split), "
-             f"warmup = forwards before the first backward"]
+             f"warmup = the plan's warmup forward steps"]
     if plan.placement is not None:
         lines.append("placement (stage: rank.chunk): " + " ".join(
             f"{s}:{r}.{c}" for s, (r, c) in enumerate(plan.stage_map)))

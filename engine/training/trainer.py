@@ -401,7 +401,7 @@ class Trainer:
         batch = iter([{}] * m) if self.batches is not None else None
         store = self._run_schedule(batch, m, True, forward_step_func=step, micro_batch_size=1,
                                    collect_non_loss_data=True)
-        return store[0].cpu() if self.pp_rank == self.pp_size - 1 and store else None
+        return store[0].cpu() if self.pp_rank == self.loss_rank and store else None
 
     @torch.no_grad()
     def sample(self, num_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
@@ -424,7 +424,7 @@ class Trainer:
                 token = torch.tensor([-1 if logits is None else sample_token(logits, temperature, top_k, generator)],
                                      dtype=torch.int64)
                 if self.pp_size > 1:
-                    token = _broadcast_cpu(token, self.pg.pp_ranks[-1], self.pg.pp)
+                    token = _broadcast_cpu(token, self.pg.pp_ranks[self.loss_rank], self.pg.pp)
                 ids.append(int(token))
                 new.append(int(token))
         for chunk in self.model:
