@@ -41,7 +41,8 @@ def test_vector_file_is_the_recorded_copy(path):
 def test_no_test_reads_shared_beside_the_repository():
     pattern = re.compile(r"""parent\s*/\s*["']shared["']|["']\.\./shared""")
     offenders = [p.name for p in sorted((ROOT / "tests").glob("*.py")) if pattern.search(p.read_text())]
-    assert not offenders, f"these test modules read ../shared (absent on a bare clone): {offenders}"
+    assert not offenders, f"these test modules read the shared folder beside the repository (a bare clone has " \
+                          f"none): {offenders}"
 
 
 @pytest.mark.slow  # a pytest subprocess (imports torch)
