@@ -1,5 +1,6 @@
 """The ``pipecast`` command: ``pipecast schedule ...`` (plans), ``pipecast train ...`` (training runs),
-``pipecast sample ...`` (text from a checkpoint) and ``pipecast export ...`` (a checkpoint as safetensors)."""
+``pipecast tune ...`` (pick the schedule), ``pipecast sample ...`` (text from a checkpoint) and
+``pipecast export ...`` (a checkpoint as safetensors)."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,8 @@ import sys
 COMMANDS = {
     "schedule": ("engine.plan.cli", "print a schedule's per-rank action grid and simulated bubble"),
     "train": ("engine.training.launch", "run a YAML-configured training job (spawns local ranks or joins torchrun)"),
+    "tune": ("engine.training.tune", "measure a config's costs, rank every valid schedule by predicted step time and "
+                                     "memory, optionally verify the best"),
     "sample": ("engine.training.sample", "generate text from a run's checkpoint (any pipeline layout, one process)"),
     "export": ("engine.training.export", "write a checkpoint's model as one safetensors file (+ its config)"),
 }
@@ -28,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
             p.set_defaults(_run=mod.run)
     args, extra = parser.parse_known_args(argv)
     args.extra = extra
-    if extra and args.command != "train":
+    if extra and args.command not in ("train", "tune"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args._run(args) or 0)
 

@@ -584,7 +584,8 @@ def forward_backward_pipelining_with_schedule(*, schedule="zb_h1", forward_step_
                                                                                             num_microbatches):
         # a built-in plan stands for its schedule: the twin for this call's microbatches / forward-only flag
         # (evaluation and sampling run other microbatch counts than the training step the plan was built for)
-        plan = _cached_plan(name, plan.pp_size, num_microbatches, plan.num_model_chunks, bool(forward_only))
+        limit = plan.max_in_flight if name is Schedule.ZB and not forward_only else None
+        plan = _cached_plan(name, plan.pp_size, num_microbatches, plan.num_model_chunks, bool(forward_only), limit)
     return _run_schedule(name, forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                          num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          decoder_seq_length=decoder_seq_length, forward_only=forward_only,
@@ -601,10 +602,12 @@ def _pipeline_size(p2p_communicator) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_plan(schedule, pp_size, num_microbatches, num_model_chunks, forward_only) -> Plan:
-    """``build_plan`` of a named split-backward schedule, kept (plans are immutable)."""
+def _cached_plan(schedule, pp_size, num_microbatches, num_model_chunks, forward_only, max_in_flight=None) -> Plan:
+    """``build_plan`` of a named split-backward schedule, kept (plans are immutable); ``max_in_flight`` (a ``zb``
+    training plan's per-rank limits) carries over to the twin."""
     try:
-        return build_plan(schedule, pp_size, num_microbatches, num_model_chunks, forward_only=forward_only)
+        return build_plan(schedule, pp_size, num_microbatches, num_model_chunks, forward_only=forward_only,
+                          max_in_flight=max_in_flight)
     except ValueError as exc:
         raise ValueError(f"forward_backward_pipelining_with_schedule: {exc}") from None
 

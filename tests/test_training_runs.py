@@ -56,7 +56,8 @@ def _train_layouts(rank, world, layouts, run_dir):
 
 # layouts grouped by world size: one spawned job per world size
 LAYOUTS = {2: {"pp2": dict(pipeline=2), "pp2_vp2": dict(pipeline=2, virtual=2),
-               "pp2_zbh1": dict(pipeline=2, schedule="zb_h1"), "pp2_zbv": dict(pipeline=2, virtual=2, schedule="zbv")},
+               "pp2_zbh1": dict(pipeline=2, schedule="zb_h1"), "pp2_zbv": dict(pipeline=2, virtual=2, schedule="zbv"),
+               "pp2_zb_budget": dict(pipeline=2, virtual=2, schedule="zb", max_in_flight=3)},
            4: {"pp4": dict(pipeline=4), "pp2_dp2": dict(pipeline=2, data=2),
                "pp4_zbh1": dict(pipeline=4, schedule="zb_h1")}}
 
@@ -70,7 +71,7 @@ def reference(tmp_path_factory):
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_losses_equal_across_layouts(world, reference, tmp_path):
-    """20 steps with pp=2, pp=2 x vp=2, ZB-H1 and ZB-V (world 2) and pp=4, pp=2 x dp=2, ZB-H1 (world 4) give the
+    """20 steps with pp=2, pp=2 x vp=2, ZB-H1, ZB-V and the budgeted zb plan (world 2) and pp=4, pp=2 x dp=2, ZB-H1 (world 4) give the
     pp=1 losses (ZB-V: first and last stage on rank 0, tied copies summed there)."""
     assert reference[-1] < reference[0] - 0.5  # it learns
     results = run_ranks(_train_layouts, world, LAYOUTS[world], tmp_path, timeout=140)

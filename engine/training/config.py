@@ -102,8 +102,10 @@ class ParallelConfig:
 
     pipeline: int = 1
     virtual: int = 1  # > 1 selects interleaved 1F1B (with schedule: auto)
-    # auto: Megatron's choice from pipeline / virtual; zb_h1 / zbv: split-backward zero-bubble schedules
-    schedule: Literal["auto", "no_pipelining", "1f1b", "interleaved", "zb_h1", "zbv"] = "auto"
+    # auto: Megatron's choice from pipeline / virtual; zb_h1 / zbv: split-backward zero-bubble schedules; zb: split
+    # backward under max_in_flight; tuned: the best schedule of the last `pipecast tune` (RUN_DIR/tune.json)
+    schedule: Literal["auto", "no_pipelining", "1f1b", "interleaved", "zb_h1", "zbv", "zb", "tuned"] = "auto"
+    max_in_flight: int | None = None  # zb: per-rank limit on in-flight activations (None: 1F1B's, virtual*(P-r))
     data: int | None = None  # None -> world size // pipeline (1 when the launcher spawns ranks)
     microbatch_group_size_per_vp_stage: int | None = None  # None -> pipeline (Megatron's default)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -407,6 +409,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
         if not isinstance(data, dict):
             raise TypeError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
     config = config_from_dict(apply_overrides(data, overrides))
+    if config.parallel.schedule == "tuned":
+        from .tune_result import resolve_tuned
+        config = resolve_tuned(config)
     if check:
         validate(config)
     return config
@@ -576,12 +581,22 @@ _SCHEDULE_SHAPE = {  # schedule -> (pipeline rule, virtual rule, the fix)
     "zb_h1": (lambda pp: pp >= 1, lambda vp: vp == 1, "set parallel.virtual=1 (one model chunk per rank)"),
     "zbv": (lambda pp: pp >= 1, lambda vp: vp == 2, "set parallel.virtual=2 (ZB-V places two model chunks on "
                                                     "each rank, stages r and 2P-1-r)"),
+    "zb": (lambda pp: pp >= 1, lambda vp: vp >= 1, ""),
 }
 
 
 def _validate_schedule(config: TrainConfig) -> None:
     """``parallel.schedule`` against the pipeline / virtual sizes and the features it supports."""
     p = config.parallel
+    if p.max_in_flight is not None and p.schedule != "zb":
+        raise ConfigError(f"parallel.max_in_flight={p.max_in_flight} only applies to parallel.schedule=zb (got "
+                          f"parallel.schedule={p.schedule}); remove it or set parallel.schedule=zb")
+    if p.max_in_flight is not None and (isinstance(p.max_in_flight, bool) or p.max_in_flight < 1):
+        raise ConfigError(f"parallel.max_in_flight={p.max_in_flight} must be an integer >= 1 (activations held per "
+                          f"rank); remove it for 1F1B's limit")
+    if p.schedule == "tuned":
+        raise ConfigError("parallel.schedule=tuned was not resolved: load the config with load_config(), which "
+                          "reads the best schedule from RUN_DIR/tune.json (run `pipecast tune CONFIG` first)")
     if p.schedule == "auto":
         return
     pp_ok, vp_ok, fix = _SCHEDULE_SHAPE[p.schedule]

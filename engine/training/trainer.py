@@ -192,7 +192,8 @@ class Trainer:
         from ..plan import build_plan
         c, p = self.config, self.config.parallel
         return build_plan(c.schedule_name, p.pipeline, c.schedule.num_microbatches, p.virtual,
-                          p.microbatch_group_size_per_vp_stage if c.schedule_name == "interleaved" else None)
+                          p.microbatch_group_size_per_vp_stage if c.schedule_name == "interleaved" else None,
+                          max_in_flight=p.max_in_flight)
 
     def simulated_bubble(self) -> float:
         """Bubble fraction of one training step from the plan simulator (``engine.plan.simulate``; uniform costs,

@@ -1,0 +1,240 @@
+"""The schedules a tuner can choose from, and their predicted step time and memory under measured costs.
+
+A :class:`Candidate` is one setting of the ``parallel.*`` fields that pick a schedule (``schedule``, ``virtual``,
+``microbatch_group_size_per_vp_stage``, ``max_in_flight``).  :func:`candidates` lists every valid one for a model of
+``L`` layers on ``P`` pipeline ranks with ``M`` microbatches: 1F1B, ZB-H1, interleaved 1F1B for every virtual size
+``v >= 2`` with ``L % (P*v) == 0`` and every group size Megatron accepts, ZB-V where ``L % 2P == 0``, and the
+memory-budgeted split schedule ``zb`` for every virtual size and in-flight limit ``1 .. 2vP`` (capped at
+``vM``); candidates whose plans are identical to an earlier one are dropped, and every plan kept passes the
+validator.
+
+:func:`predict` simulates a candidate with a :class:`CostModel` -- per layout (virtual size ``v``, split or full
+backward) and stage the measured mean cost of ``F``, ``B`` and ``W`` in ms, the runtime's overhead per action, the
+latency of one message, the step's work outside the schedule (optimizer, gradient clipping), and per stage the
+bytes of one in-flight activation, of one pending ``W``, and of its parameters with their gradients and optimizer
+state.  Costs are keyed by *stage* (``P*v`` stages of ``L/(P*v)`` layers each), so one measurement of a layout
+serves every placement of it (looped and V); a candidate whose layout was not measured cannot be predicted.
+
+Memory per rank (bytes): the static bytes of its stages (a tied embedding shared by the first and last stage
+counted once when both are on the rank, as under the V placement), plus the peak over its action order of
+``sum(activation bytes of in-flight (chunk, microbatch)) + sum(bytes held by pending W)``: ``F`` adds the stage's
+activation, ``B`` releases it (and adds the stage's pending-``W`` bytes when the plan splits the backward), ``W``
+releases those.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .build import Op, Plan, build_plan
+from .schedule import Schedule
+from .table import validate_interleaved_microbatches
+from .validate import PlanError, validate_plan
+
+__all__ = ["Candidate", "LayoutCosts", "CostModel", "Prediction", "candidates", "virtual_sizes", "predict",
+           "peak_memory_bytes", "rank_predictions"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One schedule setting (the ``parallel.*`` fields it sets are :meth:`overrides`)."""
+
+    schedule: str
+    virtual: int = 1
+    group_size: int | None = None       # interleaved: microbatch_group_size_per_vp_stage (None: P)
+    max_in_flight: int | None = None    # zb: per-rank limit on in-flight activations
+
+    @property
+    def splits_backward(self) -> bool:
+        return Schedule(self.schedule).splits_backward
+
+    @property
+    def label(self) -> str:
+        """``"interleaved v=2 G=4"``, ``"zb v=1 max_in_flight=3"``, ``"zbv v=2"``."""
+        extra = (f" G={self.group_size}" if self.group_size is not None else "") + (
+            f" max_in_flight={self.max_in_flight}" if self.max_in_flight is not None else "")
+        return f"{self.schedule} v={self.virtual}{extra}"
+
+    def overrides(self) -> dict:
+        """The ``parallel.*`` config values of this candidate (``None``: the field's default)."""
+        return {"parallel.schedule": self.schedule, "parallel.virtual": self.virtual,
+                "parallel.microbatch_group_size_per_vp_stage": self.group_size,
+                "parallel.max_in_flight": self.max_in_flight}
+
+    def arguments(self) -> list[str]:
+        """The overrides as ``pipecast train`` arguments (fields left at their default are omitted)."""
+        return [f"--{k}={v}" for k, v in self.overrides().items() if v is not None]
+
+    def plan(self, pp_size: int, num_microbatches: int) -> Plan:
+        """The training-step plan of this candidate (built once per arguments; plans are immutable)."""
+        return _plan(self, pp_size, num_microbatches)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(c: Candidate, pp_size: int, num_microbatches: int) -> Plan:
+    return build_plan(c.schedule, pp_size, num_microbatches, c.virtual, c.group_size, max_in_flight=c.max_in_flight)
+
+
+def virtual_sizes(pp_size: int, num_layers: int) -> list[int]:
+    """Virtual pipeline sizes ``v`` that split ``num_layers`` into ``P*v`` equal model chunks."""
+    return [v for v in range(1, num_layers // pp_size + 1) if num_layers % (pp_size * v) == 0]
+
+
+def candidates(pp_size: int, num_layers: int, num_microbatches: int) -> list[Candidate]:
+    """Every valid schedule setting (module doc), in a fixed order, without duplicate plans.
+
+    Raises:
+        ValueError: ``pp_size``, ``num_layers`` or ``num_microbatches`` below 1, or layers not divisible by ``P``.
+    """
+    P, L, M = pp_size, num_layers, num_microbatches
+    for name, value in (("pp_size", P), ("num_layers", L), ("num_microbatches", M)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: use an integer >= 1")
+    if L % P:
+        raise ValueError(f"num_layers={L} is not divisible by pp_size={P}: no model chunks of equal size")
+    raw = _raw_candidates(P, L, M)
+    seen, out = set(), []
+    for c in raw:
+        try:
+            plan = c.plan(P, M)
+            validate_plan(plan)
+        except (ValueError, RuntimeError, PlanError):
+            continue
+        key = (plan.placement, plan.actions)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def _raw_candidates(P: int, L: int, M: int) -> list[Candidate]:
+    if P == 1:
+        out = [Candidate("no_pipelining")]
+    else:
+        out = [Candidate("1f1b")]
+    out.append(Candidate("zb_h1"))
+    for v in virtual_sizes(P, L):
+        if v >= 2 and P >= 2:
+            out += [Candidate("interleaved", v, None if g == P else g) for g in range(P, M + 1) if _group_ok(M, P, g)]
+        if v == 2:
+            out.append(Candidate("zbv", 2))
+        out += [Candidate("zb", v, max_in_flight=k) for k in range(1, min(2 * v * P, v * M) + 1)]
+    return out
+
+
+def _group_ok(M: int, P: int, g: int) -> bool:
+    try:
+        validate_interleaved_microbatches(M, P, g)
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class LayoutCosts:
+    """Measured costs of one layout (``P*v`` stages) with one kind of backward; every sequence is per stage.
+
+    Attributes:
+        forward_ms, backward_ms, weight_ms: mean compute time of ``F``, ``B`` (input gradient alone when split;
+            the whole backward otherwise) and ``W`` (0 when not split), ms.
+        activation_bytes: bytes held for the backward by one in-flight microbatch of the stage.
+        pending_w_bytes: bytes held from ``B`` until ``W`` by one microbatch (0 when not split).
+        static_bytes: parameters, gradients and optimizer state of the stage, bytes.
+        action_overhead_ms: runtime time per action outside compute and communication waits, ms.
+        step_overhead_ms: time of a training step outside the schedule (optimizer step, clipping, loss), ms.
+    """
+
+    forward_ms: tuple[float, ...]
+    backward_ms: tuple[float, ...]
+    weight_ms: tuple[float, ...]
+    activation_bytes: tuple[int, ...]
+    pending_w_bytes: tuple[int, ...]
+    static_bytes: tuple[int, ...]
+    action_overhead_ms: float = 0.0
+    step_overhead_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What :func:`predict` needs: ``layouts[(v, splits_backward)]``, the message latency (ms) and the bytes of a
+    tied embedding the first and last stage both count (0 when untied)."""
+
+    layouts: Mapping[tuple[int, bool], LayoutCosts]
+    transfer_ms: float = 0.0
+    tied_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A candidate's simulated training step: ``predicted_ms`` = schedule makespan + step overhead; ``bubble`` =
+    idle fraction of all ranks within the makespan; ``busy_ms``, ``peak_memory_bytes``, ``peak_in_flight`` and
+    ``peak_pending_w`` per pipeline rank."""
+
+    candidate: Candidate
+    predicted_ms: float
+    schedule_ms: float
+    bubble: float
+    busy_ms: tuple[float, ...]
+    peak_memory_bytes: tuple[int, ...]
+    peak_in_flight: tuple[int, ...]
+    peak_pending_w: tuple[int, ...]
+
+    def fits(self, budget_bytes: float | None) -> bool:
+        return budget_bytes is None or max(self.peak_memory_bytes) <= budget_bytes
+
+
+def predict(candidate: Candidate, model: CostModel, pp_size: int, num_microbatches: int) -> Prediction:
+    """Simulate ``candidate`` (:func:`engine.plan.simulate.simulate`) with the measured costs of its layout.
+
+    Raises:
+        KeyError: ``model`` has no measurement of the candidate's layout (its ``(virtual, splits_backward)``).
+        ValueError: a measurement's per-stage lists do not have ``P*v`` entries.
+    """
+    from .simulate import simulate
+    key = (candidate.virtual, candidate.splits_backward)
+    if key not in model.layouts:
+        raise KeyError(f"no measured costs for virtual={key[0]} with {'split' if key[1] else 'full'} backward "
+                       f"(candidate {candidate.label})")
+    lc, plan = model.layouts[key], candidate.plan(pp_size, num_microbatches)
+    _check_stages(lc, plan.num_stages)
+    table = {name: [[getattr(lc, name)[plan.stage(r, c)] + (lc.action_overhead_ms if name != "weight_ms" or
+                                                              candidate.splits_backward else 0.0)
+                     for c in range(plan.num_model_chunks)] for r in range(pp_size)]
+             for name in ("forward_ms", "backward_ms", "weight_ms")}
+    sim = simulate(plan, table["forward_ms"], table["backward_ms"], model.transfer_ms, table["weight_ms"])
+    return Prediction(candidate, sim.makespan + lc.step_overhead_ms, sim.makespan, sim.bubble_overall, sim.busy,
+                      peak_memory_bytes(plan, lc, model.tied_bytes), sim.peak_in_flight, sim.peak_pending_w)
+
+
+def _check_stages(lc: LayoutCosts, stages: int) -> None:
+    for name in ("forward_ms", "backward_ms", "weight_ms", "activation_bytes", "pending_w_bytes", "static_bytes"):
+        if len(getattr(lc, name)) != stages:
+            raise ValueError(f"LayoutCosts.{name} has {len(getattr(lc, name))} entries for {stages} stages")
+
+
+def peak_memory_bytes(plan: Plan, lc: LayoutCosts, tied_bytes: int = 0) -> tuple[int, ...]:
+    """Per rank, static bytes of its stages plus the peak of held activation and pending-W bytes (module doc)."""
+    out = []
+    for rank, acts in enumerate(plan.actions):
+        stages = plan.stages_of(rank)
+        static = sum(lc.static_bytes[s] for s in stages)
+        if 0 in stages and plan.num_stages - 1 in stages and plan.num_stages > 1:
+            static -= tied_bytes
+        level = peak = 0
+        for a in acts:
+            s = plan.stage(rank, a.chunk)
+            if a.op is Op.FORWARD:
+                level += lc.activation_bytes[s]
+            elif a.op is Op.BACKWARD:
+                level += (lc.pending_w_bytes[s] if plan.splits_backward else 0) - lc.activation_bytes[s]
+            else:
+                level -= lc.pending_w_bytes[s]
+            peak = max(peak, level)
+        out.append(static + peak)
+    return tuple(out)
+
+
+def rank_predictions(predictions: Sequence[Prediction], budget_bytes: float | None = None) -> list[Prediction]:
+    """Fitting predictions first, each group by predicted step time (then by peak memory)."""
+    return sorted(predictions, key=lambda p: (not p.fits(budget_bytes), p.predicted_ms, max(p.peak_memory_bytes)))

@@ -1,0 +1,235 @@
+"""``pipecast tune CONFIG [--section.key=value ...] [--memory-budget-gib X] [--steps N] [--json PATH] [--verify]``:
+pick the schedule from measured costs and a memory budget.
+
+1. **Measure.**  On the config's real ranks (the launcher of ``pipecast train``; nothing is checkpointed, the
+   trainers write into a temporary folder), for every layout the candidates use -- virtual size ``v`` with the
+   full backward and with the split one (B / W) -- a few training steps run with the timeline recorder
+   (``--warmup`` unrecorded steps first, every step started by a barrier).  From them: per stage the mean cost of
+   ``F``, ``B`` and ``W`` (:func:`engine.profiling.gantt.action_costs`), the runtime's time per action outside
+   compute and communication waits, and the step's time outside the schedule; after the steps, per stage, the
+   bytes one microbatch's forward saves for the backward, the bytes its pending ``W`` holds after ``B``
+   (:meth:`engine.runtime.split_backward.WeightGradWork.held_bytes`) and the parameter, gradient and optimizer
+   state bytes.  The message latency is a ping-pong of one ``[s, b, h]`` activation between the first two pipeline
+   ranks (half the median round trip).
+2. **Predict.**  Every candidate of :func:`engine.plan.candidates.candidates` that is also a valid config is
+   simulated with those costs (:func:`engine.plan.candidates.predict`); those whose peak memory on some rank is
+   over ``--memory-budget-gib`` are marked as not fitting.  A ranked table is printed with the ``--parallel.*``
+   overrides of the best, and the config's own schedule is named in it.
+3. **Verify** (``--verify``): the best ``--verify-top`` candidates and the config's own schedule run ``--steps``
+   steps each (no recorder); predicted and measured step time (median over steps of the slowest rank) are printed.
+
+The result goes to ``RUN_DIR/tune.json`` (what ``parallel.schedule: tuned`` reads, :mod:`.tune_result`) and to
+``--json PATH``.  Exit status: 0, 1 (a rank failed), 2 (bad config / data / arguments), 130 (interrupted).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..plan.candidates import Candidate, candidates, predict, rank_predictions, virtual_sizes
+from .config import ConfigError, TrainConfig, load_config, parse_override_args, validate
+from .tune_model import cost_model, layout_key, model_from_record, step_times
+from .tune_result import tune_path, tuned_for
+
+__all__ = ["add_arguments", "run", "config_candidate", "variant_config", "measurement_variants", "tune_worker",
+           "verify_worker"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config file (e.g. configs/default.yaml)")
+    parser.add_argument("--memory-budget-gib", type=float, default=None,
+                        help="per-rank memory budget (GiB): parameters, gradients, optimizer state, activations and "
+                             "pending W; candidates over it are marked as not fitting")
+    parser.add_argument("--steps", type=int, default=4, help="recorded steps per measured layout (default 4)")
+    parser.add_argument("--warmup", type=int, default=2, help="unrecorded steps before them (default 2)")
+    parser.add_argument("--virtual", type=str, default=None,
+                        help="comma-separated virtual sizes to consider (default: every size that divides the layers)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the result to PATH")
+    parser.add_argument("--measured", metavar="TUNE_JSON", default=None,
+                        help="rank with the measurements of an earlier result of this config (e.g. RUN_DIR/tune.json)"
+                             " instead of measuring (another --memory-budget-gib, no rank started)")
+    parser.add_argument("--verify", action="store_true",
+                        help="then run the best candidates and the config's own schedule and print predicted vs "
+                             "measured step time")
+    parser.add_argument("--verify-top", type=int, default=3, help="how many of the best to verify (default 3)")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = ("Override any config field with --section.key=value, as for `pipecast train`. The best "
+                     "schedule is saved in RUN_DIR/tune.json; `--parallel.schedule=tuned` (or `parallel.schedule: "
+                     "tuned` in the YAML) trains with it.")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``pipecast tune``; returns the exit status."""
+    from ..runtime.spawn import Interrupted, RankError
+    try:
+        config, cands, own = _prepare(args)
+    except (ConfigError, TypeError, ValueError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = _tune(args, config, cands, own)
+    except RankError as exc:
+        if exc.traceback:
+            print(exc.traceback.rstrip(), file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:
+        print(str(exc) if isinstance(exc, Interrupted) else "interrupted", file=sys.stderr)
+        return 130
+    for path in filter(None, (tune_path(config), args.json)):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {tune_path(config)}" + (f" and {args.json}" if args.json else "") +
+          "; train with it: --parallel.schedule=tuned")
+    return 0
+
+
+def _prepare(args) -> tuple[TrainConfig, list[Candidate], Candidate]:
+    """Load and check the config, the arguments and the data; the candidates that are valid configs."""
+    for name in ("steps", "warmup", "verify_top"):
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} is too small; use a positive number")
+    if args.memory_budget_gib is not None and not args.memory_budget_gib > 0:
+        raise ConfigError(f"--memory-budget-gib={args.memory_budget_gib} must be > 0 (GiB per rank)")
+    config = load_config(args.config, parse_override_args(list(getattr(args, "extra", []) or [])))
+    from ..runtime import gloo_io
+    from .config import validate_world_size
+    from .data import check_data
+    from .outputs import check_outputs
+    config = validate_world_size(config, config.world_size)
+    check_data(config)
+    check_outputs(config)
+    gloo_io.check_environment()
+    own = config_candidate(config)
+    sizes = _virtual_sizes(args.virtual, config)
+    cands = [c for c in candidates(config.parallel.pipeline, config.model.num_layers,
+                                   config.schedule.num_microbatches)
+             if c.virtual in sizes and _valid(config, c)]
+    if own not in cands:
+        cands.append(own)
+    return config, cands, own
+
+
+def _virtual_sizes(text: str | None, config: TrainConfig) -> list[int]:
+    valid = virtual_sizes(config.parallel.pipeline, config.model.num_layers)
+    if text is None:
+        return valid
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(v not in valid for v in sizes):
+        raise ConfigError(f"--virtual={text!r} is invalid: give comma-separated sizes from {valid} (those that split "
+                          f"model.num_layers={config.model.num_layers} into parallel.pipeline x virtual equal chunks)")
+    return sizes
+
+
+def _valid(config: TrainConfig, c: Candidate) -> bool:
+    try:
+        validate(variant_config(config, c, Path("."), config.schedule.steps))
+    except (ConfigError, ValueError, RuntimeError, TypeError):
+        return False
+    return True
+
+
+def config_candidate(config: TrainConfig) -> Candidate:
+    """The config's own schedule as a :class:`Candidate`."""
+    p, name = config.parallel, config.schedule_name
+    group = p.microbatch_group_size_per_vp_stage if name == "interleaved" else None
+    return Candidate(name, p.virtual, None if group == p.pipeline else group, p.max_in_flight)
+
+
+def variant_config(config: TrainConfig, c: Candidate, folder: Path, steps: int) -> TrainConfig:
+    """``config`` with candidate ``c``'s schedule, training ``steps`` steps into ``folder``, with no evaluation,
+    checkpoint, samples, TensorBoard, profiler or progress bar."""
+    r = dataclasses.replace
+    fields = {k.split(".", 1)[1]: v for k, v in c.overrides().items()}
+    return r(config, parallel=r(config.parallel, **fields),
+             schedule=r(config.schedule, steps=steps, eval_interval=0),
+             checkpoint=r(config.checkpoint, dir=str(folder / "checkpoints"), interval=0, save_at_end=False),
+             logging=r(config.logging, run_dir=str(folder), progress_bar=False, tensorboard=False,
+                       sample_every_eval=0, level="WARNING"),
+             profile=r(config.profile, enabled=False))
+
+
+def measurement_variants(cands: list[Candidate], own: Candidate) -> list[Candidate]:
+    """One schedule per layout ``(virtual, split)`` the candidates use: the config's own for its layout, else
+    1F1B / no pipelining (``v = 1``) or interleaved 1F1B with the full backward, ZB-H1 (``v = 1``), ZB-V
+    (``v = 2``) or ``zb`` with the split one."""
+    out = [own]
+    for key in sorted({layout_key(c) for c in cands} - {layout_key(own)}):
+        v, split = key
+        if split:
+            out.append(Candidate("zb_h1") if v == 1 else Candidate("zbv", 2) if v == 2 else Candidate("zb", v))
+        else:
+            out.append(next(c for c in cands if layout_key(c) == key and c.group_size is None))
+    return out
+
+
+def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> dict:
+    from .launch import spawn
+    t0 = time.perf_counter()
+    if args.measured:
+        model, measured = model_from_record(args.measured, config)
+    else:
+        variants = measurement_variants(cands, own)
+        print(f"pipecast tune: {len(cands)} candidates; measuring {len(variants)} layouts on {config.world_size} "
+              f"ranks ({args.warmup} + {args.steps} steps each)", flush=True)
+        with tempfile.TemporaryDirectory(prefix="pipecast-tune-") as tmp:
+            per_rank = spawn(tune_worker, config, variants, args.steps, args.warmup, tmp)
+        model, measured = cost_model(config, variants, per_rank)
+    cands = [c for c in cands if layout_key(c) in model.layouts]
+    P, M = config.parallel.pipeline, config.schedule.num_microbatches
+    budget = None if args.memory_budget_gib is None else args.memory_budget_gib * 2**30
+    ranked = rank_predictions([predict(c, model, P, M) for c in cands], budget)
+    if not ranked[0].fits(budget):
+        print(f"warning: no candidate fits --memory-budget-gib={args.memory_budget_gib}; the table ranks them all",
+              file=sys.stderr)
+    measured.setdefault("seconds", time.perf_counter() - t0)
+    from .tune_report import candidate_entry, print_table
+    print_table(ranked, own, budget)
+    result = {"measured": measured, "candidates": [candidate_entry(p, budget) for p in ranked],
+              "best": candidate_entry(ranked[0], budget),
+              "config": candidate_entry(next(p for p in ranked if p.candidate == own), budget),
+              "verified": [], "tuned_for": tuned_for(config), "memory_budget_gib": args.memory_budget_gib}
+    if args.verify:
+        result["verified"] = _verify(args, config, ranked, own)
+    return result
+
+
+def _verify(args, config: TrainConfig, ranked, own: Candidate) -> list[dict]:
+    from .launch import spawn
+    from .tune_report import print_verified
+    chosen = [p for p in ranked[:args.verify_top]]
+    chosen += [p for p in ranked if p.candidate == own and p not in chosen]
+    print(f"verifying {len(chosen)} candidates ({args.warmup} + {args.steps} steps each)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="pipecast-tune-") as tmp:
+        per_rank = spawn(verify_worker, config, [p.candidate for p in chosen], args.steps, args.warmup, tmp)
+    rows = [{"settings": p.candidate.overrides(), "label": p.candidate.label, "predicted_ms": p.predicted_ms,
+             "measured_ms": statistics.median(step_times(per_rank, i)), "is_config": p.candidate == own}
+            for i, p in enumerate(chosen)]
+    print_verified(rows)
+    return rows
+
+
+def tune_worker(config: TrainConfig, variants: list[Candidate], steps: int, warmup: int, folder: str) -> list[dict]:
+    """What every rank runs to measure: one :func:`.tune_model.measure_run` per variant (the first also times
+    the message latency)."""
+    from .tune_model import measure_run
+    return [measure_run(variant_config(config, c, Path(folder) / f"measure{i}", warmup + steps), steps, warmup,
+                        latency=i == 0, label=f"{c.label} ({i + 1}/{len(variants)})")
+            for i, c in enumerate(variants)]
+
+
+def verify_worker(config: TrainConfig, cands: list[Candidate], steps: int, warmup: int, folder: str) -> list[dict]:
+    """What every rank runs to verify: ``warmup + steps`` steps of each candidate, unrecorded."""
+    from .tune_model import measure_run
+    return [measure_run(variant_config(config, c, Path(folder) / f"verify{i}", warmup + steps), steps, warmup,
+                        record=False, label=f"verify {c.label} ({i + 1}/{len(cands)})")
+            for i, c in enumerate(cands)]

@@ -1,0 +1,221 @@
+"""Measurements of ``pipecast tune`` on the ranks (:func:`measure_run`) and the cost model built from them
+(:func:`cost_model`); the method is described in :mod:`engine.training.tune`."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import sys
+import time
+
+from ..plan.candidates import Candidate, CostModel, LayoutCosts
+
+__all__ = ["layout_key", "measure_run", "probe_memory", "ping_pong", "cost_model", "model_from_record",
+           "step_times"]
+
+
+def layout_key(c: Candidate) -> tuple[int, bool]:
+    """``(virtual size, splits backward)``: candidates with the same key share measured stage costs."""
+    return c.virtual, c.splits_backward
+
+
+# ---- on the ranks -------------------------------------------------------------------------------------------------
+def measure_run(cfg, steps: int, warmup: int, record: bool = True, latency: bool = False, label: str = "") -> dict:
+    """Train ``warmup`` + ``steps`` steps of ``cfg`` on this rank, each started by a barrier over the world.
+
+    Returns ``{"pp_rank", "dp_rank", "step_ms": [steps]}`` (this rank's time per recorded step, ms) plus, with
+    ``record``, ``"spans"`` (the timeline recorder's spans as tuples) and ``"memory"`` (:func:`probe_memory`), and
+    with ``latency`` ``"transfer_ms"`` (:func:`ping_pong`).
+    """
+    import torch.distributed as dist
+
+    from ..profiling import TimelineRecorder
+    from .trainer import Trainer
+    with Trainer(cfg) as tr:
+        if dist.get_rank() == 0:
+            print(f"  measuring {label}", file=sys.stderr, flush=True)
+        rec = TimelineRecorder(tr.pp_rank, "cuda" if tr.device.type == "cuda" else "cpu", enabled=record)
+        for _ in range(warmup):
+            _step(tr, None, -1)
+        rec.anchor(tr.pg.pp)
+        ms = [_step(tr, rec if record else None, i) for i in range(steps)]
+        out = {"pp_rank": tr.pp_rank, "dp_rank": tr.dp_rank, "step_ms": ms}
+        if record:
+            out["spans"] = [(s.category, s.label, s.start_ns, s.end_ns, s.step, s.depth) for s in rec.spans()]
+            out["memory"] = probe_memory(tr)
+        if latency:
+            out["transfer_ms"] = ping_pong(tr)
+        return out
+
+
+def _step(tr, rec, index: int) -> float:
+    import torch.distributed as dist
+
+    from ..runtime.tracing import use_tracer
+    dist.barrier()
+    t0 = time.perf_counter()
+    with (rec.step(index) if rec is not None else contextlib.nullcontext()), use_tracer(rec):
+        tr.train_step()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def probe_memory(tr) -> list[dict]:
+    """Per model chunk of this rank: ``{"stage", "activation_bytes", "pending_w_bytes", "static_bytes",
+    "tied_bytes"}``.
+
+    One microbatch runs forward through the chunk alone (``[s, b, h]`` random input for a non-first stage, the
+    first training microbatch's tokens / labels) with ``torch.autograd.graph.saved_tensors_hooks`` counting the
+    distinct storages autograd saves that are not parameters; for split-backward plans under the layer-level
+    deferral, followed by ``B`` (:func:`~engine.runtime.split_backward.backward_input_step`) and the bytes its
+    pending ``W`` holds; the ``W`` is dropped, not run, and gradients are cleared afterwards (data-parallel sync
+    off).  ``static_bytes``: the chunk's parameters, gradients and optimizer state; ``tied_bytes``: that of a tied
+    word embedding on the first stage (0 otherwise).
+    """
+    batch = next(iter(tr.batches.train(0, True, True))) if tr.batches is not None else {}
+    out = []
+    for index, chunk in enumerate(tr.model):
+        static = _static_bytes(tr, chunk.parameters())
+        tied = _static_bytes(tr, [chunk.embedding.word.weight]) if (
+            chunk.is_first and tr.config.model.tie_embeddings) else 0
+        with tr.grad_sync.no_sync():
+            act, held = _probe_chunk(tr, chunk, batch)
+        out.append({"stage": tr.plan.stage(tr.pp_rank, index), "activation_bytes": act, "pending_w_bytes": held,
+                    "static_bytes": static, "tied_bytes": tied})
+    tr.optimizer.zero_grad(set_to_none=True)
+    return out
+
+
+def _static_bytes(tr, params) -> int:
+    import torch
+    total = 0
+    for p in params:
+        total += p.nbytes + (p.grad.nbytes if p.grad is not None else p.nbytes)
+        total += sum(t.nbytes for t in tr.optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor))
+    return total
+
+
+def _probe_chunk(tr, chunk, batch: dict) -> tuple[int, int]:
+    import torch
+
+    from ..runtime.split_backward import backward_input_step, weight_grad_deferral
+    m, s = tr.config.model, tr.config.schedule
+    x = None if chunk.is_first else torch.randn(m.seq_length, s.micro_batch_size, m.hidden_size, device=tr.device,
+                                               requires_grad=True)
+    chunk.set_input_tensor(x)
+    params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    split = tr.plan.splits_backward
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (
+            weight_grad_deferral() if split else contextlib.nullcontext()):
+        y = chunk(batch.get("tokens"), batch.get("labels"))
+    if not split:
+        return sum(saved.values()), 0
+    loss, grad = (y.float().mean(), None) if chunk.is_last else (y, torch.ones_like(y))
+    config = dataclasses.replace(tr.mp_config, deallocate_pipeline_outputs=False)  # the output was not sent
+    _, work = backward_input_step(x, loss, grad, config)
+    return sum(saved.values()), work.held_bytes()
+
+
+def ping_pong(tr, rounds: int = 25, skip: int = 5) -> float | None:
+    """Half the median round trip (ms) of one ``[s, b, h]`` activation between pipeline ranks 0 and 1 of the first
+    data-parallel replica (``None`` on other ranks and with one pipeline rank)."""
+    import torch
+    import torch.distributed as dist
+    if tr.pp_size < 2 or tr.dp_rank != 0 or tr.pp_rank > 1:
+        return None
+    m, s = tr.config.model, tr.config.schedule
+    dtype = tr.mp_config.pipeline_dtype or torch.float32
+    t = torch.zeros(m.seq_length, s.micro_batch_size, m.hidden_size, dtype=dtype, device=tr.device)
+    peer = dist.get_global_rank(tr.pg.pp, 1 - tr.pp_rank)
+    trips = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for op in ((dist.send, dist.recv) if tr.pp_rank == 0 else (dist.recv, dist.send)):
+            op(t, peer)
+        if tr.device.type == "cuda":
+            torch.cuda.synchronize()
+        trips.append(time.perf_counter() - t0)
+    return statistics.median(trips[skip:]) / 2 * 1e3
+
+
+# ---- in the launcher ----------------------------------------------------------------------------------------------
+def cost_model(config, variants: list[Candidate], per_rank: list[list[dict]]) -> tuple[CostModel, dict]:
+    """The :class:`CostModel` from :func:`measure_run` results (``per_rank[global rank][variant]``, the first
+    data-parallel replica's ranks are used) and the JSON-ready ``measured`` record."""
+    P, M = config.parallel.pipeline, config.schedule.num_microbatches
+    layouts, record, tied = {}, {}, 0
+    for i, c in enumerate(variants):
+        runs = sorted((r[i] for r in per_rank if r[i]["dp_rank"] == 0), key=lambda x: x["pp_rank"])
+        lc = layout_costs(c.plan(P, M), runs)
+        layouts.setdefault(layout_key(c), lc)
+        record[c.label] = {"virtual": c.virtual, "splits_backward": c.splits_backward, **dataclasses.asdict(lc)}
+        tied = max([tied] + [m["tied_bytes"] for r in runs for m in r["memory"]])
+    transfer = next((r[0]["transfer_ms"] for r in per_rank if r[0].get("transfer_ms") is not None), 0.0)
+    return CostModel(layouts, transfer, tied), {"layouts": record, "transfer_ms": transfer, "tied_bytes": tied}
+
+
+def model_from_record(path, config) -> tuple[CostModel, dict]:
+    """The :class:`CostModel` of an earlier tune result file (its ``measured`` record), checked to be of
+    ``config``'s model, pipeline and batch (``ConfigError`` otherwise)."""
+    from .tune_result import check_tuned_for, read_result
+    result = read_result(path)
+    check_tuned_for(result["tuned_for"], config, f"--measured {path}")
+    record = result["measured"]
+    names = [f.name for f in dataclasses.fields(LayoutCosts)]
+    layouts = {(e["virtual"], e["splits_backward"]): LayoutCosts(**{k: tuple(e[k]) if isinstance(e[k], list) else
+                                                                    e[k] for k in names})
+               for e in record["layouts"].values()}
+    return CostModel(layouts, record["transfer_ms"], record["tied_bytes"]), record
+
+
+def layout_costs(plan, runs: list[dict]) -> LayoutCosts:
+    """Per-stage costs of one measured run (``runs`` per pipeline rank) of ``plan``."""
+    from ..profiling.gantt import action_costs
+    from ..profiling.timeline import Span
+    rank_spans = [[Span(*t) for t in r["spans"]] for r in runs]
+    costs = action_costs(rank_spans)
+    where = [plan.stage_location(s) for s in range(plan.num_stages)]
+    per_stage = {op: tuple(costs.get((op, r, c), 0.0) / 1e6 for r, c in where) for op in "FBW"}
+    mem = {m["stage"]: m for r in runs for m in r["memory"]}
+    pick = {k: tuple(int(mem[s][k]) for s in range(plan.num_stages))
+            for k in ("activation_bytes", "pending_w_bytes", "static_bytes")}
+    return LayoutCosts(per_stage["F"], per_stage["B"], per_stage["W"], **pick,
+                       action_overhead_ms=_action_overhead_ms(rank_spans),
+                       step_overhead_ms=_step_overhead_ms(runs, rank_spans))
+
+
+def _action_overhead_ms(rank_spans) -> float:
+    """Mean over ranks and steps of (the rank's span of the step - time covered by its spans) / its actions."""
+    from ..profiling.bubble import steps_of, union_ns
+    values = []
+    for step in steps_of(rank_spans):
+        for spans in rank_spans:
+            top = [s for s in spans if s.step == step and s.depth == 0]
+            actions = sum(1 for s in top if s.category == "compute")
+            if actions:
+                window = max(s.end_ns for s in top) - min(s.start_ns for s in top)
+                values.append((window - union_ns((s.start_ns, s.end_ns) for s in top)) / actions / 1e6)
+    return statistics.mean(values) if values else 0.0
+
+
+def _step_overhead_ms(runs, rank_spans) -> float:
+    """Median over steps of (slowest rank's step time - the schedule's window over all ranks)."""
+    from ..profiling.bubble import step_window, steps_of
+    values = []
+    for k, step in enumerate(steps_of(rank_spans)):
+        lo, hi = step_window(rank_spans, step)
+        values.append(max(r["step_ms"][k] for r in runs) - (hi - lo) / 1e6)
+    return max(0.0, statistics.median(values)) if values else 0.0
+
+
+def step_times(per_rank: list[list[dict]], index: int) -> list[float]:
+    """Per recorded step of variant ``index``, the slowest rank's step time (ms)."""
+    runs = [r[index]["step_ms"] for r in per_rank]
+    return [max(ms[k] for ms in runs) for k in range(min(len(ms) for ms in runs))]

@@ -1,0 +1,55 @@
+"""What ``pipecast tune`` prints and writes: the ranked candidate table, the JSON entries, predicted vs measured."""
+from __future__ import annotations
+
+from ..plan.candidates import Candidate, Prediction
+
+__all__ = ["candidate_entry", "print_table", "print_verified"]
+
+_MIB = 2**20
+
+
+def candidate_entry(p: Prediction, budget_bytes: float | None) -> dict:
+    """One candidate of the JSON result: ``{"schedule", "settings", "label", "predicted_ms", "bubble",
+    "peak_memory_bytes", "peak_in_flight", "peak_pending_w", "fits", "arguments"}``."""
+    c = p.candidate
+    return {"schedule": c.schedule, "settings": c.overrides(), "label": c.label, "predicted_ms": p.predicted_ms,
+            "schedule_ms": p.schedule_ms, "bubble": p.bubble, "peak_memory_bytes": list(p.peak_memory_bytes),
+            "peak_in_flight": list(p.peak_in_flight), "peak_pending_w": list(p.peak_pending_w),
+            "fits": p.fits(budget_bytes), "arguments": c.arguments()}
+
+
+def print_table(ranked: list[Prediction], own: Candidate, budget_bytes: float | None) -> None:
+    """The ranked table (fitting candidates first, then by predicted step time), the best's overrides and where
+    the config's own schedule stands."""
+    print(f"{'#':>3}  {'schedule':<28} {'predicted ms':>12} {'bubble':>7}  {'peak MiB per rank':<24} fits")
+    for i, p in enumerate(ranked, 1):
+        mem = "/".join(f"{b / _MIB:.1f}" for b in p.peak_memory_bytes)
+        mark = "  <- config" if p.candidate == own else ""
+        print(f"{i:>3}  {p.candidate.label:<28} {p.predicted_ms:>12.1f} {100 * p.bubble:>6.1f}%  {mem:<24} "
+              f"{'yes' if p.fits(budget_bytes) else 'no'}{mark}")
+    best = ranked[0]
+    print(f"best: {best.candidate.label}, predicted {best.predicted_ms:.1f} ms per step; overrides: "
+          f"{' '.join(best.candidate.arguments())}")
+    mine = next(i for i, p in enumerate(ranked) if p.candidate == own)
+    if mine == 0:
+        print(f"the config's own schedule ({own.label}) is already the best")
+    else:
+        gain = 100 * (1 - best.predicted_ms / ranked[mine].predicted_ms)
+        print(f"the config's own schedule ({own.label}) ranks #{mine + 1}, predicted {ranked[mine].predicted_ms:.1f}"
+              f" ms: the best is predicted {gain:.1f}% faster")
+
+
+def print_verified(rows: list[dict]) -> None:
+    """Predicted against measured step time of each verified candidate."""
+    print(f"{'schedule':<28} {'predicted ms':>12} {'measured ms':>12} {'error':>7}")
+    for r in rows:
+        err = 100 * (r["predicted_ms"] / r["measured_ms"] - 1)
+        print(f"{r['label']:<28} {r['predicted_ms']:>12.1f} {r['measured_ms']:>12.1f} {err:>+6.1f}%"
+              f"{'  <- config' if r['is_config'] else ''}")
+    fastest = min(rows, key=lambda r: r["measured_ms"])
+    mine = next((r for r in rows if r["is_config"]), None)
+    if mine is not None:
+        verdict = ("the config's own schedule measured fastest" if fastest is mine else
+                   f"measured fastest: {fastest['label']}, {100 * (1 - fastest['measured_ms'] / mine['measured_ms']):.1f}%"
+                   f" faster than the config's own ({mine['label']})")
+        print(verdict)

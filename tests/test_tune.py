@@ -1,0 +1,132 @@
+"""``pipecast tune`` end to end on 2 gloo ranks (a tiny GPT): what it measures is physically consistent across
+layouts, the table and JSON agree with the candidate set and the budget, ``--verify`` measures the best and the
+config's own schedule, and ``parallel.schedule: tuned`` trains with the best."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from engine.cli import main
+from engine.plan.candidates import candidates
+from engine.training.config import ConfigError, load_config
+
+TINY = {"model": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 16},
+        "parallel": {"pipeline": 2, "virtual": 2},
+        "data": {"max_bytes": 200_000},
+        "schedule": {"steps": 4, "micro_batch_size": 2, "num_microbatches": 4, "eval_interval": 0},
+        "logging": {"progress_bar": False, "level": "WARNING"}}
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """One tune of the tiny config with --verify (the best candidate and the config's own)."""
+    root = tmp_path_factory.mktemp("tune")
+    cfg = {**TINY, "logging": {**TINY["logging"], "run_dir": str(root / "run")}}
+    path = root / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = root / "out.json"
+    status = main(["tune", str(path), "--steps", "2", "--warmup", "1", "--verify", "--verify-top", "1",
+                   "--json", str(out)])
+    assert status == 0
+    return path, json.loads(out.read_text()), root
+
+
+@pytest.mark.timeout(240)
+def test_the_result_ranks_every_candidate(tuned):
+    path, result, root = tuned
+    labels = [c["label"] for c in result["candidates"]]
+    expected = {c.label for c in candidates(2, 4, 4)}
+    assert set(labels) == expected and len(labels) == len(expected)
+    times = [c["predicted_ms"] for c in result["candidates"]]
+    assert times == sorted(times) and all(t > 0 for t in times)
+    assert result["best"] == result["candidates"][0]
+    assert result["config"]["label"] == "interleaved v=2"
+    assert all(c["fits"] for c in result["candidates"])  # no budget given
+    assert json.loads((root / "run" / "tune.json").read_text()) == result
+
+
+@pytest.mark.timeout(240)
+def test_measurements_are_consistent_across_layouts(tuned):
+    """v=1 stage k holds the layers of v=2 stages 2k and 2k+1: the bytes its forward saves and its parameter /
+    optimizer bytes are their sums (measured in separate runs); costs are positive, W only where split."""
+    _, result, _ = tuned
+    layouts = {(e["virtual"], e["splits_backward"]): e for e in result["measured"]["layouts"].values()}
+    assert set(layouts) == {(1, False), (1, True), (2, False), (2, True)}
+    for (v, split), e in layouts.items():
+        assert all(x > 0 for x in e["forward_ms"] + e["backward_ms"])
+        assert all((x > 0) == split for x in e["weight_ms"])
+        assert all((x > 0) == split for x in e["pending_w_bytes"])
+        assert e["step_overhead_ms"] > 0
+    for split in (False, True):
+        one, two = layouts[(1, split)], layouts[(2, split)]
+        for k in range(2):
+            for field in ("activation_bytes", "static_bytes"):
+                assert one[field][k] == two[field][2 * k] + two[field][2 * k + 1], (field, split, k)
+    assert result["measured"]["transfer_ms"] > 0
+    assert result["measured"]["tied_bytes"] > 0  # tie_embeddings is on by default
+
+
+@pytest.mark.timeout(240)
+def test_verify_measures_the_best_and_the_config(tuned):
+    _, result, _ = tuned
+    rows = result["verified"]
+    assert [r["label"] for r in rows][0] == result["best"]["label"]
+    assert any(r["is_config"] for r in rows)
+    assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(240)
+def test_a_budget_marks_candidates_over_it(tuned, capsys):
+    """Re-ranked from the saved measurements (--measured) with a budget between the smallest and largest peak."""
+    path, result, root = tuned
+    peaks = sorted(max(c["peak_memory_bytes"]) for c in result["candidates"])
+    budget = (peaks[0] + peaks[-1]) / 2
+    out = root / "budget.json"
+    assert main(["tune", str(path), "--measured", str(root / "out.json"), "--memory-budget-gib",
+                 str(budget / 2**30), "--json", str(out)]) == 0
+    ranked = json.loads(out.read_text())["candidates"]
+    assert {c["fits"] for c in ranked} == {True, False}
+    for c in ranked:
+        assert c["fits"] == (max(c["peak_memory_bytes"]) <= budget)
+    fits = [c["fits"] for c in ranked]
+    assert fits == sorted(fits, reverse=True)  # fitting ones first
+    assert "fits" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(240)
+def test_parallel_schedule_tuned_trains_with_the_best(tuned):
+    path, result, root = tuned
+    config = load_config(path, {"parallel.schedule": "tuned"})
+    best = result["best"]["settings"]
+    assert config.parallel.schedule == best["parallel.schedule"]
+    assert config.parallel.virtual == best["parallel.virtual"]
+    assert config.parallel.max_in_flight == best["parallel.max_in_flight"]
+    with pytest.raises(ConfigError, match=r"model=.*re-run `pipecast tune"):
+        load_config(path, {"parallel.schedule": "tuned", "model.hidden_size": 64})
+    with pytest.raises(ConfigError, match="does not exist: run `pipecast tune CONFIG` first"):
+        load_config(path, {"parallel.schedule": "tuned", "logging.run_dir": str(root / "elsewhere")})
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--steps", "0"], "--steps=0 is too small"),
+    (["--virtual", "3"], "--virtual='3' is invalid: give comma-separated sizes from [1, 2]"),
+    (["--memory-budget-gib", "-1"], "--memory-budget-gib=-1.0 must be > 0"),
+    (["--parallel.pipeline=3"], "model.num_layers=4 cannot be split"),
+])
+def test_bad_arguments_exit_2_before_any_rank_starts(tmp_path, capsys, args, message):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "logging": {**TINY["logging"], "run_dir": str(tmp_path / "run")}}))
+    assert main(["tune", str(path), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_max_in_flight_belongs_to_zb():
+    with pytest.raises(ConfigError, match="parallel.max_in_flight=3 only applies to parallel.schedule=zb"):
+        load_config(None, {"parallel.pipeline": 2, "parallel.max_in_flight": 3})
+    with pytest.raises(ConfigError, match="parallel.max_in_flight=0 must be an integer >= 1"):
+        load_config(None, {"parallel.pipeline": 2, "parallel.schedule": "zb", "parallel.max_in_flight": 0})
+    config = load_config(None, {"parallel.pipeline": 2, "model.num_layers": 4, "parallel.virtual": 2,
+                                "parallel.schedule": "zb", "parallel.max_in_flight": 3})
+    assert config.schedule_name == "zb"
