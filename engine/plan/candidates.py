@@ -9,7 +9,7 @@ memory-budgeted split schedule ``zb`` for every virtual size and in-flight limit
 validator.
 
 :func:`predict` simulates a candidate with a :class:`CostModel` -- per layout (virtual size ``v``, split or full
-backward) and stage the measured mean cost of ``F``, ``B`` and ``W`` in ms, the runtime's overhead per action, the
+backward) and stage the measured cost of ``F``, ``B`` and ``W`` in ms, the runtime's overhead per action, the
 latency of one message, the step's work outside the schedule (optimizer, gradient clipping), and per stage the
 bytes of one in-flight activation, of one pending ``W``, and of its parameters with their gradients and optimizer
 state.  Costs are keyed by *stage* (``P*v`` stages of ``L/(P*v)`` layers each), so one measurement of a layout
@@ -136,8 +136,8 @@ class LayoutCosts:
     """Measured costs of one layout (``P*v`` stages) with one kind of backward; every sequence is per stage.
 
     Attributes:
-        forward_ms, backward_ms, weight_ms: mean compute time of ``F``, ``B`` (input gradient alone when split;
-            the whole backward otherwise) and ``W`` (0 when not split), ms.
+        forward_ms, backward_ms, weight_ms: compute time of ``F``, ``B`` (input gradient alone when split; the
+            whole backward otherwise) and ``W`` (0 when not split), ms.
         activation_bytes: bytes held for the backward by one in-flight microbatch of the stage.
         pending_w_bytes: bytes held from ``B`` until ``W`` by one microbatch (0 when not split).
         static_bytes: parameters, gradients and optimizer state of the stage, bytes.

@@ -4,8 +4,8 @@ pick the schedule from measured costs and a memory budget.
 1. **Measure.**  On the config's real ranks (the launcher of ``pipecast train``; nothing is checkpointed, the
    trainers write into a temporary folder), for every layout the candidates use -- virtual size ``v`` with the
    full backward and with the split one (B / W) -- a few training steps run with the timeline recorder
-   (``--warmup`` unrecorded steps first, every step started by a barrier).  From them: per stage the mean cost of
-   ``F``, ``B`` and ``W`` (:func:`engine.profiling.gantt.action_costs`), the runtime's time per action outside
+   (``--warmup`` unrecorded steps first, every step started by a barrier).  From them: per stage the cost of
+   ``F``, ``B`` and ``W`` (median over the recorded actions), the runtime's time per action outside
    compute and communication waits, and the step's time outside the schedule; after the steps, per stage, the
    bytes one microbatch's forward saves for the backward, the bytes its pending ``W`` holds after ``B``
    (:meth:`engine.runtime.split_backward.WeightGradWork.held_bytes`) and the parameter, gradient and optimizer

@@ -155,7 +155,8 @@ def cost_model(config, variants: list[Candidate], per_rank: list[list[dict]]) ->
         runs = sorted((r[i] for r in per_rank if r[i]["dp_rank"] == 0), key=lambda x: x["pp_rank"])
         lc = layout_costs(c.plan(P, M), runs)
         layouts.setdefault(layout_key(c), lc)
-        record[c.label] = {"virtual": c.virtual, "splits_backward": c.splits_backward, **dataclasses.asdict(lc)}
+        record[c.label] = {"virtual": c.virtual, "splits_backward": c.splits_backward, **dataclasses.asdict(lc),
+                           "step_ms": statistics.median(step_times([[r] for r in runs], 0))}
         tied = max([tied] + [m["tied_bytes"] for r in runs for m in r["memory"]])
     transfer = next((r[0]["transfer_ms"] for r in per_rank if r[0].get("transfer_ms") is not None), 0.0)
     return CostModel(layouts, transfer, tied), {"layouts": record, "transfer_ms": transfer, "tied_bytes": tied}
@@ -177,12 +178,11 @@ def model_from_record(path, config) -> tuple[CostModel, dict]:
 
 def layout_costs(plan, runs: list[dict]) -> LayoutCosts:
     """Per-stage costs of one measured run (``runs`` per pipeline rank) of ``plan``."""
-    from ..profiling.gantt import action_costs
     from ..profiling.timeline import Span
     rank_spans = [[Span(*t) for t in r["spans"]] for r in runs]
-    costs = action_costs(rank_spans)
+    costs = median_action_ms(rank_spans)
     where = [plan.stage_location(s) for s in range(plan.num_stages)]
-    per_stage = {op: tuple(costs.get((op, r, c), 0.0) / 1e6 for r, c in where) for op in "FBW"}
+    per_stage = {op: tuple(costs.get((op, r, c), 0.0) for r, c in where) for op in "FBW"}
     mem = {m["stage"]: m for r in runs for m in r["memory"]}
     pick = {k: tuple(int(mem[s][k]) for s in range(plan.num_stages))
             for k in ("activation_bytes", "pending_w_bytes", "static_bytes")}
@@ -191,8 +191,21 @@ def layout_costs(plan, runs: list[dict]) -> LayoutCosts:
                        step_overhead_ms=_step_overhead_ms(runs, rank_spans))
 
 
+def median_action_ms(rank_spans) -> dict:
+    """Median duration (ms) of each ``(op, rank, chunk)``'s compute spans: the median, not the mean, so that a
+    few actions slowed by other work on the machine do not move the cost."""
+    from ..profiling.gantt import parse_action_label
+    durations: dict = {}
+    for rank, spans in enumerate(rank_spans):
+        for s in spans:
+            parsed = parse_action_label(s.label) if s.category == "compute" else None
+            if parsed is not None:
+                durations.setdefault((parsed[0], rank, parsed[1]), []).append(s.duration_ns / 1e6)
+    return {k: statistics.median(v) for k, v in durations.items()}
+
+
 def _action_overhead_ms(rank_spans) -> float:
-    """Mean over ranks and steps of (the rank's span of the step - time covered by its spans) / its actions."""
+    """Median over ranks and steps of (the rank's span of the step - time covered by its spans) / its actions."""
     from ..profiling.bubble import steps_of, union_ns
     values = []
     for step in steps_of(rank_spans):
@@ -202,7 +215,7 @@ def _action_overhead_ms(rank_spans) -> float:
             if actions:
                 window = max(s.end_ns for s in top) - min(s.start_ns for s in top)
                 values.append((window - union_ns((s.start_ns, s.end_ns) for s in top)) / actions / 1e6)
-    return statistics.mean(values) if values else 0.0
+    return statistics.median(values) if values else 0.0
 
 
 def _step_overhead_ms(runs, rank_spans) -> float:
