@@ -4,8 +4,9 @@
 ``RUN_DIR/tune.json``.  A config with ``parallel.schedule: tuned`` is resolved by :func:`resolve_tuned` when it is
 loaded: the ``parallel.*`` settings of ``best`` replace ``schedule``, ``virtual``,
 ``microbatch_group_size_per_vp_stage`` and ``max_in_flight``, after checking that the result was measured for the
-same model, pipeline and batch (``tuned_for``).  The resolved config (with the concrete schedule) is what the run
-saves as ``RUN_DIR/config.yaml``, so ``--resume`` keeps the schedule even after a later tune.
+same model, pipeline and batch (``tuned_for``).  The run saves the resolved config (the concrete schedule) as
+``RUN_DIR/config.yaml``.  ``--resume`` with ``tuned`` resolves it again, so a newer tune result may change the
+schedule of a resumed run; that is safe, as checkpoints do not depend on the pipeline layout.
 """
 from __future__ import annotations
 
