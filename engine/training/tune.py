@@ -4,7 +4,9 @@ pick the schedule from measured costs and a memory budget.
 1. **Measure.**  On the config's real ranks (the launcher of ``pipecast train``; nothing is checkpointed, the
    trainers write into a temporary folder), for every layout the candidates use -- virtual size ``v`` with the
    full backward and with the split one (B / W) -- a few training steps run with the timeline recorder
-   (``--warmup`` unrecorded steps first, every step started by a barrier).  From them: per stage the cost of
+   (``--warmup`` unrecorded steps first, every step started by a barrier; the layouts' trainers are built together
+   and stepped round-robin in a shuffled order, so outside load falls on all alike; ``--one-at-a-time`` builds
+   one at a time instead).  From them: per stage the cost of
    ``F``, ``B`` and ``W`` (median over the recorded actions), the runtime's time per action outside
    compute and communication waits, and the step's time outside the schedule; after the steps, per stage, the
    bytes one microbatch's forward saves for the backward, the bytes its pending ``W`` holds after ``B``
@@ -16,7 +18,8 @@ pick the schedule from measured costs and a memory budget.
    over ``--memory-budget-gib`` are marked as not fitting.  A ranked table is printed with the ``--parallel.*``
    overrides of the best, and the config's own schedule is named in it.
 3. **Verify** (``--verify``): the best ``--verify-top`` candidates and the config's own schedule run ``--steps``
-   steps each (no recorder); predicted and measured step time (median over steps of the slowest rank) are printed.
+   steps each (no recorder; round-robin as above); predicted and measured step time (median over steps of the
+   slowest rank) are printed.
 
 The result goes to ``RUN_DIR/tune.json`` (what ``parallel.schedule: tuned`` reads, :mod:`.tune_result`) and to
 ``--json PATH``.  Exit status: 0, 1 (a rank failed), 2 (bad config / data / arguments), 130 (interrupted).
@@ -58,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="then run the best candidates and the config's own schedule and print predicted vs "
                              "measured step time")
     parser.add_argument("--verify-top", type=int, default=3, help="how many of the best to verify (default 3)")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="build one trainer at a time (for models too large for several copies per rank); by "
+                             "default all measured layouts are built at once and stepped round-robin")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = ("Override any config field with --section.key=value, as for `pipecast train`. The best "
                      "schedule is saved in RUN_DIR/tune.json; `--parallel.schedule=tuned` (or `parallel.schedule: "
@@ -182,7 +188,7 @@ def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> 
         print(f"pipecast tune: {len(cands)} candidates; measuring {len(variants)} layouts on {config.world_size} "
               f"ranks ({args.warmup} + {args.steps} steps each)", flush=True)
         with tempfile.TemporaryDirectory(prefix="pipecast-tune-") as tmp:
-            per_rank = spawn(tune_worker, config, variants, args.steps, args.warmup, tmp)
+            per_rank = spawn(tune_worker, config, variants, args.steps, args.warmup, tmp, not args.one_at_a_time)
         model, measured = cost_model(config, variants, per_rank)
     cands = [c for c in cands if layout_key(c) in model.layouts]
     P, M = config.parallel.pipeline, config.schedule.num_microbatches
@@ -210,7 +216,8 @@ def _verify(args, config: TrainConfig, ranked, own: Candidate) -> list[dict]:
     chosen += [p for p in ranked if p.candidate == own and p not in chosen]
     print(f"verifying {len(chosen)} candidates ({args.warmup} + {args.steps} steps each)", flush=True)
     with tempfile.TemporaryDirectory(prefix="pipecast-tune-") as tmp:
-        per_rank = spawn(verify_worker, config, [p.candidate for p in chosen], args.steps, args.warmup, tmp)
+        per_rank = spawn(verify_worker, config, [p.candidate for p in chosen], args.steps, args.warmup, tmp,
+                         not args.one_at_a_time)
     rows = [{"settings": p.candidate.overrides(), "label": p.candidate.label, "predicted_ms": p.predicted_ms,
              "measured_ms": statistics.median(step_times(per_rank, i)), "is_config": p.candidate == own}
             for i, p in enumerate(chosen)]
@@ -218,18 +225,17 @@ def _verify(args, config: TrainConfig, ranked, own: Candidate) -> list[dict]:
     return rows
 
 
-def tune_worker(config: TrainConfig, variants: list[Candidate], steps: int, warmup: int, folder: str) -> list[dict]:
-    """What every rank runs to measure: one :func:`.tune_model.measure_run` per variant (the first also times
-    the message latency)."""
-    from .tune_model import measure_run
-    return [measure_run(variant_config(config, c, Path(folder) / f"measure{i}", warmup + steps), steps, warmup,
-                        latency=i == 0, label=f"{c.label} ({i + 1}/{len(variants)})")
-            for i, c in enumerate(variants)]
+def tune_worker(config: TrainConfig, variants: list[Candidate], steps: int, warmup: int, folder: str,
+                together: bool = True) -> list[dict]:
+    """What every rank runs to measure: :func:`.tune_model.measure_runs` of the variants, recorded."""
+    from .tune_model import measure_runs
+    cfgs = [variant_config(config, c, Path(folder) / f"measure{i}", warmup + steps) for i, c in enumerate(variants)]
+    return measure_runs(cfgs, steps, warmup, True, together, [c.label for c in variants])
 
 
-def verify_worker(config: TrainConfig, cands: list[Candidate], steps: int, warmup: int, folder: str) -> list[dict]:
-    """What every rank runs to verify: ``warmup + steps`` steps of each candidate, unrecorded."""
-    from .tune_model import measure_run
-    return [measure_run(variant_config(config, c, Path(folder) / f"verify{i}", warmup + steps), steps, warmup,
-                        record=False, label=f"verify {c.label} ({i + 1}/{len(cands)})")
-            for i, c in enumerate(cands)]
+def verify_worker(config: TrainConfig, cands: list[Candidate], steps: int, warmup: int, folder: str,
+                  together: bool = True) -> list[dict]:
+    """What every rank runs to verify: :func:`.tune_model.measure_runs` of the candidates, unrecorded."""
+    from .tune_model import measure_runs
+    cfgs = [variant_config(config, c, Path(folder) / f"verify{i}", warmup + steps) for i, c in enumerate(cands)]
+    return measure_runs(cfgs, steps, warmup, False, together, [f"verify {c.label}" for c in cands])

@@ -10,7 +10,7 @@ import time
 
 from ..plan.candidates import Candidate, CostModel, LayoutCosts
 
-__all__ = ["layout_key", "measure_run", "probe_memory", "ping_pong", "cost_model", "model_from_record",
+__all__ = ["layout_key", "measure_runs", "probe_memory", "ping_pong", "cost_model", "model_from_record",
            "step_times"]
 
 
@@ -20,32 +20,59 @@ def layout_key(c: Candidate) -> tuple[int, bool]:
 
 
 # ---- on the ranks -------------------------------------------------------------------------------------------------
-def measure_run(cfg, steps: int, warmup: int, record: bool = True, latency: bool = False, label: str = "") -> dict:
-    """Train ``warmup`` + ``steps`` steps of ``cfg`` on this rank, each started by a barrier over the world.
+def measure_runs(cfgs: list, steps: int, warmup: int, record: bool = True, together: bool = True,
+                 labels: list[str] | None = None) -> list[dict]:
+    """Train ``warmup`` + ``steps`` steps of each config on this rank, every step started by a barrier over the
+    world; returns one result per config (:func:`_result`).
 
-    Returns ``{"pp_rank", "dp_rank", "step_ms": [steps]}`` (this rank's time per recorded step, ms) plus, with
-    ``record``, ``"spans"`` (the timeline recorder's spans as tuples) and ``"memory"`` (:func:`probe_memory`), and
-    with ``latency`` ``"transfer_ms"`` (:func:`ping_pong`).
+    ``together``: all trainers are built first and stepped round-robin, in an order shuffled per round (the same
+    on every rank), so load from outside falls on every config alike; else one trainer at a time (for models too
+    large to hold several copies).  The first result also carries ``"transfer_ms"`` (:func:`ping_pong`).
     """
+    labels = labels or [str(i) for i in range(len(cfgs))]
+    if not together:
+        return [r for i, cfg in enumerate(cfgs) for r in _measure_together([cfg], steps, warmup, record,
+                                                                            [labels[i]], latency=i == 0)]
+    return _measure_together(cfgs, steps, warmup, record, labels, latency=True)
+
+
+def _measure_together(cfgs, steps: int, warmup: int, record: bool, labels, latency: bool) -> list[dict]:
+    import random
+
     import torch.distributed as dist
 
     from ..profiling import TimelineRecorder
     from .trainer import Trainer
-    with Trainer(cfg) as tr:
+    with contextlib.ExitStack() as stack:
+        trainers = [stack.enter_context(Trainer(cfg)) for cfg in cfgs]
         if dist.get_rank() == 0:
-            print(f"  measuring {label}", file=sys.stderr, flush=True)
-        rec = TimelineRecorder(tr.pp_rank, "cuda" if tr.device.type == "cuda" else "cpu", enabled=record)
-        for _ in range(warmup):
-            _step(tr, None, -1)
-        rec.anchor(tr.pg.pp)
-        ms = [_step(tr, rec if record else None, i) for i in range(steps)]
-        out = {"pp_rank": tr.pp_rank, "dp_rank": tr.dp_rank, "step_ms": ms}
-        if record:
-            out["spans"] = [(s.category, s.label, s.start_ns, s.end_ns, s.step, s.depth) for s in rec.spans()]
-            out["memory"] = probe_memory(tr)
+            print(f"  measuring {', '.join(labels)}", file=sys.stderr, flush=True)
+        recs = [TimelineRecorder(tr.pp_rank, "cuda" if tr.device.type == "cuda" else "cpu", enabled=record)
+                for tr in trainers]
+        for tr, rec in zip(trainers, recs):
+            for _ in range(warmup):
+                _step(tr, None, -1)
+            rec.anchor(tr.pg.pp)
+        ms: list[list[float]] = [[] for _ in trainers]
+        order, rng = list(range(len(trainers))), random.Random(0)
+        for k in range(steps):
+            rng.shuffle(order)
+            for i in order:
+                ms[i].append(_step(trainers[i], recs[i] if record else None, k))
+        out = [_result(tr, rec, times, record) for tr, rec, times in zip(trainers, recs, ms)]
         if latency:
-            out["transfer_ms"] = ping_pong(tr)
+            out[0]["transfer_ms"] = ping_pong(trainers[0])
         return out
+
+
+def _result(tr, rec, ms: list[float], record: bool) -> dict:
+    """``{"pp_rank", "dp_rank", "step_ms"}`` (this rank's time per recorded step, ms) plus, with ``record``,
+    ``"spans"`` (the recorder's spans as tuples) and ``"memory"`` (:func:`probe_memory`)."""
+    out = {"pp_rank": tr.pp_rank, "dp_rank": tr.dp_rank, "step_ms": ms}
+    if record:
+        out["spans"] = [(s.category, s.label, s.start_ns, s.end_ns, s.step, s.depth) for s in rec.spans()]
+        out["memory"] = probe_memory(tr)
+    return out
 
 
 def _step(tr, rec, index: int) -> float:
