@@ -223,6 +223,7 @@ def run_case(rank: int, pgc, c: dict) -> dict:
             call["loss_err"] = max(abs(s["loss"].item() - l.item()) / max(abs(l.item()), 1e-6)
                                    for s, l in zip(store, losses))
             call["store_mbs"] = [s["mb"] for s in store]
+            call["losses"] = [s["loss"].item() for s in store]
         got = tm.chunk_grads(chunks, c["layers"])
         if fo:
             after = {k: (w.clone(), b.clone()) for k, (w, b) in got.items() if w is not None}
@@ -253,17 +254,24 @@ def _with_schedule(c, pp):
     ``zb`` plan built for each call)."""
     def func(**kw):
         schedule = c["schedule"]
-        if c["max_in_flight"] is not None or schedule.startswith("csv:"):
+        if c["max_in_flight"] is not None or schedule.startswith(("csv:", "torch:")):
             schedule = _named_plan(c, pp, kw["num_microbatches"], c["chunks"] or 1, kw["forward_only"])
         return schedules.forward_backward_pipelining_with_schedule(schedule=schedule, **kw)
     return func
 
 
 def _named_plan(c, pp, M, C, forward_only):
-    """The case's plan: a built-in schedule (``max_in_flight``: a budgeted ``zb`` plan), or ``"csv:<name>"``: that
-    schedule exported to torch's CSV and imported back (``engine.plan.torch_csv``)."""
+    """The case's plan: a built-in schedule (``max_in_flight``: a budgeted ``zb`` plan), ``"csv:<name>"``: that
+    schedule exported to torch's CSV and imported back (``engine.plan.torch_csv``), or ``"torch:<class>"``: the CSV
+    torch's schedule class writes (``tests/torch_schedules.py``; training calls only), imported."""
     name = c["schedule"]
     kw = dict(max_in_flight=c["max_in_flight"]) if c["max_in_flight"] is not None else {}
+    if name.startswith("torch:"):
+        from engine.plan.torch_csv import plan_from_csv
+        from tests.torch_schedules import torch_schedule_csv
+        if forward_only:
+            raise ValueError(f"{name}: torch's schedules are built with a loss; run training calls only")
+        return plan_from_csv(torch_schedule_csv(name[6:], pp, M), name=name)
     if name.startswith("csv:"):
         from engine.plan.torch_csv import plan_from_csv, plan_to_csv
         return plan_from_csv(plan_to_csv(build_plan(name[4:], pp, M, C, forward_only=forward_only, **kw)))

@@ -45,30 +45,33 @@ def _rank0_stages(pp: int, per_rank: int, placement: str) -> list[int]:
     return [0, n - 1] if placement == "v" else [c * pp for c in range(per_rank)]
 
 
-def torch_schedule_csv(name: str, pp: int, num_microbatches: int, stages_per_rank: int | None = None) -> str:
+def torch_schedule_csv(name: str, pp: int, num_microbatches: int, stages_per_rank: int | None = None,
+                       comms: bool = False) -> str:
     """The compute-only CSV of torch's schedule class ``name`` (a key of :data:`TORCH_CLASSES`) for ``pp`` ranks,
-    ``stages_per_rank`` stages each (default the class's) and ``num_microbatches`` microbatches.
+    ``stages_per_rank`` stages each (default the class's) and ``num_microbatches`` microbatches; ``comms``: the
+    compute_comms form instead (``pipeline_order_with_comms``, with SEND_/RECV_ cells; the runtime classes only).
 
     Raises:
         KeyError: ``name`` is not in :data:`TORCH_CLASSES`.
         ValueError: torch's own refusal of the sizes (e.g. Schedule1F1B with fewer microbatches than stages,
             DualPipeV with fewer microbatches than ``2 * pp``, Interleaved1F1B with ``M`` not a multiple of its
             rounds ``max(1, M // pp)``).
-        RuntimeError: a process group was initialized meanwhile (the build must not need one).
+        RuntimeError: the build initialized a process group (it must not need one).
     """
     default_per_rank, placement = TORCH_CLASSES[name]
     per_rank = stages_per_rank or default_per_rank
     stages = [_StageStub(s, pp * per_rank, pp, 0) for s in _rank0_stages(pp, per_rank, placement)]
-    cls = getattr(torch_schedules, name)
+    cls, had_group = getattr(torch_schedules, name), dist.is_initialized()
     loss = lambda output, target: output  # noqa: E731 -- only "has a loss" (training, with backward) matters
     if issubclass(cls, torch_schedules.PipelineScheduleSingle):
         schedule = cls(stages[0], num_microbatches, loss_fn=loss)
     else:
         schedule = cls(stages, num_microbatches, loss_fn=loss)
-    if dist.is_initialized():
-        raise RuntimeError("building a torch schedule initialized a process group")
+    if dist.is_initialized() and not had_group:
+        raise RuntimeError(f"building torch's {name} initialized a process group")
+    order = schedule.pipeline_order_with_comms if comms else schedule.pipeline_order
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for rank in range(pp):
-        writer.writerow(["" if a is None else str(a) for a in schedule.pipeline_order[rank]])
+        writer.writerow(["" if a is None else str(a) for a in order[rank]])
     return out.getvalue()
