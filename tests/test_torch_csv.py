@@ -164,7 +164,7 @@ def test_torch_schedules_against_pipecasts_twin(name, pp):
         mine, theirs = simulate(ours, *costs), simulate(twin, *costs)
         if name == "ScheduleInterleaved1F1B":
             assert ours.actions == twin.actions, (pp, M)
-        elif name in ("ScheduleGPipe", "ScheduleLoopedBFS") or (M >= 2 * pp and name != "ScheduleInterleavedZeroBubble"):
+        elif name in ("ScheduleGPipe", "ScheduleLoopedBFS") or (M >= 2 * pp and TORCH_CLASSES[name][1] == "v"):
             assert mine.makespan == theirs.makespan, (pp, M, mine.makespan, theirs.makespan)
             assert sum(mine.peak_in_flight) >= sum(theirs.peak_in_flight)
         if name == "ScheduleInterleavedZeroBubble":

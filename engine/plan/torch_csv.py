@@ -67,7 +67,8 @@ def _parse_row(r: int, row: list[str]) -> list[_Cell]:
             continue
         overlap, reduce = _OVERLAP.match(cell), _REDUCE.match(cell)
         if overlap is not None:
-            actions += [_compute(sub.strip(), col, cell, f"{where}, in {cell!r}") for sub in overlap.group(1).split(";")]
+            subs = overlap.group(1).split(";")
+            actions += [_compute(sub.strip(), col, cell, f"{where}, in {cell!r}") for sub in subs]
         elif reduce is not None:
             reduced.setdefault(int(reduce.group(1)), (col, cell, len(actions)))
         else:
