@@ -13,7 +13,7 @@ from engine.plan import build_plan
 from engine.plan.torch_csv import CsvScheduleError, plan_from_csv, plan_to_csv
 from engine.plan.simulate import simulate
 from engine.plan.validate import PlanError
-from tests.torch_schedules import TORCH_CLASSES, torch_schedule_csv
+from tests.torch_schedules import TORCH_CLASSES, torch_load_csv, torch_schedule_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILT = [("no_pipelining", 1, 1), ("1f1b", 1, 2), ("1f1b", 1, 4), ("interleaved", 2, 2), ("interleaved", 2, 4),
@@ -32,6 +32,24 @@ def test_export_then_import_gives_the_same_plan(schedule, chunks, pp):
             assert back.forward_only == forward_only
             assert forward_only or back.splits_backward == plan.splits_backward
             assert plan_to_csv(back) == text
+
+
+@pytest.mark.parametrize("schedule,chunks,pp", [b for b in BUILT if b[2] > 1])
+def test_torch_loads_and_dry_runs_every_exported_plan(schedule, chunks, pp):
+    """torch's runtime reads pipecast's export: its validation, its lowering to sends and receives and its dry run
+    accept it, and it infers pipecast's placement."""
+    for M in (pp, 2 * pp + (schedule != "interleaved")):
+        plan = build_plan(schedule, pp, M, chunks)
+        mapping = torch_load_csv(plan_to_csv(plan), pp, M, chunks, "v" if schedule == "zbv" else "looped")
+        assert mapping == {s: rank for s, (rank, _) in enumerate(plan.stage_map)}
+
+
+def test_torch_refuses_the_csv_pipecast_calls_a_deadlock():
+    text = "0F0,0B0,0F1,0B1\n1F0,1F1,1B1,1B0\n"
+    with pytest.raises(PlanError, match="deadlock"):
+        plan_from_csv(text)
+    with pytest.raises(AssertionError, match="can't schedule sends/recvs"):
+        torch_load_csv(text, 2, 2, 1)
 
 
 def test_torch_notation_is_stage_based():

@@ -6,17 +6,21 @@ or ``None`` for an idle slot) in their constructor from the stages they are give
 classes refuse compiled modules).  :class:`_StageStub` carries just those, so a schedule is built without
 ``init_process_group`` and without a model; :func:`torch_schedule_csv` writes its order in the CSV form torch's
 ``_dump_csv(format="compute_only")`` writes (one row per rank, ``str(action)`` per cell, an empty cell per idle
-slot).  Used by ``tests/test_torch_csv.py`` and the ``torch:<class>`` cases of ``tests/pipeline_jobs.py``.
+slot).  :func:`torch_load_csv` goes the other way: torch's runtime loads a CSV (``_load_csv``: its own validation,
+then its lowering to sends and receives) and dry-runs it (``_simulate_comms_compute``, which flags deadlocks).  Used
+by ``tests/test_torch_csv.py`` and the ``torch:<class>`` cases of ``tests/pipeline_jobs.py``.
 """
 from __future__ import annotations
 
 import csv
 import io
+import os
+import tempfile
 
 import torch.distributed as dist
 from torch.distributed.pipelining import schedules as torch_schedules
 
-__all__ = ["TORCH_CLASSES", "torch_schedule_csv"]
+__all__ = ["TORCH_CLASSES", "torch_schedule_csv", "torch_load_csv"]
 
 # class name -> (stages per rank, placement): "looped" = stage c*P + r on rank r, "v" = stages r and 2P-1-r
 TORCH_CLASSES = {
@@ -75,3 +79,31 @@ def torch_schedule_csv(name: str, pp: int, num_microbatches: int, stages_per_ran
     for rank in range(pp):
         writer.writerow(["" if a is None else str(a) for a in order[rank]])
     return out.getvalue()
+
+
+def torch_load_csv(text: str, pp: int, num_microbatches: int, stages_per_rank: int,
+                   placement: str = "looped") -> dict[int, int]:
+    """Load the compute-only CSV ``text`` into torch's ``_PipelineScheduleRuntime`` (stage stubs, no process group),
+    lower it to communication actions and dry-run it; return torch's stage -> rank mapping.
+
+    Raises:
+        AssertionError, RuntimeError or ValueError: torch's refusal (a malformed cell, an out-of-order action, a
+            schedule it cannot place sends and receives for, or one its dry run finds not progressing).
+    """
+    n = pp * stages_per_rank
+    stages = [_StageStub(s, n, pp, 0) for s in _rank0_stages(pp, stages_per_rank, placement)]
+    schedule = torch_schedules._PipelineScheduleRuntime(stages, num_microbatches, loss_fn=lambda output, target: output)
+    fd, path = tempfile.mkstemp(suffix=".csv")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        schedule._load_csv(path)
+    finally:
+        os.unlink(path)
+    # the dry run models compute and transfers only: drop the FSDP (UNSHARD/RESHARD) and gradient-reduction cells
+    skip = {"UNSHARD", "RESHARD", "REDUCE_GRAD"}
+    order = {rank: [a for a in actions if a is not None and a.computation_type.value not in skip]
+             for rank, actions in schedule.pipeline_order_with_comms.items()}
+    mapping = dict(schedule.stage_index_to_group_rank)
+    torch_schedules._simulate_comms_compute(order, lambda stage: mapping[stage], n)
+    return mapping
