@@ -1,6 +1,9 @@
 """torch.distributed.pipelining's compute-only CSV schedules: export, import, round trip, errors that name the
-action, and the ``pipecast schedule --csv / --from-csv`` options.  (Imported plans run on gloo ranks to the
-reference's losses and gradients in ``tests/test_zero_bubble_pipeline.py``, schedule ``csv:...``.)"""
+action and its cell, and the ``pipecast schedule --csv / --from-csv`` options; against torch itself: the CSVs its
+schedule classes write (built on stage stubs, no process group: ``tests/torch_schedules.py``) import, validate,
+simulate and run on 2 gloo ranks to the reference's and pipecast's losses, and torch's runtime loads and dry-runs
+every plan pipecast exports.  (More imported plans run on gloo ranks at P = 2 and 4 in
+``tests/test_zero_bubble_pipeline.py``, schedules ``csv:...`` and ``torch:...``.)"""
 from __future__ import annotations
 
 import subprocess
@@ -262,12 +265,12 @@ RUNS = [("ScheduleZBVZeroBubble", dict(chunks=2, M=4, dealloc=True), "zbv"),
 @pytest.mark.timeout(120)
 def test_torch_csvs_run_on_gloo_ranks_to_the_reference_and_pipecasts_losses():
     from tests.distributed import run_ranks
-    from tests.pipeline_jobs import case, job
+    from tests.pipeline_jobs import case, job, with_torch_csvs
     cases = []
     for name, kw, twin in RUNS:
         cases.append(case(schedule=f"torch:{name}", **kw))
         cases.append(case(schedule=twin, **kw) if twin else None)
-    results = run_ranks(job, 2, [c for c in cases if c is not None], timeout=100)
+    results = run_ranks(job, 2, with_torch_csvs([c for c in cases if c is not None], 2), timeout=100)
     per_case = iter(zip(*results))
     for (name, kw, twin) in RUNS:
         torch_run = next(per_case)
