@@ -17,9 +17,6 @@ import io
 import os
 import tempfile
 
-import torch.distributed as dist
-from torch.distributed.pipelining import schedules as torch_schedules
-
 __all__ = ["TORCH_CLASSES", "torch_schedule_csv", "torch_load_csv"]
 
 # class name -> (stages per rank, placement): "looped" = stage c*P + r on rank r, "v" = stages r and 2P-1-r
@@ -62,6 +59,8 @@ def torch_schedule_csv(name: str, pp: int, num_microbatches: int, stages_per_ran
             rounds ``max(1, M // pp)``).
         RuntimeError: the build initialized a process group (it must not need one).
     """
+    import torch.distributed as dist  # here, not at import: torch.distributed.pipelining takes a second to import
+    from torch.distributed.pipelining import schedules as torch_schedules
     default_per_rank, placement = TORCH_CLASSES[name]
     per_rank = stages_per_rank or default_per_rank
     stages = [_StageStub(s, pp * per_rank, pp, 0) for s in _rank0_stages(pp, per_rank, placement)]
@@ -90,6 +89,7 @@ def torch_load_csv(text: str, pp: int, num_microbatches: int, stages_per_rank: i
         AssertionError, RuntimeError or ValueError: torch's refusal (a malformed cell, an out-of-order action, a
             schedule it cannot place sends and receives for, or one its dry run finds not progressing).
     """
+    from torch.distributed.pipelining import schedules as torch_schedules
     n = pp * stages_per_rank
     stages = [_StageStub(s, n, pp, 0) for s in _rank0_stages(pp, stages_per_rank, placement)]
     schedule = torch_schedules._PipelineScheduleRuntime(stages, num_microbatches, loss_fn=lambda output, target: output)
