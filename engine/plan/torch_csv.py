@@ -9,9 +9,10 @@ dropped: pipecast syncs a chunk's gradients after its last backward pass in any 
 :class:`~engine.plan.build.Plan`: the ranks are the rows; each rank's stages, in increasing order, are its model
 chunks 0, 1, ... (so Megatron's looped placement and the V placement come out as themselves); ``I`` is pipecast's
 ``B`` of a split plan, and a full ``B`` in a plan with ``W`` passes becomes a ``B`` followed at once by its ``W``.
-The plan is then checked like every plan (:func:`engine.plan.validate.validate_plan`: data flow, deadlock, memory),
-so a bad schedule is refused with the first bad action named in pipecast's notation (``B3.1`` = microbatch 3 of
-chunk 1) and its place in the grid.  Pure: no torch.
+The microbatches are those stage 0 forwards (``0..M-1``); a cell of another microbatch is refused.  The plan is
+then checked like every plan (:func:`engine.plan.validate.validate_plan`: data flow, deadlock, memory), so a bad
+schedule is refused with the first bad action named in pipecast's notation (``B3.1`` = microbatch 3 of chunk 1) and
+its cell in the grid (``[CSV row 0, column 5: '3F1']``; columns count idle cells).  Pure: no torch.
 """
 from __future__ import annotations
 
