@@ -193,6 +193,16 @@ def test_torch_schedules_against_pipecasts_twin(name, pp):
 
 
 @pytest.mark.parametrize("pp", [2, 4])
+def test_three_stages_per_rank(pp):
+    """Looped classes with three stages a rank import; Interleaved1F1B's is pipecast's interleaved plan, C = 3."""
+    for M in (pp, 2 * pp, 3 * pp):
+        for name in ("ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble"):
+            assert plan_from_csv(torch_schedule_csv(name, pp, M, 3)).num_model_chunks == 3
+        plan = plan_from_csv(torch_schedule_csv("ScheduleInterleaved1F1B", pp, M, 3))
+        assert plan.actions == build_plan("interleaved", pp, M, 3).actions, (pp, M)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
 def test_torch_1f1b_pipeline_order_is_refused_naming_the_last_ranks_forward(pp):
     """torch 2.13's Schedule1F1B.pipeline_order (its visualizer / export view; its step() does not use it) forwards
     microbatches 1..M on the last rank, where the warm-up has no forward: the import names that cell."""
