@@ -25,10 +25,12 @@ DEFAULTS = dict(pp=None, chunks=None, M=4, G=None, batch=True, overlap=False, de
                 layers=1, variable=False, seqs=None, zero_mb=None, moe=False, collect=False, first_val_step=None,
                 ckpt=None, hooks=False, sleep=0.0, dtype="float32", tokens=None, sequence=None, explicit=True,
                 M_by_rank=None, seed=0, func=None, seq_by_dp=None, warmup_flush=False, plant=None, schedule=None,
-                max_in_flight=None, output="plain")
+                max_in_flight=None, output="plain", csv=None)
 # ``plant`` (negative controls, tests/test_harness_controls.py): "grad_scale" gives the schedule a grad_scale_func of
 # x * 2 that the reference does not apply; "no_M" multiplies each microbatch's loss by M, cancelling the schedule's
 # division by M (a loss without / M).  Both must make the case fail the equivalence check.
+# ``csv``: for a ``"torch:<class>"`` schedule, the CSV torch writes at the case's M, filled in by the parent before
+# it spawns (:func:`with_torch_csvs`), so the ranks need not import torch.distributed.pipelining.
 
 
 def case(**kw) -> dict:
@@ -223,6 +225,7 @@ def run_case(rank: int, pgc, c: dict) -> dict:
             call["loss_err"] = max(abs(s["loss"].item() - l.item()) / max(abs(l.item()), 1e-6)
                                    for s, l in zip(store, losses))
             call["store_mbs"] = [s["mb"] for s in store]
+            call["losses"] = [s["loss"].item() for s in store]
         got = tm.chunk_grads(chunks, c["layers"])
         if fo:
             after = {k: (w.clone(), b.clone()) for k, (w, b) in got.items() if w is not None}
@@ -253,17 +256,26 @@ def _with_schedule(c, pp):
     ``zb`` plan built for each call)."""
     def func(**kw):
         schedule = c["schedule"]
-        if c["max_in_flight"] is not None or schedule.startswith("csv:"):
+        if c["max_in_flight"] is not None or schedule.startswith(("csv:", "torch:")):
             schedule = _named_plan(c, pp, kw["num_microbatches"], c["chunks"] or 1, kw["forward_only"])
         return schedules.forward_backward_pipelining_with_schedule(schedule=schedule, **kw)
     return func
 
 
 def _named_plan(c, pp, M, C, forward_only):
-    """The case's plan: a built-in schedule (``max_in_flight``: a budgeted ``zb`` plan), or ``"csv:<name>"``: that
-    schedule exported to torch's CSV and imported back (``engine.plan.torch_csv``)."""
+    """The case's plan: a built-in schedule (``max_in_flight``: a budgeted ``zb`` plan), ``"csv:<name>"``: that
+    schedule exported to torch's CSV and imported back (``engine.plan.torch_csv``), or ``"torch:<class>"``: the CSV
+    torch's schedule class writes (``tests/torch_schedules.py``; training calls only), imported."""
     name = c["schedule"]
     kw = dict(max_in_flight=c["max_in_flight"]) if c["max_in_flight"] is not None else {}
+    if name.startswith("torch:"):
+        from engine.plan.torch_csv import plan_from_csv
+        if forward_only:
+            raise ValueError(f"{name}: torch's schedules are built with a loss; run training calls only")
+        if c["csv"] is not None and M == c["M"]:
+            return plan_from_csv(c["csv"], name=name)
+        from tests.torch_schedules import torch_schedule_csv
+        return plan_from_csv(torch_schedule_csv(name[6:], pp, M), name=name)
     if name.startswith("csv:"):
         from engine.plan.torch_csv import plan_from_csv, plan_to_csv
         return plan_from_csv(plan_to_csv(build_plan(name[4:], pp, M, C, forward_only=forward_only, **kw)))
@@ -419,11 +431,24 @@ def register(world: int, entries: list) -> slice:
     return slice(start, len(lst))
 
 
+def with_torch_csvs(entries: list, world: int) -> list:
+    """``entries`` with each ``"torch:<class>"`` case's ``csv`` filled in (``tests/torch_schedules.py``, here in
+    the parent: importing torch.distributed.pipelining costs each rank about a second)."""
+    out = []
+    for e in entries:
+        if isinstance(e, dict) and (e["schedule"] or "").startswith("torch:") and e["csv"] is None:
+            from tests.torch_schedules import torch_schedule_csv
+            e = {**e, "csv": torch_schedule_csv(e["schedule"][6:], e["pp"] or world, e["M"])}
+        out.append(e)
+    return out
+
+
 def shared_results(world: int, timeout: float = 240) -> list:
     """Per entry, the tuple of per-rank results of the session's job of ``world`` ranks (run once, on first use)."""
     if world not in _RESULTS:
         from tests.distributed import run_ranks
-        _RESULTS[world] = list(zip(*run_ranks(job, world, _REGISTRY[world], timeout=timeout)))
+        entries = with_torch_csvs(_REGISTRY[world], world)
+        _RESULTS[world] = list(zip(*run_ranks(job, world, entries, timeout=timeout)))
     return _RESULTS[world]
 
 

@@ -1,7 +1,8 @@
 """Split-backward schedules on gloo ranks equal the single-process unpipelined reference.
 
 Cases join the shared PP = 2 and PP = 4 jobs of ``tests/pipeline_jobs.py`` (one spawn per world size): ZB-H1,
-ZB-V (V placement: local hand-over on the last rank, first and last stage on rank 0) and budgeted ``zb`` plans, at
+ZB-V (V placement: local hand-over on the last rank, first and last stage on rank 0), budgeted ``zb`` plans and
+torch's CSV schedules (pipecast's exported and imported back; torch's ZBV, DualPipeV, ZB1P, interleaved 1F1B), at
 M = P, odd M and larger M, every P2P mode, output deallocation on and off, forward-only calls, repeated calls
 accumulating, negotiated shapes; and the grad-sync hooks around each chunk's last W.  The reference
 (``tests/models.reference``) is plain autograd over the unsplit layer stack; the test model's layers are raw
@@ -38,7 +39,12 @@ def _grid(pp: int) -> list[dict]:
               case(schedule="zb_h1", M=pp, hooks=True),
               # torch's CSV action grammar, exported and imported back: the imported plans run the same
               case(schedule="csv:zbv", chunks=2, M=2 * pp, dealloc=True), case(schedule="csv:1f1b", M=pp + 1),
-              case(schedule="csv:interleaved", chunks=2, M=2 * pp, batch=False)]
+              case(schedule="csv:interleaved", chunks=2, M=2 * pp, batch=False),
+              # CSVs written by torch's own schedule classes (tests/torch_schedules.py), imported
+              case(schedule="torch:ScheduleZBVZeroBubble", chunks=2, M=2 * pp, dealloc=True, **MODES[2]),
+              case(schedule="torch:ScheduleDualPipeV", chunks=2, M=2 * pp, dealloc=True),
+              case(schedule="torch:ScheduleInterleavedZeroBubble", chunks=2, M=pp + 1, batch=False),
+              case(schedule="torch:ScheduleInterleaved1F1B", chunks=2, M=2 * pp)]
     return cases
 
 
@@ -66,7 +72,7 @@ def test_split_schedules_equal_the_reference(pp):
             for call in r["calls"]:
                 assert call["order"] == call["plan_order"], f"{where}: rank {r['rank']} F/B order is not the plan's"
         # each call returns M losses from the rank holding the last stage (rank 0 under the V placement), [] elsewhere
-        loss_rank = 0 if c["schedule"].endswith("zbv") else pp - 1
+        loss_rank = 0 if c["schedule"].endswith(("zbv", "ZBVZeroBubble", "DualPipeV")) else pp - 1
         for r in per_rank:
             for call in r["calls"]:
                 want = c["M"] if r["pp_rank"] == loss_rank else 0
@@ -82,7 +88,7 @@ def test_grad_sync_follows_each_chunks_last_weight_pass(pp):
     entered at the start and left around those W passes; ``finalize_model_grads_func`` once at the end."""
     from engine.plan import build_plan
     for c, per_rank in zip(GRIDS[pp], shared_results(pp)[SLICES[pp]]):
-        if not c["hooks"] or c["schedule"].startswith("csv:"):
+        if not c["hooks"] or c["schedule"].startswith(("csv:", "torch:")):
             continue
         C = c["chunks"] or 1
         plan = build_plan(c["schedule"], pp, c["M"], C)

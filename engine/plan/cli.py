@@ -87,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--schedule zb: per-rank limit on activations held (default C*(P-r), 1F1B's)")
     parser.add_argument("--from-csv", type=Path, default=None, metavar="FILE.csv",
                         help="read the plan from torch.distributed.pipelining's compute-only CSV (rows = ranks, "
-                             "actions like 0F3, 1I0, 0W2, 1B0) instead of building one; it is validated first")
+                             "actions like 0F3, 1I0, 0W2, 1B0; DualPipeV's (0F3;3B1)OVERLAP_F_B runs its parts in "
+                             "order, REDUCE_GRAD is dropped) instead of building one; it is validated first")
     parser.add_argument("--csv", type=Path, default=None, metavar="OUT.csv",
                         help="write the plan as a compute-only CSV in torch's action grammar")
     parser.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="draw a Gantt chart")

@@ -2,45 +2,89 @@
 
 torch writes one row per pipeline rank and one cell per action slot, each action ``<stage><type><microbatch>``:
 ``F`` forward, ``I`` input-gradient backward, ``W`` weight-gradient backward, ``B`` full backward (torch's
-``_Action`` notation, e.g. ``2F0``, ``1I3``); an empty cell is an idle slot.  An imported schedule becomes a
+``_Action`` notation, e.g. ``2F0``, ``1I3``); an empty cell is an idle slot.  Two more cells of torch's own
+schedules are read: DualPipeV's ``(0F3;3B1)OVERLAP_F_B`` is its sub-actions in order (how torch runs it without a
+custom overlap function) and ``<stage>REDUCE_GRAD`` (torch's single-stage schedules end each stage with it) is
+dropped: pipecast syncs a chunk's gradients after its last backward pass in any case.  An imported schedule becomes a
 :class:`~engine.plan.build.Plan`: the ranks are the rows; each rank's stages, in increasing order, are its model
 chunks 0, 1, ... (so Megatron's looped placement and the V placement come out as themselves); ``I`` is pipecast's
 ``B`` of a split plan, and a full ``B`` in a plan with ``W`` passes becomes a ``B`` followed at once by its ``W``.
-The plan is then checked like every plan (:func:`engine.plan.validate.validate_plan`: data flow, deadlock, memory),
-so a bad schedule is refused with the first bad action named in pipecast's notation (``B3.1`` = microbatch 3 of
-chunk 1) and its place in the grid.  Pure: no torch.
+The microbatches are those stage 0 forwards (``0..M-1``); a cell of another microbatch is refused.  The plan is
+then checked like every plan (:func:`engine.plan.validate.validate_plan`: data flow, deadlock, memory), so a bad
+schedule is refused with the first bad action named in pipecast's notation (``B3.1`` = microbatch 3 of chunk 1) and
+its cell in the grid (``[CSV row 0, column 5: '3F1']``; columns count idle cells).  Pure: no torch.
 """
 from __future__ import annotations
 
 import csv
 import io
 import re
+from typing import NamedTuple
 
 from .build import Action, Op, Plan
 
 __all__ = ["plan_from_csv", "plan_to_csv", "CsvScheduleError"]
 
 _CELL = re.compile(r"^(\d+)(F|I|W|B)(\d+)$")
+_OVERLAP = re.compile(r"^\((.*)\)OVERLAP_F_B$")
+_REDUCE = re.compile(r"^(\d+)REDUCE_GRAD$")
 
 
 class CsvScheduleError(ValueError):
     """A CSV schedule that cannot be read: names the row (pipeline rank), column and cell."""
 
 
-def _parse_rows(text: str) -> list[list[tuple[int, str, int]]]:
-    rows = []
-    for r, row in enumerate(csv.reader(io.StringIO(text))):
-        actions = []
-        for col, cell in enumerate(row):
-            cell = cell.strip()
-            if cell in ("", "None"):
-                continue
-            m = _CELL.match(cell)
-            if m is None:
-                raise CsvScheduleError(f"row {r} (pipeline rank {r}), column {col}: {cell!r} is not a compute action "
-                                       "<stage><F|I|W|B><microbatch> (e.g. 2F0); only the compute-only form is read")
-            actions.append((int(m.group(1)), m.group(2), int(m.group(3))))
-        rows.append(actions)
+class _Cell(NamedTuple):
+    """One compute action read from the grid: torch's stage, ``F``/``I``/``W``/``B``, microbatch, and where it
+    stood (``col``, the cell's text; a sub-action of an overlapped cell shares its cell)."""
+    stage: int
+    kind: str
+    mb: int
+    col: int
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.mb}"
+
+
+def _compute(text: str, col: int, cell: str, where: str) -> _Cell:
+    m = _CELL.match(text)
+    if m is None:
+        raise CsvScheduleError(f"{where}: {text!r} is not a compute action <stage><F|I|W|B><microbatch> (e.g. 2F0); "
+                               "only the compute-only form is read (pipecast derives the transfers itself: drop "
+                               "SEND_/RECV_/UNSHARD/RESHARD cells)")
+    return _Cell(int(m.group(1)), m.group(2), int(m.group(3)), col, cell)
+
+
+def _parse_row(r: int, row: list[str]) -> list[_Cell]:
+    """One rank's compute actions in order.  ``(a;b)OVERLAP_F_B`` (DualPipeV's overlapped forward and backward)
+    becomes its sub-actions in order, as torch runs it without a custom overlap function; ``<stage>REDUCE_GRAD``
+    (torch's gradient reduction after a stage's last backward) is dropped, since pipecast syncs each chunk's
+    gradients after its last backward pass anyway -- but it must come after that stage's backward passes."""
+    actions, reduced = [], {}
+    for col, cell in enumerate(row):
+        cell, where = cell.strip(), f"row {r} (pipeline rank {r}), column {col}"
+        if cell in ("", "None"):
+            continue
+        overlap, reduce = _OVERLAP.match(cell), _REDUCE.match(cell)
+        if overlap is not None:
+            subs = overlap.group(1).split(";")
+            actions += [_compute(sub.strip(), col, cell, f"{where}, in {cell!r}") for sub in subs]
+        elif reduce is not None:
+            reduced.setdefault(int(reduce.group(1)), (col, cell, len(actions)))
+        else:
+            actions.append(_compute(cell, col, cell, where))
+    for stage, (col, cell, at) in reduced.items():
+        later = next((a for a in actions[at:] if a.stage == stage and a.kind != "F"), None)
+        if later is not None:
+            raise CsvScheduleError(f"row {r} (pipeline rank {r}), column {col}: {cell} comes before {later} (column "
+                                   f"{later.col}); a stage's gradients are reduced after its last backward pass, so "
+                                   "move REDUCE_GRAD after it (or drop it)")
+    return actions
+
+
+def _parse_rows(text: str) -> list[list[_Cell]]:
+    rows = [_parse_row(r, row) for r, row in enumerate(csv.reader(io.StringIO(text)))]
     while rows and not rows[-1]:
         rows.pop()
     if not rows:
@@ -52,10 +96,10 @@ def _placement(rows) -> tuple[tuple[int, int], ...]:
     """Stage -> ``(rank, chunk)``: each rank's stages in increasing order are its chunks."""
     owner: dict[int, int] = {}
     for r, actions in enumerate(rows):
-        for stage, _, _ in actions:
-            if owner.setdefault(stage, r) != r:
-                raise CsvScheduleError(f"stage {stage} appears on pipeline ranks {owner[stage]} and {r}; each stage "
-                                       "lives on one rank")
+        for a in actions:
+            if owner.setdefault(a.stage, r) != r:
+                raise CsvScheduleError(f"stage {a.stage} appears on pipeline ranks {owner[a.stage]} and {r} (row {r}, "
+                                       f"column {a.col}: {a.text!r}); each stage lives on one rank")
     stages = sorted(owner)
     if stages != list(range(len(stages))):
         raise CsvScheduleError(f"the stages are {stages}; a pipeline of S stages uses stages 0..S-1")
@@ -74,50 +118,75 @@ def _check_pairs(rows) -> None:
     """Every input-gradient pass ``I`` has its weight-gradient pass ``W`` and the reverse (same stage and
     microbatch)."""
     for r, actions in enumerate(rows):
-        kinds = {(s, t, m) for s, t, m in actions}
-        for s, t, m in sorted(kinds):
-            other = {"I": "W", "W": "I"}.get(t)
-            if other is not None and (s, other, m) not in kinds:
-                raise CsvScheduleError(f"row {r} (pipeline rank {r}): {s}{t}{m} has no {s}{other}{m}; a split backward "
-                                       "needs both the input-gradient (I) and the weight-gradient (W) pass")
+        kinds = {(a.stage, a.kind, a.mb) for a in actions}
+        for a in actions:
+            other = {"I": "W", "W": "I"}.get(a.kind)
+            if other is not None and (a.stage, other, a.mb) not in kinds:
+                raise CsvScheduleError(f"row {r} (pipeline rank {r}), column {a.col}: {a} has no "
+                                       f"{a.stage}{other}{a.mb}; a split backward needs both the input-gradient (I) "
+                                       "and the weight-gradient (W) pass")
+
+
+def _num_microbatches(rows) -> int:
+    """``M``: the microbatches stage 0 forwards are 0..M-1; an action of another microbatch is refused."""
+    firsts = [a.mb for actions in rows for a in actions if a.stage == 0 and a.kind == "F"]
+    M = 1 + max(firsts if firsts else [a.mb for actions in rows for a in actions])
+    for r, actions in enumerate(rows):
+        bad = next((a for a in actions if a.mb >= M), None)
+        if bad is not None:
+            raise CsvScheduleError(f"row {r} (pipeline rank {r}), column {bad.col}: {bad} is microbatch {bad.mb}, "
+                                   f"but stage 0 forwards microbatches 0..{M - 1}; every stage runs the same "
+                                   "microbatches")
+    return M
+
+
+def _lower(rows, placement) -> tuple[list[tuple[Action, ...]], list[list[_Cell]]]:
+    """Per rank, pipecast's actions and, for each, the cell it came from (a full ``B`` in a split plan gives a
+    ``B`` and a ``W``, both from its cell)."""
+    split = any(a.kind in "IW" for actions in rows for a in actions)
+    per_rank, origin = [], []
+    for actions in rows:
+        acts, came = [], []
+        for a in actions:
+            chunk = placement[a.stage][1]
+            ops = {"F": (Op.FORWARD,), "I": (Op.BACKWARD,), "W": (Op.WEIGHT,),
+                   "B": (Op.BACKWARD, Op.WEIGHT) if split else (Op.BACKWARD,)}[a.kind]
+            acts += [Action(op, chunk, a.mb) for op in ops]
+            came += [a] * len(ops)
+        per_rank.append(tuple(acts))
+        origin.append(came)
+    return per_rank, origin
 
 
 def plan_from_csv(text: str, name: str = "csv") -> Plan:
     """The plan of a compute-only CSV schedule (module doc); checked by the validator before it is returned.
 
     Raises:
-        CsvScheduleError: a cell that is not a compute action, a stage on two ranks, missing stages or unequal
-            chunk counts (names row, column or stage).
-        PlanError: the schedule is incomplete, out of order, routes data wrongly or deadlocks (names the rank and
-            the first bad action).
+        CsvScheduleError: a cell that is not a compute action, a stage on two ranks, missing stages, unequal
+            chunk counts, a microbatch stage 0 does not forward, an ``I`` without its ``W`` or a ``REDUCE_GRAD``
+            before its stage's last backward (names row, column and cell).
+        PlanError: the schedule is incomplete, out of order, routes data wrongly or deadlocks (names the rank, the
+            first bad action and, for an action that has a cell, its row and column in the CSV).
     """
-    from .validate import validate_plan  # the validator builds on the plan module, as this one does
+    from .validate import PlanError, validate_plan  # the validator builds on the plan module, as this one does
     rows = _parse_rows(text)
     placement = _placement(rows)
-    where = {s: loc for s, loc in enumerate(placement)}
-    split = any(t in "IW" for actions in rows for _, t, _ in actions)
     _check_pairs(rows)
-    per_rank = []
-    for r, actions in enumerate(rows):
-        acts = []
-        for stage, kind, mb in actions:
-            chunk = where[stage][1]
-            if kind == "F":
-                acts.append(Action(Op.FORWARD, chunk, mb))
-            elif kind in "IB":
-                acts.append(Action(Op.BACKWARD, chunk, mb))
-                if kind == "B" and split:
-                    acts.append(Action(Op.WEIGHT, chunk, mb))
-            else:
-                acts.append(Action(Op.WEIGHT, chunk, mb))
-        per_rank.append(tuple(acts))
-    num_microbatches = 1 + max(mb for actions in rows for _, _, mb in actions)
+    num_microbatches = _num_microbatches(rows)
+    per_rank, origin = _lower(rows, placement)
     chunks = len(placement) // len(rows)
     warmup = tuple(next((i for i, a in enumerate(acts) if a.op is not Op.FORWARD), len(acts)) for acts in per_rank)
     forward_only = not any(a.op is not Op.FORWARD for acts in per_rank for a in acts)
     plan = Plan(name, len(rows), chunks, num_microbatches, num_microbatches, forward_only, warmup, tuple(per_rank),
                 placement)
-    validate_plan(plan)
+    try:
+        validate_plan(plan)
+    except PlanError as exc:
+        if exc.rank is None or exc.index is None or exc.index >= len(origin[exc.rank]):
+            raise
+        cell = origin[exc.rank][exc.index]
+        raise PlanError(exc.rank, exc.index, exc.action,
+                        f"{exc.reason} [CSV row {exc.rank}, column {cell.col}: {cell.text!r}]") from None
     return plan
 
 
