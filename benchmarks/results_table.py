@@ -22,6 +22,7 @@ Speed and memory are measured here, not in the tests.  Each script prints its fi
 | script | measures |
 |---|---|
 | `vs_torch_pipelining.py [--pin]` | step time of pipecast 1F1B / interleaved / ZB-H1 / ZB-V against every torch.distributed.pipelining schedule, same model, data and loss (`loss_matches`), side by side in the same jobs |
+| `tune_configs.py` | `pipecast tune --verify` on the default and the pp=4 config: ranked candidates, predicted vs measured step time |
 | `runtime_overhead.py` | per-action runtime cost over compute, pp=1 and pp=2, pipecast and torch |
 | `memory.py` | peak in-flight activations and pending W per rank against the closed form and the simulator; bytes held by sent outputs with and without deallocation |
 | `split_backward.py` | B + W against the full backward of one chunk; bytes held between B and W |
@@ -148,10 +149,28 @@ def generic(d: dict) -> list[str]:
     return out + [""] + _goals(d) + ["", _machine(d)]
 
 
-RENDER = {"vs_torch_pipelining": vs_torch, "vs_torch_pipelining_pinned": vs_torch, "runtime_overhead": overhead,
+def tune(d: dict) -> list[str]:
+    out = [f"### pipecast tune --verify ({d['steps']} recorded steps per layout)"]
+    for r in d["runs"]:
+        out += ["", f"`{r['config']}` ({r['seconds']:.0f} s): best predicted **{r['best']}**, the config's own "
+                    f"{r['own']}; measured fastest {r['fastest_measured']}.", "",
+                "| candidate (top 6 of {}) | predicted ms | bubble | peak MiB per rank |".format(len(r["candidates"])),
+                "|---|---|---|---|"]
+        for c in r["candidates"][:6]:
+            mem = "/".join(f"{b / 2**20:.1f}" for b in c["peak_memory_bytes"])
+            out.append(f"| {c['label']} | {c['predicted_ms']:.1f} | {100 * c['bubble']:.1f}% | {mem} |")
+        out += ["", "| verified | predicted ms | measured ms | error |", "|---|---|---|---|"]
+        for v in r["verified"]:
+            own = " (config)" if v["is_config"] else ""
+            out.append(f"| {v['label']}{own} | {v['predicted_ms']:.1f} | {v['measured_ms']:.1f} | "
+                       f"{100 * v['error']:+.1f}% |")
+    return out + [""] + _goals(d) + ["", _machine(d)]
+
+
+RENDER = {"vs_torch_pipelining": vs_torch, "tune_configs": tune, "vs_torch_pipelining_pinned": vs_torch, "runtime_overhead": overhead,
           "memory": memory, "p2p_stalls_1f1b": stalls, "p2p_stalls_interleaved": stalls,
           "gloo_post_stalls": post_stalls}
-ORDER = ["vs_torch_pipelining", "vs_torch_pipelining_pinned", "runtime_overhead", "memory", "p2p_stalls_1f1b",
+ORDER = ["vs_torch_pipelining", "vs_torch_pipelining_pinned", "tune_configs", "runtime_overhead", "memory", "p2p_stalls_1f1b",
          "p2p_stalls_interleaved", "gloo_post_stalls"]
 
 
