@@ -22,13 +22,17 @@ pick the schedule from measured costs and a memory budget.
    slowest rank) are printed.
 
 The result goes to ``RUN_DIR/tune.json`` (what ``parallel.schedule: tuned`` reads, :mod:`.tune_result`) and to
-``--json PATH``.  Exit status: 0, 1 (a rank failed), 2 (bad config / data / arguments), 130 (interrupted).
+``--json PATH``.  Under ``torchrun`` every process joins the job (as with ``pipecast train``) and global rank 0
+prints and writes.  Exit status: 0, 1 (a rank failed), 2 (bad config / data / arguments), 130 (interrupted).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -79,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        result = _tune(args, config, cands, own)
+        with _job(config) as coordinator:
+            with contextlib.nullcontext() if coordinator else contextlib.redirect_stdout(io.StringIO()):
+                result = _tune(args, config, cands, own)
     except RankError as exc:
         if exc.traceback:
             print(exc.traceback.rstrip(), file=sys.stderr)
@@ -88,12 +94,36 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:
         print(str(exc) if isinstance(exc, Interrupted) else "interrupted", file=sys.stderr)
         return 130
+    if not coordinator:
+        return 0
     for path in filter(None, (tune_path(config), args.json)):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {tune_path(config)}" + (f" and {args.json}" if args.json else "") +
           "; train with it: --parallel.schedule=tuned")
     return 0
+
+
+@contextlib.contextmanager
+def _job(config: TrainConfig):
+    """Yields whether this process prints and writes the result: always for local ranks (spawned per measurement);
+    under torchrun the process group is created here (NCCL on CUDA, gloo on CPU) and global rank 0 reports."""
+    from .launch import _backend, under_torchrun
+    if not under_torchrun():
+        yield True
+        return
+    import datetime
+
+    import torch.distributed as dist
+
+    from ..runtime.spawn import teardown
+    dist.init_process_group(_backend(config), timeout=datetime.timedelta(seconds=config.parallel.timeout_s))
+    ok = False
+    try:
+        yield dist.get_rank() == 0
+        ok = True
+    finally:
+        teardown(ok)
 
 
 def _prepare(args) -> tuple[TrainConfig, list[Candidate], Candidate]:
@@ -108,7 +138,9 @@ def _prepare(args) -> tuple[TrainConfig, list[Candidate], Candidate]:
     from .config import validate_world_size
     from .data import check_data
     from .outputs import check_outputs
-    config = validate_world_size(config, config.world_size)
+    from .launch import under_torchrun
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else config.world_size
+    config = validate_world_size(config, world)
     check_data(config)
     check_outputs(config)
     gloo_io.check_environment()
@@ -178,8 +210,20 @@ def measurement_variants(cands: list[Candidate], own: Candidate) -> list[Candida
     return out
 
 
+def _everywhere(fn, config: TrainConfig, *args) -> list:
+    """``fn(config, *args)`` on every rank; the per-rank results (in global rank order) on every rank.  Spawns the
+    local ranks (:func:`.launch.spawn`), or under torchrun runs here and gathers (every process runs the tune)."""
+    from .launch import spawn, under_torchrun
+    if not under_torchrun():
+        return spawn(fn, config, *args)
+    import torch.distributed as dist
+    mine = fn(config, *args)
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
 def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> dict:
-    from .launch import spawn
     t0 = time.perf_counter()
     if args.measured:
         model, measured = model_from_record(args.measured, config)
@@ -188,7 +232,8 @@ def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> 
         print(f"pipecast tune: {len(cands)} candidates; measuring {len(variants)} layouts on {config.world_size} "
               f"ranks ({args.warmup} + {args.steps} steps each)", flush=True)
         with tempfile.TemporaryDirectory(prefix="pipecast-tune-") as tmp:
-            per_rank = spawn(tune_worker, config, variants, args.steps, args.warmup, tmp, not args.one_at_a_time)
+            per_rank = _everywhere(tune_worker, config, variants, args.steps, args.warmup, _shared(tmp),
+                                   not args.one_at_a_time)
         model, measured = cost_model(config, variants, per_rank)
     cands = [c for c in cands if layout_key(c) in model.layouts]
     P, M = config.parallel.pipeline, config.schedule.num_microbatches
@@ -210,19 +255,30 @@ def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> 
 
 
 def _verify(args, config: TrainConfig, ranked, own: Candidate) -> list[dict]:
-    from .launch import spawn
     from .tune_report import print_verified
     chosen = [p for p in ranked[:args.verify_top]]
     chosen += [p for p in ranked if p.candidate == own and p not in chosen]
     print(f"verifying {len(chosen)} candidates ({args.warmup} + {args.steps} steps each)", flush=True)
     with tempfile.TemporaryDirectory(prefix="pipecast-tune-") as tmp:
-        per_rank = spawn(verify_worker, config, [p.candidate for p in chosen], args.steps, args.warmup, tmp,
-                         not args.one_at_a_time)
+        per_rank = _everywhere(verify_worker, config, [p.candidate for p in chosen], args.steps, args.warmup,
+                               _shared(tmp), not args.one_at_a_time)
     rows = [{"settings": p.candidate.overrides(), "label": p.candidate.label, "predicted_ms": p.predicted_ms,
              "measured_ms": statistics.median(step_times(per_rank, i)), "is_config": p.candidate == own}
             for i, p in enumerate(chosen)]
     print_verified(rows)
     return rows
+
+
+def _shared(folder: str) -> str:
+    """The trainers' scratch folder: ``folder``, or under torchrun one path for every process (rank 0's)."""
+    from .launch import under_torchrun
+    if not under_torchrun():
+        return folder
+    import torch.distributed as dist
+    box = [folder]
+    dist.broadcast_object_list(box, src=0)
+    Path(box[0]).mkdir(parents=True, exist_ok=True)
+    return box[0]
 
 
 def tune_worker(config: TrainConfig, variants: list[Candidate], steps: int, warmup: int, folder: str,
