@@ -45,13 +45,13 @@ def _measure_together(cfgs, steps: int, warmup: int, record: bool, labels, laten
     from .trainer import Trainer
     with contextlib.ExitStack() as stack:
         trainers = [stack.enter_context(Trainer(cfg)) for cfg in cfgs]
-        if dist.get_rank() == 0:
-            print(f"  measuring {', '.join(labels)}", file=sys.stderr, flush=True)
+        bar = stack.enter_context(_progress(len(cfgs) * (warmup + steps), ", ".join(labels)))
         recs = [TimelineRecorder(tr.pp_rank, "cuda" if tr.device.type == "cuda" else "cpu", enabled=record)
                 for tr in trainers]
         for tr, rec in zip(trainers, recs):
             for _ in range(warmup):
                 _step(tr, None, -1)
+                bar.update(1)
             rec.anchor(tr.pg.pp)
         ms: list[list[float]] = [[] for _ in trainers]
         order, rng = list(range(len(trainers))), random.Random(0)
@@ -59,10 +59,24 @@ def _measure_together(cfgs, steps: int, warmup: int, record: bool, labels, laten
             rng.shuffle(order)
             for i in order:
                 ms[i].append(_step(trainers[i], recs[i] if record else None, k))
+                bar.update(1)
         out = [_result(tr, rec, times, record) for tr, rec, times in zip(trainers, recs, ms)]
         if latency:
             out[0]["transfer_ms"] = ping_pong(trainers[0])
         return out
+
+
+@contextlib.contextmanager
+def _progress(total: int, what: str):
+    """A tqdm bar over the steps on global rank 0 when stderr is a terminal (else one line naming ``what``)."""
+    import torch.distributed as dist
+    from tqdm import tqdm
+    first = dist.get_rank() == 0
+    if first and not sys.stderr.isatty():
+        print(f"  measuring {what}", file=sys.stderr, flush=True)
+    with tqdm(total=total, desc=f"measuring {what}", unit="step", disable=not (first and sys.stderr.isatty()),
+              leave=False) as bar:
+        yield bar
 
 
 def _result(tr, rec, ms: list[float], record: bool) -> dict:
