@@ -39,7 +39,6 @@ def measure_runs(cfgs: list, steps: int, warmup: int, record: bool = True, toget
 def _measure_together(cfgs, steps: int, warmup: int, record: bool, labels, latency: bool) -> list[dict]:
     import random
 
-    import torch.distributed as dist
 
     from ..profiling import TimelineRecorder
     from .trainer import Trainer
