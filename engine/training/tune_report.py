@@ -25,7 +25,7 @@ def print_table(ranked: list[Prediction], own: Candidate, budget_bytes: float | 
     for i, p in enumerate(ranked, 1):
         mem = "/".join(f"{b / _MIB:.1f}" for b in p.peak_memory_bytes)
         mark = "  <- config" if p.candidate == own else ""
-        print(f"{i:>3}  {p.candidate.label:<28} {p.predicted_ms:>12.1f} {100 * p.bubble:>6.1f}%  {mem:<24} "
+        print(f"{i:>3}  {p.candidate.label:<28} {p.predicted_ms:>12.1f} {100 * max(0.0, p.bubble):>6.1f}%  {mem:<24} "
               f"{'yes' if p.fits(budget_bytes) else 'no'}{mark}")
     best = ranked[0]
     print(f"best: {best.candidate.label}, predicted {best.predicted_ms:.1f} ms per step; overrides: "
