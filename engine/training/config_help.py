@@ -30,7 +30,9 @@ FIELD_HELP = {
     "parallel.pipeline": "pipeline ranks P",
     "parallel.virtual": "model chunks per pipeline rank; > 1 selects interleaved 1F1B (schedule: auto)",
     "parallel.schedule": "auto (Megatron's choice from pipeline / virtual), no_pipelining, 1f1b, interleaved, zb_h1 "
-                         "(split backward, one chunk per rank) or zbv (V placement, needs virtual: 2)",
+                         "(split backward, one chunk per rank), zbv (V placement, needs virtual: 2), zb (split "
+                         "backward under max_in_flight) or tuned (the best of RUN_DIR/tune.json, `pipecast tune`)",
+    "parallel.max_in_flight": "zb only: per-rank limit on in-flight activations (null: 1F1B's, virtual x (P - r))",
     "parallel.data": "data-parallel replicas (null: world size / pipeline; 1 when spawning locally)",
     "parallel.microbatch_group_size_per_vp_stage": "interleaved only (null: P); Megatron's rules P <= G <= M, "
                                                    "M mod G in {0} U [P, G)",
