@@ -141,14 +141,14 @@ class GraphRuntime:
             self._capture(num_microbatches, key)
             return
         if self._eager_steps >= self.warmup_steps - 1:
-            self.layers.start_recording()
+            self.layers.start_recording(self.defer_weight_grad)
             self._record_key = key
         self._eager_steps += 1
 
     def _capture(self, num_microbatches: int, key) -> None:
         rec = self.last_recording = self.layers.stop_recording()
         if self._record_key != key:  # the recorded step had other sizes: record again
-            self.layers.start_recording()
+            self.layers.start_recording(self.defer_weight_grad)
             self._record_key = key
             return
         plan = build_plan(self.schedule, self.pp_size, num_microbatches, self.num_model_chunks, self.group_size)
@@ -166,7 +166,7 @@ class GraphRuntime:
                     f"{expected[first] if first < len(expected) else 'end'}); graphs captured in plan order would "
                     f"replay out of order")
         specs, shape_reason = rec.layer_specs()
-        veto = veto or shape_reason
+        veto = veto or shape_reason or (_outside_split_reason(rec) if plan.splits_backward else None)
         if specs is None or veto is not None:
             specs = None
         autocast = next(iter(rec.autocast)) if len(rec.autocast) == 1 else None
@@ -183,7 +183,7 @@ class GraphRuntime:
         report = layers.report
         if layers.active:
             self._captured_key = key
-            log.info("CUDA graphs: %d graph pairs captured with backend %s in %.2fs (order %s)", report.num_graphs,
+            log.info("CUDA graphs: %d graph sets captured with backend %s in %.2fs (order %s)", report.num_graphs,
                      report.backend, report.seconds, report.order)
         else:
             self.disabled_reason = report.reason
@@ -199,3 +199,16 @@ class GraphRuntime:
             h.remove()
         self._hooks = []
         self.layers.remove()
+
+
+def _outside_split_reason(rec) -> str | None:
+    """Why split-backward graphs cannot follow the recorded step: a layer's backward ran outside the split ``B``
+    (the executor split that chunk over its autograd graph and found no input path -- the first stage with
+    parameters outside the deferred ops -- so its whole backward runs in ``W``), or ``None``."""
+    if not rec.outside_split:
+        return None
+    ev = rec.outside_split[0]
+    return (f"split backward: the backward of chunk {ev.chunk} layer {ev.layer} (microbatch {ev.microbatch}) ran "
+            f"outside the input-gradient pass B -- the chunk was split over its autograd graph with no input path, "
+            f"so its whole backward runs in W, not where B graphs would replay; keep the chunk's parameters in "
+            f"nn.Linear / nn.LayerNorm / nn.Embedding layers (layer-level deferral) or run it without CUDA graphs")

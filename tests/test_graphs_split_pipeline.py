@@ -12,6 +12,9 @@ reference (every stage in sequence, plain autograd) runs here on each rank.  Che
 
 The first stage applies an input projection (eager, deferred by the executor) before its graphed blocks, so every
 graphed layer's input needs a gradient (the capture refuses split backward otherwise, see ``graphs.capture``).
+One case scales the input by a bare parameter instead: the executor then splits that chunk over its autograd graph,
+finds no input path on the first stage and runs its whole backward in ``W`` -- the recorded step shows it, and
+every rank runs eagerly with that reason (same numbers).
 """
 from __future__ import annotations
 
@@ -30,12 +33,13 @@ class Stage(nn.Module):
     """Stage ``stage`` of ``num_stages``: (first) an input projection, ``LAYERS`` graphed blocks in
     ``.decoder.layers``; parameters seeded by the stage index, identical on every rank and in the reference."""
 
-    def __init__(self, config, stage: int, num_stages: int):
+    def __init__(self, config, stage: int, num_stages: int, scale: bool = False):
         super().__init__()
         g = torch.Generator().manual_seed(stage)
         self.config = config
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
-        self.inp = nn.Linear(H, H) if self.is_first else None
+        self.inp = nn.Linear(H, H) if self.is_first and not scale else None
+        self.scale = nn.Parameter(torch.rand(H, generator=g) + 0.5) if self.is_first and scale else None
         if self.inp is not None:
             with torch.no_grad():
                 self.inp.weight.copy_(torch.randn(H, H, generator=g) * 0.3)
@@ -47,7 +51,10 @@ class Stage(nn.Module):
         self.input_tensor = tensors[0] if isinstance(tensors, (list, tuple)) else tensors
 
     def forward(self, item):
-        x = self.inp(item["x"]) if self.is_first else self.input_tensor
+        if self.is_first:
+            x = self.inp(item["x"]) if self.inp is not None else item["x"] * self.scale
+        else:
+            x = self.input_tensor
         for layer in self.decoder.layers:
             x = layer(x)
         return x
@@ -125,10 +132,11 @@ def _job(rank, world, cases):
                                   deallocate_pipeline_outputs=case.get("dealloc", False))
         comm = schedules.P2PCommunicator(pgc.pp, cfg)
         stages = build_plan(schedule, world, Ms[0], C).stages_of(rank)
-        copies = {name: [Stage(cfg, s, world * C) for s in stages] for name in ("eager", "graphed")}
+        scale = case.get("scale", False)
+        copies = {name: [Stage(cfg, s, world * C, scale) for s in stages] for name in ("eager", "graphed")}
         runtime = GraphRuntime(copies["graphed"], schedule, world, rank, C, backend="emulate", warmup_steps=1,
                                defer_weight_grad=split_backward.defer_weight_grad)
-        ref_stages = [Stage(cfg, s, world * C) for s in range(world * C)]
+        ref_stages = [Stage(cfg, s, world * C, scale) for s in range(world * C)]
         res = {"rank": rank, "case": case, "steps": []}
         for step, M in enumerate(Ms):
             data = _data(M, step)
@@ -154,11 +162,16 @@ def _check(results):
     for per_rank in zip(*results):
         for res in per_rank:
             where = (res["case"], res["rank"])
+            steps = res["steps"]
+            if res["case"].get("scale"):  # whole backward in W on the first stage: eager, with the reason
+                assert res["backend"] == "eager" and "ran outside the input-gradient pass B" in res["reason"], res
+                assert not any(s["active"] for s in steps)
+                assert all(s["losses_equal"] and s["grads_equal"] and s["grad_err"] <= TOL for s in steps), steps
+                continue
             assert res["backend"] == "emulate", (where, res["reason"])
             assert res["order"] == res["graph_order"], where
             assert [f"{k}{m}.{c}" for k, c, m in order_events(res["order"])] == res["plan_actions"], where
             assert any(isinstance(e, float) for e in res["order"]), where  # the W actions are in it
-            steps = res["steps"]
             assert not steps[0]["active"] and all(s["active"] for s in steps[1:]), (where, steps)
             for s in steps:
                 assert s["at_boundary"] and s["losses_equal"] and s["grads_equal"], (where, s)
@@ -171,5 +184,6 @@ def _check(results):
 def test_split_schedules_with_emulated_graphs_equal_eager_and_the_reference():
     cases = [dict(schedule="zb_h1", chunks=1, M=[4, 4, 4]), dict(schedule="zbv", chunks=2, M=[4, 4, 4]),
              dict(schedule="zb_h1", chunks=1, M=[3, 3], dealloc=True), dict(schedule="zbv", chunks=2, M=[2, 2],
-                                                                              dealloc=True)]
+                                                                              dealloc=True),
+             dict(schedule="zb_h1", chunks=1, M=[2, 2], scale=True)]
     _check(run_ranks(_job, 2, cases, timeout=140))
