@@ -54,7 +54,8 @@ class CaptureReport:
         backend: the backend in use (``"eager"`` after a fallback).
         reason: why graphs are off (``None`` when they are on).
         order: the capture order (TE notation).
-        num_graphs: forward/backward graph pairs captured.
+        num_graphs: graph sets captured, one per ``(chunk, microbatch, layer)`` (or per ``(chunk, layer)`` when
+            shared): forward and backward, plus weight-gradient with split backward.
         seconds: wall time of warmup + capture.
         te_kwargs: keyword arguments passed to TE (``te`` backend), for inspection.
         te_features: feature detection summary of the installed TE.

@@ -179,3 +179,12 @@ def test_torch_backend_captures_f_b_and_w_graphs_in_plan_order(fake_cuda):
     assert created == [(e.kind, e.chunk, e.microbatch, e.layer) for e in events]
     assert all(s._capture_outputs is None and s.static_weight_inputs for s in layers.graphs.callables)
     layers.remove()
+
+
+def test_w_buffers_hold_one_gradient_per_weight_op():
+    """What B records for W: per slot the gradient at each intermediate -- for the block, the outputs of fc2
+    ([s*b, h]), fc1 ([s*b, 2h]) and the layer norm ([s, b, h]) -- counted by graphs.accounting."""
+    from graphs.accounting import held_bytes
+    plan, _, graphed, _, graphs = _pair("zbv", 2, 4, 0)
+    per_slot = (H + 2 * H + H) * S * B * 4  # fp32
+    assert held_bytes(graphs.graphs)["weight_inputs"] == 2 * 4 * 2 * per_slot  # chunks x microbatches x layers
