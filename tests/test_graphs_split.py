@@ -188,3 +188,21 @@ def test_w_buffers_hold_one_gradient_per_weight_op():
     plan, _, graphed, _, graphs = _pair("zbv", 2, 4, 0)
     per_slot = (H + 2 * H + H) * S * B * 4  # fp32
     assert held_bytes(graphs.graphs)["weight_inputs"] == 2 * 4 * 2 * per_slot  # chunks x microbatches x layers
+
+
+def test_graphs_under_the_executors_weight_gradient_deferral_see_the_layers_own_ops():
+    """The executor runs split-backward forwards under ``weight_grad_deferral`` (a torch-function mode): the capture
+    and every emulated replay run without it, as a real replay runs no Python -- same numbers as eager."""
+    from engine.runtime.split_backward import weight_grad_deferral
+    plan = build_plan("zb_h1", 2, 4)
+    eager = make_chunks(1, 2)
+    graphed = copy.deepcopy(eager)
+    queue = WeightQueue()
+    with weight_grad_deferral():
+        graphs = capture(graphed, plan, 0, samples(graphed, 4), backend="emulate", defer_weight_grad=queue.defer)
+    assert graphs.active, graphs.report
+    data = make_rank_data(1, 4, (S, B, H))
+    ref = _steps(eager, plan, 0, data, 2)
+    with weight_grad_deferral():
+        got = _steps(graphed, plan, 0, data, 2, queue)
+    assert bitwise_equal(ref, got)

@@ -192,9 +192,12 @@ class ReplaySlot:
         return self.input_targets + list(self.params)
 
     def run_eager(self, check: HazardCheck | None = None) -> list[torch.Tensor]:
-        """The layer's eager forward on the static inputs, with autograd (under ``check`` if given)."""
+        """The layer's eager forward on the static inputs, with autograd (under ``check`` if given), with no
+        Python-level torch-function mode active (the executor's weight-gradient deferral around a split-backward
+        forward): what a graph captures, and what its replay runs, is the layer's own ops (``torch._C``'s switch,
+        as no public one exists)."""
         args, kwargs = self.spec.rebuild(self.static_inputs)
-        with torch.enable_grad(), (check if check is not None else _NULL):
+        with torch.enable_grad(), torch._C.DisableTorchFunction(), (check if check is not None else _NULL):
             outs, struct = flatten_outputs(self.forward_fn(*args, **kwargs))
         self.out_struct = struct
         return outs

@@ -18,7 +18,7 @@ What a real replay freezes, the emulation enforces instead of silently re-runnin
   (parameters replaced by ``p.data = ...`` / ``load_state_dict(assign=True)``, rebound closure tensors);
 * host syncs and unregistered generators raise already in the warmup (``graphs.backends.common.walk_capture``);
 * Python-level torch-function modes (the executor's weight-gradient deferral around a split-backward forward) do
-  not reach a replayed forward, as no Python runs in a real replay.
+  not reach a replayed forward (``ReplaySlot.run_eager``), as no Python runs in a real replay.
 
 Split backward: a ``B`` replay writes the input gradients *and* the gradients recorded at the layer's intermediates
 into the slot's own static buffers (``static_weight_inputs``, fixed tensors overwritten by every ``B`` replay of
@@ -75,7 +75,7 @@ class EmulatedSlot(ReplaySlot):
 
     def replay_forward(self) -> None:
         check = self.hazard_check() if self.options.check_replays else None
-        with autocast_context(self.autocast), torch._C.DisableTorchFunction():
+        with autocast_context(self.autocast):
             outs = self.run_eager(check)
         if check is not None:
             check.compare(self._trace)
