@@ -206,3 +206,5 @@ def test_graphs_under_the_executors_weight_gradient_deferral_see_the_layers_own_
     with weight_grad_deferral():
         got = _steps(graphed, plan, 0, data, 2, queue)
     assert bitwise_equal(ref, got)
+    # the last replays' graphs were cut at the blocks' own addmm / layer-norm nodes (not at deferral bridges)
+    assert all(len(s.split.intermediates) == 3 for s in graphs.graphs.callables)
