@@ -1,6 +1,7 @@
 """CUDA graphs per (model chunk, microbatch, layer), captured in exactly the order the pipeline rank runs them.
 
-* :mod:`graphs.order`: the rank's capture order, TE's flat graph index, :func:`check_order`.
+* :mod:`graphs.order`: the rank's capture order (with the ``W`` actions of split-backward plans), TE's flat graph
+  index, :func:`check_order`.
 * :func:`graphs.capture.capture`: one entry point for the ``te``, ``torch``, ``emulate`` and ``eager`` backends;
   returns :class:`graphs.dispatch.GraphedLayers` (layers dispatch on ``current_microbatch``).
 * :class:`graphs.runtime.GraphRuntime`: the trainer's hook -- eager warmup steps, recording, collective capture,
@@ -8,6 +9,8 @@
 * :mod:`graphs.liveness`: a shared-pool model showing why the capture order must equal the runtime order.
 * :mod:`graphs.hazards`: what a frozen replay would not reproduce (host syncs, unregistered generators, replaced
   parameters, Python state read in forward), checked in warmup and on every emulated replay.
+* :mod:`graphs.backends.split`: split backward inside one graphed layer (``B`` input gradients, ``W`` weight
+  gradients), for the ``torch`` and ``emulate`` backends' ``B`` and ``W`` graphs.
 * :mod:`graphs.accounting`: bytes held by captured graphs, the eager step's peak, ops per replay.
 * :mod:`graphs.local_rank`: run one rank's plan in one process (fixed received tensors), for tests and benchmarks.
 

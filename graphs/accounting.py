@@ -28,17 +28,19 @@ def _nbytes(t: torch.Tensor) -> int:
 def held_bytes(graphs) -> dict[str, int]:
     """Bytes a captured :class:`GraphSet` (``torch``/``emulate``) holds, per category and ``"total"``.
 
-    Categories: ``static_inputs``, ``static_outputs``, ``grad_outputs``, ``grad_inputs`` (each storage counted once,
-    so chained buffers count once) and ``param_grad_buffers`` (the per-parameter accumulation buffers, which take
+    Categories: ``static_inputs``, ``static_outputs``, ``grad_outputs``, ``grad_inputs``, ``weight_inputs`` (split
+    backward: the gradients ``B`` records for ``W``; each storage counted once, so chained buffers count once) and
+    ``param_grad_buffers`` (the per-parameter accumulation buffers, which take
     the place of eager's ``param.grad``).  Units: bytes.
     """
     seen: set[int] = set()
-    out = {"static_inputs": 0, "static_outputs": 0, "grad_outputs": 0, "grad_inputs": 0}
+    out = {"static_inputs": 0, "static_outputs": 0, "grad_outputs": 0, "grad_inputs": 0, "weight_inputs": 0}
     fields = (("static_inputs", "static_inputs"), ("static_outputs", "static_outputs"),
               ("grad_outputs", "static_grad_outputs"), ("grad_inputs", "static_grad_inputs"))
     for slot in graphs.callables:
-        for category, attr in fields:
-            for t in getattr(slot, attr):
+        recorded = [g for r in getattr(slot, "static_weight_inputs", ()) for g in (r or ())]
+        for category, tensors in [(c, getattr(slot, a)) for c, a in fields] + [("weight_inputs", recorded)]:
+            for t in tensors:
                 if t is not None and t.untyped_storage()._cdata not in seen:
                     seen.add(t.untyped_storage()._cdata)
                     out[category] += _nbytes(t)

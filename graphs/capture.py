@@ -6,7 +6,14 @@ One entry point for every backend (``shared/spec/cuda_graphs.md``; DESIGN.md "Gr
 * ``"torch"`` (alias ``"pipecast"``): pipecast's ordered capture on ``torch.cuda.CUDAGraph``;
 * ``"emulate"``: CPU static-buffer emulation (tests);
 * ``"eager"``: no graphs;
-* ``"auto"``: ``te`` if CUDA and an ordered TE are available, else ``torch`` on CUDA, else eager.
+* ``"auto"``: ``te`` if CUDA and an ordered TE are available, else ``torch`` on CUDA, else eager; ``torch`` for
+  split-backward plans.
+
+Split-backward plans (``zb_h1``, ``zbv``, ``zb``: ``W`` actions) get three graphs per ``(chunk, microbatch,
+layer)``: ``F``, ``B`` (input gradient only) and ``W`` (weight gradients), captured in the plan's order with the
+``W`` actions in it (``graphs.order.graph_order``); the caller passes ``defer_weight_grad`` (the split backward's
+queue, ``engine.runtime.split_backward.defer_weight_grad``).  The ``torch`` and ``emulate`` backends support
+this; ``te`` falls back to eager with the reason (:func:`graphs.backends.te.split_backward_reason`).
 
 The graphs-or-eager decision is collective (:func:`graphs.decision.agree`) both before capture (availability) and
 after it (capture errors); a fallback logs one line with the reason.  The result is a :class:`GraphedLayers`
@@ -47,7 +54,8 @@ class CaptureReport:
         backend: the backend in use (``"eager"`` after a fallback).
         reason: why graphs are off (``None`` when they are on).
         order: the capture order (TE notation).
-        num_graphs: forward/backward graph pairs captured.
+        num_graphs: graph sets captured, one per ``(chunk, microbatch, layer)`` (or per ``(chunk, layer)`` when
+            shared): forward and backward, plus weight-gradient with split backward.
         seconds: wall time of warmup + capture.
         te_kwargs: keyword arguments passed to TE (``te`` backend), for inspection.
         te_features: feature detection summary of the installed TE.
@@ -154,6 +162,8 @@ class _Job:
     autocast: AutocastState
     test: DebugOptions
     report: CaptureReport | None = None
+    defer_weight_grad: Any = None
+    splits: bool = False
 
     @property
     def lpc(self) -> list[int]:
@@ -165,7 +175,8 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
             specs: dict[tuple[int, int], CallSpec] | None = None, backend: str = "auto", num_warmup_iters: int = 1,
             order: Sequence[int] | None = None, share_graphs: bool = False, chain_layers: bool = True, pool=None,
             generators: Sequence[torch.Generator] = (), group=None, tracer=None, veto: str | None = None,
-            autocast: AutocastState | None = None, _debug: DebugOptions | None = None) -> GraphedLayers:
+            autocast: AutocastState | None = None, defer_weight_grad=None,
+            _debug: DebugOptions | None = None) -> GraphedLayers:
     """Capture the graphs of pipeline rank ``rank`` of ``plan`` and install them on its layers.
 
     Args:
@@ -189,13 +200,16 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
         veto: a reason this rank must not capture (e.g. variable shapes); it joins the collective decision.
         autocast: the autocast state of the forward steps (default: the state at this call); capture and every
             emulated replay run under it with the cast cache off, and replay checks the caller is in it.
+        defer_weight_grad: split-backward plans only (required there): ``fn(w) -> bool`` queueing a layer's ``W``
+            replay ``w`` into the split backward in progress (``engine.runtime.split_backward.defer_weight_grad``).
         _debug: :class:`DebugOptions` for negative-control tests.
 
     Returns:
         The :class:`GraphedLayers` (``.report`` is a :class:`CaptureReport`; ``.active`` tells graphs from eager).
 
     Raises:
-        ValueError / TypeError: bad arguments, before any communication.  Capture failures do not raise: every
+        ValueError / TypeError: bad arguments (a split-backward plan without ``defer_weight_grad``, shared graphs or
+            a ``param_grads`` test mode with one), before any communication.  Capture failures do not raise: every
         rank falls back to eager with one log line naming the failing rank and the root error.
     """
     created = not isinstance(modules_per_chunk, GraphedLayers)
@@ -203,7 +217,8 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
     try:
         job = _Job(layers, [], plan.num_microbatches, sample_args, sample_kwargs, None, num_warmup_iters,
                    share_graphs, chain_layers, pool, tuple(generators), tracer,
-                   current_autocast() if autocast is None else autocast, _debug or DebugOptions())
+                   current_autocast() if autocast is None else autocast, _debug or DebugOptions(),
+                   defer_weight_grad=defer_weight_grad, splits=plan.splits_backward and not plan.forward_only)
         _validate(job, backend, plan, rank, specs, order, veto)
     except BaseException:
         if created:
@@ -237,9 +252,28 @@ def _local_verdict(job: _Job, backend: str, veto: str | None) -> tuple[str, str 
     chosen, reason = resolve_backend(backend)
     if veto is not None:
         return chosen, veto
+    if job.splits and reason is None:
+        chosen, reason = _split_verdict(job, backend, chosen)
     if chosen in ("torch", "te") and reason is None:
         reason = _local_problem(job.layers, job.sample_args)
     return chosen, reason if reason is not None or chosen != "eager" else "cuda_graphs.backend='eager'"
+
+
+def _split_verdict(job: _Job, requested: str, chosen: str) -> tuple[str, str | None]:
+    """Split backward: ``auto`` takes pipecast's capture over TE; ``te`` cannot (the reason); every graphed layer
+    needs an input that requires grad (else its backward would only run inside a later ``W``, out of the captured
+    order)."""
+    if chosen == "te":
+        if resolve_backend_name(requested) == "te":
+            return chosen, te_backend.split_backward_reason()
+        chosen = "torch"
+    for (c, l), spec in sorted(job.layer_specs.items()):
+        if not any(t.requires_grad for t in spec.tensor_specs):
+            return chosen, (f"split backward: chunk {c} layer {l} is called on inputs that need no gradient, so "
+                            f"its backward would run in the W pass, not in B where the graphs are captured -- "
+                            f"put a layer with parameters (an embedding, an input projection) before the first "
+                            f"graphed layer, or graph only layers after it")
+    return chosen, None
 
 
 def _fall_back(layers: GraphedLayers, backend: str, reason: str, group) -> GraphedLayers:
@@ -262,6 +296,8 @@ def _validate(job: _Job, backend: str, plan: Plan, rank: int, specs, order, veto
     job.layer_specs = _layer_specs(job.sample_args, job.sample_kwargs, specs, lpc, job.M)
     if job.sample_args is None:
         job.sample_args, job.sample_kwargs = make_sample_args(job.layer_specs, lpc, job.M)
+    if job.splits:
+        _validate_split(job)
     if job.share and max_in_flight(job.order) > 1 and not job.test.allow_unsafe_sharing:
         raise ValueError(f"share_graphs=True but rank {rank} has up to {max_in_flight(job.order)} microbatches of a "
                          f"chunk in flight; one graph per layer would be overwritten before its backward "
@@ -269,6 +305,19 @@ def _validate(job: _Job, backend: str, plan: Plan, rank: int, specs, order, veto
     n = job.num_warmup_iters
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"num_warmup_iters={n!r} must be an int >= 0")
+
+
+def _validate_split(job: _Job) -> None:
+    if job.defer_weight_grad is None or not callable(job.defer_weight_grad):
+        raise ValueError("the plan splits the backward (W actions): capture needs defer_weight_grad=<callable> that "
+                         "queues a layer's W replay into the running split backward -- pass "
+                         "engine.runtime.split_backward.defer_weight_grad")
+    if job.share:
+        raise ValueError("share_graphs=True with a split-backward plan: a W replay reads the buffers its B wrote, "
+                         "which a later microbatch's B would overwrite -- capture one graph set per microbatch")
+    if job.test.param_grads != "accumulate":
+        raise ValueError(f"param_grads={job.test.param_grads!r} with a split-backward plan: W graphs accumulate "
+                         f"into the parameter buffers; use 'accumulate'")
 
 
 def _layer_specs(sample_args, sample_kwargs, specs, lpc, M) -> dict[tuple[int, int], CallSpec]:
@@ -418,7 +467,8 @@ def _release_device_memory() -> list[str]:
 # -- backends ----------------------------------------------------------------------------------------------------
 def _make_slots(slot_cls, job: _Job, n_mb: int) -> list[common.ReplaySlot]:
     """One slot per ``(chunk, microbatch, layer)`` (``n_mb`` microbatches), consecutive layers linked."""
-    options = common.SlotOptions(job.test.param_grads, job.generators, job.tracer)
+    options = common.SlotOptions(job.test.param_grads, job.generators, job.tracer,
+                                 defer_weight_grad=job.defer_weight_grad if job.splits else None)
     grads = common.GradBuffers() if job.test.param_grads == "accumulate" else None
     slots: list[common.ReplaySlot] = []
     for c, n in enumerate(job.lpc):
@@ -455,7 +505,7 @@ def _slot_capture(slot_cls, warmup_ctx, job: _Job, prepare=None) -> GraphSet:
             prepare(slots)
         gc.disable()  # a GC pass freeing an old graph during another capture is a CUDA error (TE PR #2092)
         common.walk_capture(events, slot_of, job.num_warmup_iters, warmup_ctx, lambda s: s.capture_forward(),
-                            lambda s: s.capture_backward())
+                            lambda s: s.capture_backward(), lambda s: s.capture_weight())
     except BaseException:
         release()  # drops every graph and static tensor: the pool's blocks become free
         raise
@@ -540,7 +590,7 @@ def _capture_te(job: _Job) -> GraphSet:
 
 def _single_microbatch_order(order: Sequence[int]) -> list[int]:
     """The order restricted to microbatch 0 of every chunk (shared graphs capture one microbatch)."""
-    return [(c + 1) if kind == "F" else -(c + 1) for kind, c, m in order_events(order) if m == 0]
+    return [entry for entry, (kind, c, m) in zip(order, order_events(order)) if m == 0]
 
 
 _CAPTURERS = {"emulate": _capture_emulate, "torch": _capture_torch, "te": _capture_te}

@@ -116,7 +116,15 @@ class Recording:
     autocast: set[AutocastState] = field(default_factory=set)
     generators: list[torch.Generator] = field(default_factory=list)  # non-default ones the layers drew from
     unchained: set[tuple[int, int]] = field(default_factory=set)  # (chunk, layer > 0) not called on l-1's output
+    # split backward: the passes whose backward ran outside a split B (with the probe of start_recording)
+    outside_split: list[LayerEvent] = field(default_factory=list)
+    probe: Callable[[Callable[[], None]], bool] | None = None
     last_output: dict[tuple[int, int], int] = field(default_factory=dict)  # (chunk, mb) -> address of last output
+
+    def backward_seen(self, ev: LayerEvent) -> None:
+        self.events.append(ev)
+        if self.probe is not None and not self.probe(lambda: None):
+            self.outside_split.append(ev)
 
     def _starts_pass(self, ev: LayerEvent) -> bool:
         return ev.layer == (0 if ev.kind == "F" else self.layers_per_chunk[ev.chunk] - 1)
@@ -226,8 +234,10 @@ class GraphedLayers:
             module.current_microbatch = microbatch
 
     # -- recording ----------------------------------------------------------------------------------------------
-    def start_recording(self) -> None:
-        self.recording = Recording(list(self.layers_per_chunk))
+    def start_recording(self, probe: Callable[[Callable[[], None]], bool] | None = None) -> None:
+        """Record the next eager passes.  ``probe`` (split backward: ``defer_weight_grad``) is offered a no-op at
+        every recorded backward; one it declines ran outside a split ``B`` (``Recording.outside_split``)."""
+        self.recording = Recording(list(self.layers_per_chunk), probe=probe)
 
     def stop_recording(self) -> Recording:
         rec, self.recording = self.recording, None
@@ -318,7 +328,7 @@ class GraphedLayers:
             rec.last_output[(chunk, m)] = out.data_ptr()
         else:
             rec.last_output.pop((chunk, m), None)
-        self._on_backward(out, LayerEvent("B", chunk, m, layer), rec.events.append)
+        self._on_backward(out, LayerEvent("B", chunk, m, layer), rec.backward_seen)
         return out
 
     @staticmethod

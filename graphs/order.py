@@ -3,7 +3,10 @@
 The order is the rank's sequence of forward and backward passes in Transformer Engine's ``_order`` notation:
 ``+(c+1)`` is a forward of model chunk ``c``, ``-(c+1)`` a backward of chunk ``c`` (1-based, sign = direction).
 The ``k``-th forward of chunk ``c`` in one step is microbatch ``k`` of that chunk and backwards within a chunk are
-FIFO, so the order alone names every ``(chunk, microbatch)`` (``shared/spec/cuda_graphs.md`` 1.2).
+FIFO, so the order alone names every ``(chunk, microbatch)`` (``shared/spec/cuda_graphs.md`` 1.2).  Split-backward
+plans (zero-bubble schedules) add their weight-gradient passes ``W`` as ``-(c+1) - 0.5`` (TE's notation for a
+separate weight-gradient step); their ``-(c+1)`` is then the input-gradient pass ``B``, and ``W`` passes within a
+chunk are FIFO too (each chunk's ``W`` run in microbatch order).
 
 Graphs are captured per ``(chunk, microbatch, layer)`` and stored flat, chunk-major, then microbatch, then layer
 (TE ``make_graphed_callables(_order=...)`` and Megatron's ``TECudaGraphHelper``, spec 1.1 / 2.6)::
@@ -23,14 +26,14 @@ from engine.plan import Op, Plan
 from engine.plan.table import convert_schedule_table_to_order, get_schedule_table
 
 __all__ = [
-    "LayerEvent", "graph_order", "check_order", "order_events", "layer_events", "flat_index", "unflat_index",
+    "LayerEvent", "graph_order", "check_order", "entry_kind", "order_events", "layer_events", "flat_index", "unflat_index",
     "num_graphs", "layers_per_chunk_list", "max_in_flight",
 ]
 
 
 @dataclass(frozen=True, slots=True)
 class LayerEvent:
-    """One graphed pass: ``kind`` ``"F"`` or ``"B"`` of layer ``layer`` of ``(chunk, microbatch)`` (0-based)."""
+    """One graphed pass: ``kind`` ``"F"``, ``"B"`` or ``"W"`` of layer ``layer`` of ``(chunk, microbatch)`` (0-based)."""
 
     kind: str
     chunk: int
@@ -41,8 +44,9 @@ class LayerEvent:
         return f"{self.kind}{self.microbatch}.{self.chunk} l{self.layer}"  # the action's notation, then the layer
 
 
-def graph_order(plan: Plan, rank: int) -> list[int]:
-    """The capture order of pipeline rank ``rank``: its training actions in TE ``_order`` notation.
+def graph_order(plan: Plan, rank: int) -> list[int | float]:
+    """The capture order of pipeline rank ``rank``: its training actions in TE ``_order`` notation, ``W`` actions
+    of split-backward plans included (as ``-(c+1) - 0.5``, in the plan's position).
 
     For interleaved plans this equals Megatron's ``convert_schedule_table_to_order(W_r, C, get_schedule_table(M, C,
     G))`` (spec schedules.md 1.14); the function checks it and raises ``RuntimeError`` if the plan disagrees.
@@ -54,6 +58,8 @@ def graph_order(plan: Plan, rank: int) -> list[int]:
     if plan.forward_only:
         raise ValueError("plan.forward_only=True: CUDA graphs are captured for training steps (forward and "
                          "backward); evaluation runs eagerly -- build the plan with forward_only=False")
+    if plan.splits_backward:
+        return [_entry(a.op.value, a.chunk) for a in plan.actions[rank]]
     order = plan.order(rank)
     if plan.schedule == "interleaved":
         table = get_schedule_table(plan.num_microbatches, plan.num_model_chunks, plan.group_size)
@@ -64,21 +70,33 @@ def graph_order(plan: Plan, rank: int) -> list[int]:
     return order
 
 
-def order_events(order: Sequence[int]) -> Iterator[tuple[str, int, int]]:
-    """Walk ``order``: yield ``("F"|"B", chunk, microbatch)`` (0-based) with per-chunk FIFO microbatch counters."""
-    forwards: dict[int, int] = {}
-    backwards: dict[int, int] = {}
+def _entry(kind: str, chunk: int) -> int | float:
+    """The order entry of a ``kind`` pass of 0-based ``chunk``: ``c+1``, ``-(c+1)`` or ``-(c+1) - 0.5``."""
+    return chunk + 1 if kind == "F" else (-(chunk + 1) if kind == "B" else -(chunk + 1) - 0.5)
+
+
+def entry_kind(entry) -> tuple[str, int]:
+    """``(kind, 0-based chunk)`` of one order entry (see the module docstring for the notation)."""
+    if isinstance(entry, float):
+        return "W", int(-entry - 0.5) - 1
+    return ("F" if entry > 0 else "B"), abs(entry) - 1
+
+
+def order_events(order: Sequence[int | float]) -> Iterator[tuple[str, int, int]]:
+    """Walk ``order``: yield ``("F"|"B"|"W", chunk, microbatch)`` (0-based) with per-chunk FIFO microbatch
+    counters (one counter per kind)."""
+    counters: dict[tuple[str, int], int] = {}
     for entry in order:
-        chunk = abs(entry) - 1
-        counter = forwards if entry > 0 else backwards
-        mb = counter.get(chunk, 0)
-        counter[chunk] = mb + 1
-        yield ("F" if entry > 0 else "B"), chunk, mb
+        kind, chunk = entry_kind(entry)
+        mb = counters.get((kind, chunk), 0)
+        counters[(kind, chunk)] = mb + 1
+        yield kind, chunk, mb
 
 
-def layer_events(order: Sequence[int], layers_per_chunk: Sequence[int]) -> list[LayerEvent]:
+def layer_events(order: Sequence[int | float], layers_per_chunk: Sequence[int]) -> list[LayerEvent]:
     """The per-layer passes of ``order``: a forward of ``(c, m)`` runs layers ``0..L_c-1``, a backward runs them
-    in reverse (autograd).  This is the exact sequence in which graphs are captured and must be replayed."""
+    in reverse (autograd), and so does a weight-gradient pass (its layers' ``W`` graphs were queued by ``B`` in
+    that order).  This is the exact sequence in which graphs are captured and must be replayed."""
     events = []
     for kind, chunk, mb in order_events(order):
         layers = range(layers_per_chunk[chunk])
@@ -86,18 +104,20 @@ def layer_events(order: Sequence[int], layers_per_chunk: Sequence[int]) -> list[
     return events
 
 
-def check_order(order: Sequence[int], plan: Plan | None = None, rank: int | None = None,
+def check_order(order: Sequence[int | float], plan: Plan | None = None, rank: int | None = None,
                 num_model_chunks: int | None = None, num_microbatches: int | None = None) -> None:
     """Check that ``order`` is a realisable capture order and, given ``plan`` and ``rank``, that it equals the
     order the runtime executes.
 
-    Checks: entries are non-zero ints within ``[-C, C]``; causal (per chunk, no backward before its forward in
-    any prefix, so backwards are FIFO); every chunk has exactly ``M`` forwards and ``M`` backwards; and, with a
-    plan, equality with the rank's actions (chunk and microbatch of every pass).  TE itself checks none of this
-    and fails later with an obscure error or, worse, replays graphs against the wrong buffers (spec 1.2, B15).
+    Checks: entries are non-zero ints within ``[-C, C]`` or ``W`` entries ``-(c+1) - 0.5``; causal (per chunk, no
+    backward before its forward and no ``W`` before its ``B`` in any prefix, so both are FIFO); every chunk has
+    exactly ``M`` forwards and ``M`` backwards (and ``M`` ``W`` if it has any); and, with a plan, equality with the
+    rank's actions (kind, chunk and microbatch of every pass, the ``W`` of split-backward plans included).  TE
+    itself checks none of this and fails later with an obscure error or, worse, replays graphs against the wrong
+    buffers (spec 1.2, B15).
 
     Raises:
-        TypeError: an entry is not an int.
+        TypeError: an entry is not an int (nor a ``W`` entry).
         ValueError: any check fails; the message names the first offending position.
     """
     if plan is not None:
@@ -107,36 +127,56 @@ def check_order(order: Sequence[int], plan: Plan | None = None, rank: int | None
         num_model_chunks = plan.num_model_chunks if num_model_chunks is None else num_model_chunks
         num_microbatches = plan.num_microbatches if num_microbatches is None else num_microbatches
     order = list(order)
-    for i, entry in enumerate(order):
-        if isinstance(entry, bool) or not isinstance(entry, int):
-            raise TypeError(f"order[{i}]={entry!r} is not an int; the order holds +(chunk+1) for a forward and "
-                            f"-(chunk+1) for a backward")
-        if entry == 0 or (num_model_chunks is not None and abs(entry) > num_model_chunks):
-            raise ValueError(f"order[{i}]={entry} is out of range: entries are +-1..+-{num_model_chunks or 'C'} "
-                             f"(model chunk + 1, signed)")
-    chunks = num_model_chunks if num_model_chunks is not None else max((abs(e) for e in order), default=0)
-    fwd = [0] * chunks
-    bwd = [0] * chunks
-    for i, entry in enumerate(order):
-        c = abs(entry) - 1
-        if entry > 0:
-            fwd[c] += 1
-        else:
-            bwd[c] += 1
-            if bwd[c] > fwd[c]:
-                raise ValueError(f"order[{i}]={entry} is not causal: backward #{bwd[c]} of model chunk {c} comes "
-                                 f"before its forward (only {fwd[c]} forwards of chunk {c} so far)")
-    expect = num_microbatches if num_microbatches is not None else (fwd[0] if fwd else 0)
+    _check_entries(order, num_model_chunks)
+    chunks = num_model_chunks if num_model_chunks is not None else max((entry_kind(e)[1] + 1 for e in order),
+                                                                       default=0)
+    counts = _check_causal(order, chunks)
+    expect = num_microbatches if num_microbatches is not None else (counts["F"][0] if chunks else 0)
     for c in range(chunks):
-        if fwd[c] != expect or bwd[c] != expect:
-            raise ValueError(f"order has {fwd[c]} forwards and {bwd[c]} backwards of model chunk {c}; every chunk "
-                             f"needs exactly num_microbatches={expect} of each")
-    if plan is None:
-        return
-    runtime = [a for a in plan.actions[rank] if a.op is not Op.WEIGHT]
+        f, b, w = counts["F"][c], counts["B"][c], counts["W"][c]
+        if f != expect or b != expect or w not in (0, expect):
+            raise ValueError(f"order has {f} forwards, {b} backwards and {w} weight-gradient passes of model chunk "
+                             f"{c}; every chunk needs exactly num_microbatches={expect} forwards and backwards (and "
+                             f"as many weight-gradient passes, or none)")
+    if plan is not None:
+        _check_against_plan(order, plan, rank)
+
+
+def _check_entries(order: list, num_model_chunks: int | None) -> None:
+    for i, entry in enumerate(order):
+        weight = isinstance(entry, float) and entry < 0 and float(entry + 0.5).is_integer()
+        if isinstance(entry, bool) or not (isinstance(entry, int) or weight):
+            raise TypeError(f"order[{i}]={entry!r} is not an int; the order holds +(chunk+1) for a forward, "
+                            f"-(chunk+1) for a backward and -(chunk+1)-0.5 for a weight-gradient pass")
+        chunk = entry_kind(entry)[1]
+        if entry == 0 or chunk < 0 or (num_model_chunks is not None and chunk >= num_model_chunks):
+            raise ValueError(f"order[{i}]={entry} is out of range: entries are +-1..+-{num_model_chunks or 'C'} "
+                             f"(model chunk + 1, signed; -0.5 more for a weight-gradient pass)")
+
+
+def _check_causal(order: list, chunks: int) -> dict[str, list[int]]:
+    """Per kind, the passes of each chunk; raises at the first backward before its forward or ``W`` before its
+    ``B``."""
+    counts = {"F": [0] * chunks, "B": [0] * chunks, "W": [0] * chunks}
+    before = {"B": ("F", "forward", "backward"), "W": ("B", "backward", "weight-gradient pass")}
+    for i, entry in enumerate(order):
+        kind, c = entry_kind(entry)
+        counts[kind][c] += 1
+        if kind in before:
+            need, need_name, name = before[kind]
+            if counts[kind][c] > counts[need][c]:
+                raise ValueError(f"order[{i}]={entry} is not causal: {name} #{counts[kind][c]} of model chunk {c} "
+                                 f"comes before its {need_name} (only {counts[need][c]} {need_name}s of chunk {c} "
+                                 f"so far)")
+    return counts
+
+
+def _check_against_plan(order: list, plan: Plan, rank: int) -> None:
+    runtime = [a for a in plan.actions[rank] if plan.splits_backward or a.op is not Op.WEIGHT]
     if len(runtime) != len(order):
         raise ValueError(f"order has {len(order)} passes but rank {rank} of the {plan.schedule} plan runs "
-                         f"{len(runtime)}; build the order with graphs.order.graph_order(plan, rank)")
+                         f"{len(runtime)}{' (W included)' if plan.splits_backward else ''}; build the order with "
+                         f"graphs.order.graph_order(plan, rank)")
     for i, ((kind, chunk, mb), action) in enumerate(zip(order_events(order), runtime)):
         if (kind, chunk, mb) != (action.op.value, action.chunk, action.microbatch):
             raise ValueError(f"order differs from the runtime plan of rank {rank} at position {i}: the order "
@@ -202,8 +242,10 @@ def max_in_flight(order: Sequence[int]) -> int:
     live: dict[int, int] = {}
     peak = 0
     for entry in order:
-        c = abs(entry)
-        live[c] = live.get(c, 0) + (1 if entry > 0 else -1)
+        kind, c = entry_kind(entry)
+        if kind == "W":  # a forward is in flight until its input-gradient pass B
+            continue
+        live[c] = live.get(c, 0) + (1 if kind == "F" else -1)
         peak = max(peak, live[c])
     return peak
 

@@ -41,7 +41,8 @@ class GraphRuntime:
 
     Args:
         model_chunks: this rank's model chunks (``len == num_model_chunks``).
-        schedule: ``"no_pipelining"``, ``"1f1b"`` or ``"interleaved"`` (``engine.plan.SCHEDULES``).
+        schedule: ``"no_pipelining"``, ``"1f1b"``, ``"interleaved"``, or a split-backward schedule ``"zb_h1"`` /
+            ``"zbv"`` / ``"zb"`` (``engine.plan.SCHEDULES``; F, B and W graphs, which need ``defer_weight_grad``).
         pp_size, pp_rank: pipeline size and this rank.
         num_model_chunks: model chunks per rank.
         group_size: ``microbatch_group_size_per_vp_stage`` (interleaved; default ``pp_size``).
@@ -55,6 +56,8 @@ class GraphRuntime:
             the capture point with one log line.
         generators: generators to register with every graph; every non-default generator the layers drew from in
             the recorded step is registered as well (dropout masks then advance per replay, pytorch#84614).
+        defer_weight_grad: split-backward schedules: queues a layer's ``W`` replay into the running split backward
+            (``engine.runtime.split_backward.defer_weight_grad``; ``graphs.capture.capture``).
 
     Raises:
         ValueError: unknown backend, ``warmup_steps < 0``, chunk count not matching.
@@ -64,7 +67,7 @@ class GraphRuntime:
                  num_model_chunks: int = 1, group_size: int | None = None, backend: str = "auto",
                  warmup_steps: int = 2, num_warmup_iters: int = 1, group=None, tracer=None,
                  layers_of: Callable[[torch.nn.Module], list] = layers_of_chunk, variable_seq_lengths: bool = False,
-                 generators: Sequence[torch.Generator] = ()):
+                 generators: Sequence[torch.Generator] = (), defer_weight_grad=None):
         if backend not in BACKENDS:
             raise ValueError(f"cuda_graphs.backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -83,6 +86,7 @@ class GraphRuntime:
         self.group, self.tracer = group, tracer
         self.variable_seq_lengths = variable_seq_lengths
         self.generators = list(generators)
+        self.defer_weight_grad = defer_weight_grad
         self.layers = GraphedLayers([layers_of(c) for c in self.chunks], tracer=tracer)
         self.disabled_reason: str | None = None
         self.steps_seen = 0
@@ -137,14 +141,14 @@ class GraphRuntime:
             self._capture(num_microbatches, key)
             return
         if self._eager_steps >= self.warmup_steps - 1:
-            self.layers.start_recording()
+            self.layers.start_recording(self.defer_weight_grad)
             self._record_key = key
         self._eager_steps += 1
 
     def _capture(self, num_microbatches: int, key) -> None:
         rec = self.last_recording = self.layers.stop_recording()
         if self._record_key != key:  # the recorded step had other sizes: record again
-            self.layers.start_recording()
+            self.layers.start_recording(self.defer_weight_grad)
             self._record_key = key
             return
         plan = build_plan(self.schedule, self.pp_size, num_microbatches, self.num_model_chunks, self.group_size)
@@ -162,23 +166,24 @@ class GraphRuntime:
                     f"{expected[first] if first < len(expected) else 'end'}); graphs captured in plan order would "
                     f"replay out of order")
         specs, shape_reason = rec.layer_specs()
-        veto = veto or shape_reason
+        veto = veto or shape_reason or (_outside_split_reason(rec) if plan.splits_backward else None)
         if specs is None or veto is not None:
             specs = None
         autocast = next(iter(rec.autocast)) if len(rec.autocast) == 1 else None
         # without pipelining forward and backward alternate and nothing is sent to a neighbour, so one graph per
         # layer serves every microbatch (Megatron captures M=1 for PP=1); otherwise one per (chunk, microbatch,
         # layer) -- also on a 1F1B rank without warmup, whose static input grads may still be in flight in a send
-        share = self.pp_size == 1 and max_in_flight(plan.order(self.pp_rank)) == 1
+        share = self.pp_size == 1 and max_in_flight(plan.order(self.pp_rank)) == 1 and not plan.splits_backward
         layers = capture(self.layers, plan, self.pp_rank, specs=specs, backend=self.backend,
                          num_warmup_iters=self.num_warmup_iters, group=self.group, tracer=self.tracer, veto=veto,
                          autocast=autocast, share_graphs=share, chain_layers=not rec.unchained,
+                         defer_weight_grad=self.defer_weight_grad,
                          generators=self.generators + [g for g in rec.generators if all(g._cdata != h._cdata for h in
                                                                                          self.generators)])
         report = layers.report
         if layers.active:
             self._captured_key = key
-            log.info("CUDA graphs: %d graph pairs captured with backend %s in %.2fs (order %s)", report.num_graphs,
+            log.info("CUDA graphs: %d graph sets captured with backend %s in %.2fs (order %s)", report.num_graphs,
                      report.backend, report.seconds, report.order)
         else:
             self.disabled_reason = report.reason
@@ -194,3 +199,16 @@ class GraphRuntime:
             h.remove()
         self._hooks = []
         self.layers.remove()
+
+
+def _outside_split_reason(rec) -> str | None:
+    """Why split-backward graphs cannot follow the recorded step: a layer's backward ran outside the split ``B``
+    (the executor split that chunk over its autograd graph and found no input path -- the first stage with
+    parameters outside the deferred ops -- so its whole backward runs in ``W``), or ``None``."""
+    if not rec.outside_split:
+        return None
+    ev = rec.outside_split[0]
+    return (f"split backward: the backward of chunk {ev.chunk} layer {ev.layer} (microbatch {ev.microbatch}) ran "
+            f"outside the input-gradient pass B -- the chunk was split over its autograd graph with no input path, "
+            f"so its whole backward runs in W, not where B graphs would replay; keep the chunk's parameters in "
+            f"nn.Linear / nn.LayerNorm / nn.Embedding layers (layer-level deferral) or run it without CUDA graphs")

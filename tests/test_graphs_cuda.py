@@ -103,3 +103,28 @@ def test_torch_backend_under_bf16_autocast():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             got = run_steps(graphed, plan, 0, data, 1)
         assert bitwise_equal(ref, got)
+
+
+@pytest.mark.parametrize("schedule,C,M,rank", [("zb_h1", 1, 4, 0), ("zbv", 2, 4, 0), ("zbv", 2, 4, 1)])
+def test_torch_backend_split_backward_bitwise_equal_eager(schedule, C, M, rank):
+    """F, B and W CUDA graphs per (chunk, microbatch, layer), captured in the plan's order with its W actions:
+    B replays compute input gradients only, the W replays (queued by B, run at the plan's W) the weight gradients;
+    losses, input and parameter gradients bitwise eager's over three steps."""
+    from graphs.local_rank import WeightQueue, run_rank_step, sgd_step
+    from tests.test_graphs_emulate import param_grads
+    plan = build_plan(schedule, 2, M, C)
+    eager = cuda_chunks(C, 2)
+    graphed = copy.deepcopy(eager)
+    queue = WeightQueue()
+    data = make_rank_data(C, M, (S, B, H), device="cuda")
+    layers = capture(graphed, plan, rank, cuda_samples(graphed, M), backend="torch", defer_weight_grad=queue.defer)
+    assert layers.active and layers.report.backend == "torch", layers.report
+    assert all(s.wgt_graph is not None for s in layers.graphs.callables)
+    ref, got = [], []
+    for _ in range(3):
+        for chunks, out, weights in ((eager, ref, None), (graphed, got, queue)):
+            r = run_rank_step(chunks, plan, rank, data, weights=weights)
+            out.append((r, [g.clone() for g in param_grads(chunks)]))
+            sgd_step(chunks)
+    assert bitwise_equal(ref, got) and layers.guard.at_step_boundary and not queue.pending
+    layers.remove()

@@ -278,3 +278,23 @@ def test_build_te_arguments_rejects_inconsistent_layouts():
         build_te_arguments(feats, mods, [(1.0,)] * 6, None, [1, -1], [2, 1], 2)
     with pytest.raises(ValueError, match="_order"):
         build_te_arguments(TEFeatures(frozenset()), mods, args, None, [1, -1], [2, 1], 2)
+
+
+def test_te_falls_back_for_split_backward_plans_and_auto_takes_pipecasts_capture(monkeypatch, caplog):
+    """TE's integer backward entries compute weight gradients in B and its -k-0.5 entries serve only its own
+    delay_wgrad_compute modules: a split plan through ``te`` runs eagerly with that reason, TE never called;
+    ``auto`` captures F / B / W graphs with pipecast's backend instead (here on the CPU emulation)."""
+    from graphs.local_rank import WeightQueue
+    fake = install_fake(monkeypatch, "head")
+    plan = build_plan("zbv", 2, 4, 2)
+    graphed = make_chunks(2, 1)
+    with caplog.at_level(logging.WARNING, logger="pipecast.graphs"):
+        layers = capture(graphed, plan, 0, samples(graphed, 4), backend="te", defer_weight_grad=WeightQueue().defer)
+    assert not layers.active and not fake.calls
+    assert "cannot capture a split-backward plan" in layers.report.reason
+    lines = [r.getMessage() for r in caplog.records if r.name == "pipecast.graphs"]
+    assert len(lines) == 1 and "running eagerly" in lines[0] and "cuda_graphs.backend='torch'" in lines[0]
+    capture_mod = sys.modules["graphs.capture"]
+    monkeypatch.setitem(capture_mod._CAPTURERS, "torch", capture_mod._CAPTURERS["emulate"])  # no GPU here
+    layers = capture(layers, plan, 0, samples(graphed, 4), backend="auto", defer_weight_grad=WeightQueue().defer)
+    assert layers.active and layers.report.backend == "torch" and not fake.calls

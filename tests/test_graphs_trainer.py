@@ -68,3 +68,47 @@ def test_trainer_with_emulated_graphs_matches_eager(tmp_path):
         assert graphed["digest"] == eager["digest"], rank
         assert auto["backend"] == "eager" and "no CUDA device" in auto["reason"] and not any(auto["active"])
         assert auto["losses"] == eager["losses"]
+
+
+def _split_job(rank, world, run_dir):
+    """zb_h1 and zbv GPT runs, eager and with emulated F / B / W graphs (the trainer wires the W graphs into the
+    split backward's W passes)."""
+    from engine import Trainer
+    from engine.training.config import load_config
+    out = {}
+    for schedule, virtual in (("zb_h1", 1), ("zbv", 2)):
+        for backend in (None, "emulate"):
+            extra = {"parallel.virtual": virtual, "parallel.schedule": schedule}
+            if backend is not None:
+                extra.update({"cuda_graphs.enabled": True, "cuda_graphs.warmup_steps": 1})
+            config = load_config(None, _overrides(f"{run_dir}/{schedule}-{backend}", **extra))
+            with Trainer(config) as trainer:
+                if backend is not None:
+                    trainer.config.cuda_graphs.backend = backend  # test-only backend, set after validation
+                losses, active = [], []
+                for _ in range(STEPS):
+                    losses.append(trainer.train_step()["loss"])
+                    runtime = getattr(trainer, "_graphs", None)
+                    active.append(bool(runtime is not None and runtime.active))
+                report = runtime.layers.report if runtime is not None else None
+                out[(schedule, backend)] = {"losses": losses, "digest": _digest(trainer), "active": active,
+                                            "reason": report.reason if report else None,
+                                            "order": report.order if report else None}
+                if runtime is not None:
+                    runtime.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_trainer_split_schedules_with_emulated_graphs_match_eager(tmp_path):
+    from engine.plan import build_plan
+    from graphs import graph_order
+    results = run_ranks(_split_job, 2, tmp_path, timeout=190)
+    for rank, res in enumerate(results):
+        for schedule, virtual in (("zb_h1", 1), ("zbv", 2)):
+            eager, graphed = res[(schedule, None)], res[(schedule, "emulate")]
+            assert graphed["active"] == [False] + [True] * (STEPS - 1), (schedule, rank, graphed["reason"])
+            assert graphed["order"] == graph_order(build_plan(schedule, 2, 4, virtual), rank)  # W included
+            assert graphed["losses"] == eager["losses"], (schedule, rank)  # bitwise
+            assert graphed["digest"] == eager["digest"], (schedule, rank)

@@ -509,3 +509,66 @@ def test_two_stage_gpt_zero_bubble_order_equals_unsplit_bitwise():
     for a, b in zip(ref, tst):
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
             assert torch.equal(p.grad, q.grad), name
+
+
+class _OwnW(torch.autograd.Function):
+    """A node doing its own W (like a CUDA-graphed layer) on ``holder.own`` (a plain tensor, not a parameter):
+    B returns the input gradient and queues the weight gradient through ``defer_weight_grad``; without a split B in
+    progress it accumulates at once.  ``ORDER`` logs ``(kind, microbatch)``."""
+
+    @staticmethod
+    def forward(ctx, x, holder):
+        ctx.save_for_backward(x)
+        ctx.holder, ctx.mb = holder, holder.forwards
+        holder.forwards += 1
+        return x * holder.own
+
+    @staticmethod
+    def backward(ctx, grad):
+        from engine.runtime.split_backward import defer_weight_grad
+        (x,), holder, mb = ctx.saved_tensors, ctx.holder, ctx.mb
+
+        def w():
+            ORDER.append(("W", mb))
+            g = (grad * x).sum((0, 1))
+            holder.own_grad = g if holder.own_grad is None else holder.own_grad + g
+        ORDER.append(("B", mb))
+        if not defer_weight_grad(w):
+            w()
+        return grad * holder.own, None
+
+
+ORDER: list = []
+
+
+class OwnWChunk(MLPChunk):
+    """``fc1`` (deferred in layer mode), a node doing its own W, ``fc2``."""
+
+    def __init__(self):
+        super().__init__()
+        self.own, self.own_grad, self.forwards = torch.randn(2 * H), None, 0
+
+    def forward(self, x):
+        return self.fc2(_OwnW.apply(self.fc1(x), self)) + x
+
+
+@pytest.mark.parametrize("mode", ["layer", "generic"])
+def test_nodes_doing_their_own_w_are_queued_into_it_in_order(mode):
+    """``defer_weight_grad``: outside a split B it declines (the node runs its W now); inside, the queued W runs in
+    ``work.run()`` -- after every B, in microbatch order -- and every gradient equals the unsplit one."""
+    from engine.runtime.split_backward import defer_weight_grad
+    assert defer_weight_grad(lambda: None) is False
+    torch.manual_seed(0)
+    chunk = OwnWChunk()
+    twin = copy.deepcopy(chunk)
+    config = ModelParallelConfig()
+    xs, gys = _data()
+    ORDER.clear()
+    _reference(twin, xs, gys, config, loss_stage=False)
+    assert ORDER == [(k, m) for m in range(M) for k in "BW"]  # unsplit: each W right after its B
+    ORDER.clear()
+    _split(chunk, xs, gys, config, False, mode, True)
+    assert ORDER == [("B", m) for m in range(M)] + [("W", m) for m in range(M)]
+    assert torch.equal(chunk.own_grad, twin.own_grad)
+    grads = [(p.grad, q.grad) for p, q in zip(chunk.parameters(), twin.parameters()) if q.grad is not None]
+    assert len(grads) == 4 and all(torch.equal(a, b) for a, b in grads)  # fc1 and fc2 (ln is unused)

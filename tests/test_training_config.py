@@ -127,3 +127,18 @@ def test_presets(name, world, schedule):
     assert (config.world_size, config.schedule_name) == (world, schedule)
     if name == "gpu_cuda_graphs":
         assert config.cuda_graphs.enabled and config.parallel.device == "cuda"
+
+
+@pytest.mark.parametrize("schedule,virtual", [("zb_h1", 1), ("zbv", 2)])
+def test_split_schedules_take_cuda_graphs_except_through_te(schedule, virtual):
+    """F, B and W graphs exist for split backward (pipecast's capture, and the CPU emulation); only Transformer
+    Engine's capture cannot take them, and saying so needs the setting's name and the fix."""
+    base = {"parallel": {"pipeline": 2, "virtual": virtual, "schedule": schedule}, "model": {"num_layers": 4}}
+    for backend in ("auto", "torch", "emulate"):
+        config = _load({**base, "cuda_graphs": {"enabled": True, "backend": backend}})
+        assert config.cuda_graphs.enabled and config.schedule_name == schedule
+    with pytest.raises(ConfigError) as info:
+        _load({**base, "cuda_graphs": {"enabled": True, "backend": "te"}})
+    for part in (f"parallel.schedule={schedule}", "cuda_graphs.backend=te", "cuda_graphs.backend=torch"):
+        assert part in str(info.value), info.value
+    assert _load({**base, "cuda_graphs": {"enabled": False, "backend": "te"}}).cuda_graphs.backend == "te"

@@ -64,7 +64,8 @@ from torch.overrides import TorchFunctionMode
 
 from .step import ScheduleContractError, backward_step
 
-__all__ = ["MODES", "WeightGradWork", "backward_input_step", "weight_grad_deferral", "enable_layer_deferral"]
+__all__ = ["MODES", "WeightGradWork", "backward_input_step", "weight_grad_deferral", "enable_layer_deferral",
+           "defer_weight_grad"]
 
 MODES = ("auto", "layer", "generic")
 """The values of ``backward_input_step(..., mode=...)``."""
@@ -118,12 +119,30 @@ def _anchor(device: torch.device) -> torch.Tensor:
 class _Record:
     """What one deferred op's W needs: ``roots()`` -> ``[(GradientEdge, gradient), ...]`` to backpropagate (its
     own graph's output, or a parameter's ``AccumulateGrad`` with a computed weight gradient), ``params`` (the
-    leaves it accumulates into), ``held`` (``(data_ptr, bytes)`` of the storages it keeps alive)."""
+    leaves it accumulates into), ``held`` (``(data_ptr, bytes)`` of the storages it keeps alive); or ``run``, a
+    callable doing its own W (:func:`defer_weight_grad`)."""
 
-    __slots__ = ("roots", "params", "held")
+    __slots__ = ("roots", "params", "held", "run")
 
-    def __init__(self, roots: Callable[[], list], params: tuple, held: tuple) -> None:
-        self.roots, self.params, self.held = roots, params, held
+    def __init__(self, roots: Optional[Callable[[], list]], params: tuple, held: tuple,
+                 run: Optional[Callable[[], None]] = None) -> None:
+        self.roots, self.params, self.held, self.run = roots, params, held, run
+
+
+def defer_weight_grad(run: Callable[[], None]) -> bool:
+    """Queue ``run`` as part of the W of the split B in progress; ``True`` if queued, ``False`` if no split B is
+    running (the caller then does its weight-gradient work at once).
+
+    For autograd nodes that do their own weight-gradient pass, e.g. a CUDA-graphed layer replaying its W graph
+    (``graphs``: the trainer passes this function to the capture).  Called from the node's backward during B;
+    ``WeightGradWork.run()`` calls ``run()`` in the order B queued it, among the deferred ops' records.  ``run``
+    accumulates into parameters that no other record of the microbatch touches.
+    """
+    records = _recorder
+    if records is None:
+        return False
+    records.append(_Record(None, (), (), run=run))
+    return True
 
 
 class _Bridge(torch.autograd.Function):
@@ -339,13 +358,19 @@ parameter-sized)."""
 def _run_records(records: list) -> None:
     """Backpropagate deferred ops' W, restricted to their parameters.  Records sharing a parameter go in one
     call (a shared weight's contributions are summed by autograd, in B's order, and accumulated once); the others
-    in batches of at most :data:`W_BATCH_BYTES` of weight gradients."""
+    in batches of at most :data:`W_BATCH_BYTES` of weight gradients; a ``run`` record (:func:`defer_weight_grad`)
+    runs in its place in B's order."""
     uses: dict = {}
     for r in records:
         for p in r.params:
             uses[id(p)] = uses.get(id(p), 0) + 1
     shared, batch, size = [], [], 0
     for r in records:
+        if r.run is not None:  # its own W, in B's order: the batch before it goes first
+            _backward_records(batch)
+            batch, size = [], 0
+            r.run()
+            continue
         if any(uses[id(p)] > 1 for p in r.params):
             shared.append(r)
             continue

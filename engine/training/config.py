@@ -603,10 +603,10 @@ def _validate_schedule(config: TrainConfig) -> None:
     if not (pp_ok(p.pipeline) and vp_ok(p.virtual)):
         raise ConfigError(f"parallel.schedule={p.schedule} does not fit parallel.pipeline={p.pipeline}, "
                           f"parallel.virtual={p.virtual}: {fix}")
-    if Schedule(p.schedule).splits_backward and config.cuda_graphs.enabled:
-        raise ConfigError(f"parallel.schedule={p.schedule} (split backward) with cuda_graphs.enabled=true is not "
-                          "supported yet: graphs are captured for F and full-backward passes only; set "
-                          "cuda_graphs.enabled=false or use parallel.schedule=1f1b / interleaved")
+    if Schedule(p.schedule).splits_backward and config.cuda_graphs.enabled and config.cuda_graphs.backend == "te":
+        raise ConfigError(f"parallel.schedule={p.schedule} (split backward) with cuda_graphs.backend=te: Transformer "
+                          "Engine's capture has no weight-gradient (W) graphs for these layers; set "
+                          "cuda_graphs.backend=torch (pipecast's capture: F, B and W graphs) or auto")
     if Schedule(p.schedule).splits_backward and p.microbatch_group_size_per_vp_stage is not None:
         raise ConfigError(f"parallel.microbatch_group_size_per_vp_stage only applies to interleaved 1F1B, not "
                           f"parallel.schedule={p.schedule}; remove it")

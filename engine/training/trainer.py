@@ -270,18 +270,21 @@ class Trainer:
 
         Does nothing unless ``cuda_graphs.enabled``; then ``graphs.runtime.GraphRuntime`` runs ``warmup_steps`` eager
         steps, captures per (chunk, microbatch, layer) in this rank's order (collectively; one log line if it falls
-        back to eager) and recaptures if the microbatch count or shapes change.
+        back to eager) and recaptures if the microbatch count or shapes change.  Split-backward schedules get F, B
+        and W graphs; their W replays run inside the split backward's W passes (``defer_weight_grad``).
         """
         cg = self.config.cuda_graphs
         if not cg.enabled:
             return
         if getattr(self, "_graphs", None) is None:
+            from engine.runtime.split_backward import defer_weight_grad  # W graphs join the split backward's W
             from graphs.runtime import GraphRuntime  # the one engine -> graphs call site
             p = self.config.parallel
             self._graphs = GraphRuntime(self.model, self.plan.schedule, self.pp_size, self.pp_rank, p.virtual,
                                         p.microbatch_group_size_per_vp_stage, backend=cg.backend,
                                         warmup_steps=cg.warmup_steps, tracer=self.tracer,
-                                        variable_seq_lengths=self.mp_config.variable_seq_lengths)
+                                        variable_seq_lengths=self.mp_config.variable_seq_lengths,
+                                        defer_weight_grad=defer_weight_grad)
         self._graphs.before_step(self.config.schedule.num_microbatches,
                                  (self.config.model.seq_length, self.config.schedule.micro_batch_size))
 

@@ -17,6 +17,14 @@ Static-buffer semantics (``shared/spec/cuda_graphs.md`` 1.4, 3.3), identical in 
   backward replay a parameter whose ``.grad`` is ``None`` gets the zeroed buffer, one with another ``.grad`` gets
   the buffer holding its value -- the values eager ``AccumulateGrad`` produces, in the same order.  Post-accumulate
   grad hooks do not fire for graphed parameters (their gradients never pass through autograd).
+
+Split backward (zero-bubble plans, :mod:`graphs.backends.split`): a slot then has three graphs.  Its ``B`` replay
+computes only the input gradients and writes the gradients ``W`` needs into the slot's static buffers
+(:attr:`ReplaySlot.static_weight_inputs`); it hands a callable to ``SlotOptions.defer_weight_grad`` (the split
+backward in progress queues it with the other weight-gradient work of that ``(chunk, microbatch)``), and that
+callable's ``W`` replay reads those buffers and accumulates the parameter gradients into the per-parameter buffers
+(installed as ``.grad`` then, as ``AccumulateGrad`` would).  The parameters are then no inputs of the autograd
+function: nothing is accumulated in ``B``.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ from torch.autograd.function import once_differentiable
 from ..hazards import HazardCheck, describe, storage_names
 from ..order import LayerEvent
 from ..specs import AutocastState, CallSpec, TensorSpec, flatten_outputs
+from . import split as layer_split
 
 __all__ = ["ReplaySlot", "SlotOptions", "GradBuffers", "walk_capture", "module_params", "check_capturable",
            "CaptureError", "PARAM_GRAD_MODES"]
@@ -104,21 +113,26 @@ class SlotOptions:
     ``param_grads``: ``"accumulate"`` (in-graph, into :class:`GradBuffers`), ``"clone"`` (a copy per replay) or
     ``"alias"`` (the static buffer itself; negative-control tests only, B17).  ``generators``: registered with the
     graphs.  ``check_replays``: compare every emulated replay's trace with the capture's (``graphs.hazards``).
+    ``defer_weight_grad``: split backward (``B`` and ``W`` graphs) -- called from a ``B`` replay with the ``W``
+    callable; returns ``True`` if a split backward in progress queued it, ``False`` to have it run at once
+    (``engine.runtime.split_backward.defer_weight_grad``); ``None`` for an unsplit backward.
     """
 
     param_grads: str = "accumulate"
     generators: tuple[torch.Generator, ...] = ()
     tracer: Any = None
     check_replays: bool = True
+    defer_weight_grad: Callable[[Callable[[], None]], bool] | None = None
 
 
 class ReplaySlot:
     """Static buffers and replay of one ``(chunk, microbatch, layer)`` forward/backward pair.
 
     Subclasses implement :meth:`capture_forward`, :meth:`capture_backward`, :meth:`replay_forward`,
-    :meth:`replay_backward` and :meth:`release`.  The backward computes two target groups, the input gradients
-    (:attr:`input_targets`) and the parameter gradients (:attr:`params`); a split-backward ``W`` slot would
-    capture the second group in a graph of its own.
+    :meth:`replay_backward` and :meth:`release`, and for split backward (:attr:`splits`) :meth:`capture_weight`
+    and :meth:`replay_weight`.  The backward computes two target groups, the input gradients
+    (:attr:`input_targets`) and the parameter gradients (:attr:`params`); with split backward ``B`` computes the
+    first and ``W`` the second, in a graph of its own.
 
     Args:
         event: the ``(chunk, microbatch, layer)`` this slot serves (``kind`` is ignored).
@@ -152,14 +166,19 @@ class ReplaySlot:
         self.guard = None  # a graphs.dispatch.ReplayGuard checking backward passes (set by GraphedLayers)
         self.backward_event = event  # the backward pass of the current call (set by the dispatcher)
         self.replays = 0
+        self.splits = options.defer_weight_grad is not None
+        self.split: layer_split.LayerSplit | None = None  # the cut of the layer's graph (split backward)
+        self.static_weight_inputs: list = []  # per intermediate: the gradients B records for W (split backward)
         at = f"{event.microbatch}.{event.chunk} l{event.layer}"  # the action's notation, then the layer
-        self._labels = (f"replay F{at}", f"replay B{at}")
+        self._labels = (f"replay F{at}", f"replay B{at}", f"replay W{at}")
 
     # -- subclass interface ---------------------------------------------------------------------------------
     def capture_forward(self) -> None: raise NotImplementedError
     def capture_backward(self) -> None: raise NotImplementedError
     def replay_forward(self) -> None: raise NotImplementedError
     def replay_backward(self) -> None: raise NotImplementedError
+    def capture_weight(self) -> None: raise NotImplementedError
+    def replay_weight(self) -> None: raise NotImplementedError
     def release(self) -> None: raise NotImplementedError
 
     # -- helpers for subclasses -----------------------------------------------------------------------------
@@ -173,9 +192,12 @@ class ReplaySlot:
         return self.input_targets + list(self.params)
 
     def run_eager(self, check: HazardCheck | None = None) -> list[torch.Tensor]:
-        """The layer's eager forward on the static inputs, with autograd (under ``check`` if given)."""
+        """The layer's eager forward on the static inputs, with autograd (under ``check`` if given), with no
+        Python-level torch-function mode active (the executor's weight-gradient deferral around a split-backward
+        forward): what a graph captures, and what its replay runs, is the layer's own ops (``torch._C``'s switch,
+        as no public one exists)."""
         args, kwargs = self.spec.rebuild(self.static_inputs)
-        with torch.enable_grad(), (check if check is not None else _NULL):
+        with torch.enable_grad(), torch._C.DisableTorchFunction(), (check if check is not None else _NULL):
             outs, struct = flatten_outputs(self.forward_fn(*args, **kwargs))
         self.out_struct = struct
         return outs
@@ -197,6 +219,36 @@ class ReplaySlot:
         """``(input grads, param grads)`` of an :meth:`eager_backward` result."""
         n = sum(self.input_needs_grad)
         return list(grads[:n]), list(grads[n:])
+
+    def split_input_grads(self, outs: Sequence[torch.Tensor]) -> tuple[list, list]:
+        """Split ``B`` on ``outs`` (this call's outputs): cut the graph, then ``(input grads, recorded)``
+        (:func:`graphs.backends.split.input_grads`) seeded with the static grad-outputs."""
+        diff = [o for o, d in zip(outs, self.diff_outputs) if d]
+        self.split = layer_split.analyze(diff, self.input_targets)
+        return layer_split.input_grads(self.split, diff, self.static_grad_outputs, self.input_targets)
+
+    def split_weight_grads(self, outs: Sequence[torch.Tensor], recorded: Sequence) -> list:
+        """Split ``W``: per parameter its gradient from ``recorded`` (:func:`graphs.backends.split.weight_grads`)."""
+        diff = [o for o, d in zip(outs, self.diff_outputs) if d]
+        return layer_split.weight_grads(self.split, recorded, diff, self.static_grad_outputs, self.params)
+
+    def accumulate_param_grads(self, param_grads) -> None:
+        """Add each parameter's gradient into its buffer (grad mode off; inside the ``W`` graph on CUDA)."""
+        buffers = {id(p): buf for p, buf in self.accumulate}
+        with torch.no_grad():
+            for p, g in zip(self.params, param_grads):
+                if g is not None and id(p) in buffers:
+                    buffers[id(p)].add_(g)
+
+    def run_weight(self, event: LayerEvent) -> None:
+        """The ``W`` of this slot's current microbatch: check the order, install the buffers as ``.grad``,
+        replay the ``W`` graph."""
+        if self.guard is not None:
+            self.guard.expect(event)
+        with self.span(2):
+            with torch.no_grad():
+                GradBuffers.attach(self.accumulate)
+            self.replay_weight()
 
     def note_param_grads(self, param_grads) -> None:
         """After warmup: which parameters receive a gradient (only those get a buffer installed as ``.grad``)."""
@@ -226,7 +278,7 @@ class ReplaySlot:
     # -- the call the dispatcher makes ----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         tensors = self.spec.flatten(args, kwargs) if kwargs or len(args) != len(self.static_inputs) else args
-        outs = _GraphedPass.apply(self, *tensors, *self.params)
+        outs = _GraphedPass.apply(self, *tensors, *(() if self.splits else self.params))
         return outs[0] if self.out_struct is None else self.out_struct(outs)
 
     def load_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -274,10 +326,16 @@ class _GraphedPass(torch.autograd.Function):
         if slot.guard is not None:
             slot.guard.expect(ctx.event)
         with slot.span(1):
-            GradBuffers.attach(slot.accumulate)
+            if not slot.splits:
+                GradBuffers.attach(slot.accumulate)
             _load(slot.static_grad_outputs, grads if all(slot.diff_outputs) else
                   [g for g, d in zip(grads, slot.diff_outputs) if d])
             slot.replay_backward()
+        if slot.splits:
+            ev = ctx.event
+            weight = (lambda: slot.run_weight(LayerEvent("W", ev.chunk, ev.microbatch, ev.layer)))
+            if not slot.options.defer_weight_grad(weight):
+                weight()  # no split backward in progress: W right after B
         return (None, *_backward_results(slot))
 
 
@@ -291,6 +349,8 @@ def _backward_results(slot: ReplaySlot) -> list[torch.Tensor | None]:
         g = next(in_grads) if needs else None
         out.append(None if g is None else g.detach())
     mode = slot.options.param_grads
+    if slot.splits:  # the parameters are no inputs of the autograd function
+        return out
     if mode == "accumulate":
         return out + [None] * len(slot.params)
     for g in slot.static_grad_inputs[n_in:]:
@@ -300,22 +360,23 @@ def _backward_results(slot: ReplaySlot) -> list[torch.Tensor | None]:
 
 def walk_capture(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], ReplaySlot],
                  num_warmup_iters: int, warmup_ctx: Callable[[], Any], capture_fwd: Callable[[ReplaySlot], None],
-                 capture_bwd: Callable[[ReplaySlot], None]) -> None:
+                 capture_bwd: Callable[[ReplaySlot], None],
+                 capture_wgt: Callable[[ReplaySlot], None] | None = None) -> None:
     """Warm up, then capture, every slot by walking ``events`` (the rank's per-layer order).
 
     Warmup runs each forward eagerly on the slot's static inputs under a :class:`graphs.hazards.HazardCheck` (a
     host sync or an unregistered generator raises :class:`graphs.hazards.HazardError` naming the layer and op,
     before any capture) and each backward with zero grad-outputs through ``torch.autograd.grad`` (it never touches
     ``.grad``), ``max(1, num_warmup_iters)`` times, inside ``warmup_ctx()`` (a side stream on CUDA).  Capture then
-    calls ``capture_fwd`` / ``capture_bwd`` in exactly the order of ``events``, so every slot's buffers are
-    allocated where the runtime will need them (invariant I1).
+    calls ``capture_fwd`` / ``capture_bwd`` / ``capture_wgt`` (split backward's ``W`` events) in exactly the order
+    of ``events``, so every slot's buffers are allocated where the runtime will need them (invariant I1).
     """
     with warmup_ctx():
         for _ in range(max(1, num_warmup_iters)):
             _warmup_round(events, slot_of)
+    capturers = {"F": capture_fwd, "B": capture_bwd, "W": capture_wgt}
     for ev in events:
-        slot = slot_of(ev)
-        (capture_fwd if ev.kind == "F" else capture_bwd)(slot)
+        capturers[ev.kind](slot_of(ev))
 
 
 def _warmup_round(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], ReplaySlot]) -> None:
@@ -326,7 +387,7 @@ def _warmup_round(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], 
         if ev.kind == "F":
             live[key] = slot.run_eager(slot.hazard_check())
             slot.diff_outputs = [o.requires_grad for o in live[key]]
-        else:
+        elif ev.kind == "B":  # the full backward (it touches every kernel B and W use); W: nothing left to warm
             outs = live.pop(key)
             zeros = [torch.zeros_like(o) for o, d in zip(outs, slot.diff_outputs) if d]
             slot.note_param_grads(slot.split_grads(slot.eager_backward(outs, zeros))[1])

@@ -16,7 +16,14 @@ What a real replay freezes, the emulation enforces instead of silently re-runnin
 * every replay runs under :class:`graphs.hazards.HazardCheck` and must repeat the capture's trace: the same ops
   and scalar arguments (no Python-state branches) and no tensor read from storage the capture did not see
   (parameters replaced by ``p.data = ...`` / ``load_state_dict(assign=True)``, rebound closure tensors);
-* host syncs and unregistered generators raise already in the warmup (``graphs.backends.common.walk_capture``).
+* host syncs and unregistered generators raise already in the warmup (``graphs.backends.common.walk_capture``);
+* Python-level torch-function modes (the executor's weight-gradient deferral around a split-backward forward) do
+  not reach a replayed forward (``ReplaySlot.run_eager``), as no Python runs in a real replay.
+
+Split backward: a ``B`` replay writes the input gradients *and* the gradients recorded at the layer's intermediates
+into the slot's own static buffers (``static_weight_inputs``, fixed tensors overwritten by every ``B`` replay of
+that slot); a ``W`` replay reads those buffers -- not the live autograd values -- so a ``W`` that read another
+microbatch's buffers would give wrong gradients here as on a GPU.
 """
 from __future__ import annotations
 
@@ -50,11 +57,21 @@ class EmulatedSlot(ReplaySlot):
         chained = self.chained_grad_output()
         self.static_grad_outputs = [chained] if chained is not None else [
             torch.zeros_like(o) for o, d in zip(self.static_outputs, self.diff_outputs) if d]
+        if self.splits:
+            in_grads, recorded = self.split_input_grads(self._live)
+            self.static_grad_inputs = [None if g is None else g.detach().clone() for g in in_grads]
+            self.static_weight_inputs = [None if r is None else tuple(None if g is None else g.clone() for g in r)
+                                         for r in recorded]
+            return  # the graph stays until W is captured
         grads = self.eager_backward(self._live, self.static_grad_outputs, retain_graph=True)
         in_grads, param_grads = self.split_grads(grads)
         kept = in_grads if self.options.param_grads == "accumulate" else list(grads)
         self.static_grad_inputs = [None if g is None else g.detach().clone() for g in kept]
         self._live = None  # a captured graph keeps no activations between its capture and its first replay
+
+    def capture_weight(self) -> None:
+        self.split_weight_grads(self._live, self.static_weight_inputs)  # computed, not accumulated (a capture)
+        self._live = None
 
     def replay_forward(self) -> None:
         check = self.hazard_check() if self.options.check_replays else None
@@ -70,6 +87,9 @@ class EmulatedSlot(ReplaySlot):
     def replay_backward(self) -> None:
         if self._live is None:
             raise RuntimeError(f"backward replay of {self.where} without a forward replay of that slot in this step")
+        if self.splits:
+            self._replay_split_input()
+            return
         # retain_graph: a real backward graph can be replayed again over the same saved activations
         grads = self.eager_backward(self._live, self.static_grad_outputs, retain_graph=True)
         in_grads, param_grads = self.split_grads(grads)
@@ -82,8 +102,28 @@ class EmulatedSlot(ReplaySlot):
                 for (p, buf), g in zip(self.accumulate, [g for g in param_grads if g is not None]):
                     buf.add_(g)
 
+    def _replay_split_input(self) -> None:
+        """Split ``B``: input gradients into the static grad-inputs, the recorded gradients into this slot's
+        static ``W`` buffers."""
+        in_grads, recorded = self.split_input_grads(self._live)
+        with torch.no_grad():
+            for static, g in zip(self.static_grad_inputs, in_grads):
+                if static is not None:
+                    static.zero_() if g is None else static.copy_(g)
+            for statics, grads in zip(self.static_weight_inputs, recorded):
+                for static, g in zip(statics or (), grads or ()):
+                    if static is not None:
+                        static.zero_() if g is None else static.copy_(g)
+
+    def replay_weight(self) -> None:
+        if self._live is None:
+            raise RuntimeError(f"weight-gradient replay of {self.where} without a forward replay of that slot in "
+                               f"this step")
+        self.accumulate_param_grads(self.split_weight_grads(self._live, self.static_weight_inputs))
+
     def release(self) -> None:
         self._live = None
+        self.static_weight_inputs = []
         self._trace = None
         self.static_outputs = []
         self.static_grad_outputs = []

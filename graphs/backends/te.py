@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 __all__ = ["TEFeatures", "detect_features", "load_make_graphed_callables", "build_te_arguments", "te_capture",
-           "StateGuard", "te_unavailable_reason"]
+           "StateGuard", "te_unavailable_reason", "split_backward_reason"]
 
 _FEATURES = ("_order", "_num_layers_per_chunk", "sample_kwargs", "num_warmup_iters", "allow_unused_input",
              "pool", "retain_graph_in_backward", "_reuse_graph_input_output_buffers", "clone_param_grads_on_return")
@@ -76,6 +76,21 @@ def te_unavailable_reason() -> str | None:
     if not detect_features(fn).ordered:
         return "the installed Transformer Engine has no _order argument (needs TE >= 1.6)"
     return None
+
+
+def split_backward_reason() -> str:
+    """Why the TE backend does not capture split-backward (``W``) plans; the caller falls back to eager with it.
+
+    TE's ``_order`` knows weight-gradient steps only as fractional ``-k - 0.5`` entries (TE >= 2.10, spec 1.2 /
+    1.8) that replay ``backward_dw()`` of TE modules built with ``delay_wgrad_compute=True``, with exactly one
+    layer per chunk; its integer backward entries compute input *and* weight gradients.  Nothing in the installed
+    signature says a graphed layer defers its weight gradients, so graphs captured through TE would compute them
+    in ``B`` and not in the plan's ``W``: wrong accumulation points, not an error.
+    """
+    return ("cuda_graphs.backend='te' cannot capture a split-backward plan (W actions): Transformer Engine's "
+            "_order has weight-gradient entries (-k-0.5) only for its own delay_wgrad_compute modules, one layer "
+            "per chunk, and its backward graphs compute the weight gradients in B -- use cuda_graphs.backend="
+            "'torch' (pipecast's capture: F, B and W graphs per (chunk, microbatch, layer)) or 'auto'")
 
 
 def build_te_arguments(features: TEFeatures, modules: Sequence[torch.nn.Module], sample_args: Sequence[tuple],

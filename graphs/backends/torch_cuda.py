@@ -8,6 +8,13 @@ replays after that block is dead (invariant I1).  Warmup runs on a side stream w
 capture (TE PR #2092); extra RNG generators are registered with every graph so dropout masks advance per replay
 (pytorch#84614); parameter gradients are accumulated inside each backward graph (``graphs.backends.common``).
 
+Split backward (zero-bubble plans): three graphs per slot, captured where the plan runs ``F``, ``B`` and ``W``.
+The ``B`` graph computes the input gradients and the gradients arriving at the layer's intermediates
+(:mod:`graphs.backends.split`); those tensors stay referenced as the slot's static ``W`` inputs, and the captured
+autograd graph (the saved activations) is kept until the ``W`` capture, which accumulates the parameter gradients
+into the per-parameter buffers inside the graph and then drops it -- so the activations' blocks return to the pool
+exactly where the runtime's ``W`` ends their life.
+
 Every CUDA call goes through :data:`cuda` (``torch.cuda``; tests substitute a fake to exercise failure paths on
 CPU).  :func:`graph_capture` restores the caller's stream whatever happens: ``torch.cuda.graph.__exit__`` calls
 ``capture_end()`` before it leaves its stream context, so when a capture was invalidated (a host sync inside it)
@@ -39,11 +46,13 @@ def graph_capture(graph, pool):
 
 
 class CudaGraphSlot(ReplaySlot):
-    """One real forward/backward CUDA-graph pair.  Set :attr:`pool` before capture."""
+    """One real forward/backward CUDA-graph pair (with split backward: forward, input-gradient and
+    weight-gradient graphs).  Set :attr:`pool` before capture."""
 
     pool = None
     fwd_graph: "torch.cuda.CUDAGraph | None" = None
     bwd_graph: "torch.cuda.CUDAGraph | None" = None
+    wgt_graph: "torch.cuda.CUDAGraph | None" = None
     _capture_outputs: list[torch.Tensor] | None = None
 
     def _new_graph(self) -> "torch.cuda.CUDAGraph":
@@ -69,6 +78,12 @@ class CudaGraphSlot(ReplaySlot):
         self.static_grad_outputs = [chained] if chained is not None else [
             torch.empty_like(o) for o, d in zip(outs, self.diff_outputs) if d]
         self.bwd_graph = self._new_graph()
+        if self.splits:
+            with graph_capture(self.bwd_graph, self.pool):
+                in_grads, recorded = self.split_input_grads(outs)
+            self.static_grad_inputs = [None if g is None else g.detach() for g in in_grads]
+            self.static_weight_inputs = recorded  # written by every B replay, read by the W replay
+            return  # the captured graph (saved activations) stays until W is captured
         with graph_capture(self.bwd_graph, self.pool):
             in_grads, param_grads = self.split_grads(self.eager_backward(outs, self.static_grad_outputs))
             if self.options.param_grads == "accumulate":
@@ -80,6 +95,16 @@ class CudaGraphSlot(ReplaySlot):
         self.static_grad_inputs = [None if g is None else g.detach() for g in kept]
         self._capture_outputs = None  # frees the saved activations back to the pool, as the runtime will
 
+    def capture_weight(self) -> None:
+        self.wgt_graph = self._new_graph()
+        with graph_capture(self.wgt_graph, self.pool):
+            self.accumulate_param_grads(self.split_weight_grads(self._capture_outputs, self.static_weight_inputs))
+        self._capture_outputs = None  # the activations are dead after W: their blocks go back to the pool
+        self.split = None
+
+    def replay_weight(self) -> None:
+        self.wgt_graph.replay()
+
     def replay_forward(self) -> None:
         self.fwd_graph.replay()
 
@@ -87,15 +112,17 @@ class CudaGraphSlot(ReplaySlot):
         self.bwd_graph.replay()
 
     def release(self) -> None:
-        """Drop both graphs and every static tensor (never raises: a graph of a failed capture may be broken)."""
-        for g in (self.fwd_graph, self.bwd_graph):
+        """Drop every graph and static tensor (never raises: a graph of a failed capture may be broken)."""
+        for g in (self.fwd_graph, self.bwd_graph, self.wgt_graph):
             try:
                 if g is not None and hasattr(g, "reset"):
                     g.reset()
             except Exception:  # noqa: BLE001 - cleanup must go on; the capture error is reported by the caller
                 pass
-        self.fwd_graph = self.bwd_graph = None
+        self.fwd_graph = self.bwd_graph = self.wgt_graph = None
         self._capture_outputs = None
+        self.static_weight_inputs = []
+        self.split = None
         self.static_outputs = []
         self.static_grad_outputs = []
         self.static_grad_inputs = []
