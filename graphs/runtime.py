@@ -58,6 +58,9 @@ class GraphRuntime:
             the recorded step is registered as well (dropout masks then advance per replay, pytorch#84614).
         defer_weight_grad: split-backward schedules: queues a layer's ``W`` replay into the running split backward
             (``engine.runtime.split_backward.defer_weight_grad``; ``graphs.capture.capture``).
+        plan: the run's :class:`engine.plan.Plan` (the trainer's): graphs are captured in its order when the
+            step has its microbatch count (e.g. a ``zb`` plan with its ``max_in_flight``); default: built from
+            ``schedule``.
 
     Raises:
         ValueError: unknown backend, ``warmup_steps < 0``, chunk count not matching.
@@ -67,7 +70,7 @@ class GraphRuntime:
                  num_model_chunks: int = 1, group_size: int | None = None, backend: str = "auto",
                  warmup_steps: int = 2, num_warmup_iters: int = 1, group=None, tracer=None,
                  layers_of: Callable[[torch.nn.Module], list] = layers_of_chunk, variable_seq_lengths: bool = False,
-                 generators: Sequence[torch.Generator] = (), defer_weight_grad=None):
+                 generators: Sequence[torch.Generator] = (), defer_weight_grad=None, plan=None):
         if backend not in BACKENDS:
             raise ValueError(f"cuda_graphs.backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -87,6 +90,7 @@ class GraphRuntime:
         self.variable_seq_lengths = variable_seq_lengths
         self.generators = list(generators)
         self.defer_weight_grad = defer_weight_grad
+        self.plan = plan
         self.layers = GraphedLayers([layers_of(c) for c in self.chunks], tracer=tracer)
         self.disabled_reason: str | None = None
         self.steps_seen = 0
@@ -145,13 +149,22 @@ class GraphRuntime:
             self._record_key = key
         self._eager_steps += 1
 
+    def _plan(self, num_microbatches: int):
+        """The run's plan (``plan``, when given and of this microbatch count), else the schedule's plan for
+        ``num_microbatches`` (a ``zb`` plan keeps its in-flight limits)."""
+        if self.plan is not None and self.plan.num_microbatches == num_microbatches:
+            return self.plan
+        limit = self.plan.max_in_flight if self.plan is not None and self.schedule == "zb" else None
+        return build_plan(self.schedule, self.pp_size, num_microbatches, self.num_model_chunks, self.group_size,
+                          max_in_flight=limit)
+
     def _capture(self, num_microbatches: int, key) -> None:
         rec = self.last_recording = self.layers.stop_recording()
         if self._record_key != key:  # the recorded step had other sizes: record again
             self.layers.start_recording(self.defer_weight_grad)
             self._record_key = key
             return
-        plan = build_plan(self.schedule, self.pp_size, num_microbatches, self.num_model_chunks, self.group_size)
+        plan = self._plan(num_microbatches)
         veto = ("variable sequence lengths (variable_seq_lengths=True): graphs replay fixed shapes only"
                 if self.variable_seq_lengths else None)
         graphed_chunks = {c for c, n in enumerate(self.layers.layers_per_chunk) if n > 0}

@@ -70,15 +70,18 @@ def test_trainer_with_emulated_graphs_matches_eager(tmp_path):
         assert auto["losses"] == eager["losses"]
 
 
+SPLIT_CASES = (("zb_h1", 1, None), ("zbv", 2, None), ("zb", 2, 3))  # schedule, virtual, max_in_flight
+
+
 def _split_job(rank, world, run_dir):
     """zb_h1 and zbv GPT runs, eager and with emulated F / B / W graphs (the trainer wires the W graphs into the
     split backward's W passes)."""
     from engine import Trainer
     from engine.training.config import load_config
     out = {}
-    for schedule, virtual in (("zb_h1", 1), ("zbv", 2)):
+    for schedule, virtual, limit in SPLIT_CASES:
         for backend in (None, "emulate"):
-            extra = {"parallel.virtual": virtual, "parallel.schedule": schedule}
+            extra = {"parallel.virtual": virtual, "parallel.schedule": schedule, "parallel.max_in_flight": limit}
             if backend is not None:
                 extra.update({"cuda_graphs.enabled": True, "cuda_graphs.warmup_steps": 1})
             config = load_config(None, _overrides(f"{run_dir}/{schedule}-{backend}", **extra))
@@ -106,9 +109,10 @@ def test_trainer_split_schedules_with_emulated_graphs_match_eager(tmp_path):
     from graphs import graph_order
     results = run_ranks(_split_job, 2, tmp_path, timeout=190)
     for rank, res in enumerate(results):
-        for schedule, virtual in (("zb_h1", 1), ("zbv", 2)):
+        for schedule, virtual, limit in SPLIT_CASES:
             eager, graphed = res[(schedule, None)], res[(schedule, "emulate")]
             assert graphed["active"] == [False] + [True] * (STEPS - 1), (schedule, rank, graphed["reason"])
-            assert graphed["order"] == graph_order(build_plan(schedule, 2, 4, virtual), rank)  # W included
+            plan = build_plan(schedule, 2, 4, virtual, max_in_flight=limit)  # the trainer's plan, W included
+            assert graphed["order"] == graph_order(plan, rank)
             assert graphed["losses"] == eager["losses"], (schedule, rank)  # bitwise
             assert graphed["digest"] == eager["digest"], (schedule, rank)
