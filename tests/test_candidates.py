@@ -2,6 +2,7 @@
 against a deterministic fake cost model with hand-derived results, memory per rank against hand counts."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -88,6 +89,10 @@ def test_1f1b_prediction_is_the_closed_form(P, M):
     assert p.predicted_ms == pytest.approx((M + P - 1) * (F + B + 2 * o) + s)
     assert p.schedule_ms == pytest.approx(p.predicted_ms - s)
     assert p.bubble == pytest.approx((P - 1) / (M + P - 1))
+    assert p.simulated_ms == p.predicted_ms
+    scaled = CostModel({(1, False): dataclasses.replace(model.layouts[(1, False)], calibration=1.25)})
+    q = predict(Candidate("1f1b"), scaled, P, M)
+    assert q.simulated_ms == pytest.approx(p.simulated_ms) and q.predicted_ms == pytest.approx(1.25 * p.predicted_ms)
 
 
 @pytest.mark.parametrize("P,M", [(2, 4), (4, 8)])

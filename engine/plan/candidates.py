@@ -143,6 +143,9 @@ class LayoutCosts:
         static_bytes: parameters, gradients and optimizer state of the stage, bytes.
         action_overhead_ms: runtime time per action outside compute and communication waits, ms.
         step_overhead_ms: time of a training step outside the schedule (optimizer step, clipping, loss), ms.
+        calibration: measured step / simulated step of the schedule that was measured for this layout; it scales
+            the layout's predictions (what the model leaves out and the layout's schedules share: ranks
+            contending for fewer cores than ranks, delayed wake-ups on message arrival).  1: uncalibrated.
     """
 
     forward_ms: tuple[float, ...]
@@ -153,6 +156,7 @@ class LayoutCosts:
     static_bytes: tuple[int, ...]
     action_overhead_ms: float = 0.0
     step_overhead_ms: float = 0.0
+    calibration: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -167,12 +171,14 @@ class CostModel:
 
 @dataclass(frozen=True)
 class Prediction:
-    """A candidate's simulated training step: ``predicted_ms`` = schedule makespan + step overhead; ``bubble`` =
+    """A candidate's training step: ``simulated_ms`` = schedule makespan + step overhead, ``predicted_ms`` = that
+    times the layout's calibration; ``bubble`` =
     idle fraction of all ranks within the makespan; ``busy_ms``, ``peak_memory_bytes``, ``peak_in_flight`` and
     ``peak_pending_w`` per pipeline rank."""
 
     candidate: Candidate
     predicted_ms: float
+    simulated_ms: float
     schedule_ms: float
     bubble: float
     busy_ms: tuple[float, ...]
@@ -203,7 +209,8 @@ def predict(candidate: Candidate, model: CostModel, pp_size: int, num_microbatch
                      for c in range(plan.num_model_chunks)] for r in range(pp_size)]
              for name in ("forward_ms", "backward_ms", "weight_ms")}
     sim = simulate(plan, table["forward_ms"], table["backward_ms"], model.transfer_ms, table["weight_ms"])
-    return Prediction(candidate, sim.makespan + lc.step_overhead_ms, sim.makespan, sim.bubble_overall, sim.busy,
+    step = sim.makespan + lc.step_overhead_ms
+    return Prediction(candidate, step * lc.calibration, step, sim.makespan, sim.bubble_overall, sim.busy,
                       peak_memory_bytes(plan, lc, model.tied_bytes), sim.peak_in_flight, sim.peak_pending_w)
 
 

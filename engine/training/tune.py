@@ -14,7 +14,9 @@ pick the schedule from measured costs and a memory budget.
    state bytes.  The message latency is a ping-pong of one ``[s, b, h]`` activation between the first two pipeline
    ranks (half the median round trip).
 2. **Predict.**  Every candidate of :func:`engine.plan.candidates.candidates` that is also a valid config is
-   simulated with those costs (:func:`engine.plan.candidates.predict`); those whose peak memory on some rank is
+   simulated with those costs (:func:`engine.plan.candidates.predict`), scaled by its layout's calibration: the
+   measured over the simulated step of the schedule measured for that layout (what the simulator leaves out and
+   a layout's schedules share, e.g. more ranks than cores); those whose peak memory on some rank is
    over ``--memory-budget-gib`` are marked as not fitting.  A ranked table is printed with the ``--parallel.*``
    overrides of the best, and the config's own schedule is named in it.
 3. **Verify** (``--verify``): the best ``--verify-top`` candidates and the config's own schedule run ``--steps``
@@ -263,6 +265,7 @@ def _verify(args, config: TrainConfig, ranked, own: Candidate) -> list[dict]:
         per_rank = _everywhere(verify_worker, config, [p.candidate for p in chosen], args.steps, args.warmup,
                                _shared(tmp), not args.one_at_a_time)
     rows = [{"settings": p.candidate.overrides(), "label": p.candidate.label, "predicted_ms": p.predicted_ms,
+             "simulated_ms": p.simulated_ms,
              "measured_ms": statistics.median(step_times(per_rank, i)), "is_config": p.candidate == own}
             for i, p in enumerate(chosen)]
     print_verified(rows)

@@ -189,16 +189,20 @@ def ping_pong(tr, rounds: int = 25, skip: int = 5) -> float | None:
 def cost_model(config, variants: list[Candidate], per_rank: list[list[dict]]) -> tuple[CostModel, dict]:
     """The :class:`CostModel` from :func:`measure_run` results (``per_rank[global rank][variant]``, the first
     data-parallel replica's ranks are used) and the JSON-ready ``measured`` record."""
+    from ..plan.candidates import predict
     P, M = config.parallel.pipeline, config.schedule.num_microbatches
-    layouts, record, tied = {}, {}, 0
+    transfer = next((r[0]["transfer_ms"] for r in per_rank if r[0].get("transfer_ms") is not None), 0.0)
+    tied = max(m["tied_bytes"] for r in per_rank for m in r[0]["memory"])
+    layouts, record = {}, {}
     for i, c in enumerate(variants):
         runs = sorted((r[i] for r in per_rank if r[i]["dp_rank"] == 0), key=lambda x: x["pp_rank"])
         lc = layout_costs(c.plan(P, M), runs)
+        measured = statistics.median(step_times([[r] for r in runs], 0))
+        simulated = predict(c, CostModel({layout_key(c): lc}, transfer, tied), P, M).simulated_ms
+        lc = dataclasses.replace(lc, calibration=measured / simulated if simulated > 0 else 1.0)
         layouts.setdefault(layout_key(c), lc)
         record[c.label] = {"virtual": c.virtual, "splits_backward": c.splits_backward, **dataclasses.asdict(lc),
-                           "step_ms": statistics.median(step_times([[r] for r in runs], 0))}
-        tied = max([tied] + [m["tied_bytes"] for r in runs for m in r["memory"]])
-    transfer = next((r[0]["transfer_ms"] for r in per_rank if r[0].get("transfer_ms") is not None), 0.0)
+                           "step_ms": measured, "simulated_ms": simulated}
     return CostModel(layouts, transfer, tied), {"layouts": record, "transfer_ms": transfer, "tied_bytes": tied}
 
 

@@ -9,11 +9,11 @@ _MIB = 2**20
 
 
 def candidate_entry(p: Prediction, budget_bytes: float | None) -> dict:
-    """One candidate of the JSON result: ``{"schedule", "settings", "label", "predicted_ms", "bubble",
+    """One candidate of the JSON result: ``{"schedule", "settings", "label", "predicted_ms", "simulated_ms", "bubble",
     "peak_memory_bytes", "peak_in_flight", "peak_pending_w", "fits", "arguments"}``."""
     c = p.candidate
     return {"schedule": c.schedule, "settings": c.overrides(), "label": c.label, "predicted_ms": p.predicted_ms,
-            "schedule_ms": p.schedule_ms, "bubble": p.bubble, "peak_memory_bytes": list(p.peak_memory_bytes),
+            "simulated_ms": p.simulated_ms, "schedule_ms": p.schedule_ms, "bubble": p.bubble, "peak_memory_bytes": list(p.peak_memory_bytes),
             "peak_in_flight": list(p.peak_in_flight), "peak_pending_w": list(p.peak_pending_w),
             "fits": p.fits(budget_bytes), "arguments": c.arguments()}
 
