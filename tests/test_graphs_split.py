@@ -162,7 +162,7 @@ def test_what_cannot_work_is_refused_or_falls_back_with_the_reason(caplog):
     layers.remove()
 
 
-def test_torch_backend_captures_f_b_and_w_graphs_in_plan_order(fake_cuda):
+def test_torch_backend_captures_f_b_and_w_graphs_in_plan_order(fake_cuda):  # noqa: F811 - the fixture
     """pipecast's CUDA capture on the CPU through the fake ``torch.cuda`` of tests/test_graphs_fallback.py: every
     slot gets its three graphs, created (and captured) in exactly the plan's order, ``W`` included."""
     fake, _ = fake_cuda
