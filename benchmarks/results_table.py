@@ -152,8 +152,9 @@ def generic(d: dict) -> list[str]:
 def tune(d: dict) -> list[str]:
     out = [f"### pipecast tune --verify ({d['steps']} recorded steps per layout)"]
     for r in d["runs"]:
-        out += ["", f"`{r['config']}` ({r['seconds']:.0f} s): best predicted **{r['best']}**, the config's own "
-                    f"{r['own']}; measured fastest {r['fastest_measured']}.", "",
+        out += ["", f"`{r['config']}` ({r['seconds']:.0f} s): top predicted {r.get('top', r['best'])}, recommended "
+                    f"**{r['best']}** (minimum gain {100 * r.get('min_gain', 0):.1f}%), the config's own {r['own']}; "
+                    f"measured fastest {r['fastest_measured']}.", "",
                 "| candidate (top 6 of {}) | predicted ms | bubble | peak MiB per rank |".format(len(r["candidates"])),
                 "|---|---|---|---|"]
         for c in r["candidates"][:6]:

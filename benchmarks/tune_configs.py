@@ -36,13 +36,15 @@ def tune(config: str, steps: int, warmup: int, top: int) -> dict:
         result = json.loads(out.read_text())
     verified = result["verified"]
     own = next(r for r in verified if r["is_config"])
+    best = next(r for r in verified if r["label"] == result["best"]["label"])
     fastest = min(verified, key=lambda r: r["measured_ms"])
     return {"config": config, "seconds": seconds, "best": result["best"]["label"],
+            "top": result["candidates"][0]["label"], "min_gain": result["min_gain"],
             "own": result["config"]["label"], "candidates": [
                 {k: c[k] for k in ("label", "predicted_ms", "bubble", "peak_memory_bytes", "fits")}
                 for c in result["candidates"]],
             "verified": [{**r, "error": r["predicted_ms"] / r["measured_ms"] - 1} for r in verified],
-            "best_measured_no_slower": verified[0]["measured_ms"] <= own["measured_ms"],
+            "best_measured_no_slower": best["measured_ms"] <= own["measured_ms"],
             "fastest_measured": fastest["label"], "measured": result["measured"]}
 
 
@@ -60,7 +62,8 @@ def main(argv=None) -> int:
         worst = max(abs(v["error"]) for v in r["verified"])
         goals += [{"goal": f"{r['config']}: every verified prediction within 10% (worst |error|)", "value": worst,
                    "met": worst <= 0.10},
-                  {"goal": f"{r['config']}: the best measures no slower than the config's own (1 = yes)",
+                  {"goal": f"{r['config']}: the recommendation ({r['best']}) measures no slower than the config's own "
+                           f"(1 = yes)",
                    "value": float(r["best_measured_no_slower"]), "met": r["best_measured_no_slower"]}]
         if r["config"] == "configs/default.yaml":
             goals.append({"goal": "tune --verify on the default config under 120 s (seconds)", "value": r["seconds"],

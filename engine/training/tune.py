@@ -18,7 +18,9 @@ pick the schedule from measured costs and a memory budget.
    measured over the simulated step of the schedule measured for that layout (what the simulator leaves out and
    a layout's schedules share, e.g. more ranks than cores); those whose peak memory on some rank is
    over ``--memory-budget-gib`` are marked as not fitting.  A ranked table is printed with the ``--parallel.*``
-   overrides of the best, and the config's own schedule is named in it.
+   overrides of the recommendation, and the config's own schedule is named in it.  The recommendation
+   (:func:`choose`) is the top of the table, or the config's own schedule when the top is predicted less than
+   ``--min-gain`` faster (default: the measured step noise, :func:`.tune_model.step_noise`).
 3. **Verify** (``--verify``): the best ``--verify-top`` candidates and the config's own schedule run ``--steps``
    steps each (no recorder; round-robin as above); predicted and measured step time (median over steps of the
    slowest rank) are printed.
@@ -67,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="then run the best candidates and the config's own schedule and print predicted vs "
                              "measured step time")
     parser.add_argument("--verify-top", type=int, default=3, help="how many of the best to verify (default 3)")
+    parser.add_argument("--min-gain", type=float, default=None, metavar="PCT",
+                        help="recommend another schedule than the config's own only if it is predicted at least PCT%% "
+                             "faster (default: the measurement's noise, the standard error of the difference of two "
+                             "measured medians)")
     parser.add_argument("--one-at-a-time", action="store_true",
                         help="build one trainer at a time (for models too large for several copies per rank); by "
                              "default all measured layouts are built at once and stepped round-robin")
@@ -246,14 +252,26 @@ def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> 
               file=sys.stderr)
     measured.setdefault("seconds", time.perf_counter() - t0)
     from .tune_report import candidate_entry, print_table
-    print_table(ranked, own, budget)
+    min_gain = measured.get("noise_gain", 0.0) if args.min_gain is None else args.min_gain / 100
+    chosen = choose(ranked, own, budget, min_gain)
+    print_table(ranked, own, budget, chosen, min_gain)
     result = {"measured": measured, "candidates": [candidate_entry(p, budget) for p in ranked],
-              "best": candidate_entry(ranked[0], budget),
+              "best": candidate_entry(chosen, budget), "min_gain": min_gain,
               "config": candidate_entry(next(p for p in ranked if p.candidate == own), budget),
               "verified": [], "tuned_for": tuned_for(config), "memory_budget_gib": args.memory_budget_gib}
     if args.verify:
         result["verified"] = _verify(args, config, ranked, own)
     return result
+
+
+def choose(ranked, own: Candidate, budget_bytes: float | None, min_gain: float):
+    """The recommendation: the top of ``ranked``, unless the config's own schedule fits and the top is predicted
+    less than ``min_gain`` (a fraction) faster than it -- a gain the measurement cannot tell from noise."""
+    mine = next(p for p in ranked if p.candidate == own)
+    top = ranked[0]
+    if mine.fits(budget_bytes) and mine.predicted_ms <= top.predicted_ms * (1 + min_gain):
+        return mine
+    return top
 
 
 def _verify(args, config: TrainConfig, ranked, own: Candidate) -> list[dict]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import statistics
 import sys
 import time
@@ -11,7 +12,7 @@ import time
 from ..plan.candidates import Candidate, CostModel, LayoutCosts
 
 __all__ = ["layout_key", "measure_runs", "probe_memory", "ping_pong", "cost_model", "model_from_record",
-           "step_times"]
+           "step_noise", "step_times"]
 
 
 def layout_key(c: Candidate) -> tuple[int, bool]:
@@ -203,7 +204,20 @@ def cost_model(config, variants: list[Candidate], per_rank: list[list[dict]]) ->
         layouts.setdefault(layout_key(c), lc)
         record[c.label] = {"virtual": c.virtual, "splits_backward": c.splits_backward, **dataclasses.asdict(lc),
                            "step_ms": measured, "simulated_ms": simulated}
-    return CostModel(layouts, transfer, tied), {"layouts": record, "transfer_ms": transfer, "tied_bytes": tied}
+    noise = step_noise([step_times(per_rank, i) for i in range(len(variants))])
+    return CostModel(layouts, transfer, tied), {"layouts": record, "transfer_ms": transfer, "tied_bytes": tied,
+                                                **noise}
+
+
+def step_noise(series: list[list[float]]) -> dict:
+    """How far apart two measured medians of equal schedules may fall by chance: ``{"step_noise"}`` the relative
+    standard deviation of one step (each series divided by its median, pooled), and ``{"noise_gain"}`` the
+    standard error of the relative difference of two medians of ``n`` steps, ``sqrt(2) * 1.2533 * sd / sqrt(n)``
+    (the median's standard error is about 1.2533 times the mean's for a normal sample)."""
+    rel = [x / statistics.median(xs) for xs in series if xs for x in xs]
+    n = min((len(xs) for xs in series if xs), default=0)
+    sd = statistics.stdev(rel) if len(rel) > 1 else 0.0
+    return {"step_noise": sd, "noise_gain": math.sqrt(2) * 1.2533 * sd / math.sqrt(n) if n else 0.0}
 
 
 def model_from_record(path, config) -> tuple[CostModel, dict]:
@@ -215,7 +229,7 @@ def model_from_record(path, config) -> tuple[CostModel, dict]:
     record = result["measured"]
     names = [f.name for f in dataclasses.fields(LayoutCosts)]
     layouts = {(e["virtual"], e["splits_backward"]): LayoutCosts(**{k: tuple(e[k]) if isinstance(e[k], list) else
-                                                                    e[k] for k in names})
+                                                                    e[k] for k in names if k in e})
                for e in record["layouts"].values()}
     return CostModel(layouts, record["transfer_ms"], record["tied_bytes"]), record
 

@@ -18,25 +18,27 @@ def candidate_entry(p: Prediction, budget_bytes: float | None) -> dict:
             "fits": p.fits(budget_bytes), "arguments": c.arguments()}
 
 
-def print_table(ranked: list[Prediction], own: Candidate, budget_bytes: float | None) -> None:
-    """The ranked table (fitting candidates first, then by predicted step time), the best's overrides and where
-    the config's own schedule stands."""
+def print_table(ranked: list[Prediction], own: Candidate, budget_bytes: float | None, chosen: Prediction,
+                min_gain: float) -> None:
+    """The ranked table (fitting candidates first, then by predicted step time), the recommendation's overrides
+    and where the config's own schedule stands."""
     print(f"{'#':>3}  {'schedule':<28} {'predicted ms':>12} {'bubble':>7}  {'peak MiB per rank':<24} fits")
     for i, p in enumerate(ranked, 1):
         mem = "/".join(f"{b / _MIB:.1f}" for b in p.peak_memory_bytes)
         mark = "  <- config" if p.candidate == own else ""
         print(f"{i:>3}  {p.candidate.label:<28} {p.predicted_ms:>12.1f} {100 * max(0.0, p.bubble):>6.1f}%  {mem:<24} "
               f"{'yes' if p.fits(budget_bytes) else 'no'}{mark}")
-    best = ranked[0]
-    print(f"best: {best.candidate.label}, predicted {best.predicted_ms:.1f} ms per step; overrides: "
-          f"{' '.join(best.candidate.arguments())}")
-    mine = next(i for i, p in enumerate(ranked) if p.candidate == own)
-    if mine == 0:
-        print(f"the config's own schedule ({own.label}) is already the best")
+    top, mine = ranked[0], next(p for p in ranked if p.candidate == own)
+    gain = 100 * (1 - top.predicted_ms / mine.predicted_ms)
+    if top is mine:
+        print(f"best: the config's own schedule ({own.label}), predicted {mine.predicted_ms:.1f} ms per step")
+    elif chosen is mine:
+        print(f"best: the config's own schedule ({own.label}): the top, {top.candidate.label}, is predicted only "
+              f"{gain:.1f}% faster, less than the measurement noise ({100 * min_gain:.1f}%, --min-gain)")
     else:
-        gain = 100 * (1 - best.predicted_ms / ranked[mine].predicted_ms)
-        print(f"the config's own schedule ({own.label}) ranks #{mine + 1}, predicted {ranked[mine].predicted_ms:.1f}"
-              f" ms: the best is predicted {gain:.1f}% faster")
+        print(f"best: {top.candidate.label}, predicted {top.predicted_ms:.1f} ms per step, {gain:.1f}% faster than "
+              f"the config's own ({own.label}, #{ranked.index(mine) + 1}); overrides: "
+              f"{' '.join(top.candidate.arguments())}")
 
 
 def print_verified(rows: list[dict]) -> None:
