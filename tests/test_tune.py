@@ -136,7 +136,7 @@ def test_max_in_flight_belongs_to_zb():
 
 
 def _prediction(label_ms: float, peak: int = 1):
-    from engine.plan.candidates import Candidate, Prediction
+    from engine.plan.candidates import Prediction
     return lambda c: Prediction(c, label_ms, label_ms, label_ms, 0.0, (1.0,), (peak,), (1,), (0,))
 
 
