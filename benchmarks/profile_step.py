@@ -105,6 +105,11 @@ def main(argv=None) -> int:
     print(f"  floor: {sim.makespan:.1f} ms = this plan with the measured mean action costs and free communication "
           f"(rank compute {', '.join(f'{b:.1f}' for b in sim.busy)} ms); median step / floor "
           f"{median(times) / sim.makespan:.3f} (prediction error {100 * (sim.makespan / median(times) - 1):+.1f}%)")
+    from engine.profiling.costs import simulate_measured
+    pred = simulate_measured(plan, rank_spans)
+    summary["predicted_ms"] = pred.makespan
+    print(f"  prediction: {pred.makespan:.1f} ms = this plan with the median measured action costs plus the measured "
+          f"per-action overhead (prediction error {100 * (pred.makespan / median(times) - 1):+.1f}%)")
     print(f"  {len(summary['stalls'])} receive waits > {args.stall_ms} ms in {len(times)} steps:",
           ", ".join(f"s{x['step']} r{x['rank']} {x['label']} {x['ms']:.1f}ms" for x in summary["stalls"][:12]))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -236,6 +236,7 @@ def model_from_record(path, config) -> tuple[CostModel, dict]:
 
 def layout_costs(plan, runs: list[dict]) -> LayoutCosts:
     """Per-stage costs of one measured run (``runs`` per pipeline rank) of ``plan``."""
+    from ..profiling.costs import action_overhead_ms, median_action_ms
     from ..profiling.timeline import Span
     rank_spans = [[Span(*t) for t in r["spans"]] for r in runs]
     costs = median_action_ms(rank_spans)
@@ -245,35 +246,8 @@ def layout_costs(plan, runs: list[dict]) -> LayoutCosts:
     pick = {k: tuple(int(mem[s][k]) for s in range(plan.num_stages))
             for k in ("activation_bytes", "pending_w_bytes", "static_bytes")}
     return LayoutCosts(per_stage["F"], per_stage["B"], per_stage["W"], **pick,
-                       action_overhead_ms=_action_overhead_ms(rank_spans),
+                       action_overhead_ms=action_overhead_ms(rank_spans),
                        step_overhead_ms=_step_overhead_ms(runs, rank_spans))
-
-
-def median_action_ms(rank_spans) -> dict:
-    """Median duration (ms) of each ``(op, rank, chunk)``'s compute spans: the median, not the mean, so that a
-    few actions slowed by other work on the machine do not move the cost."""
-    from ..profiling.gantt import parse_action_label
-    durations: dict = {}
-    for rank, spans in enumerate(rank_spans):
-        for s in spans:
-            parsed = parse_action_label(s.label) if s.category == "compute" else None
-            if parsed is not None:
-                durations.setdefault((parsed[0], rank, parsed[1]), []).append(s.duration_ns / 1e6)
-    return {k: statistics.median(v) for k, v in durations.items()}
-
-
-def _action_overhead_ms(rank_spans) -> float:
-    """Median over ranks and steps of (the rank's span of the step - time covered by its spans) / its actions."""
-    from ..profiling.bubble import steps_of, union_ns
-    values = []
-    for step in steps_of(rank_spans):
-        for spans in rank_spans:
-            top = [s for s in spans if s.step == step and s.depth == 0]
-            actions = sum(1 for s in top if s.category == "compute")
-            if actions:
-                window = max(s.end_ns for s in top) - min(s.start_ns for s in top)
-                values.append((window - union_ns((s.start_ns, s.end_ns) for s in top)) / actions / 1e6)
-    return statistics.median(values) if values else 0.0
 
 
 def _step_overhead_ms(runs, rank_spans) -> float:
