@@ -2,7 +2,7 @@
 predicted against measured step time of the verified candidates, and whether the best measures no slower than the
 config's own schedule.  Writes ``benchmarks/results/tune_configs.json``.
 
-    python benchmarks/tune_configs.py                 # both configs, 4 recorded steps per layout
+    python benchmarks/tune_configs.py                 # both configs, 20 recorded steps per layout (~4 min)
     python benchmarks/tune_configs.py --steps 8 --configs configs/default.yaml
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ def tune(config: str, steps: int, warmup: int, top: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="*", default=CONFIGS)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--verify-top", type=int, default=2)
     ap.add_argument("--out", default=None)

@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-budget-gib", type=float, default=None,
                         help="per-rank memory budget (GiB): parameters, gradients, optimizer state, activations and "
                              "pending W; candidates over it are marked as not fitting")
-    parser.add_argument("--steps", type=int, default=4, help="recorded steps per measured layout (default 4)")
+    parser.add_argument("--steps", type=int, default=10, help="recorded steps per measured layout (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="unrecorded steps before them (default 2)")
     parser.add_argument("--virtual", type=str, default=None,
                         help="comma-separated virtual sizes to consider (default: every size that divides the layers)")
