@@ -160,11 +160,15 @@ def tune(d: dict) -> list[str]:
         for c in r["candidates"][:6]:
             mem = "/".join(f"{b / 2**20:.1f}" for b in c["peak_memory_bytes"])
             out.append(f"| {c['label']} | {c['predicted_ms']:.1f} | {100 * c['bubble']:.1f}% | {mem} |")
-        out += ["", "| verified | predicted ms | measured ms | error |", "|---|---|---|---|"]
+        if "drift" in r:
+            out += ["", f"The config's own step changed {100 * r['drift']:+.1f}% from measuring to verifying."]
+        out += ["", "| verified | predicted ms | measured ms | error | ratio to config's own: error |",
+                "|---|---|---|---|---|"]
         for v in r["verified"]:
             own = " (config)" if v["is_config"] else ""
+            rel = f"{100 * v['relative_error']:+.1f}%" if "relative_error" in v else "-"
             out.append(f"| {v['label']}{own} | {v['predicted_ms']:.1f} | {v['measured_ms']:.1f} | "
-                       f"{100 * v['error']:+.1f}% |")
+                       f"{100 * v['error']:+.1f}% | {rel} |")
     return out + [""] + _goals(d) + ["", _machine(d)]
 
 

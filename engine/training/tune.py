@@ -260,7 +260,7 @@ def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> 
               "config": candidate_entry(next(p for p in ranked if p.candidate == own), budget),
               "verified": [], "tuned_for": tuned_for(config), "memory_budget_gib": args.memory_budget_gib}
     if args.verify:
-        result["verified"] = _verify(args, config, ranked, own)
+        result["verified"] = _verify(args, config, ranked, own, measured)
     return result
 
 
@@ -274,7 +274,7 @@ def choose(ranked, own: Candidate, budget_bytes: float | None, min_gain: float):
     return top
 
 
-def _verify(args, config: TrainConfig, ranked, own: Candidate) -> list[dict]:
+def _verify(args, config: TrainConfig, ranked, own: Candidate, measured: dict) -> list[dict]:
     from .tune_report import print_verified
     chosen = [p for p in ranked[:args.verify_top]]
     chosen += [p for p in ranked if p.candidate == own and p not in chosen]
@@ -286,7 +286,11 @@ def _verify(args, config: TrainConfig, ranked, own: Candidate) -> list[dict]:
              "simulated_ms": p.simulated_ms,
              "measured_ms": statistics.median(step_times(per_rank, i)), "is_config": p.candidate == own}
             for i, p in enumerate(chosen)]
-    print_verified(rows)
+    mine = next(r for r in rows if r["is_config"])
+    for r in rows:  # the error of the predicted ratio to the config's own: free of drift between the two phases
+        r["error"] = r["predicted_ms"] / r["measured_ms"] - 1
+        r["relative_error"] = (r["predicted_ms"] / mine["predicted_ms"]) / (r["measured_ms"] / mine["measured_ms"]) - 1
+    print_verified(rows, measured.get("layouts", {}).get(own.label, {}).get("step_ms"))
     return rows
 
 

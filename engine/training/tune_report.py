@@ -41,17 +41,20 @@ def print_table(ranked: list[Prediction], own: Candidate, budget_bytes: float | 
               f"{' '.join(top.candidate.arguments())}")
 
 
-def print_verified(rows: list[dict]) -> None:
-    """Predicted against measured step time of each verified candidate."""
-    print(f"{'schedule':<28} {'predicted ms':>12} {'measured ms':>12} {'error':>7}")
+def print_verified(rows: list[dict], own_measuring_ms: float | None = None) -> None:
+    """Predicted against measured step time of each verified candidate: the error, and the error of its ratio to
+    the config's own schedule (free of a machine that runs slower or faster than while measuring); then how the
+    config's own step compares between the two phases."""
+    print(f"{'schedule':<28} {'predicted ms':>12} {'measured ms':>12} {'error':>7} {'vs config':>9}")
     for r in rows:
-        err = 100 * (r["predicted_ms"] / r["measured_ms"] - 1)
-        print(f"{r['label']:<28} {r['predicted_ms']:>12.1f} {r['measured_ms']:>12.1f} {err:>+6.1f}%"
-              f"{'  <- config' if r['is_config'] else ''}")
+        print(f"{r['label']:<28} {r['predicted_ms']:>12.1f} {r['measured_ms']:>12.1f} {100 * r['error']:>+6.1f}% "
+              f"{100 * r['relative_error']:>+8.1f}%{'  <- config' if r['is_config'] else ''}")
     fastest = min(rows, key=lambda r: r["measured_ms"])
-    mine = next((r for r in rows if r["is_config"]), None)
-    if mine is not None:
-        verdict = ("the config's own schedule measured fastest" if fastest is mine else
-                   f"measured fastest: {fastest['label']}, {100 * (1 - fastest['measured_ms'] / mine['measured_ms']):.1f}%"
-                   f" faster than the config's own ({mine['label']})")
-        print(verdict)
+    mine = next(r for r in rows if r["is_config"])
+    print("the config's own schedule measured fastest" if fastest is mine else
+          f"measured fastest: {fastest['label']}, {100 * (1 - fastest['measured_ms'] / mine['measured_ms']):.1f}% "
+          f"faster than the config's own ({mine['label']})")
+    if own_measuring_ms:
+        print(f"the config's own schedule: {own_measuring_ms:.1f} ms per step while measuring, "
+              f"{mine['measured_ms']:.1f} ms while verifying ({100 * (mine['measured_ms'] / own_measuring_ms - 1):+.1f}%"
+              f"; the errors include that change of the machine's speed, the 'vs config' column does not)")
