@@ -16,9 +16,11 @@ Measured inside the ranks, without touching the engine:
 
 * **Split backward** (ZB-H1, ZB-V).  With layer-level deferral autograd frees a microbatch's saved tensors in
   ``B``; what ``W`` needs (each deferred layer's input and output gradient) is held by the pending ``W`` itself,
-  outside autograd, and reported as the simulator's ``peak_pending_w``.  On the first stage there is no input
-  gradient, so its whole backward runs in ``W`` and its saved tensors live until ``W``.  The theory compared is
-  that model: per rank, the peak over its order of forwards done minus, per chunk, ``B`` done (``W`` done for the
+  outside autograd, and reported as the simulator's ``peak_pending_w``.  On the first stage the first op's input
+  (the microbatch itself) needs no gradient, so that op runs as its own small graph whose one saved tensor, the
+  input, lives until W (B frees the rest: for one chunk here 2 MiB saved after F, 256 KiB after B); a tag counts as
+  live while any of its tensors is, so the first stage's chunk counts until W.  The theory compared is that
+  model: per rank, the peak over its order of forwards done minus, per chunk, ``B`` done (``W`` done for the
   first stage's chunk).
 
     python benchmarks/memory.py            # pp=2 and pp=4, 1F1B, interleaved, ZB-H1, ZB-V (about two minutes)
