@@ -115,7 +115,10 @@ def test_parallel_schedule_tuned_trains_with_the_best(tuned):
 @pytest.mark.parametrize("args,message", [
     (["--steps", "0"], "--steps=0 is too small"),
     (["--virtual", "3"], "--virtual='3' is invalid: give comma-separated sizes from [1, 2]"),
-    (["--memory-budget-gib", "-1"], "--memory-budget-gib=-1.0 must be > 0"),
+    (["--memory-budget-gib", "-1"], "--memory-budget-gib=-1.0 must be a number > 0"),
+    (["--memory-budget-gib", "nan"], "--memory-budget-gib=nan must be a number > 0"),
+    (["--min-gain", "-5"], "--min-gain=-5.0 must be a percentage in [0, 100)"),
+    (["--measured", "/nonexistent/tune.json"], "--measured /nonexistent/tune.json: no such file"),
     (["--parallel.pipeline=3"], "model.num_layers=4 cannot be split"),
 ])
 def test_bad_arguments_exit_2_before_any_rank_starts(tmp_path, capsys, args, message):
@@ -160,3 +163,13 @@ def test_step_noise_is_the_standard_error_of_a_difference_of_medians():
     sd = math.sqrt(sum((x - 1) ** 2 for x in [0.9, 1.0, 1.1, 1.0] * 2) / 7)
     assert spread["step_noise"] == pytest.approx(sd)
     assert spread["noise_gain"] == pytest.approx(math.sqrt(2) * 1.2533 * sd / 2)
+
+
+def test_measured_must_be_a_tune_result_of_this_config(tmp_path, capsys, tuned):
+    path, result, root = tuned
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["tune", str(path), "--measured", str(bad)]) == 2
+    assert "is not a pipecast tune result" in capsys.readouterr().err
+    assert main(["tune", str(path), "--measured", str(root / "out.json"), "--model.hidden_size=64"]) == 2
+    assert "was measured with model=" in capsys.readouterr().err

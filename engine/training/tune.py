@@ -94,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
         with _job(config) as coordinator:
             with contextlib.nullcontext() if coordinator else contextlib.redirect_stdout(io.StringIO()):
                 result = _tune(args, config, cands, own)
+    except ConfigError as exc:  # --measured: a file that is not a tune result of this config
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except RankError as exc:
         if exc.traceback:
             print(exc.traceback.rstrip(), file=sys.stderr)
@@ -139,8 +142,14 @@ def _prepare(args) -> tuple[TrainConfig, list[Candidate], Candidate]:
     for name in ("steps", "warmup", "verify_top"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} is too small; use a positive number")
-    if args.memory_budget_gib is not None and not args.memory_budget_gib > 0:
-        raise ConfigError(f"--memory-budget-gib={args.memory_budget_gib} must be > 0 (GiB per rank)")
+    if args.memory_budget_gib is not None and not 0 < args.memory_budget_gib < float("inf"):
+        raise ConfigError(f"--memory-budget-gib={args.memory_budget_gib} must be a number > 0 (GiB per rank)")
+    if args.min_gain is not None and not 0 <= args.min_gain < 100:
+        raise ConfigError(f"--min-gain={args.min_gain} must be a percentage in [0, 100); 0 recommends the top of "
+                          f"the table whatever its margin")
+    if args.measured is not None and not Path(args.measured).is_file():
+        raise ConfigError(f"--measured {args.measured}: no such file; give a tune result (RUN_DIR/tune.json of an "
+                          f"earlier `pipecast tune`)")
     config = load_config(args.config, parse_override_args(list(getattr(args, "extra", []) or [])))
     from ..runtime import gloo_io
     from .config import validate_world_size
