@@ -297,3 +297,13 @@ def test_torch_csvs_run_on_gloo_ranks_to_the_reference_and_pipecasts_losses():
             call = twin_run[loss_rank]["calls"][0]
             assert twin_run[loss_rank]["error"] is None
             assert mine == pytest.approx(dict(zip(call["store_mbs"], call["losses"])), rel=1e-6), name
+
+
+def test_a_rank_waiting_on_itself_is_named_not_the_rank_stuck_behind_it():
+    """Rank 1 swaps its first two forwards: 2F0 (stage 2) waits for 1F0 later on its own rank, and rank 0 waits
+    for rank 1.  The error names rank 1's 2F0, where the cycle closes."""
+    rows = [line.split(",") for line in plan_to_csv(build_plan("zbv", 2, 4, 2)).splitlines()]
+    rows[1][0], rows[1][1] = rows[1][1], rows[1][0]
+    with pytest.raises(PlanError, match=r"rank 1, action 0 \(F0\.1\): deadlock: .*cycle rank 1 -> rank 1 "
+                                        r"\[CSV row 1, column 0: '2F0'\]"):
+        plan_from_csv("\n".join(",".join(r) for r in rows))

@@ -419,7 +419,8 @@ def _execute(plan: Plan, graph: PlanGraph) -> list[tuple[int, int, int]]:
 
 def deadlock_error(plan: Plan, graph: PlanGraph, at: list[int], rank: int) -> PlanError:
     """The error for a stuck execution: ``at[r]`` is the global index rank ``r`` waits at; describes the wait chain
-    from ``rank`` until it closes into a cycle."""
+    from ``rank`` until it closes into a cycle, and is raised at the action where the cycle closes (a rank that
+    waits for a later action of its own is named itself, not the ranks stuck behind it)."""
     chain, seen = [], []
     r = rank
     while r not in seen:
@@ -432,8 +433,8 @@ def deadlock_error(plan: Plan, graph: PlanGraph, at: list[int], rank: int) -> Pl
         chain.append(f"rank {r} {action} (index {i}) waits for {msg} from {sent_by} (index {j}) on rank {src}")
         r = src
     cycle = " -> ".join(f"rank {x}" for x in seen[seen.index(r):] + [r])
-    first = graph.locate(plan, at[rank])
-    return PlanError(rank, first[1], first[2], f"deadlock: {'; '.join(chain)}; cycle {cycle}")
+    first = graph.locate(plan, at[r])
+    return PlanError(r, first[1], first[2], f"deadlock: {'; '.join(chain)}; cycle {cycle}")
 
 
 # -- buffering ---------------------------------------------------------------------------------------------------
