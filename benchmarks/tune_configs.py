@@ -36,9 +36,10 @@ def tune(config: str, steps: int, warmup: int, top: int) -> dict:
         result = json.loads(out.read_text())
     verified = result["verified"]
     own = next(r for r in verified if r["is_config"])
-    best = next(r for r in verified if r["label"] == result["best"]["label"])
+    predicted = result.get("best_predicted") or result["best"]  # the recommendation before --verify measured
+    best = next(r for r in verified if r["label"] == predicted["label"])
     fastest = min(verified, key=lambda r: r["measured_ms"])
-    return {"config": config, "seconds": seconds, "best": result["best"]["label"],
+    return {"config": config, "seconds": seconds, "best": predicted["label"], "after_verify": result["best"]["label"],
             "top": result["candidates"][0]["label"], "min_gain": result["min_gain"],
             "own": result["config"]["label"], "candidates": [
                 {k: c[k] for k in ("label", "predicted_ms", "bubble", "peak_memory_bytes", "fits")}

@@ -42,8 +42,9 @@ def test_the_result_ranks_every_candidate(tuned):
     times = [c["predicted_ms"] for c in result["candidates"]]
     assert times == sorted(times) and all(t > 0 for t in times)
     top, own = result["candidates"][0], result["config"]
-    if result["best"] != top:  # the config's own is kept when the top gains less than the measured noise
-        assert result["best"] == own and own["predicted_ms"] <= top["predicted_ms"] * (1 + result["min_gain"])
+    if result["best_predicted"] != top:  # the config's own is kept when the top gains less than the measured noise
+        assert result["best_predicted"] == own and own["predicted_ms"] <= top["predicted_ms"] * (1 + result["min_gain"])
+    assert result["best"]["label"] in {r["label"] for r in result["verified"]}  # --verify: the measured choice
     assert 0 <= result["min_gain"] < 0.5 and result["measured"]["step_noise"] >= 0
     assert result["config"]["label"] == "interleaved v=2"
     assert all(c["fits"] for c in result["candidates"])  # no budget given
@@ -102,13 +103,13 @@ def test_a_budget_marks_candidates_over_it(tuned, capsys):
 def test_parallel_schedule_tuned_trains_with_the_best(tuned):
     path, result, root = tuned
     config = load_config(path, {"parallel.schedule": "tuned"})
-    best = result["best"]["settings"]
+    best = json.loads((root / "run" / "tune.json").read_text())["best"]["settings"]  # the latest result there
     assert config.parallel.schedule == best["parallel.schedule"]
     assert config.parallel.virtual == best["parallel.virtual"]
     assert config.parallel.max_in_flight == best["parallel.max_in_flight"]
-    with pytest.raises(ConfigError, match=r"model=.*re-run `pipecast tune"):
+    with pytest.raises(ConfigError, match=r"model.hidden_size=32, this config has 64; re-run `pipecast tune"):
         load_config(path, {"parallel.schedule": "tuned", "model.hidden_size": 64})
-    with pytest.raises(ConfigError, match="does not exist: run `pipecast tune CONFIG` first"):
+    with pytest.raises(ConfigError, match="does not exist: run `pipecast tune CONFIG` with this logging.run_dir first"):
         load_config(path, {"parallel.schedule": "tuned", "logging.run_dir": str(root / "elsewhere")})
 
 
@@ -172,4 +173,66 @@ def test_measured_must_be_a_tune_result_of_this_config(tmp_path, capsys, tuned):
     assert main(["tune", str(path), "--measured", str(bad)]) == 2
     assert "is not a pipecast tune result" in capsys.readouterr().err
     assert main(["tune", str(path), "--measured", str(root / "out.json"), "--model.hidden_size=64"]) == 2
-    assert "was measured with model=" in capsys.readouterr().err
+    assert "was measured with model.hidden_size=32, this config has 64" in capsys.readouterr().err
+
+
+def _result_file(run_dir, config, best) -> None:
+    from engine.training.tune_result import tuned_for
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "tune.json").write_text(json.dumps({"measured": {}, "best": best, "tuned_for": tuned_for(config)}))
+
+
+@pytest.mark.parametrize("best,message", [
+    (None, "recommends no schedule: no candidate fitted its --memory-budget-gib"),
+    ({"settings": {"parallel.schedule": "bogus", "parallel.virtual": 1}}, "parallel.schedule='bogus', not one of"),
+    ({"settings": {"parallel.schedule": "zb", "parallel.virtual": 1, "parallel.max_in_flight": "x"}},
+     "parallel.max_in_flight='x', which must be an integer >= 1 or null"),
+    ({"settings": {"parallel.schedule": "interleaved", "parallel.virtual": 2, "parallel.max_in_flight": 3}},
+     r"is not valid for this config: parallel.max_in_flight=3 only applies to parallel.schedule=zb"),
+    ("zb", "its 'best' entry has no 'settings'"),
+])
+def test_a_bad_tune_result_is_refused_naming_the_file(tmp_path, best, message):
+    overrides = {**{f"{k}.{kk}": vv for k, v in TINY.items() for kk, vv in v.items()},
+                 "logging.run_dir": str(tmp_path / "run")}
+    _result_file(tmp_path / "run", load_config(None, overrides), best)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(None, {**overrides, "parallel.schedule": "tuned"})
+    assert "tune.json" in str(info.value)
+
+
+def test_tuned_refuses_fields_it_would_overwrite(tmp_path):
+    overrides = {**{f"{k}.{kk}": vv for k, v in TINY.items() for kk, vv in v.items()},
+                 "logging.run_dir": str(tmp_path / "run"), "parallel.schedule": "tuned", "parallel.max_in_flight": 2}
+    with pytest.raises(ConfigError, match="parallel.max_in_flight=2 is set together with parallel.schedule=tuned"):
+        load_config(None, overrides)
+
+
+def test_tuning_a_tuned_config_without_a_result_tunes_from_auto(tmp_path, capsys):
+    from engine.training.tune import _own_config
+    overrides = {**{f"{k}.{kk}": vv for k, v in TINY.items() for kk, vv in v.items()},
+                 "logging.run_dir": str(tmp_path / "run"), "parallel.schedule": "tuned"}
+    config = _own_config(load_config(None, overrides, check=False, tuned=False))
+    assert config.parallel.schedule == "auto" and config.schedule_name == "interleaved"
+    assert "tuning with parallel.schedule=auto" in capsys.readouterr().err
+
+
+def test_verify_recommends_the_fastest_measured_unless_the_config_is_within_noise():
+    from engine.plan.candidates import Candidate
+    from engine.training.tune import verified_choice
+    own, other = Candidate("1f1b"), Candidate("zb_h1")
+    ranked = [_prediction(95.0)(other), _prediction(100.0)(own)]
+    rows = [{"label": other.label, "measured_ms": 110.0, "is_config": False},
+            {"label": own.label, "measured_ms": 100.0, "is_config": True}]
+    assert verified_choice(ranked, rows, own, None, 0.0).candidate == own    # the prediction was wrong: measured
+    rows[0]["measured_ms"] = 97.0
+    assert verified_choice(ranked, rows, own, None, 0.05).candidate == own   # 3% faster, noise 5%
+    assert verified_choice(ranked, rows, own, None, 0.01).candidate == other
+
+
+def test_json_path_is_checked_before_any_rank_starts(tmp_path, capsys):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "logging": {**TINY["logging"], "run_dir": str(tmp_path / "run")}}))
+    assert main(["tune", str(path), "--json", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert main(["tune", str(path), "--json", str(tmp_path / "no" / "such" / "x.json")]) == 2
+    assert "its folder does not exist" in capsys.readouterr().err

@@ -30,7 +30,7 @@ from ..plan.table import validate_interleaved_microbatches
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig",
            "CheckpointConfig", "LoggingConfig", "CudaGraphsConfig", "ProfileConfig", "TrainConfig",
            "load_config", "config_from_dict", "config_to_dict", "apply_overrides", "parse_override_args",
-           "validate", "validate_world_size", "dump_config", "ConfigLoader", "check_fresh_run"]
+           "validate", "validate_parallel", "validate_world_size", "dump_config", "ConfigLoader", "check_fresh_run"]
 
 
 MAX_STEPS = 10**9  # the upper bound of schedule.steps
@@ -385,7 +385,7 @@ def _split_override(text: str) -> tuple[str, Any]:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | dict[str, Any] | None = None,
-                *, check: bool = True) -> TrainConfig:
+                *, check: bool = True, tuned: bool = True) -> TrainConfig:
     """Read a YAML config (``None``: all defaults), apply overrides, check keys and types, and validate.
 
     Args:
@@ -393,6 +393,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
             ``1e-3`` is a float; duplicate keys are an error).
         overrides: ``["section.key=value", ...]`` or ``{"section.key": value}``.
         check: run :func:`validate` (cross-field checks, data paths).
+        tuned: resolve ``parallel.schedule: tuned`` from ``RUN_DIR/tune.json``
+            (:func:`engine.training.tune_result.resolve_tuned`); ``pipecast tune`` itself loads with ``False``.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -409,7 +411,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
         if not isinstance(data, dict):
             raise TypeError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
     config = config_from_dict(apply_overrides(data, overrides))
-    if config.parallel.schedule == "tuned":
+    if config.parallel.schedule == "tuned" and tuned:
         from .tune_result import resolve_tuned
         config = resolve_tuned(config)
     if check:
@@ -499,7 +501,7 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     if m.init_std <= 0 or m.norm_epsilon <= 0:
         raise ConfigError(f"model.init_std={m.init_std} and model.norm_epsilon={m.norm_epsilon} must be > 0")
-    _validate_parallel(config)
+    validate_parallel(config)
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr={o.lr} must be > 0")
     if not 0 <= o.min_lr <= o.lr:
@@ -612,7 +614,8 @@ def _validate_schedule(config: TrainConfig) -> None:
                           f"parallel.schedule={p.schedule}; remove it")
 
 
-def _validate_parallel(config: TrainConfig) -> None:
+def validate_parallel(config: TrainConfig) -> None:
+    """The ``parallel`` section against the model and schedule sizes (part of :func:`validate`)."""
     m, p, s = config.model, config.parallel, config.schedule
     _validate_schedule(config)
     chunks = p.pipeline * p.virtual

@@ -127,7 +127,8 @@ class Trainer:
             dump_config(config, self.run_dir / "config.yaml")
         n_params = sum(p.numel() for c in self.model for p in c.parameters())
         log.info("pipecast: %s schedule, pipeline=%d virtual=%d data=%d, %d layers, %.2fM parameters on this "
-                 "rank, device %s, simulated bubble %.1f%%, data: %s", config.schedule_name, p.pipeline, p.virtual,
+                 "rank, device %s, simulated bubble %.1f%%, data: %s", config.schedule_name + (
+                     f" (max_in_flight {p.max_in_flight})" if p.max_in_flight else ""), p.pipeline, p.virtual,
                  self.dp_size, config.model.num_layers, n_params / 1e6, self.device, 100 * self.simulated_bubble(),
                  self.batches.corpus.description if self.batches else "(not read on this stage)")
 

@@ -147,10 +147,14 @@ def _prepare(args) -> tuple[TrainConfig, list[Candidate], Candidate]:
     if args.min_gain is not None and not 0 <= args.min_gain < 100:
         raise ConfigError(f"--min-gain={args.min_gain} must be a percentage in [0, 100); 0 recommends the top of "
                           f"the table whatever its margin")
+    if args.json is not None and (Path(args.json).is_dir() or not Path(args.json).parent.is_dir()):
+        raise ConfigError(f"--json {args.json}: " + ("is a folder; give a file path" if Path(args.json).is_dir() else
+                                                     "its folder does not exist; create it or give another path"))
     if args.measured is not None and not Path(args.measured).is_file():
         raise ConfigError(f"--measured {args.measured}: no such file; give a tune result (RUN_DIR/tune.json of an "
                           f"earlier `pipecast tune`)")
-    config = load_config(args.config, parse_override_args(list(getattr(args, "extra", []) or [])))
+    config = _own_config(load_config(args.config, parse_override_args(list(getattr(args, "extra", []) or [])),
+                                     check=False, tuned=False))
     from ..runtime import gloo_io
     from .config import validate_world_size
     from .data import check_data
@@ -169,6 +173,21 @@ def _prepare(args) -> tuple[TrainConfig, list[Candidate], Candidate]:
     if own not in cands:
         cands.append(own)
     return config, cands, own
+
+
+def _own_config(config: TrainConfig) -> TrainConfig:
+    """The config to tune, validated: ``parallel.schedule: tuned`` stands for the recommendation of the run
+    folder's tune result when there is a valid one, else for ``auto`` (said in one line)."""
+    if config.parallel.schedule == "tuned":
+        from .tune_result import resolve_tuned
+        try:
+            config = resolve_tuned(config)
+        except ConfigError as exc:
+            print(f"note: {exc}; tuning with parallel.schedule=auto as the config's own schedule", file=sys.stderr)
+            config = dataclasses.replace(config, parallel=dataclasses.replace(
+                config.parallel, schedule="auto", max_in_flight=None, microbatch_group_size_per_vp_stage=None))
+    validate(config)
+    return config
 
 
 def _virtual_sizes(text: str | None, config: TrainConfig) -> list[int]:
@@ -242,45 +261,69 @@ def _everywhere(fn, config: TrainConfig, *args) -> list:
 
 def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> dict:
     t0 = time.perf_counter()
-    if args.measured:
-        model, measured = model_from_record(args.measured, config)
-    else:
-        variants = measurement_variants(cands, own)
-        print(f"pipecast tune: {len(cands)} candidates; measuring {len(variants)} layouts on {config.world_size} "
-              f"ranks ({args.warmup} + {args.steps} steps each)", flush=True)
-        with tempfile.TemporaryDirectory(prefix="pipecast-tune-") as tmp:
-            per_rank = _everywhere(tune_worker, config, variants, args.steps, args.warmup, _shared(tmp),
-                                   not args.one_at_a_time)
-        model, measured = cost_model(config, variants, per_rank)
+    model, measured = _measure(args, config, cands, own)
     cands = [c for c in cands if layout_key(c) in model.layouts]
     P, M = config.parallel.pipeline, config.schedule.num_microbatches
     budget = None if args.memory_budget_gib is None else args.memory_budget_gib * 2**30
     ranked = rank_predictions([predict(c, model, P, M) for c in cands], budget)
-    if not ranked[0].fits(budget):
-        print(f"warning: no candidate fits --memory-budget-gib={args.memory_budget_gib}; the table ranks them all",
-              file=sys.stderr)
     measured.setdefault("seconds", time.perf_counter() - t0)
     from .tune_report import candidate_entry, print_table
     min_gain = measured.get("noise_gain", 0.0) if args.min_gain is None else args.min_gain / 100
     chosen = choose(ranked, own, budget, min_gain)
-    print_table(ranked, own, budget, chosen, min_gain)
+    print_table(ranked, own, budget, chosen, min_gain, "--min-gain" if args.min_gain is not None else "noise")
+    if chosen is None:
+        print(f"warning: no candidate fits --memory-budget-gib={args.memory_budget_gib}: nothing is recommended "
+              f"(parallel.schedule=tuned will refuse this result)", file=sys.stderr)
+    entry = (lambda p: None if p is None else candidate_entry(p, budget))
     result = {"measured": measured, "candidates": [candidate_entry(p, budget) for p in ranked],
-              "best": candidate_entry(chosen, budget), "min_gain": min_gain,
-              "config": candidate_entry(next(p for p in ranked if p.candidate == own), budget),
+              "best": entry(chosen), "best_predicted": entry(chosen), "min_gain": min_gain,
+              "config": entry(next(p for p in ranked if p.candidate == own)),
               "verified": [], "tuned_for": tuned_for(config), "memory_budget_gib": args.memory_budget_gib}
     if args.verify:
-        result["verified"] = _verify(args, config, ranked, own, measured)
+        result["verified"] = rows = _verify(args, config, ranked, own, measured)
+        result["best"] = entry(verified_choice(ranked, rows, own, budget, min_gain))
     return result
 
 
+def _measure(args, config: TrainConfig, cands: list[Candidate], own: Candidate):
+    """The cost model: from ``--measured``, or measured on the ranks."""
+    if args.measured:
+        return model_from_record(args.measured, config)
+    variants = measurement_variants(cands, own)
+    print(f"pipecast tune: {len(cands)} candidates; measuring {len(variants)} layouts on {config.world_size} "
+          f"rank{'s' if config.world_size > 1 else ''} ({args.warmup} + {args.steps} steps each)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="pipecast-tune-") as tmp:
+        per_rank = _everywhere(tune_worker, config, variants, args.steps, args.warmup, _shared(tmp),
+                               not args.one_at_a_time)
+    return cost_model(config, variants, per_rank)
+
+
 def choose(ranked, own: Candidate, budget_bytes: float | None, min_gain: float):
-    """The recommendation: the top of ``ranked``, unless the config's own schedule fits and the top is predicted
-    less than ``min_gain`` (a fraction) faster than it -- a gain the measurement cannot tell from noise."""
+    """The recommendation from the predictions: the top of ``ranked``, unless the config's own schedule fits and
+    the top is predicted less than ``min_gain`` (a fraction) faster than it -- a gain the measurement cannot tell
+    from noise; ``None`` when no candidate fits the budget."""
     mine = next(p for p in ranked if p.candidate == own)
     top = ranked[0]
+    if not top.fits(budget_bytes):
+        return None
     if mine.fits(budget_bytes) and mine.predicted_ms <= top.predicted_ms * (1 + min_gain):
         return mine
     return top
+
+
+def verified_choice(ranked, rows: list[dict], own: Candidate, budget_bytes: float | None, min_gain: float):
+    """The recommendation after ``--verify``: the verified candidate that fits and measured fastest, unless the
+    config's own measured within ``min_gain`` of it; ``None`` when no verified candidate fits."""
+    by_label = {p.candidate.label: p for p in ranked}
+    fitting = [r for r in rows if by_label[r["label"]].fits(budget_bytes)]
+    if not fitting:
+        return None
+    fastest = min(fitting, key=lambda r: r["measured_ms"])
+    mine = next((r for r in fitting if r["is_config"]), None)
+    if mine is not None and mine["measured_ms"] <= fastest["measured_ms"] * (1 + min_gain):
+        fastest = mine
+    print(f"recommendation after verifying: {fastest['label']} (measured {fastest['measured_ms']:.1f} ms)")
+    return by_label[fastest["label"]]
 
 
 def _verify(args, config: TrainConfig, ranked, own: Candidate, measured: dict) -> list[dict]:

@@ -18,8 +18,8 @@ def candidate_entry(p: Prediction, budget_bytes: float | None) -> dict:
             "fits": p.fits(budget_bytes), "arguments": c.arguments()}
 
 
-def print_table(ranked: list[Prediction], own: Candidate, budget_bytes: float | None, chosen: Prediction,
-                min_gain: float) -> None:
+def print_table(ranked: list[Prediction], own: Candidate, budget_bytes: float | None, chosen: Prediction | None,
+                min_gain: float, gain_source: str = "noise") -> None:
     """The ranked table (fitting candidates first, then by predicted step time), the recommendation's overrides
     and where the config's own schedule stands."""
     print(f"{'#':>3}  {'schedule':<28} {'predicted ms':>12} {'bubble':>7}  {'peak MiB per rank':<24} fits")
@@ -30,11 +30,15 @@ def print_table(ranked: list[Prediction], own: Candidate, budget_bytes: float | 
               f"{'yes' if p.fits(budget_bytes) else 'no'}{mark}")
     top, mine = ranked[0], next(p for p in ranked if p.candidate == own)
     gain = 100 * (1 - top.predicted_ms / mine.predicted_ms)
-    if top is mine:
+    if chosen is None:
+        print("best: none -- no candidate fits the memory budget")
+    elif top is mine:
         print(f"best: the config's own schedule ({own.label}), predicted {mine.predicted_ms:.1f} ms per step")
     elif chosen is mine:
+        why = (f"less than the measurement noise ({100 * min_gain:.1f}%; --min-gain sets another margin)"
+               if gain_source == "noise" else f"less than --min-gain={100 * min_gain:g}%")
         print(f"best: the config's own schedule ({own.label}): the top, {top.candidate.label}, is predicted only "
-              f"{gain:.1f}% faster, less than the measurement noise ({100 * min_gain:.1f}%, --min-gain)")
+              f"{gain:.1f}% faster, {why}")
     else:
         print(f"best: {top.candidate.label}, predicted {top.predicted_ms:.1f} ms per step, {gain:.1f}% faster than "
               f"the config's own ({own.label}, #{ranked.index(mine) + 1}); overrides: "
@@ -45,10 +49,10 @@ def print_verified(rows: list[dict], own_measuring_ms: float | None = None) -> N
     """Predicted against measured step time of each verified candidate: the error, and the error of its ratio to
     the config's own schedule (free of a machine that runs slower or faster than while measuring); then how the
     config's own step compares between the two phases."""
-    print(f"{'schedule':<28} {'predicted ms':>12} {'measured ms':>12} {'error':>7} {'vs config':>9}")
+    print(f"{'schedule':<28} {'predicted ms':>12} {'measured ms':>12} {'error':>7} {'ratio error':>12}")
     for r in rows:
         print(f"{r['label']:<28} {r['predicted_ms']:>12.1f} {r['measured_ms']:>12.1f} {100 * r['error']:>+6.1f}% "
-              f"{100 * r['relative_error']:>+8.1f}%{'  <- config' if r['is_config'] else ''}")
+              f"{100 * r['relative_error']:>+11.1f}%{'  <- config' if r['is_config'] else ''}")
     fastest = min(rows, key=lambda r: r["measured_ms"])
     mine = next(r for r in rows if r["is_config"])
     print("the config's own schedule measured fastest" if fastest is mine else
@@ -57,4 +61,5 @@ def print_verified(rows: list[dict], own_measuring_ms: float | None = None) -> N
     if own_measuring_ms:
         print(f"the config's own schedule: {own_measuring_ms:.1f} ms per step while measuring, "
               f"{mine['measured_ms']:.1f} ms while verifying ({100 * (mine['measured_ms'] / own_measuring_ms - 1):+.1f}%"
-              f"; the errors include that change of the machine's speed, the 'vs config' column does not)")
+              f"; 'error' includes that change of the machine's speed, 'ratio error' -- of the ratio to the "
+              f"config's own -- does not)")
