@@ -307,3 +307,15 @@ def test_a_rank_waiting_on_itself_is_named_not_the_rank_stuck_behind_it():
     with pytest.raises(PlanError, match=r"rank 1, action 0 \(F0\.1\): deadlock: .*cycle rank 1 -> rank 1 "
                                         r"\[CSV row 1, column 0: '2F0'\]"):
         plan_from_csv("\n".join(",".join(r) for r in rows))
+
+
+def test_schedule_cli_refuses_sizes_that_disagree_with_the_csv(tmp_path, capsys):
+    from engine.cli import main
+    path = tmp_path / "zbv.csv"
+    path.write_text(plan_to_csv(build_plan("zbv", 2, 4, 2)))
+    with pytest.raises(SystemExit) as exit_:
+        main(["schedule", "--from-csv", str(path), "--pp", "4"])
+    assert exit_.value.code == 2
+    assert "--pp 4 disagrees with --from-csv" in capsys.readouterr().err
+    assert main(["schedule", "--from-csv", str(path), "--pp", "2", "-m", "4"]) == 0
+    assert "pp=2 vp=2 microbatches=4" in capsys.readouterr().out

@@ -236,3 +236,17 @@ def test_json_path_is_checked_before_any_rank_starts(tmp_path, capsys):
     assert "is a folder" in capsys.readouterr().err
     assert main(["tune", str(path), "--json", str(tmp_path / "no" / "such" / "x.json")]) == 2
     assert "its folder does not exist" in capsys.readouterr().err
+
+
+def test_measured_records_that_are_incomplete_exit_2(tmp_path, capsys, tuned):
+    path, result, root = tuned
+    for edit, message in ((lambda r: r["measured"].pop("transfer_ms"), "its 'measured' record is incomplete"),
+                          (lambda r: r["measured"].update(layouts={}), "it measured no layout"),
+                          (lambda r: r["measured"]["layouts"].pop("interleaved v=2"),
+                           "no measurement of the config's own layout")):
+        broken = json.loads(json.dumps(result))
+        edit(broken)
+        bad = tmp_path / "broken.json"
+        bad.write_text(json.dumps(broken))
+        assert main(["tune", str(path), "--measured", str(bad)]) == 2
+        assert message in capsys.readouterr().err

@@ -67,11 +67,11 @@ def _time(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``schedule`` options on ``parser``."""
-    parser.add_argument("--pp", type=_positive_int, default=4, help="pipeline ranks P (default 4)")
+    parser.add_argument("--pp", type=_positive_int, default=None, help="pipeline ranks P (default 4)")
     parser.add_argument("--vp", type=_positive_int, default=None,
                         help="model chunks per rank (virtual pipeline size, default 1; 2 with --schedule zbv); "
                              ">= 2 selects interleaved 1F1B")
-    parser.add_argument("--microbatches", "-m", type=_positive_int, default=8, help="microbatches M (default 8)")
+    parser.add_argument("--microbatches", "-m", type=_positive_int, default=None, help="microbatches M (default 8)")
     parser.add_argument("--group-size", type=_positive_int, default=None,
                         help="microbatch_group_size_per_vp_stage G for interleaved 1F1B (default P)")
     parser.add_argument("--schedule", choices=("auto",) + SCHEDULES, default="auto",
@@ -155,6 +155,8 @@ def run(args) -> int:
     message naming the option (argparse's ``error``), before any work.
     """
     parser: argparse.ArgumentParser = args._parser
+    given = {"--pp": args.pp, "--vp": args.vp, "--microbatches": args.microbatches}
+    args.pp, args.microbatches = args.pp or 4, args.microbatches or 8
     schedule = _schedule(args)
     if args.group_size is not None and schedule != "interleaved":
         parser.error(f"--group-size {args.group_size} only applies to interleaved 1F1B; add --vp 2 (or more)")
@@ -164,7 +166,7 @@ def run(args) -> int:
     _check_output(parser, "--json", args.json, "plan.json")
     _check_output(parser, "--plot", args.plot, "plan.png")
     _check_output(parser, "--csv", args.csv, "plan.csv")
-    plan = _plan_from_csv(parser, args.from_csv) if args.from_csv is not None else _build(parser, args, schedule)
+    plan = _plan_from_csv(parser, args, given) if args.from_csv is not None else _build(parser, args, schedule)
     validate_plan(plan)
     sim = simulate(plan, **_costs(plan, args))
     buffered = max_buffered_messages(plan, sim)
@@ -196,17 +198,26 @@ def _build(parser, args, schedule) -> Plan:
                      + (f" --group-size {args.group_size}" if args.group_size is not None else "") + ")")
 
 
-def _plan_from_csv(parser, path: Path) -> Plan:
-    """``--from-csv``: the validated plan of the file, or exit 2 naming the file and the first bad action."""
+def _plan_from_csv(parser, args, given: dict) -> Plan:
+    """``--from-csv``: the validated plan of the file, or exit 2 naming the file and the first bad action (or a
+    size option given that disagrees with the file); sets ``args.pp`` / ``vp`` / ``microbatches`` from it."""
     from .torch_csv import plan_from_csv
+    path = args.from_csv
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         parser.error(f"--from-csv {path}: cannot be read ({exc}); name a CSV file")
     try:
-        return plan_from_csv(text, name=f"csv:{path.name}")
+        plan = plan_from_csv(text, name=f"csv:{path.name}")
     except ValueError as exc:  # CsvScheduleError and PlanError
         parser.error(f"--from-csv {path}: {exc}")
+    sizes = {"--pp": plan.pp_size, "--vp": plan.num_model_chunks, "--microbatches": plan.num_microbatches}
+    for option, value in given.items():
+        if value is not None and value != sizes[option]:
+            parser.error(f"{option} {value} disagrees with --from-csv {path}, which has {sizes[option]}; drop "
+                         f"{option} (the file sets it)")
+    args.pp, args.vp, args.microbatches = plan.pp_size, plan.num_model_chunks, plan.num_microbatches
+    return plan
 
 
 def report(plan: Plan, sim: Simulation, buffered, args) -> str:

@@ -263,6 +263,10 @@ def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> 
     t0 = time.perf_counter()
     model, measured = _measure(args, config, cands, own)
     cands = [c for c in cands if layout_key(c) in model.layouts]
+    if own not in cands:  # --measured of a result that did not measure this layout
+        raise ConfigError(f"--measured {args.measured}: it has no measurement of the config's own layout (virtual="
+                          f"{own.virtual}, {'split' if own.splits_backward else 'full'} backward); re-run without "
+                          f"--measured")
     P, M = config.parallel.pipeline, config.schedule.num_microbatches
     budget = None if args.memory_budget_gib is None else args.memory_budget_gib * 2**30
     ranked = rank_predictions([predict(c, model, P, M) for c in cands], budget)

@@ -223,15 +223,23 @@ def step_noise(series: list[list[float]]) -> dict:
 def model_from_record(path, config) -> tuple[CostModel, dict]:
     """The :class:`CostModel` of an earlier tune result file (its ``measured`` record), checked to be of
     ``config``'s model, pipeline and batch (``ConfigError`` otherwise)."""
+    from .config import ConfigError
     from .tune_result import check_tuned_for, read_result
     result = read_result(path)
     check_tuned_for(result["tuned_for"], config, f"--measured {path}")
     record = result["measured"]
     names = [f.name for f in dataclasses.fields(LayoutCosts)]
-    layouts = {(e["virtual"], e["splits_backward"]): LayoutCosts(**{k: tuple(e[k]) if isinstance(e[k], list) else
-                                                                    e[k] for k in names if k in e})
-               for e in record["layouts"].values()}
-    return CostModel(layouts, record["transfer_ms"], record["tied_bytes"]), record
+    try:
+        layouts = {(e["virtual"], e["splits_backward"]): LayoutCosts(**{k: tuple(e[k]) if isinstance(e[k], list)
+                                                                        else e[k] for k in names if k in e})
+                   for e in record["layouts"].values()}
+        model = CostModel(layouts, float(record["transfer_ms"]), int(record["tied_bytes"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"--measured {path}: its 'measured' record is incomplete ({type(exc).__name__}: {exc}); "
+                          f"re-run `pipecast tune CONFIG` without --measured") from None
+    if not layouts:
+        raise ConfigError(f"--measured {path}: it measured no layout; re-run `pipecast tune CONFIG` without --measured")
+    return model, record
 
 
 def layout_costs(plan, runs: list[dict]) -> LayoutCosts:
