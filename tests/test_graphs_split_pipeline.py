@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tests.distributed import run_ranks
-from tests.test_graphs_pipeline import Block, Decoder, H, MBS, S, _data
+from tests.test_graphs_pipeline import Block, Decoder, H, MBS, S, _data, _forward_step
 
 TOL = 1e-5
 LAYERS = 2
@@ -58,16 +58,6 @@ class Stage(nn.Module):
         for layer in self.decoder.layers:
             x = layer(x)
         return x
-
-
-def _forward_step(data_iterator, model):
-    item = next(data_iterator)
-
-    def loss_func(output):
-        loss = ((output.float() - item["target"]) ** 2).mean()
-        return loss, {"loss": loss.detach().clone()}
-
-    return model(item), loss_func
 
 
 def _reference(stages: list, data) -> tuple[list, dict]:
