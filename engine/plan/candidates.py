@@ -50,6 +50,11 @@ class Candidate:
         return Schedule(self.schedule).splits_backward
 
     @property
+    def layout(self) -> tuple[int, bool]:
+        """``(virtual size, splits backward)``: candidates of one layout share its measured stage costs."""
+        return self.virtual, self.splits_backward
+
+    @property
     def label(self) -> str:
         """``"interleaved v=2 G=4"``, ``"zb v=1 max_in_flight=3"``, ``"zbv v=2"``."""
         extra = (f" G={self.group_size}" if self.group_size is not None else "") + (
@@ -198,17 +203,20 @@ def predict(candidate: Candidate, model: CostModel, pp_size: int, num_microbatch
         ValueError: a measurement's per-stage lists do not have ``P*v`` entries.
     """
     from .simulate import simulate
-    key = (candidate.virtual, candidate.splits_backward)
-    if key not in model.layouts:
-        raise KeyError(f"no measured costs for virtual={key[0]} with {'split' if key[1] else 'full'} backward "
+    virtual, split = candidate.layout
+    if candidate.layout not in model.layouts:
+        raise KeyError(f"no measured costs for virtual={virtual} with {'split' if split else 'full'} backward "
                        f"(candidate {candidate.label})")
-    lc, plan = model.layouts[key], candidate.plan(pp_size, num_microbatches)
+    lc, plan = model.layouts[candidate.layout], candidate.plan(pp_size, num_microbatches)
     _check_stages(lc, plan.num_stages)
-    table = {name: [[getattr(lc, name)[plan.stage(r, c)] + (lc.action_overhead_ms if name != "weight_ms" or
-                                                              candidate.splits_backward else 0.0)
-                     for c in range(plan.num_model_chunks)] for r in range(pp_size)]
-             for name in ("forward_ms", "backward_ms", "weight_ms")}
-    sim = simulate(plan, table["forward_ms"], table["backward_ms"], model.transfer_ms, table["weight_ms"])
+
+    def placed(per_stage, overhead):  # [rank][chunk] costs of the plan's placement
+        return [[per_stage[plan.stage(r, c)] + overhead for c in range(plan.num_model_chunks)]
+                for r in range(pp_size)]
+
+    o = lc.action_overhead_ms
+    sim = simulate(plan, placed(lc.forward_ms, o), placed(lc.backward_ms, o), model.transfer_ms,
+                   placed(lc.weight_ms, o if split else 0.0))
     step = sim.makespan + lc.step_overhead_ms
     return Prediction(candidate, step * lc.calibration, step, sim.makespan, sim.bubble_overall, sim.busy,
                       peak_memory_bytes(plan, lc, model.tied_bytes), sim.peak_in_flight, sim.peak_pending_w)

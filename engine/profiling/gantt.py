@@ -10,38 +10,15 @@ scheduling delays, runtime overhead).
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
 
-from ..plan.build import Action
 from .bubble import measured_bubble, step_window, steps_of
+from .costs import action_costs, parse_action_label, simulate_costs
 from .timeline import Span
 
 __all__ = ["parse_action_label", "action_costs", "simulated_bubble", "timeline_rows", "plot_measured_timeline"]
-
-def parse_action_label(label: str) -> tuple[str, int, int] | None:
-    """``"F3.1"`` (:meth:`engine.plan.build.Action.parse`) -> ``("F", 1, 3)`` (op, chunk, microbatch); ``None``
-    for a label that is not an action's."""
-    try:
-        a = Action.parse(label)
-    except ValueError:
-        return None
-    return a.op.value, a.chunk, a.microbatch
-
-
-def action_costs(rank_spans: Sequence[Sequence[Span]], steps: Sequence[int] | None = None) -> dict:
-    """Mean duration (ns) of each ``(op, rank, chunk)`` over the compute spans of ``steps`` (default: all)."""
-    sums: dict[tuple[str, int, int], list[int]] = defaultdict(lambda: [0, 0])
-    for rank, spans in enumerate(rank_spans):
-        for s in spans:
-            parsed = parse_action_label(s.label) if s.category == "compute" else None
-            if parsed is None or (steps is not None and s.step not in steps):
-                continue
-            acc = sums[(parsed[0], rank, parsed[1])]
-            acc[0] += s.duration_ns
-            acc[1] += 1
-    return {k: total / n for k, (total, n) in sums.items()}
+# parse_action_label and action_costs live in .costs; they are imported here for the callers that knew them here
 
 
 def simulated_bubble(plan, rank_spans: Sequence[Sequence[Span]], steps: Sequence[int] | None = None):
@@ -50,17 +27,8 @@ def simulated_bubble(plan, rank_spans: Sequence[Sequence[Span]], steps: Sequence
     Returns ``(bubbles, simulation)``.  Raises ``ValueError`` if some ``(op, rank, chunk)`` of the plan was never
     measured.
     """
-    from ..plan.simulate import simulate
-    costs = action_costs(rank_spans, steps)
-    tables = {}
-    for op in ("F", "B", "W"):
-        table = [[costs.get((op, r, c)) for c in range(plan.num_model_chunks)] for r in range(plan.pp_size)]
-        needed = any(a.op.value == op for acts in plan.actions for a in acts)
-        if needed and any(v is None for row in table for v in row):
-            missing = [(r, c) for r, row in enumerate(table) for c, v in enumerate(row) if v is None]
-            raise ValueError(f"no measured '{op}' span for (rank, chunk) {missing}; record a full step of the plan")
-        tables[op] = [[(v or 0.0) / 1e6 for v in row] for row in table]  # ms
-    sim = simulate(plan, forward_time=tables["F"], backward_time=tables["B"], weight_time=tables["W"])
+    costs = {k: ns / 1e6 for k, ns in action_costs(rank_spans, steps).items()}  # ms
+    sim = simulate_costs(plan, costs)
     return list(sim.bubble), sim
 
 

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from ..plan.candidates import Candidate, candidates, predict, rank_predictions, virtual_sizes
 from .config import ConfigError, TrainConfig, load_config, parse_override_args, validate
-from .tune_model import cost_model, layout_key, model_from_record, step_times
+from .tune_model import cost_model, model_from_record, step_times
 from .tune_result import tune_path, tuned_for
 
 __all__ = ["add_arguments", "run", "config_candidate", "variant_config", "measurement_variants", "tune_worker",
@@ -237,12 +237,12 @@ def measurement_variants(cands: list[Candidate], own: Candidate) -> list[Candida
     1F1B / no pipelining (``v = 1``) or interleaved 1F1B with the full backward, ZB-H1 (``v = 1``), ZB-V
     (``v = 2``) or ``zb`` with the split one."""
     out = [own]
-    for key in sorted({layout_key(c) for c in cands} - {layout_key(own)}):
+    for key in sorted({c.layout for c in cands} - {own.layout}):
         v, split = key
         if split:
             out.append(Candidate("zb_h1") if v == 1 else Candidate("zbv", 2) if v == 2 else Candidate("zb", v))
         else:
-            out.append(next(c for c in cands if layout_key(c) == key and c.group_size is None))
+            out.append(next(c for c in cands if c.layout == key and c.group_size is None))
     return out
 
 
@@ -262,7 +262,7 @@ def _everywhere(fn, config: TrainConfig, *args) -> list:
 def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> dict:
     t0 = time.perf_counter()
     model, measured = _measure(args, config, cands, own)
-    cands = [c for c in cands if layout_key(c) in model.layouts]
+    cands = [c for c in cands if c.layout in model.layouts]
     if own not in cands:  # --measured of a result that did not measure this layout
         raise ConfigError(f"--measured {args.measured}: it has no measurement of the config's own layout (virtual="
                           f"{own.virtual}, {'split' if own.splits_backward else 'full'} backward); re-run without "

@@ -11,13 +11,8 @@ import time
 
 from ..plan.candidates import Candidate, CostModel, LayoutCosts
 
-__all__ = ["layout_key", "measure_runs", "probe_memory", "ping_pong", "cost_model", "model_from_record",
+__all__ = ["measure_runs", "probe_memory", "ping_pong", "cost_model", "model_from_record",
            "step_noise", "step_times"]
-
-
-def layout_key(c: Candidate) -> tuple[int, bool]:
-    """``(virtual size, splits backward)``: candidates with the same key share measured stage costs."""
-    return c.virtual, c.splits_backward
 
 
 # ---- on the ranks -------------------------------------------------------------------------------------------------
@@ -199,9 +194,9 @@ def cost_model(config, variants: list[Candidate], per_rank: list[list[dict]]) ->
         runs = sorted((r[i] for r in per_rank if r[i]["dp_rank"] == 0), key=lambda x: x["pp_rank"])
         lc = layout_costs(c.plan(P, M), runs)
         measured = statistics.median(step_times([[r] for r in runs], 0))
-        simulated = predict(c, CostModel({layout_key(c): lc}, transfer, tied), P, M).simulated_ms
+        simulated = predict(c, CostModel({c.layout: lc}, transfer, tied), P, M).simulated_ms
         lc = dataclasses.replace(lc, calibration=measured / simulated if simulated > 0 else 1.0)
-        layouts.setdefault(layout_key(c), lc)
+        layouts.setdefault(c.layout, lc)
         record[c.label] = {"virtual": c.virtual, "splits_backward": c.splits_backward, **dataclasses.asdict(lc),
                            "step_ms": measured, "simulated_ms": simulated}
     noise = step_noise([step_times(per_rank, i) for i in range(len(variants))])
