@@ -15,7 +15,7 @@ The model, with blocks of one size and a first-fit allocator:
 
 Static outputs and gradient buffers are never freed, so they cannot conflict and are left out.  Capturing in the
 runtime order gives zero conflicts by construction; torch's fixed order (all forwards, then all backwards reversed)
-or a single swapped pair does not (``tests/test_graphs_order.py``).
+or a single swapped pair does not (``tests/graphs/test_graphs_order.py``).
 """
 from __future__ import annotations
 

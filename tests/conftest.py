@@ -2,10 +2,7 @@
 import pytest
 import torch
 
-try:
-    from tests.megatron_vectors import in_ci
-except ImportError:  # tests/ itself on sys.path (pytest's default "prepend" import mode)
-    from megatron_vectors import in_ci
+from tests.helpers.megatron_vectors import in_ci
 
 # Skips CI accepts: hardware or OS features the machine lacks, and the optional extras CI does not install
 # (tensorboard, transformers; their reason says "optional dependency"). Any other skip (missing data, an import of

@@ -42,7 +42,7 @@ the whole backward; in layer mode B still backpropagates through the chunk down 
 
 Exactness: each parameter's gradient of one microbatch is summed by autograd from the same per-op contributions in
 the same order as the unsplit backward and accumulated into ``.grad`` once, so running each chunk's W in microbatch
-order gives bitwise the unsplit ``.grad`` (tests/test_split_backward.py).
+order gives bitwise the unsplit ``.grad`` (tests/runtime/test_split_backward.py).
 
 Activation checkpointing (``torch.utils.checkpoint``) inside a split chunk: non-reentrant checkpointing works in
 generic mode (recomputed in B, exact); in layer mode the recomputed forward does not run under the deferral and
@@ -176,7 +176,7 @@ class _LinearBridge(torch.autograd.Function):
     out (no graph of its own): B computes ``grad_x = grad @ W`` and records ``(x, grad)``; W computes
     ``grad_W = grad^T @ x`` and ``grad_b = grad.sum(0)`` (over ``[n, out]`` / ``[n, in]`` views, ``n = s*b``) and
     accumulates them through the parameters' ``AccumulateGrad``.  The same kernels on the same operands as
-    ``addmm`` / ``mm`` backward: bitwise the plain op's gradients (tests/test_split_backward.py)."""
+    ``addmm`` / ``mm`` backward: bitwise the plain op's gradients (tests/runtime/test_split_backward.py)."""
 
     @staticmethod
     def forward(ctx, x, params):

@@ -1,0 +1,118 @@
+"""The trainer's ``cuda_graphs`` call site on gloo ranks: a pp=2 x vp=2 GPT run with emulated graphs gives bitwise
+the eager losses and weights; on CPU ``backend: auto`` falls back to eager collectively with one reason.
+
+``GPTChunk`` has no Megatron ``decoder``, so this also covers the runtime's per-chunk microbatch counter.  The
+config schema does not list the test-only ``emulate`` backend: the test sets it on the trainer's config after
+validation (the runtime is built lazily at the first step).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from tests.helpers.distributed import run_ranks
+
+STEPS = 4
+
+
+def _overrides(run_dir, **extra):
+    return {"model.num_layers": 4, "model.hidden_size": 16, "model.num_attention_heads": 2, "model.seq_length": 8,
+            "data.max_bytes": 50_000, "schedule.micro_batch_size": 2, "schedule.num_microbatches": 4,
+            "schedule.steps": STEPS, "schedule.eval_interval": 0, "logging.progress_bar": False,
+            "logging.level": "WARNING", "parallel.pipeline": 2, "parallel.virtual": 2,
+            "logging.run_dir": str(run_dir), **extra}
+
+
+def _digest(trainer) -> str:
+    h = hashlib.sha256()
+    for chunk in trainer.model:
+        for p in chunk.parameters():
+            h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _job(rank, world, run_dir):
+    from engine import Trainer
+    from engine.training.config import load_config
+    out = {}
+    for name, backend in (("eager", None), ("emulate", "emulate"), ("auto", "auto")):
+        config = load_config(None, _overrides(f"{run_dir}/{name}"))
+        with Trainer(config) as trainer:
+            if backend is not None:
+                trainer.config.cuda_graphs.enabled = True
+                trainer.config.cuda_graphs.backend = backend
+                trainer.config.cuda_graphs.warmup_steps = 1
+            losses, active = [], []
+            for _ in range(STEPS):
+                losses.append(trainer.train_step()["loss"])
+                runtime = getattr(trainer, "_graphs", None)
+                active.append(bool(runtime is not None and runtime.active))
+            report = runtime.layers.report if backend is not None else None
+            out[name] = {"losses": losses, "digest": _digest(trainer), "active": active,
+                         "backend": report.backend if report else None, "reason": report.reason if report else None,
+                         "graphs": report.num_graphs if report else 0}
+            if runtime is not None:
+                runtime.close()
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_trainer_with_emulated_graphs_matches_eager(tmp_path):
+    results = run_ranks(_job, 2, tmp_path, timeout=140)
+    for rank, res in enumerate(results):
+        eager, graphed, auto = res["eager"], res["emulate"], res["auto"]
+        assert graphed["backend"] == "emulate" and graphed["active"] == [False] + [True] * (STEPS - 1)
+        assert graphed["graphs"] == 2 * 1 * 4  # 2 chunks x 1 block x 4 microbatches
+        assert graphed["losses"] == eager["losses"], rank  # bitwise (floats from the same tensors)
+        assert graphed["digest"] == eager["digest"], rank
+        assert auto["backend"] == "eager" and "no CUDA device" in auto["reason"] and not any(auto["active"])
+        assert auto["losses"] == eager["losses"]
+
+
+SPLIT_CASES = (("zb_h1", 1, None), ("zbv", 2, None), ("zb", 2, 3))  # schedule, virtual, max_in_flight
+
+
+def _split_job(rank, world, run_dir):
+    """zb_h1 and zbv GPT runs, eager and with emulated F / B / W graphs (the trainer wires the W graphs into the
+    split backward's W passes)."""
+    from engine import Trainer
+    from engine.training.config import load_config
+    out = {}
+    for schedule, virtual, limit in SPLIT_CASES:
+        for backend in (None, "emulate"):
+            extra = {"parallel.virtual": virtual, "parallel.schedule": schedule, "parallel.max_in_flight": limit}
+            if backend is not None:
+                extra.update({"cuda_graphs.enabled": True, "cuda_graphs.warmup_steps": 1})
+            config = load_config(None, _overrides(f"{run_dir}/{schedule}-{backend}", **extra))
+            with Trainer(config) as trainer:
+                if backend is not None:
+                    trainer.config.cuda_graphs.backend = backend  # test-only backend, set after validation
+                losses, active = [], []
+                for _ in range(STEPS):
+                    losses.append(trainer.train_step()["loss"])
+                    runtime = getattr(trainer, "_graphs", None)
+                    active.append(bool(runtime is not None and runtime.active))
+                report = runtime.layers.report if runtime is not None else None
+                out[(schedule, backend)] = {"losses": losses, "digest": _digest(trainer), "active": active,
+                                            "reason": report.reason if report else None,
+                                            "order": report.order if report else None}
+                if runtime is not None:
+                    runtime.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_trainer_split_schedules_with_emulated_graphs_match_eager(tmp_path):
+    from engine.plan import build_plan
+    from graphs import graph_order
+    results = run_ranks(_split_job, 2, tmp_path, timeout=190)
+    for rank, res in enumerate(results):
+        for schedule, virtual, limit in SPLIT_CASES:
+            eager, graphed = res[(schedule, None)], res[(schedule, "emulate")]
+            assert graphed["active"] == [False] + [True] * (STEPS - 1), (schedule, rank, graphed["reason"])
+            plan = build_plan(schedule, 2, 4, virtual, max_in_flight=limit)  # the trainer's plan, W included
+            assert graphed["order"] == graph_order(plan, rank)
+            assert graphed["losses"] == eager["losses"], (schedule, rank)  # bitwise
+            assert graphed["digest"] == eager["digest"], (schedule, rank)

@@ -1,0 +1,88 @@
+"""Rank functions for the spawner tests (importable: the ``spawn`` start method imports them by name)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def sum_ranks(rank: int, world: int, scale: float) -> dict:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return {"rank": rank, "sum": t.item() * scale, "pid": os.getpid(), "env_rank": os.environ["RANK"]}
+
+
+def raise_on(rank: int, world: int, bad: int, pid_dir: str) -> None:
+    _pid(pid_dir, rank)
+    if rank == bad:
+        time.sleep(0.2)
+        raise ValueError(f"injected on rank {rank}")
+    dist.barrier()  # the peer fails on the closed connection, or is stopped
+
+
+def kill_self(rank: int, world: int, bad: int, pid_dir: str) -> None:
+    _pid(pid_dir, rank)
+    if rank == bad:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def stop_self(rank: int, world: int, bad: int, pid_dir: str) -> None:
+    """Rank ``bad`` SIGSTOPs itself; the others wait for it in a collective until the group timeout."""
+    _pid(pid_dir, rank)
+    if rank == bad:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    t = torch.zeros(1)
+    dist.all_reduce(t)
+
+
+def hang(rank: int, world: int, pid_dir: str) -> None:
+    _pid(pid_dir, rank)
+    time.sleep(600)
+
+
+def slow_on_sigterm(rank: int, world: int, pid_dir: str, delay: float) -> str:
+    """Handles SIGTERM by finishing ``delay`` seconds later (a save that takes a while)."""
+    got = []
+    signal.signal(signal.SIGTERM, lambda *a: got.append(time.monotonic()))
+    _pid(pid_dir, rank)
+    while not got:
+        time.sleep(0.05)
+    time.sleep(delay)
+    return "finished"
+
+
+def ends_with_exit(rank: int, world: int) -> None:
+    dist.barrier()
+    os._exit(0)
+
+
+def _pid(pid_dir: str, rank: int) -> None:
+    path = os.path.join(pid_dir, f"{rank}.pid")
+    with open(path + ".tmp", "w") as fh:
+        fh.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+
+
+def main(argv=None) -> int:
+    """``python -m tests.helpers.spawn_jobs SCENARIO PID_DIR [GRACE]``: a caller process for the SIGTERM tests; prints the
+    results or ``ExceptionType: message`` and exits 0 / 3."""
+    import sys
+    from engine.runtime.spawn import spawn
+    scenario, pid_dir, *rest = argv if argv is not None else sys.argv[1:]
+    grace = float(rest[0]) if rest else 30.0
+    fn, args = {"slow_on_sigterm": (slow_on_sigterm, (pid_dir, 2.0)), "hang": (hang, (pid_dir,))}[scenario]
+    try:
+        print(spawn(fn, 2, args=args, term_grace_s=grace), flush=True)
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - the test reads the line
+        print(f"{type(exc).__name__}: {exc}", flush=True)
+        return 3
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""``engine.spawn`` / ``engine.runtime.spawn.spawn``: the one spawner of local ranks (launcher, tests, benchmarks).
+
+Results come back to the caller in rank order; every failure is one exception with a one-line message naming the
+rank to blame and its real cause, and no rank process outlives the call.  Rank functions: tests/helpers/spawn_jobs.py.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import engine
+from engine.runtime import spawn as sp
+from tests.helpers import spawn_jobs as jobs
+from tests.helpers.distributed import process_alive
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pids(pid_dir: Path) -> list[int]:
+    return [int(f.read_text()) for f in sorted(pid_dir.glob("*.pid"))]
+
+
+def _no_rank_left(pid_dir: Path) -> None:
+    pids = _pids(pid_dir)
+    assert pids and not any(process_alive(p) for p in pids), "a rank process outlived spawn()"
+
+
+@pytest.mark.timeout(60)
+def test_results_come_back_in_rank_order():
+    assert engine.spawn is sp.spawn
+    out = sp.spawn(jobs.sum_ranks, 2, args=(10.0,), timeout_s=50)
+    assert [r["rank"] for r in out] == [0, 1] and [r["env_rank"] for r in out] == ["0", "1"]
+    assert all(r["sum"] == 10.0 for r in out)  # all_reduce of 0 + 1, scaled: the ranks formed one group
+    assert sp.spawn(jobs.ends_with_exit, 2, timeout_s=50) == [None, None]  # os._exit(0): no value, no error
+
+
+@pytest.mark.timeout(60)
+def test_a_raise_is_one_line_naming_the_rank_and_cause(tmp_path):
+    with pytest.raises(sp.RankError) as info:
+        sp.spawn(jobs.raise_on, 2, args=(1, str(tmp_path)), timeout_s=50)
+    err = info.value
+    assert str(err) == "rank 1 failed: ValueError: injected on rank 1; stopped the other ranks (0)"
+    assert err.rank == 1 and "Traceback" in err.traceback and "raise_on" in err.traceback
+    _no_rank_left(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_rank_is_named_with_its_signal(tmp_path):
+    with pytest.raises(sp.RankError) as info:
+        sp.spawn(jobs.kill_self, 2, args=(1, str(tmp_path)), timeout_s=50)
+    assert str(info.value).startswith("rank 1 (pid ") and "was killed by SIGKILL; stopped the other ranks (0)" \
+        in str(info.value)
+    _no_rank_left(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_stopped_rank_ends_as_the_peers_timeout_within_the_grace(tmp_path):
+    """Rank 1 SIGSTOPs itself: rank 0's collective times out after ``group_timeout_s`` and is the error reported
+    (not the spawner's SIGKILL of the stopped rank), within the timeout + REPORT_GRACE_S + the stop."""
+    start = time.monotonic()
+    with pytest.raises(sp.RankError) as info:
+        sp.spawn(jobs.stop_self, 2, args=(1, str(tmp_path)), group_timeout_s=3, timeout_s=50)
+    took = time.monotonic() - start
+    assert info.value.rank == 0 and "Timed out" in str(info.value), str(info.value)
+    pid_written = min(f.stat().st_mtime for f in tmp_path.glob("*.pid"))
+    assert time.time() - pid_written < 3 + sp.REPORT_GRACE_S + 4, f"reported {took:.1f}s after the start"
+    _no_rank_left(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_job_timeout_stops_every_rank(tmp_path):
+    with pytest.raises(sp.JobTimeout) as info:
+        sp.spawn(jobs.hang, 2, args=(str(tmp_path),), timeout_s=10)
+    assert info.value.ranks == [0, 1] and "timeout_s=10" in str(info.value)
+    _no_rank_left(tmp_path)
+
+
+def _caller(tmp_path: Path, scenario: str, grace: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.spawn_jobs", scenario, str(tmp_path), str(grace)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 40
+    while len(_pids(tmp_path)) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert len(_pids(tmp_path)) == 2, proc.communicate()[1][-2000:]
+    time.sleep(0.3)
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("grace,expect", [(30.0, "['finished', 'finished']"),
+                                          (0.5, "Terminated: terminated: the ranks did not finish within "
+                                                "term_grace_s=0.5 s")], ids=["in-grace", "past-grace"])
+def test_sigterm_is_forwarded_and_the_ranks_get_the_grace(tmp_path, grace, expect):
+    """SIGTERM to the caller reaches every rank; ranks that finish within ``term_grace_s`` return their values,
+    ranks that take longer are killed and Terminated is raised."""
+    proc = _caller(tmp_path, "slow_on_sigterm", grace)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=40)
+    assert out.strip().startswith(expect), out + err[-2000:]
+    _no_rank_left(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_rank_killed_by_the_forwarded_sigterm_is_terminated_not_blamed(tmp_path):
+    proc = _caller(tmp_path, "hang", 30.0)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=40)
+    assert out.startswith("Terminated: terminated: rank ") and "forwarded SIGTERM" in out, out
+    _no_rank_left(tmp_path)
+
+
+# ---- pure parts -------------------------------------------------------------------------------------------------
+def test_blame_prefers_a_killed_rank_then_the_earliest_raise():
+    kill, stop = -int(signal.SIGKILL), -int(signal.SIGINT)  # SIGINT: the spawner's own stop signal
+    records = {0: (2_000, "RuntimeError: Connection closed by peer", "tb0"), 3: (1_000, "ValueError: x", "tb3")}
+    assert sp._blame([1, stop, kill, 1], records) == 2  # killed by a signal the spawner did not send
+    assert sp._blame([1, stop, None, 1], records) == 3  # the earliest recorded raise, not the first reported
+    assert sp._blame([None, 7, stop, None], {}) == 1  # no record: the first non-zero exit
+    err = sp.RankError(2, 102, "was killed by SIGKILL", "", kill, "SIGKILL", [0, 1, 3])
+    assert str(err) == "rank 2 (pid 102) was killed by SIGKILL; stopped the other ranks (0, 1, 3)"
+
+
+def _raise(factory):
+    try:
+        factory()
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+    raise AssertionError("no exception")
+
+
+def test_describe_exception_is_one_line_with_the_os_error_under_it():
+    def multiline():
+        raise RuntimeError("checkpoint is truncated\n  File 'x.distcp' is missing\ndelete it")
+
+    def chained():
+        try:
+            multiline()
+        except RuntimeError as exc:
+            raise KeyError("cannot resume") from exc
+    assert sp.describe_exception(_raise(multiline)) == "RuntimeError: checkpoint is truncated"
+    assert sp.describe_exception(_raise(chained)) == "KeyError: 'cannot resume'"
+
+    from torch.distributed.checkpoint.api import CheckpointException
+    full = OSError(28, os.strerror(28), "/ckpt/__0_0.distcp")
+    dcp = CheckpointException("save failed", {0: (full, None)})
+    line = sp.describe_exception(dcp)
+    assert "\n" not in line and line.endswith("(OSError: [Errno 28] No space left on device: '/ckpt/__0_0.distcp')")
+    assert sp.describe_exception(full) == "OSError: [Errno 28] No space left on device: '/ckpt/__0_0.distcp'"
+
+
+def test_bad_world_size_is_refused():
+    with pytest.raises(ValueError, match="world_size=0"):
+        sp.spawn(jobs.sum_ranks, 0)
