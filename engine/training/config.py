@@ -6,7 +6,7 @@ overrides (values parsed as YAML scalars by the same loader), checks every key a
 below and validates the whole run (:func:`validate`) before any process group exists.  Every error is a :class:`ConfigError` (a ``ValueError``)
 or ``TypeError`` that names the field, the value and the fix.
 
-Sections: ``model``, ``parallel``, ``data``, ``optimizer``, ``schedule``, ``checkpoint``, ``logging``,
+Sections: ``model``, ``parallel``, ``data``, ``optimizer``, ``training``, ``checkpoint``, ``logging``,
 ``cuda_graphs``, ``profile``.  ``docs/config`` in the README lists every field; the defaults here are the
 reference.
 """
@@ -27,13 +27,13 @@ import yaml
 from ..plan.schedule import Schedule, select_schedule
 from ..plan.table import validate_interleaved_microbatches
 
-__all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig",
+__all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "TrainingConfig",
            "CheckpointConfig", "LoggingConfig", "CudaGraphsConfig", "ProfileConfig", "TrainConfig",
            "load_config", "config_from_dict", "config_to_dict", "apply_overrides", "parse_override_args",
            "validate", "validate_parallel", "validate_world_size", "dump_config", "ConfigLoader", "check_fresh_run"]
 
 
-MAX_STEPS = 10**9  # the upper bound of schedule.steps
+MAX_STEPS = 10**9  # the upper bound of training.steps
 
 
 class ConfigError(ValueError):
@@ -153,7 +153,7 @@ class OptimizerConfig:
 
 
 @dataclass
-class ScheduleConfig:
+class TrainingConfig:
     """The step: ``num_microbatches`` microbatches of ``micro_batch_size`` sequences per data-parallel rank."""
 
     steps: int = 100
@@ -208,7 +208,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cuda_graphs: CudaGraphsConfig = field(default_factory=CudaGraphsConfig)
@@ -230,11 +230,11 @@ class TrainConfig:
     @property
     def global_batch_size(self) -> int:
         """Sequences per optimizer step over all data-parallel ranks."""
-        return self.schedule.micro_batch_size * self.schedule.num_microbatches * self.data_parallel_size
+        return self.training.micro_batch_size * self.training.num_microbatches * self.data_parallel_size
 
     @property
     def eval_microbatches(self) -> int:
-        return self.schedule.eval_microbatches or self.schedule.num_microbatches
+        return self.training.eval_microbatches or self.training.num_microbatches
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -322,6 +322,9 @@ def config_from_dict(data: dict | None) -> TrainConfig:
         raise TypeError(f"a config must be a mapping of sections, got {type(data).__name__}")
     sections = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     hints = typing.get_type_hints(TrainConfig)
+    if "schedule" in data:
+        raise ConfigError(f"config section 'schedule' is now called 'training' ({', '.join(data['schedule'] or [])}): "
+                          "rename the section 'schedule:' to 'training:' (overrides: --training.steps=...)")
     unknown = sorted(set(data) - set(sections))
     if unknown:
         raise ConfigError(f"unknown config section {unknown[0]!r}; sections are: {', '.join(sections)}")
@@ -333,7 +336,7 @@ def config_to_dict(config: TrainConfig) -> dict:
 
 
 def parse_override_args(args: list[str]) -> list[str]:
-    """``["--model.num_layers=8", "--schedule.steps", "10"]`` -> ``["model.num_layers=8", "schedule.steps=10"]``.
+    """``["--model.num_layers=8", "--training.steps", "10"]`` -> ``["model.num_layers=8", "training.steps=10"]``.
 
     Raises:
         ConfigError: an argument that is not ``--section.key=value`` (or ``--section.key value``).
@@ -343,7 +346,7 @@ def parse_override_args(args: list[str]) -> list[str]:
         arg = args[i]
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
             raise ConfigError(f"unrecognized argument {arg!r}; overrides look like --section.key=value "
-                              f"(e.g. --schedule.steps=50)")
+                              f"(e.g. --training.steps=50)")
         if "=" in arg:
             out.append(arg[2:])
         elif i + 1 < len(args) and not args[i + 1].startswith("--"):
@@ -366,7 +369,7 @@ def apply_overrides(data: dict, overrides: list[str] | dict[str, Any] | None) ->
     for dotted, value in items:
         parts = dotted.split(".")
         if len(parts) != 2 or not all(parts):
-            raise ConfigError(f"override {dotted!r} must name section.key (e.g. schedule.steps)")
+            raise ConfigError(f"override {dotted!r} must name section.key (e.g. training.steps)")
         section, key = parts
         if not isinstance(data.setdefault(section, {}), dict):
             raise TypeError(f"config section {section!r} is not a mapping; cannot set {dotted}")
@@ -464,20 +467,20 @@ def validate(config: TrainConfig) -> None:
     Raises:
         ConfigError (ValueError) / RuntimeError naming field, value and fix.
     """
-    m, p, s, o, d = config.model, config.parallel, config.schedule, config.optimizer, config.data
+    m, p, s, o, d = config.model, config.parallel, config.training, config.optimizer, config.data
     _validate_finite(config)
     for where, value in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
                          ("model.num_attention_heads", m.num_attention_heads), ("model.ffn_hidden_size",
                          m.ffn_hidden_size), ("parallel.pipeline", p.pipeline), ("parallel.virtual", p.virtual),
-                         ("parallel.data", p.data), ("schedule.steps", s.steps),
-                         ("schedule.micro_batch_size", s.micro_batch_size),
-                         ("schedule.num_microbatches", s.num_microbatches), ("schedule.eval_iters", s.eval_iters),
-                         ("schedule.eval_microbatches", s.eval_microbatches),
+                         ("parallel.data", p.data), ("training.steps", s.steps),
+                         ("training.micro_batch_size", s.micro_batch_size),
+                         ("training.num_microbatches", s.num_microbatches), ("training.eval_iters", s.eval_iters),
+                         ("training.eval_microbatches", s.eval_microbatches),
                          ("data.split_block_bytes", d.split_block_bytes), ("data.max_bytes", d.max_bytes),
                          ("checkpoint.keep", config.checkpoint.keep), ("logging.log_interval",
                          config.logging.log_interval)]:
         _positive(where, value, "use a positive integer")
-    for where, value in [("schedule.eval_interval", s.eval_interval), ("checkpoint.interval",
+    for where, value in [("training.eval_interval", s.eval_interval), ("checkpoint.interval",
                          config.checkpoint.interval), ("optimizer.warmup_steps", o.warmup_steps),
                          ("profile.wait", config.profile.wait), ("profile.warmup", config.profile.warmup)]:
         _positive(where, value, "use 0 or a positive integer", minimum=0)
@@ -521,9 +524,9 @@ def validate(config: TrainConfig) -> None:
     _validate_device(config)  # last: the only check that may import torch
 
 
-def _validate_steps_bound(s: ScheduleConfig) -> None:
+def _validate_steps_bound(s: TrainingConfig) -> None:
     if s.steps > MAX_STEPS:
-        raise ConfigError(f"schedule.steps={s.steps} is over the upper bound {MAX_STEPS:_}; use a step count "
+        raise ConfigError(f"training.steps={s.steps} is over the upper bound {MAX_STEPS:_}; use a step count "
                           f"<= {MAX_STEPS:_} (at one step per millisecond that is 11 days)")
 
 
@@ -616,7 +619,7 @@ def _validate_schedule(config: TrainConfig) -> None:
 
 def validate_parallel(config: TrainConfig) -> None:
     """The ``parallel`` section against the model and schedule sizes (part of :func:`validate`)."""
-    m, p, s = config.model, config.parallel, config.schedule
+    m, p, s = config.model, config.parallel, config.training
     _validate_schedule(config)
     chunks = p.pipeline * p.virtual
     if p.pipeline == 1 and p.virtual != 1 and p.schedule != "zbv":
@@ -644,12 +647,12 @@ def validate_parallel(config: TrainConfig) -> None:
                 if not p.pipeline <= group <= count:
                     raise ConfigError(
                         f"parallel.microbatch_group_size_per_vp_stage={group} is invalid for interleaved 1F1B "
-                        f"(parallel.pipeline={p.pipeline}, schedule.num_microbatches={s.num_microbatches}, "
+                        f"(parallel.pipeline={p.pipeline}, training.num_microbatches={s.num_microbatches}, "
                         f"eval microbatches={config.eval_microbatches}): it must be in [parallel.pipeline, "
                         f"num_microbatches] = [{p.pipeline}, {count}]; set it in that range or remove it (default: "
                         f"parallel.pipeline)")
-        for where, count in [("schedule.num_microbatches", s.num_microbatches),
-                             ("schedule.eval_microbatches", config.eval_microbatches)]:
+        for where, count in [("training.num_microbatches", s.num_microbatches),
+                             ("training.eval_microbatches", config.eval_microbatches)]:
             try:
                 validate_interleaved_microbatches(count, p.pipeline, group)
             except (ValueError, RuntimeError) as exc:

@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the resolved config (file + overrides, validated) as YAML and exit")
     from .config_help import help_text
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = ("Override any config field with --section.key=value, e.g. --schedule.steps=50 "
+    parser.epilog = ("Override any config field with --section.key=value, e.g. --training.steps=50 "
                      "--parallel.pipeline=4. Under torchrun each process joins the job; otherwise the configured "
                      "number of local ranks is spawned.\n\n" + help_text())
 

@@ -97,12 +97,12 @@ class Trainer:
         # are left alone (train() refuses a fresh start there, see check_fresh_run)
         self._run_files_open = not list_checkpoints(config.checkpoint_dir)
         self._log_file = _setup_logging(config, self.is_log_rank, self.run_dir, to_file=self._run_files_open)
-        set_seed_and_determinism(config.schedule.seed, self.pp_rank, config.schedule.deterministic)
+        set_seed_and_determinism(config.training.seed, self.pp_rank, config.training.deterministic)
 
         self.tracer = None  # an engine.runtime.tracing.Tracer; the profiling tools set it
         self.mp_config = self._model_parallel_config()
         self.model = build_model_chunks(config.model, config.ffn_hidden_size, p.pipeline, self.pp_rank, p.virtual,
-                                        config.schedule.seed, self.mp_config, self.device,
+                                        config.training.seed, self.mp_config, self.device,
                                         stages=self.plan.stages_of(self.pp_rank))
         first, last = self.plan.stage_location(0)[0], self.plan.stage_location(self.plan.num_stages - 1)[0]
         self.grad_sync = GradSync(self.model, self.pg, overlap=p.overlap_grad_reduce, tied_on_one_rank=first == last)
@@ -110,7 +110,7 @@ class Trainer:
         self.mp_config.no_sync_func = self.grad_sync.no_sync
         self.canonical = canonical_module(self.model)
         self.optimizer = self._build_optimizer()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_multiplier)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_multiplier)
         self.batches = self._build_batches()
         self.step = 0
         self.history: list[dict] = []
@@ -173,7 +173,7 @@ class Trainer:
             batch_p2p_comm=p.batch_p2p_comm, overlap_p2p_comm=p.overlap_p2p_comm,
             deallocate_pipeline_outputs=p.deallocate_pipeline_outputs,
             enable_autocast=bf16, autocast_dtype=torch.bfloat16 if bf16 else None,
-            deterministic_mode=c.schedule.deterministic)
+            deterministic_mode=c.training.deterministic)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         o = self.config.optimizer
@@ -186,13 +186,13 @@ class Trainer:
 
     def _lr_multiplier(self, step: int) -> float:
         o = self.config.optimizer
-        return lr_lambda(step, o.lr, o.min_lr, o.warmup_steps, self.config.schedule.steps)
+        return lr_lambda(step, o.lr, o.min_lr, o.warmup_steps, self.config.training.steps)
 
     def _plan(self):
         """The plan of one training step (built once; its placement decides which stages this rank holds)."""
         from ..plan import build_plan
         c, p = self.config, self.config.parallel
-        return build_plan(c.schedule_name, p.pipeline, c.schedule.num_microbatches, p.virtual,
+        return build_plan(c.schedule_name, p.pipeline, c.training.num_microbatches, p.virtual,
                           p.microbatch_group_size_per_vp_stage if c.schedule_name == "interleaved" else None,
                           max_in_flight=p.max_in_flight)
 
@@ -218,8 +218,8 @@ class Trainer:
             return None  # middle stages read no data
         c = self.config
         corpus = load_corpus(c.data, c.model.seq_length, c.model.vocab_size)
-        return Batches(corpus, c.model.seq_length, c.schedule.micro_batch_size, c.schedule.num_microbatches,
-                       self.dp_rank, self.dp_size, c.schedule.seed, c.model.vocab_size, self.device)
+        return Batches(corpus, c.model.seq_length, c.training.micro_batch_size, c.training.num_microbatches,
+                       self.dp_rank, self.dp_size, c.training.seed, c.model.vocab_size, self.device)
 
     def _schedule(self):
         from .. import schedules  # the public API; imported late so that `engine` never imports the trainer eagerly
@@ -255,7 +255,7 @@ class Trainer:
         kwargs: dict[str, Any] = dict(
             forward_step_func=forward_step_func or self._forward_step, data_iterator=self._iterators(microbatches),
             model=self.model, num_microbatches=num_microbatches, seq_length=c.model.seq_length,
-            micro_batch_size=micro_batch_size or c.schedule.micro_batch_size, forward_only=forward_only,
+            micro_batch_size=micro_batch_size or c.training.micro_batch_size, forward_only=forward_only,
             pg_collection=self.pg, p2p_communicator=self._p2p)
         if collect_non_loss_data:
             kwargs["collect_non_loss_data"] = True
@@ -286,8 +286,8 @@ class Trainer:
                                         warmup_steps=cg.warmup_steps, tracer=self.tracer,
                                         variable_seq_lengths=self.mp_config.variable_seq_lengths,
                                         defer_weight_grad=defer_weight_grad, plan=self.plan)
-        self._graphs.before_step(self.config.schedule.num_microbatches,
-                                 (self.config.model.seq_length, self.config.schedule.micro_batch_size))
+        self._graphs.before_step(self.config.training.num_microbatches,
+                                 (self.config.model.seq_length, self.config.training.micro_batch_size))
 
     def train_step(self) -> dict:
         """Run one optimizer step; returns ``{step, loss, grad_norm, lr, tokens_per_s, tokens_seen, step_time_s,
@@ -305,13 +305,13 @@ class Trainer:
             chunk.train()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
-        store = self._run_schedule(self._data(self.step), self.config.schedule.num_microbatches, False)
+        store = self._run_schedule(self._data(self.step), self.config.training.num_microbatches, False)
         grad_norm = clip_grad_norm(self.model, self.config.optimizer.grad_clip, self.pg)
         loss = self._reduce_loss(store)
         if self.config.optimizer.check_for_nan_in_loss_and_grad:
             self._check_finite(loss, grad_norm)
         self.optimizer.step()
-        self.scheduler.step()
+        self.lr_scheduler.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -359,14 +359,14 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Validation loss (nats per token) with the forward-only schedule over ``schedule.eval_iters`` fixed
+        """Validation loss (nats per token) with the forward-only schedule over ``training.eval_iters`` fixed
         batches; the same value on every rank."""
         for chunk in self.model:
             chunk.eval()
         c, total = self.config, torch.zeros(2, dtype=torch.float64)
         m = c.eval_microbatches
-        for i in range(c.schedule.eval_iters):
-            data = (self.batches.val(i, c.schedule.eval_iters, m, self._reads_tokens, self._reads_labels)
+        for i in range(c.training.eval_iters):
+            data = (self.batches.val(i, c.training.eval_iters, m, self._reads_tokens, self._reads_labels)
                     if self.batches is not None else None)
             for entry in self._run_schedule(data, m, True):
                 total += entry["lm loss"].detach().to("cpu", torch.float64)
@@ -413,14 +413,14 @@ class Trainer:
                seed: int | None = None) -> list[int]:
         """Collective (every rank): ``num_tokens`` token ids generated after a newline prompt by the model as it
         is now (eval mode, the training RNG untouched: draws come from a generator seeded with ``seed``, default
-        ``schedule.seed + step``).  Returns the ids on every rank (sampled on the last stage, broadcast over the
+        ``training.seed + step``).  Returns the ids on every rank (sampled on the last stage, broadcast over the
         pipeline group); see :func:`engine.training.generate.sample_token`."""
         from .generate import encode_prompt, sample_token
         for chunk in self.model:
             chunk.eval()
         tok, vocab = self.tokenizer, self.config.model.vocab_size
         ids = encode_prompt(tok, "", vocab) if self.batches is not None else [0]
-        generator = torch.Generator().manual_seed(self.config.schedule.seed + self.step if seed is None else seed)
+        generator = torch.Generator().manual_seed(self.config.training.seed + self.step if seed is None else seed)
         suspend = self._graphs.suspend() if self._graphs is not None else contextlib.nullcontext()
         new: list[int] = []
         with suspend:
@@ -450,7 +450,7 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def train(self, steps: int | None = None) -> list[dict]:
-        """Train until ``schedule.steps`` (or ``steps`` more steps), evaluating every ``schedule.eval_interval``
+        """Train until ``training.steps`` (or ``steps`` more steps), evaluating every ``training.eval_interval``
         steps (and before the first step of this run, fresh or resumed, and at the end) and checkpointing every
         ``checkpoint.interval`` steps and at the end.  Returns the per-step metrics of this call.
 
@@ -464,12 +464,12 @@ class Trainer:
         c = self.config
         if self.step == 0 and not self._resumed:
             check_fresh_run(c, resume=False)  # every rank raises the same error (the folder is shared)
-        end = c.schedule.steps if steps is None else min(c.schedule.steps, self.step + steps)
+        end = c.training.steps if steps is None else min(c.training.steps, self.step + steps)
         start = self.step
-        if self.step >= c.schedule.steps:
+        if self.step >= c.training.steps:
             if self.is_log_rank:
-                log.info("nothing to do: %s step %d >= schedule.steps=%d; raise schedule.steps to train further",
-                         "checkpoint" if self._resumed else "trainer", self.step, c.schedule.steps)
+                log.info("nothing to do: %s step %d >= training.steps=%d; raise training.steps to train further",
+                         "checkpoint" if self._resumed else "trainer", self.step, c.training.steps)
             return []
         if self.is_log_rank and self._metrics is None:
             self._metrics = MetricsLog(self.run_dir, self.step if self._resumed else None, c.logging.tensorboard,
@@ -483,8 +483,8 @@ class Trainer:
                 metrics = self.train_step()
                 if self.step % c.logging.log_interval == 0 or self.step == end:
                     self._log_step(metrics)
-                if (c.schedule.eval_interval and self.step % c.schedule.eval_interval == 0) or \
-                        self.step == c.schedule.steps:
+                if (c.training.eval_interval and self.step % c.training.eval_interval == 0) or \
+                        self.step == c.training.steps:
                     metrics["val_loss"] = self.evaluate()
                     self._log_eval(metrics["val_loss"])
                     self._log_sample()
@@ -498,7 +498,7 @@ class Trainer:
                     break
         if self._metrics is not None and self.val_history[-1][0] != self.step:
             self._metrics.plot()  # the end (an evaluation at this step has drawn it already)
-        if c.checkpoint.save_at_end and self.step == c.schedule.steps and self.step > start and \
+        if c.checkpoint.save_at_end and self.step == c.training.steps and self.step > start and \
                 not (c.checkpoint.interval and self.step % c.checkpoint.interval == 0):
             self.save()
         return self.history[len(self.history) - (self.step - start):]
@@ -532,7 +532,7 @@ class Trainer:
         memory = f" | mem {m['max_memory_gib']:.2f} GiB" if "max_memory_gib" in m else ""
         mfu = f" | MFU {100 * m['mfu']:.1f}%" if "mfu" in m else ""
         log.info("step %d/%d | loss %.4f | grad norm %.3f | lr %.3e | %.0f tokens/s | %.3g TFLOP/s%s | step %.3f s%s",
-                 m["step"], self.config.schedule.steps, m["loss"], m["grad_norm"], m["lr"], m["tokens_per_s"],
+                 m["step"], self.config.training.steps, m["loss"], m["grad_norm"], m["lr"], m["tokens_per_s"],
                  m["tflops"], mfu, m["step_time_s"], memory)
         if self._metrics is not None:
             self._metrics.write({k: v for k, v in m.items() if k != "val_loss"})
@@ -540,7 +540,7 @@ class Trainer:
     def _log_eval(self, loss: float) -> None:
         """The validation line of the log and of ``metrics.jsonl``; redraws ``loss.png`` (logging rank)."""
         if self.is_log_rank:
-            log.info("step %d/%d | val loss %.4f", self.step, self.config.schedule.steps, loss)
+            log.info("step %d/%d | val loss %.4f", self.step, self.config.training.steps, loss)
             if self._metrics is not None:
                 self._metrics.write({"step": self.step, "val_loss": loss})
                 self._metrics.plot()
@@ -561,7 +561,7 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
                 "trainer": {"step": torch.tensor(self.step, dtype=torch.int64)},
-                "scheduler": _scheduler_tensors(self.scheduler.state_dict()),
+                "scheduler": _scheduler_tensors(self.lr_scheduler.state_dict()),
                 "rng": {f"rank{self.rank}": rng}}
 
     def save(self, directory: str | Path | None = None) -> Path:
@@ -587,7 +587,7 @@ class Trainer:
                 {"ffn_hidden_size": c.ffn_hidden_size},
                 "model_config": dataclasses.asdict(c.model) | {"ffn_hidden_size": c.ffn_hidden_size},
                 "tokenizer": {"kind": kind} | ({"file": "tokenizer.json"} if kind == "bpe" else {}),
-                "seed": c.schedule.seed}
+                "seed": c.training.seed}
 
     def _check_checkpoint_meta(self, path: Path) -> None:
         """Compare the model settings saved with ``path`` to this config before loading any tensor.
@@ -630,7 +630,7 @@ class Trainer:
                   "trainer": {"step": torch.tensor(0, dtype=torch.int64)}}
         has_scheduler = "scheduler.last_epoch" in keys  # checkpoints of earlier versions hold the step only
         if has_scheduler:
-            target["scheduler"] = _scheduler_tensors(self.scheduler.state_dict())
+            target["scheduler"] = _scheduler_tensors(self.lr_scheduler.state_dict())
         rng_key = f"rng.rank{self.rank}.cpu"
         if rng_key in keys:
             target["rng"] = {f"rank{self.rank}": {"cpu": torch.get_rng_state()}}
@@ -660,14 +660,14 @@ class Trainer:
     def _load_scheduler(self, saved: dict | None) -> None:
         """Restore the LR schedule through ``LambdaLR.load_state_dict`` from the saved tensors (or, for a checkpoint
         without them, from the step: ``step`` scheduler steps taken), then set each group's LR to it."""
-        state = self.scheduler.state_dict()
+        state = self.lr_scheduler.state_dict()
         if saved is not None:
             state.update(_scheduler_values(saved))
         else:
-            lrs = [base * self._lr_multiplier(self.step) for base in self.scheduler.base_lrs]
+            lrs = [base * self._lr_multiplier(self.step) for base in self.lr_scheduler.base_lrs]
             state.update(last_epoch=self.step, _step_count=self.step + 1, _last_lr=lrs)
-        self.scheduler.load_state_dict(state)
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+        self.lr_scheduler.load_state_dict(state)
+        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
             group["lr"] = lr
 
     def close(self, failed: bool = False) -> None:

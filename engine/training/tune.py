@@ -168,7 +168,7 @@ def _prepare(args) -> tuple[TrainConfig, list[Candidate], Candidate]:
     own = config_candidate(config)
     sizes = _virtual_sizes(args.virtual, config)
     cands = [c for c in candidates(config.parallel.pipeline, config.model.num_layers,
-                                   config.schedule.num_microbatches)
+                                   config.training.num_microbatches)
              if c.virtual in sizes and _valid(config, c)]
     if own not in cands:
         cands.append(own)
@@ -206,7 +206,7 @@ def _virtual_sizes(text: str | None, config: TrainConfig) -> list[int]:
 
 def _valid(config: TrainConfig, c: Candidate) -> bool:
     try:
-        validate(variant_config(config, c, Path("."), config.schedule.steps))
+        validate(variant_config(config, c, Path("."), config.training.steps))
     except (ConfigError, ValueError, RuntimeError, TypeError):
         return False
     return True
@@ -225,7 +225,7 @@ def variant_config(config: TrainConfig, c: Candidate, folder: Path, steps: int) 
     r = dataclasses.replace
     fields = {k.split(".", 1)[1]: v for k, v in c.overrides().items()}
     return r(config, parallel=r(config.parallel, **fields),
-             schedule=r(config.schedule, steps=steps, eval_interval=0),
+             schedule=r(config.training, steps=steps, eval_interval=0),
              checkpoint=r(config.checkpoint, dir=str(folder / "checkpoints"), interval=0, save_at_end=False),
              logging=r(config.logging, run_dir=str(folder), progress_bar=False, tensorboard=False,
                        sample_every_eval=0, level="WARNING"),
@@ -267,7 +267,7 @@ def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> 
         raise ConfigError(f"--measured {args.measured}: it has no measurement of the config's own layout (virtual="
                           f"{own.virtual}, {'split' if own.splits_backward else 'full'} backward); re-run without "
                           f"--measured")
-    P, M = config.parallel.pipeline, config.schedule.num_microbatches
+    P, M = config.parallel.pipeline, config.training.num_microbatches
     budget = None if args.memory_budget_gib is None else args.memory_budget_gib * 2**30
     ranked = rank_predictions([predict(c, model, P, M) for c in cands], budget)
     measured.setdefault("seconds", time.perf_counter() - t0)

@@ -134,7 +134,7 @@ def _probe_chunk(tr, chunk, batch: dict) -> tuple[int, int]:
     import torch
 
     from ..runtime.split_backward import backward_input_step, weight_grad_deferral
-    m, s = tr.config.model, tr.config.schedule
+    m, s = tr.config.model, tr.config.training
     x = None if chunk.is_first else torch.randn(m.seq_length, s.micro_batch_size, m.hidden_size, device=tr.device,
                                                requires_grad=True)
     chunk.set_input_tensor(x)
@@ -166,7 +166,7 @@ def ping_pong(tr, rounds: int = 25, skip: int = 5) -> float | None:
     import torch.distributed as dist
     if tr.pp_size < 2 or tr.dp_rank != 0 or tr.pp_rank > 1:
         return None
-    m, s = tr.config.model, tr.config.schedule
+    m, s = tr.config.model, tr.config.training
     dtype = tr.mp_config.pipeline_dtype or torch.float32
     t = torch.zeros(m.seq_length, s.micro_batch_size, m.hidden_size, dtype=dtype, device=tr.device)
     peer = dist.get_global_rank(tr.pg.pp, 1 - tr.pp_rank)
@@ -186,7 +186,7 @@ def cost_model(config, variants: list[Candidate], per_rank: list[list[dict]]) ->
     """The :class:`CostModel` from :func:`measure_run` results (``per_rank[global rank][variant]``, the first
     data-parallel replica's ranks are used) and the JSON-ready ``measured`` record."""
     from ..plan.candidates import predict
-    P, M = config.parallel.pipeline, config.schedule.num_microbatches
+    P, M = config.parallel.pipeline, config.training.num_microbatches
     transfer = next((r[0]["transfer_ms"] for r in per_rank if r[0].get("transfer_ms") is not None), 0.0)
     tied = max(m["tied_bytes"] for r in per_rank for m in r[0]["memory"])
     layouts, record = {}, {}

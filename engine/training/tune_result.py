@@ -29,10 +29,10 @@ def tune_path(config) -> Path:
 def tuned_for(config) -> dict:
     """The settings a tune result depends on (everything but the tuned ``parallel.*`` fields): model, pipeline and
     data sizes, device, microbatch size and count."""
-    p, s = config.parallel, config.schedule
+    p, s = config.parallel, config.training
     return {**{f"model.{k}": v for k, v in dataclasses.asdict(config.model).items()},
             "parallel.pipeline": p.pipeline, "parallel.data": config.data_parallel_size, "parallel.device": p.device,
-            "schedule.micro_batch_size": s.micro_batch_size, "schedule.num_microbatches": s.num_microbatches}
+            "training.micro_batch_size": s.micro_batch_size, "training.num_microbatches": s.num_microbatches}
 
 
 def check_tuned_for(saved, config, what: str) -> None:

@@ -66,7 +66,7 @@ def _bad_paths(tmp: Path) -> dict:
         "timeline-is-a-file": ([], [f"--timeline={a_file}"], "--timeline="),
         "config-is-a-folder": (None, [str(tmp)], "is a folder, not a file"),
         "config-is-binary": (None, [str(tmp / "bin.yaml")], "bin.yaml' is not UTF-8 text"),
-        "absurd-steps": (["--schedule.steps=100000000000000000000000"], [], "is over the upper bound"),
+        "absurd-steps": (["--training.steps=100000000000000000000000"], [], "is over the upper bound"),
     }
 
 
@@ -147,7 +147,7 @@ def test_lock_names_the_holder_and_dies_with_it(tmp_path):
 @pytest.mark.timeout(180)
 def test_second_run_into_a_running_folder_is_refused_and_the_first_finishes(tmp_path):
     overrides = tiny_overrides(write_corpus(tmp_path / "corpus.txt"), tmp_path / "run",
-                               **{"parallel.pipeline": 2, "schedule.steps": 30, "checkpoint.interval": 0})
+                               **{"parallel.pipeline": 2, "training.steps": 30, "checkpoint.interval": 0})
     first = _job({"overrides": overrides, "record_dir": str(tmp_path), "patch": None})
     try:
         _wait_for(lambda: len(read_records(tmp_path)) == 2, 60, first)
@@ -171,7 +171,7 @@ def _losses(log_text: str) -> dict[int, str]:
 
 def _run_args(tmp: Path, name: str, **extra) -> list[str]:
     overrides = tiny_overrides(write_corpus(tmp / "corpus.txt"), tmp / name,
-                               **{"parallel.pipeline": 2, "schedule.steps": 60, "logging.level": "INFO",
+                               **{"parallel.pipeline": 2, "training.steps": 60, "logging.level": "INFO",
                                   "checkpoint.interval": 0, **extra})
     return ["configs/default.yaml", *_flags(overrides)]
 
@@ -239,7 +239,7 @@ def test_second_sigterm_during_the_save_leaves_the_previous_checkpoint(tmp_path)
     """The save after SIGTERM is slow; a second SIGTERM kills the ranks mid-save: exit 143 with one error line
     naming the previous checkpoint, which stays complete -- ``--resume`` continues from it."""
     overrides = tiny_overrides(write_corpus(tmp_path / "corpus.txt"), tmp_path / "run",
-                               **{"parallel.pipeline": 2, "schedule.steps": 60, "checkpoint.interval": 2})
+                               **{"parallel.pipeline": 2, "training.steps": 60, "checkpoint.interval": 2})
     proc = _job({"overrides": overrides, "record_dir": str(tmp_path), "patch": "slow_preempt_save"})
     ckpts = tmp_path / "run" / "checkpoints"
     try:
@@ -256,7 +256,7 @@ def test_second_sigterm_during_the_save_leaves_the_previous_checkpoint(tmp_path)
     assert len(lines) == 1 and "a second SIGTERM arrived" in lines[0] and before[-1] in lines[0], lines
     assert sorted(p.name for p in ckpts.glob("step_*") if (p / ".metadata").is_file()) == before
     assert not any(process_alive(r["pid"]) for r in read_records(tmp_path).values())
-    resumed = _train("configs/default.yaml", *_flags(overrides), "--schedule.steps=" + str(int(before[-1][5:]) + 1),
+    resumed = _train("configs/default.yaml", *_flags(overrides), "--training.steps=" + str(int(before[-1][5:]) + 1),
                      "--resume", "--logging.level=INFO", timeout=120)
     assert resumed.returncode == 0 and f"at step {int(before[-1][5:])}" in resumed.stderr, resumed.stderr[-3000:]
 
@@ -270,7 +270,7 @@ def test_stopped_rank_is_reported_as_the_peers_timeout(tmp_path):
     from engine.runtime.spawn import REPORT_GRACE_S, STOP_GRACE_S
     timeout_s = 4
     overrides = tiny_overrides(write_corpus(tmp_path / "corpus.txt"), tmp_path / "run",
-                               **{"parallel.pipeline": 2, "schedule.steps": 5, "parallel.timeout_s": timeout_s})
+                               **{"parallel.pipeline": 2, "training.steps": 5, "parallel.timeout_s": timeout_s})
     proc = _job({"overrides": overrides, "record_dir": str(tmp_path), "fault": ["sigstop", 1, 2]})
     _, err = proc.communicate(timeout=100)
     ended = time.time()
@@ -287,7 +287,7 @@ def test_stopped_rank_is_reported_as_the_peers_timeout(tmp_path):
 @pytest.mark.timeout(120)
 def test_disk_full_during_a_save_is_one_line_with_the_cause(tmp_path):
     overrides = tiny_overrides(write_corpus(tmp_path / "corpus.txt"), tmp_path / "run",
-                               **{"parallel.pipeline": 2, "schedule.steps": 4, "checkpoint.interval": 2})
+                               **{"parallel.pipeline": 2, "training.steps": 4, "checkpoint.interval": 2})
     proc = _job({"overrides": overrides, "record_dir": str(tmp_path), "patch": "enospc"})
     _, err = proc.communicate(timeout=100)
     assert proc.returncode == 1, err[-3000:]

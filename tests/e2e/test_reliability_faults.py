@@ -95,7 +95,7 @@ def test_sigkill_one_of_four_ranks_then_exact_resume(tmp_path):
 @pytest.mark.timeout(120)
 def test_raise_in_one_ranks_forward(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.txt")
-    overrides = tiny_overrides(corpus, tmp_path / "run", **{"parallel.pipeline": 2, "schedule.steps": 5})
+    overrides = tiny_overrides(corpus, tmp_path / "run", **{"parallel.pipeline": 2, "training.steps": 5})
     rc, err, _ = _launch({"overrides": overrides, "record_dir": str(tmp_path), "fault": ["raise", 1, 3]})
     ended = time.time()
     records = read_records(tmp_path)
@@ -137,7 +137,7 @@ def test_stuck_rank_ends_the_job_after_the_communication_timeout(tmp_path):
     the stuck rank, and the launcher stops everything."""
     timeout_s = 3
     overrides = tiny_overrides(write_corpus(tmp_path / "corpus.txt"), tmp_path / "run",
-                               **{"parallel.pipeline": 2, "schedule.steps": 5, "parallel.timeout_s": timeout_s})
+                               **{"parallel.pipeline": 2, "training.steps": 5, "parallel.timeout_s": timeout_s})
     rc, err, _ = _launch({"overrides": overrides, "record_dir": str(tmp_path), "fault": ["hang", 1, 2]})
     ended = time.time()
     records = read_records(tmp_path)

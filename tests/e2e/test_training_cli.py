@@ -15,7 +15,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.hidden_size=32", "model.num_attention_heads=2", "model.seq_length=32", "data.max_bytes=300000",
-        "schedule.micro_batch_size=2", "schedule.eval_interval=0", "optimizer.warmup_steps=2",
+        "training.micro_batch_size=2", "training.eval_interval=0", "optimizer.warmup_steps=2",
         "logging.log_interval=1"]
 
 
@@ -39,7 +39,7 @@ def test_pipecast_train_and_resume(tmp_path):
     stopped after step 4 -- and ``--resume``: steps 5 and 6 log the straight run's loss, grad norm and LR."""
     run_dir = tmp_path / "run"
     common = ["configs/default.yaml", *(f"--{o}" for o in TINY), f"--logging.run_dir={run_dir}",
-              "--schedule.steps=6", "--checkpoint.interval=4", "--model.dropout=0.1"]
+              "--training.steps=6", "--checkpoint.interval=4", "--model.dropout=0.1"]
     first = _pipecast(*common)
     assert first.returncode == 0, first.stderr
     log = first.stderr
@@ -47,7 +47,7 @@ def test_pipecast_train_and_resume(tmp_path):
     assert "step 6/6 | loss" in log and "grad norm" in log and "tokens/s" in log and "val loss" in log
     assert (run_dir / "checkpoints" / "step_00000004" / ".metadata").is_file()
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert resolved["schedule"]["steps"] == 6 and resolved["parallel"]["data"] == 1
+    assert resolved["training"]["steps"] == 6 and resolved["parallel"]["data"] == 1
     assert "step 6/6" in (run_dir / "train.log").read_text()
     straight = _step_lines(log)
     assert sorted(straight) == list(range(1, 7))
@@ -76,7 +76,7 @@ def test_readme_example_runs_twice_in_a_row(tmp_path):
     """The README's Python example runs, and runs again into the same folder (it continues from its checkpoint);
     a rank's error reaches the user as one ``error:`` line, not a traceback."""
     def example(*extra):
-        return subprocess.run([sys.executable, "tests/examples/readme_example.py", *TINY, "schedule.steps=3",
+        return subprocess.run([sys.executable, "tests/examples/readme_example.py", *TINY, "training.steps=3",
                                f"logging.run_dir={tmp_path}", *extra], cwd=ROOT, timeout=110, capture_output=True,
                               text=True, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
     for _ in range(2):

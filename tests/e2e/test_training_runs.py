@@ -16,9 +16,9 @@ STEPS = 20
 def tiny(**parallel) -> dict:
     """A tiny GPT on 200 kB of the standard library: fast enough for 20 steps on 4 CPU ranks."""
     return {"model.num_layers": 4, "model.hidden_size": 32, "model.num_attention_heads": 2,
-            "model.seq_length": 16, "data.max_bytes": 200_000, "schedule.micro_batch_size": 2,
-            "schedule.num_microbatches": 4 // parallel.get("data", 1), "schedule.steps": STEPS,
-            "schedule.eval_interval": 0, "optimizer.lr": 1e-2, "optimizer.min_lr": 1e-3,
+            "model.seq_length": 16, "data.max_bytes": 200_000, "training.micro_batch_size": 2,
+            "training.num_microbatches": 4 // parallel.get("data", 1), "training.steps": STEPS,
+            "training.eval_interval": 0, "optimizer.lr": 1e-2, "optimizer.min_lr": 1e-3,
             "optimizer.warmup_steps": 3, "logging.progress_bar": False, "logging.level": "WARNING",
             **{f"parallel.{k}": v for k, v in parallel.items()}}
 
@@ -94,7 +94,7 @@ def _resume(rank, world, overrides, run_dir):
     from engine import Trainer
     from engine.training.checkpoint import CheckpointError
     # dropout on: the resumed run must also restore each rank's RNG state to match bitwise
-    config = load_config(None, {**overrides, "logging.run_dir": str(run_dir), "schedule.steps": 6,
+    config = load_config(None, {**overrides, "logging.run_dir": str(run_dir), "training.steps": 6,
                                 "model.dropout": 0.1})
     with Trainer(config) as straight:
         straight_steps = [straight.train_step() for _ in range(6)]
@@ -107,7 +107,7 @@ def _resume(rank, world, overrides, run_dir):
     with Trainer(config) as second:
         assert second.load() == path and second.step == 3
         lr = {"after_load": [g["lr"] for g in second.optimizer.param_groups],
-              "scheduler": second.scheduler.get_last_lr(), "straight": straight_lrs}
+              "scheduler": second.lr_scheduler.get_last_lr(), "straight": straight_lrs}
         resumed_steps = [second.train_step() for _ in range(3)]
         resumed_losses = [m["loss"] for m in resumed_steps]
         lr["resumed"] = [m["lr"] for m in resumed_steps]
@@ -155,7 +155,7 @@ def _resume_across_schedules(rank, world, run_dir):
     layouts = {"1f1b": tiny(pipeline=2), "zbv": tiny(pipeline=2, virtual=2, schedule="zbv")}
     out = {}
     for first, second in (("zbv", "1f1b"), ("1f1b", "zbv")):
-        base = {"schedule.steps": 6, "logging.run_dir": f"{run_dir}/{first}_{second}"}
+        base = {"training.steps": 6, "logging.run_dir": f"{run_dir}/{first}_{second}"}
         with Trainer(load_config(None, {**layouts[first], **base})) as a:
             head = [a.train_step()["loss"] for _ in range(3)]
             path = a.save()
@@ -181,8 +181,8 @@ def test_a_zbv_checkpoint_resumes_as_1f1b_and_back(tmp_path):
 
 def _zbv_with_samples(rank, world, run_dir):
     from engine import Trainer
-    config = load_config(None, {**tiny(pipeline=2, virtual=2, schedule="zbv"), "schedule.steps": 2,
-                                "schedule.eval_interval": 1, "logging.sample_every_eval": 3,
+    config = load_config(None, {**tiny(pipeline=2, virtual=2, schedule="zbv"), "training.steps": 2,
+                                "training.eval_interval": 1, "logging.sample_every_eval": 3,
                                 "logging.run_dir": str(run_dir)})
     with Trainer(config) as trainer:
         history = trainer.train()

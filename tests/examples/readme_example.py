@@ -11,7 +11,7 @@ from engine.training import ConfigError, spawn
 def main(config):
     with Trainer(config) as trainer:       # this rank's model chunks, optimizer, data, process groups
         trainer.load()                     # continue from the latest checkpoint in checkpoint.dir, if there is one
-        trainer.train()                    # schedule.steps optimizer steps (evaluates and checkpoints as configured)
+        trainer.train()                    # training.steps optimizer steps (evaluates and checkpoints as configured)
         val_loss = trainer.evaluate()      # forward-only schedule; the same value on every rank
         path = trainer.save()              # torch.distributed.checkpoint, written atomically
         trainer.load(path)                 # model, optimizer, LR schedule, data position, RNG
@@ -20,7 +20,7 @@ def main(config):
 
 
 if __name__ == "__main__":
-    config = load_config("configs/default.yaml", ["schedule.steps=30", "logging.run_dir=runs/readme", *sys.argv[1:]])
+    config = load_config("configs/default.yaml", ["training.steps=30", "logging.run_dir=runs/readme", *sys.argv[1:]])
     try:
         spawn(main, config)                # starts parallel.pipeline x parallel.data local ranks (gloo on CPU)
     except (RankError, ConfigError) as exc:  # one line: the rank that failed first and its cause, or the bad field

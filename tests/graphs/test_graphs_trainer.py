@@ -18,8 +18,8 @@ STEPS = 4
 
 def _overrides(run_dir, **extra):
     return {"model.num_layers": 4, "model.hidden_size": 16, "model.num_attention_heads": 2, "model.seq_length": 8,
-            "data.max_bytes": 50_000, "schedule.micro_batch_size": 2, "schedule.num_microbatches": 4,
-            "schedule.steps": STEPS, "schedule.eval_interval": 0, "logging.progress_bar": False,
+            "data.max_bytes": 50_000, "training.micro_batch_size": 2, "training.num_microbatches": 4,
+            "training.steps": STEPS, "training.eval_interval": 0, "logging.progress_bar": False,
             "logging.level": "WARNING", "parallel.pipeline": 2, "parallel.virtual": 2,
             "logging.run_dir": str(run_dir), **extra}
 

@@ -50,8 +50,8 @@ def tiny_overrides(corpus: Path, run_dir: Path, **extra) -> dict:
     """A tiny GPT config (4 layers, h=32, s=16) that trains 20 steps in a few seconds on 4 CPU ranks."""
     base = {"model.num_layers": 4, "model.hidden_size": 32, "model.num_attention_heads": 2,
             "model.seq_length": 16, "data.source": "text", "data.paths": [str(corpus)],
-            "schedule.micro_batch_size": 2, "schedule.num_microbatches": 4, "schedule.steps": 20,
-            "schedule.eval_interval": 0, "optimizer.lr": 1e-2, "optimizer.min_lr": 1e-3,
+            "training.micro_batch_size": 2, "training.num_microbatches": 4, "training.steps": 20,
+            "training.eval_interval": 0, "optimizer.lr": 1e-2, "optimizer.min_lr": 1e-3,
             "optimizer.warmup_steps": 3, "logging.level": "WARNING",
             "logging.run_dir": str(run_dir), "checkpoint.dir": str(run_dir / "checkpoints"),
             "parallel.timeout_s": 20}
@@ -86,7 +86,7 @@ def faulty_train_worker(config, resume: bool, record_dir: str, fault: Fault | No
     """``engine.training.launch.train_worker`` with a fault and a per-step record.
 
     ``resume``: load the latest checkpoint first.  Checkpoints follow ``checkpoint.interval``.  ``then_straight``:
-    afterwards, train a fresh :class:`Trainer` for all ``schedule.steps`` without checkpoints in the same processes
+    afterwards, train a fresh :class:`Trainer` for all ``training.steps`` without checkpoints in the same processes
     and record it as ``straight`` (the reference an interrupted + resumed run must equal).
     """
     from engine.training.trainer import Trainer
@@ -111,9 +111,9 @@ def faulty_train_worker(config, resume: bool, record_dir: str, fault: Fault | No
 
 
 def _train(trainer, record: dict, flush, save: bool) -> None:
-    """Train to ``schedule.steps``, recording each step's loss and the weights digest."""
+    """Train to ``training.steps``, recording each step's loss and the weights digest."""
     interval = trainer.config.checkpoint.interval
-    while trainer.step < trainer.config.schedule.steps:
+    while trainer.step < trainer.config.training.steps:
         loss = trainer.train_step()["loss"]
         record["losses"][str(trainer.step)] = loss
         if save and interval and trainer.step % interval == 0:

@@ -221,8 +221,8 @@ def test_pipecast_train_writes_timeline_and_torch_profile(tmp_path):
     from engine.cli import main
     run_dir, tl = tmp_path / "run", tmp_path / "timeline"
     status = main(["train", "configs/default.yaml", "--parallel.pipeline=1", "--parallel.virtual=1",
-                   "--schedule.steps=2", "--schedule.eval_interval=0", "--schedule.eval_iters=1",
-                   "--schedule.micro_batch_size=2", "--schedule.num_microbatches=3", "--model.num_layers=1",
+                   "--training.steps=2", "--training.eval_interval=0", "--training.eval_iters=1",
+                   "--training.micro_batch_size=2", "--training.num_microbatches=3", "--model.num_layers=1",
                    "--model.hidden_size=32", "--model.num_attention_heads=2", "--model.seq_length=16",
                    "--data.max_bytes=200000", "--checkpoint.save_at_end=false", f"--logging.run_dir={run_dir}",
                    "--profile.enabled=true", "--profile.wait=1", "--profile.warmup=0", "--profile.active=1",

@@ -48,8 +48,8 @@ def world_of(parallel: dict) -> int:
 
 def overrides(parallel: dict, run_dir) -> dict:
     return {**{f"model.{k}": v for k, v in MODEL.items()}, "data.max_bytes": 50_000,
-            "schedule.micro_batch_size": 2, "schedule.num_microbatches": GLOBAL_MICROBATCHES // parallel.get("data", 1),
-            "schedule.steps": STEPS, "schedule.eval_interval": 0, "optimizer.grad_clip": 0.0,
+            "training.micro_batch_size": 2, "training.num_microbatches": GLOBAL_MICROBATCHES // parallel.get("data", 1),
+            "training.steps": STEPS, "training.eval_interval": 0, "optimizer.grad_clip": 0.0,
             "optimizer.lr": 1e-2, "optimizer.warmup_steps": 0, "logging.progress_bar": False,
             "logging.level": "WARNING", "logging.run_dir": str(run_dir),
             **{f"parallel.{k}": v for k, v in parallel.items()}}

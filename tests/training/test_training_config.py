@@ -27,7 +27,7 @@ BAD = [
     ({"model": {"num_layers": True}}, TypeError, ["model.num_layers"]),
     ({"optimizer": {"lr": "fast"}}, TypeError, ["optimizer.lr"]),
     ({"data": {"paths": "a.txt", "source": "text"}}, TypeError, ["data.paths", "list"]),
-    ({"model": {"num_layers": 6}, "parallel": {"pipeline": 2, "virtual": 2}, "schedule": {"num_microbatches": 4}},
+    ({"model": {"num_layers": 6}, "parallel": {"pipeline": 2, "virtual": 2}, "training": {"num_microbatches": 4}},
      ConfigError, ["model.num_layers=6", "2 x 2", "multiple of 4"]),
     ({"model": {"num_layers": 0}}, ConfigError, ["model.num_layers=0", ">= 1"]),
     ({"model": {"hidden_size": 130, "num_attention_heads": 4}}, ConfigError, ["model.hidden_size=130",
@@ -37,14 +37,14 @@ BAD = [
     ({"parallel": {"pipeline": 1, "virtual": 2}}, ConfigError, ["parallel.virtual=2", "parallel.pipeline"]),
     ({"parallel": {"pipeline": -2}}, ConfigError, ["parallel.pipeline=-2"]),
     # interleaved: M must be a multiple of P with the default group size (Megatron's rules)
-    ({"parallel": {"pipeline": 4, "virtual": 2}, "model": {"num_layers": 8}, "schedule": {"num_microbatches": 3}},
-     ValueError, ["schedule.num_microbatches=3", "microbatch_group_size_per_vp_stage"]),
-    ({"parallel": {"pipeline": 4, "virtual": 2}, "model": {"num_layers": 8}, "schedule": {"num_microbatches": 6}},
-     RuntimeError, ["schedule.num_microbatches=6", "remainder"]),
+    ({"parallel": {"pipeline": 4, "virtual": 2}, "model": {"num_layers": 8}, "training": {"num_microbatches": 3}},
+     ValueError, ["training.num_microbatches=3", "microbatch_group_size_per_vp_stage"]),
+    ({"parallel": {"pipeline": 4, "virtual": 2}, "model": {"num_layers": 8}, "training": {"num_microbatches": 6}},
+     RuntimeError, ["training.num_microbatches=6", "remainder"]),
     ({"parallel": {"pipeline": 2, "virtual": 2, "microbatch_group_size_per_vp_stage": 8},
-      "schedule": {"num_microbatches": 4}}, ValueError, ["microbatch_group_size_per_vp_stage=8", "[2, 4]"]),
-    ({"parallel": {"pipeline": 2, "virtual": 2}, "schedule": {"num_microbatches": 4, "eval_microbatches": 3}},
-     RuntimeError, ["schedule.eval_microbatches=3"]),
+      "training": {"num_microbatches": 4}}, ValueError, ["microbatch_group_size_per_vp_stage=8", "[2, 4]"]),
+    ({"parallel": {"pipeline": 2, "virtual": 2}, "training": {"num_microbatches": 4, "eval_microbatches": 3}},
+     RuntimeError, ["training.eval_microbatches=3"]),
     ({"parallel": {"pipeline": 2, "microbatch_group_size_per_vp_stage": 2}}, ConfigError,
      ["microbatch_group_size_per_vp_stage", "interleaved"]),
     ({"parallel": {"pipeline": 2, "virtual": 2, "overlap_p2p_comm": True}}, ConfigError, ["overlap_p2p_comm"]),
@@ -85,14 +85,14 @@ def test_types_are_coerced_only_where_safe():
 
 
 def test_overrides_are_yaml_values_and_checked(tmp_path):
-    args = parse_override_args(["--schedule.steps=7", "--optimizer.lr", "0.01", "--data.suffixes=[.txt]"])
-    assert args == ["schedule.steps=7", "optimizer.lr=0.01", "data.suffixes=[.txt]"]
+    args = parse_override_args(["--training.steps=7", "--optimizer.lr", "0.01", "--data.suffixes=[.txt]"])
+    assert args == ["training.steps=7", "optimizer.lr=0.01", "data.suffixes=[.txt]"]
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"schedule": {"steps": 3}}))
+    path.write_text(yaml.safe_dump({"training": {"steps": 3}}))
     config = load_config(path, args)
-    assert (config.schedule.steps, config.optimizer.lr, config.data.suffixes) == (7, 0.01, [".txt"])
-    with pytest.raises(ConfigError, match="schedule.stepz"):
-        load_config(path, ["schedule.stepz=3"])
+    assert (config.training.steps, config.optimizer.lr, config.data.suffixes) == (7, 0.01, [".txt"])
+    with pytest.raises(ConfigError, match="training.stepz"):
+        load_config(path, ["training.stepz=3"])
     with pytest.raises(ConfigError, match="--section.key=value"):
         parse_override_args(["steps=3"])
     with pytest.raises(ConfigError, match="section.key"):
@@ -100,7 +100,7 @@ def test_overrides_are_yaml_values_and_checked(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
-    config = load_config(ROOT / "configs" / "default.yaml", ["schedule.steps=11"])
+    config = load_config(ROOT / "configs" / "default.yaml", ["training.steps=11"])
     dump_config(config, tmp_path / "config.yaml")
     assert load_config(tmp_path / "config.yaml") == config
 
@@ -142,3 +142,15 @@ def test_split_schedules_take_cuda_graphs_except_through_te(schedule, virtual):
     for part in (f"parallel.schedule={schedule}", "cuda_graphs.backend=te", "cuda_graphs.backend=torch"):
         assert part in str(info.value), info.value
     assert _load({**base, "cuda_graphs": {"enabled": False, "backend": "te"}}).cuda_graphs.backend == "te"
+
+
+def test_old_schedule_section_is_refused_naming_training(tmp_path):
+    """The section that held steps / seed / batch sizes is ``training:``; a config or override of the old name gets
+    one error that names the new section."""
+    old = tmp_path / "old.yaml"
+    old.write_text("training:\n  steps: 3\nschedule:\n  steps: 5\n  seed: 7\n")
+    with pytest.raises(ConfigError, match=r"'schedule' is now called 'training' \(steps, seed\).*'training:'"):
+        load_config(old, check=False)
+    with pytest.raises(ConfigError, match=r"now called 'training'.*--training\.steps"):
+        load_config(None, ["schedule.steps=5"], check=False)
+    assert load_config(None, ["training.steps=5"], check=False).training.steps == 5

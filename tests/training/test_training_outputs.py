@@ -24,8 +24,8 @@ STEPS = 4
 def tiny(run_dir, **extra) -> dict:
     """A 4-layer GPT small enough for a few steps on loaded CPUs."""
     return {"model.num_layers": 4, "model.hidden_size": 32, "model.num_attention_heads": 2,
-            "model.seq_length": 16, "data.max_bytes": 200_000, "schedule.micro_batch_size": 2,
-            "schedule.num_microbatches": 4, "schedule.steps": STEPS, "schedule.eval_interval": 2,
+            "model.seq_length": 16, "data.max_bytes": 200_000, "training.micro_batch_size": 2,
+            "training.num_microbatches": 4, "training.steps": STEPS, "training.eval_interval": 2,
             "optimizer.warmup_steps": 1, "logging.progress_bar": False, "logging.run_dir": str(run_dir), **extra}
 
 
@@ -349,10 +349,10 @@ def test_print_config_prints_the_resolved_yaml_and_exits(capsys, tmp_path):
     import yaml
     from engine.cli import main
     run_dir = tmp_path / "never_made"
-    assert main(["train", "configs/default.yaml", "--print-config", "--schedule.steps=7",
+    assert main(["train", "configs/default.yaml", "--print-config", "--training.steps=7",
                  f"--logging.run_dir={run_dir}"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["schedule"]["steps"] == 7 and printed["parallel"]["data"] == 1
+    assert printed["training"]["steps"] == 7 and printed["parallel"]["data"] == 1
     assert printed["parallel"]["virtual"] == 2 and not run_dir.exists()
     assert load_config(None, {f"{s}.{k}": v for s, sec in printed.items() for k, v in sec.items()}).schedule.steps == 7
     assert main(["train", "configs/default.yaml", "--print-config", "--data.tokenizer=words"]) == 2
@@ -366,7 +366,7 @@ def test_bpe_run_keeps_its_tokenizer_with_the_checkpoint(tmp_path):
     (tmp_path / "corpus.txt").write_text("".join(f"value_{i} = compute({i}, 'x')\n" for i in range(4000)))
     over = tiny(tmp_path / "run", **{"data.source": "text", "data.paths": [str(tmp_path / "corpus.txt")],
                                      "data.tokenizer": "bpe", "model.vocab_size": 384,
-                                     "data.cache_dir": str(tmp_path / "cache"), "schedule.steps": 2})
+                                     "data.cache_dir": str(tmp_path / "cache"), "training.steps": 2})
     _train(0, 1, over)
     loaded = load_model(tmp_path / "run")
     assert loaded.tokenizer.kind == "bpe" and (loaded.checkpoint / "tokenizer.json").is_file()

@@ -7,7 +7,7 @@
   keep-newest rotation never deletes the checkpoint just written;
 * NaN / inf loss or grad norm stops the run on every rank with the step, the value and the fix, saving nothing;
 * resuming with other model settings names each differing field; a resumed run evaluates at its start (honest
-  ``val loss A -> B``); resuming at or past ``schedule.steps`` logs ``nothing to do``.
+  ``val loss A -> B``); resuming at or past ``training.steps`` logs ``nothing to do``.
 """
 from __future__ import annotations
 
@@ -72,8 +72,8 @@ def test_duplicate_yaml_keys_are_rejected(tmp_path):
 
 
 def test_string_overrides_are_a_type_error():
-    with pytest.raises(TypeError, match=r"overrides.*\['schedule.steps=3'\]"):
-        load_config(None, "schedule.steps=3")
+    with pytest.raises(TypeError, match=r"overrides.*\['training.steps=3'\]"):
+        load_config(None, "training.steps=3")
 
 
 def test_one_field_per_optimizer_error():
@@ -147,8 +147,8 @@ def test_check_fresh_run(tmp_path):
 # ---- trainer runs (one rank, in this process) -------------------------------------------------------------------
 
 TINY = {"model.num_layers": 2, "model.hidden_size": 32, "model.num_attention_heads": 2, "model.seq_length": 16,
-        "data.max_bytes": 100_000, "schedule.micro_batch_size": 2, "schedule.num_microbatches": 2,
-        "schedule.eval_interval": 0, "optimizer.warmup_steps": 1, "logging.progress_bar": False,
+        "data.max_bytes": 100_000, "training.micro_batch_size": 2, "training.num_microbatches": 2,
+        "training.eval_interval": 0, "optimizer.warmup_steps": 1, "logging.progress_bar": False,
         "logging.level": "INFO"}
 
 
@@ -163,7 +163,7 @@ def _poison(trainer) -> None:
 
 def test_nan_loss_stops_the_run_and_saves_nothing(tmp_path):
     from engine.training.trainer import NonFiniteLossError, Trainer
-    with Trainer(_config(tmp_path, **{"schedule.steps": 3, "checkpoint.interval": 1,
+    with Trainer(_config(tmp_path, **{"training.steps": 3, "checkpoint.interval": 1,
                                       "optimizer.grad_clip": 0})) as trainer:
         trainer.train(steps=1)
         _poison(trainer)
@@ -176,7 +176,7 @@ def test_nan_loss_stops_the_run_and_saves_nothing(tmp_path):
         assert word in message, message
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000001"]
     # switched off, the step runs (Megatron's flag semantics)
-    with Trainer(_config(tmp_path / "off", **{"schedule.steps": 3,
+    with Trainer(_config(tmp_path / "off", **{"training.steps": 3,
                                               "optimizer.check_for_nan_in_loss_and_grad": False})) as trainer:
         _poison(trainer)
         assert math.isnan(trainer.train_step()["loss"])
@@ -203,36 +203,36 @@ def test_nan_is_raised_on_every_pipeline_rank(tmp_path):
 
 def test_fresh_run_in_a_used_folder_and_resume(tmp_path):
     from engine.training.trainer import Trainer
-    with Trainer(_config(tmp_path, **{"schedule.steps": 2})) as first:
+    with Trainer(_config(tmp_path, **{"training.steps": 2})) as first:
         first.train()
     log_before, config_before = (tmp_path / "train.log").read_text(), (tmp_path / "config.yaml").read_text()
     assert "step 2/2" in log_before
     # a fresh run with other settings is refused before it writes anything into the other run's files
-    with Trainer(_config(tmp_path, **{"schedule.steps": 4, "optimizer.lr": 5e-3})) as fresh:
+    with Trainer(_config(tmp_path, **{"training.steps": 4, "optimizer.lr": 5e-3})) as fresh:
         with pytest.raises(ConfigError, match="already holds checkpoints.*--resume"):
             fresh.train()
     assert (tmp_path / "train.log").read_text() == log_before
     assert (tmp_path / "config.yaml").read_text() == config_before
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000002"]
     # --resume continues it, evaluating at its start (the summary's "val loss A -> B" is this run's)
-    with Trainer(_config(tmp_path, **{"schedule.steps": 4})) as resumed:
+    with Trainer(_config(tmp_path, **{"training.steps": 4})) as resumed:
         assert resumed.load() is not None and resumed.step == 2
         resumed.train()
         assert [s for s, _ in resumed.val_history] == [2, 4]
-    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["schedule"]["steps"] == 4
-    # resuming at or past schedule.steps: one line, nothing else
-    with Trainer(_config(tmp_path, **{"schedule.steps": 3})) as done:
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["training"]["steps"] == 4
+    # resuming at or past training.steps: one line, nothing else
+    with Trainer(_config(tmp_path, **{"training.steps": 3})) as done:
         done.load()
         assert done.train() == [] and done.val_history == [] and done.step == 4
-    assert "nothing to do: checkpoint step 4 >= schedule.steps=3" in (tmp_path / "train.log").read_text()
+    assert "nothing to do: checkpoint step 4 >= training.steps=3" in (tmp_path / "train.log").read_text()
 
 
 def test_resume_with_other_model_settings_names_each_field(tmp_path):
     from engine.training.trainer import Trainer
-    with Trainer(_config(tmp_path, **{"schedule.steps": 1})) as first:
+    with Trainer(_config(tmp_path, **{"training.steps": 1})) as first:
         first.train()
     changed = {"model.hidden_size": 64, "model.num_layers": 4, "model.tie_embeddings": False}
-    with Trainer(_config(tmp_path, **{"schedule.steps": 2, **changed})) as other:
+    with Trainer(_config(tmp_path, **{"training.steps": 2, **changed})) as other:
         with pytest.raises(CheckpointError) as info:
             other.load()
     message = str(info.value)

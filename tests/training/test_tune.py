@@ -15,7 +15,7 @@ from engine.training.config import ConfigError, load_config
 TINY = {"model": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 16},
         "parallel": {"pipeline": 2, "virtual": 2},
         "data": {"max_bytes": 200_000},
-        "schedule": {"steps": 4, "micro_batch_size": 2, "num_microbatches": 4, "eval_interval": 0},
+        "training": {"steps": 4, "micro_batch_size": 2, "num_microbatches": 4, "eval_interval": 0},
         "logging": {"progress_bar": False, "level": "WARNING"}}
 
 
