@@ -225,7 +225,7 @@ def variant_config(config: TrainConfig, c: Candidate, folder: Path, steps: int) 
     r = dataclasses.replace
     fields = {k.split(".", 1)[1]: v for k, v in c.overrides().items()}
     return r(config, parallel=r(config.parallel, **fields),
-             schedule=r(config.training, steps=steps, eval_interval=0),
+             training=r(config.training, steps=steps, eval_interval=0),
              checkpoint=r(config.checkpoint, dir=str(folder / "checkpoints"), interval=0, save_at_end=False),
              logging=r(config.logging, run_dir=str(folder), progress_bar=False, tensorboard=False,
                        sample_every_eval=0, level="WARNING"),

@@ -41,28 +41,28 @@ BAD_CONFIGS = [
     ("world_not_multiple_of_pp", "parallel: {pipeline: 4}\nmodel: {num_layers: 4}\n", 6,
      ValueError, ["world size 6", "parallel.pipeline=4"]),
     ("group_size_above_M", "parallel: {pipeline: 2, virtual: 2, microbatch_group_size_per_vp_stage: 8}\n"
-     "schedule: {num_microbatches: 4}\n", None, ValueError,
+     "training: {num_microbatches: 4}\n", None, ValueError,
      ["microbatch_group_size_per_vp_stage=8", "num_microbatches=4", "[2, 4]"]),
     ("group_size_below_pp", "parallel: {pipeline: 4, virtual: 2, microbatch_group_size_per_vp_stage: 2}\n"
-     "model: {num_layers: 8}\nschedule: {num_microbatches: 8}\n", None, ValueError,
+     "model: {num_layers: 8}\ntraining: {num_microbatches: 8}\n", None, ValueError,
      ["microbatch_group_size_per_vp_stage=2", "[4, 8]"]),
     ("M_below_pp_interleaved", "parallel: {pipeline: 4, virtual: 2}\nmodel: {num_layers: 8}\n"
-     "schedule: {num_microbatches: 3}\n", None, ValueError, ["training.num_microbatches=3", "num_microbatches >= 4"]),
+     "training: {num_microbatches: 3}\n", None, ValueError, ["training.num_microbatches=3", "num_microbatches >= 4"]),
     ("M_leftover_group_too_small", "parallel: {pipeline: 3, virtual: 2, microbatch_group_size_per_vp_stage: 3}\n"
-     "model: {num_layers: 6}\nschedule: {num_microbatches: 7}\n", None, RuntimeError,
+     "model: {num_layers: 6}\ntraining: {num_microbatches: 7}\n", None, RuntimeError,
      ["training.num_microbatches=7", "last group of 1"]),
     ("eval_M_invalid_for_schedule", "parallel: {pipeline: 2, virtual: 2}\n"
-     "schedule: {num_microbatches: 4, eval_microbatches: 3}\n", None, RuntimeError, ["training.eval_microbatches=3"]),
+     "training: {num_microbatches: 4, eval_microbatches: 3}\n", None, RuntimeError, ["training.eval_microbatches=3"]),
     ("unknown_key", "model: {num_layer: 4}\n", None, ValueError, ["model.num_layer", "num_layers"]),
     ("unknown_section", "optimiser: {lr: 0.1}\n", None, ValueError, ["'optimiser'", "optimizer"]),
-    ("wrong_type_string_for_int", "schedule: {steps: ten}\n", None, TypeError, ["training.steps", "'ten'", "int"]),
+    ("wrong_type_string_for_int", "training: {steps: ten}\n", None, TypeError, ["training.steps", "'ten'", "int"]),
     ("wrong_type_bool_for_int", "parallel: {pipeline: true}\n", None, TypeError, ["parallel.pipeline", "True"]),
     ("wrong_type_scalar_for_list", "data: {source: text, paths: corpus.txt}\n", None, TypeError,
      ["data.paths", "list"]),
     ("section_not_mapping", "model: 4\n", None, TypeError, ["'model'", "mapping"]),
-    ("negative_micro_batch_size", "schedule: {micro_batch_size: -2}\n", None, ValueError,
+    ("negative_micro_batch_size", "training: {micro_batch_size: -2}\n", None, ValueError,
      ["training.micro_batch_size=-2", ">= 1"]),
-    ("zero_microbatches", "schedule: {num_microbatches: 0}\n", None, ValueError, ["training.num_microbatches=0"]),
+    ("zero_microbatches", "training: {num_microbatches: 0}\n", None, ValueError, ["training.num_microbatches=0"]),
     ("negative_hidden_size", "model: {hidden_size: -128}\n", None, ValueError, ["model.hidden_size=-128"]),
     ("negative_pipeline", "parallel: {pipeline: -1}\n", None, ValueError, ["parallel.pipeline=-1"]),
     ("negative_interval", "checkpoint: {interval: -5}\n", None, ValueError, ["checkpoint.interval=-5"]),
@@ -129,7 +129,7 @@ def test_untrusted_yaml_is_never_executed(tmp_path):
 CLI_CASES = [
     # (id, YAML text, extra CLI args, extra env, substrings of the error line)
     ("layers", "model: {num_layers: 5}\nparallel: {pipeline: 2}\n", [], {}, ["model.num_layers=5"]),
-    ("unknown_override", "parallel: {pipeline: 2}\n", ["--schedule.stepz=3"], {}, ["schedule.stepz"]),
+    ("unknown_override", "parallel: {pipeline: 2}\n", ["--training.stepz=3"], {}, ["training.stepz"]),
     ("missing_data", "data: {source: text, paths: [/nonexistent/x.txt]}\n", [], {}, ["data.paths[0]"]),
     ("torchrun_world", "parallel: {pipeline: 2, data: 2}\n", [],
      {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},

@@ -354,7 +354,7 @@ def test_print_config_prints_the_resolved_yaml_and_exits(capsys, tmp_path):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["training"]["steps"] == 7 and printed["parallel"]["data"] == 1
     assert printed["parallel"]["virtual"] == 2 and not run_dir.exists()
-    assert load_config(None, {f"{s}.{k}": v for s, sec in printed.items() for k, v in sec.items()}).schedule.steps == 7
+    assert load_config(None, {f"{s}.{k}": v for s, sec in printed.items() for k, v in sec.items()}).training.steps == 7
     assert main(["train", "configs/default.yaml", "--print-config", "--data.tokenizer=words"]) == 2
     assert capsys.readouterr().err.startswith("error: data.tokenizer='words' is not allowed")
 
