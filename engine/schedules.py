@@ -39,9 +39,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .plan.build import Plan, build_plan
-from .plan.lowering import cached_program, program_for
-from .plan.schedule import Schedule, parse_schedule, select_schedule
+from .plan.lowering import program_for
+from .plan.registry import ScheduleSpec, auto_schedule, get_schedule, schedule_names
+from .plan.resolve import ResolvedSchedule
+from .plan.types import Plan
 from .plan.table import (convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches,
                          validate_interleaved_microbatches)
 from .runtime.executor import ExecutionContext, default_prefetch, execute
@@ -78,8 +79,30 @@ def get_pp_rank_microbatches(num_microbatches, num_model_chunks, microbatch_grou
 
 # ---- the schedules --------------------------------------------------------------------------------------------------
 
-_NO_PIPELINING, _ONE_F_ONE_B, _INTERLEAVED = Schedule.NO_PIPELINING, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED
-_SCHEDULE_ID = {s: i for i, s in enumerate(Schedule)}
+_NO_PIPELINING_FN = "forward_backward_no_pipelining"
+_ONE_F_ONE_B_FN = "forward_backward_pipelining_without_interleaving"
+_INTERLEAVED_FN = "forward_backward_pipelining_with_interleaving"
+_WITH_SCHEDULE_FN = "forward_backward_pipelining_with_schedule"
+
+
+def _entry_of(function: str) -> ScheduleSpec:
+    """The registry entry that Megatron-Core's function ``function`` runs."""
+    return next(get_schedule(n) for n in schedule_names() if get_schedule(n).megatron_function == function)
+
+
+def _local(spec: ScheduleSpec) -> bool:
+    """One rank, no pipeline communication (Megatron's no-pipelining contract)."""
+    return spec.max_pp == 1
+
+
+def _interleaved(spec: ScheduleSpec) -> bool:
+    """Megatron's interleaved contract: a list of model chunks checked against the config's virtual size."""
+    return spec.megatron_function == _INTERLEAVED_FN
+
+
+def _schedule_id(spec: ScheduleSpec) -> int:
+    names = schedule_names()
+    return names.index(spec.name) if spec.name in names else len(names)
 _FINGERPRINT = ("schedule", "num_microbatches", "forward_only", "num_model_chunks",
                 "microbatch_group_size_per_vp_stage", "variable_seq_lengths", "activation shape", "gradient shape",
                 "config.pipeline_dtype")
@@ -121,7 +144,7 @@ def _check_microbatches(num_microbatches) -> None:
 
 def _resolve_groups(schedule: str, p2p_communicator, pg_collection):
     """Megatron's rule: both None -> from ``engine.parallel_state``; both given -> checked; one -> ValueError."""
-    if schedule != _NO_PIPELINING and (p2p_communicator is None) != (pg_collection is None):
+    if not _local(schedule) and (p2p_communicator is None) != (pg_collection is None):
         raise ValueError(f"{schedule}: p2p_communicator and pg_collection must be given together or not at all, got "
                          f"p2p_communicator={'set' if p2p_communicator is not None else None}, pg_collection="
                          f"{'set' if pg_collection is not None else None}; pass both (explicit groups) or neither "
@@ -190,18 +213,18 @@ def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, mi
     _check_microbatches(num_microbatches)
     models, iters = _models_of(schedule, model, data_iterator, adjust_tensor_shapes_fn, chunks)
     call.models, call.iters = models, iters
-    call.hooks = _chunk_hooks(models, len(models) > 1 or schedule == _INTERLEAVED)
+    call.hooks = _chunk_hooks(models, len(models) > 1 or _interleaved(schedule))
     config = get_model_config(models[0])
     call.config = config
-    if comm is None and schedule != _NO_PIPELINING:
+    if comm is None and not _local(schedule):
         comm = _communicator(pgc.pp, config)
     call.comm = comm
     call.act_shape = call.grad_shape = None
-    if schedule == _NO_PIPELINING:
+    if _local(schedule):
         return call
     pp_size = comm.size
     _check_p2p_modes(schedule, config, pp_size)
-    if schedule == _INTERLEAVED:
+    if _interleaved(schedule):
         group = config.microbatch_group_size_per_vp_stage or pp_size
         try:
             validate_interleaved_microbatches(num_microbatches, pp_size, group)
@@ -221,7 +244,7 @@ def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, mi
 
 def _models_of(schedule, model, data_iterator, adjust_tensor_shapes_fn, chunks):
     """``(models, iterators)`` of the call, one per model chunk, checked against the schedule."""
-    if schedule == _INTERLEAVED or (chunks is not None and chunks > 1):
+    if _interleaved(schedule) or (chunks is not None and chunks > 1):
         name = _function_name(schedule)
         models, iters = _chunk_list(name, model, data_iterator, chunks)
         if adjust_tensor_shapes_fn is not None:
@@ -229,14 +252,14 @@ def _models_of(schedule, model, data_iterator, adjust_tensor_shapes_fn, chunks):
                                         "schedule; pass None")
         return models, iters
     models, iters = _single_model(model, data_iterator, _function_name(schedule))
-    if schedule == _NO_PIPELINING and adjust_tensor_shapes_fn is not None:
+    if _local(schedule) and adjust_tensor_shapes_fn is not None:
         raise ScheduleContractError("forward_backward_no_pipelining: adjust_tensor_shapes_fn must be None (there "
                                     "is no pipeline communication)")
     return models, iters
 
 
 def _function_name(schedule) -> str:
-    return Schedule(schedule).megatron_function or "forward_backward_pipelining_with_schedule"
+    return schedule.megatron_function or _WITH_SCHEDULE_FN
 
 
 def _chunk_list(name: str, model, data_iterator, chunks):
@@ -266,11 +289,11 @@ def _chunk_list(name: str, model, data_iterator, chunks):
 
 
 def _check_p2p_modes(schedule, config, pp_size: int) -> None:
-    if schedule == _ONE_F_ONE_B and config.overlap_p2p_comm:
-        raise ValueError("forward_backward_pipelining_without_interleaving: config.overlap_p2p_comm=True is not "
-                         "supported by the non-interleaved schedule (as in Megatron-Core); set overlap_p2p_comm=False "
-                         "or use the interleaved schedule")
-    if schedule == _INTERLEAVED:
+    if not schedule.overlap_p2p and config.overlap_p2p_comm:
+        raise ValueError(f"{_function_name(schedule)}: config.overlap_p2p_comm=True is not supported by the "
+                         f"{schedule} schedule (as Megatron-Core's non-interleaved schedule); set "
+                         "overlap_p2p_comm=False or use the interleaved schedule")
+    if _interleaved(schedule):
         if config.overlap_p2p_comm and config.batch_p2p_comm:
             raise ValueError("config.overlap_p2p_comm=True and config.batch_p2p_comm=True are mutually exclusive "
                              "(Megatron-Core); set batch_p2p_comm=False to overlap P2P communication")
@@ -283,7 +306,7 @@ def _check_p2p_modes(schedule, config, pp_size: int) -> None:
 def _set_shapes(call, seq_length, micro_batch_size, decoder_seq_length, adjust_tensor_shapes_fn) -> None:
     """The fixed receive shapes ``[s, b, h]`` of activations and gradients."""
     config, pgc, schedule = call.config, call.pgc, call.schedule
-    if len(call.models) > 1 or schedule == _INTERLEAVED:
+    if len(call.models) > 1 or _interleaved(schedule):
         shape = _interleaved_shape(seq_length, micro_batch_size, config, pgc)
         recv_shapes = send_shapes = [shape]
     else:
@@ -321,7 +344,7 @@ def _fingerprint(call, schedule, num_microbatches, forward_only) -> list[int]:
     variable = bool(call.comm.negotiates_shapes)
     dtype = call.config.pipeline_dtype
     dtype_id = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-    return ([_SCHEDULE_ID[schedule], num_microbatches, int(bool(forward_only)), len(call.models), call.group or 0,
+    return ([_schedule_id(schedule), num_microbatches, int(bool(forward_only)), len(call.models), call.group or 0,
              int(variable)] + slots(call.act_shape) + slots(call.grad_shape) + [dtype_id])
 
 
@@ -397,7 +420,7 @@ def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_micr
             _check_plan(plan, call, num_microbatches, forward_only)
     except (ValueError, TypeError, RuntimeError, AssertionError, AttributeError) as exc:
         error = exc
-    if schedule == _NO_PIPELINING:
+    if _local(schedule):
         if error is not None:
             raise error
     else:
@@ -412,21 +435,29 @@ def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_micr
 
 
 def _program(call, schedule, num_microbatches, forward_only, plan):
+    """The rank's compiled program of ``plan``, or (a Megatron function's call) of the plan its registry entry
+    builds for the call's sizes."""
     config, comm = call.config, call.comm
     pp_size, rank = (1, 0) if comm is None else (comm.size, comm.rank)
     prefetch, batched = default_prefetch(config, comm), bool(config.batch_p2p_comm)
-    if plan is not None:
-        return program_for(plan, rank, prefetch, batched)
-    return cached_program(schedule, pp_size, num_microbatches, len(call.models), call.group, bool(forward_only),
-                          rank, prefetch, batched)
+    if plan is None:
+        group = call.group if "group_size" in schedule.options else None
+        plan = _resolved(schedule, pp_size, len(call.models), group).plan(num_microbatches, bool(forward_only))
+    return program_for(plan, rank, prefetch, batched)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved(spec: ScheduleSpec, pp_size: int, num_model_chunks: int, group_size=None) -> ResolvedSchedule:
+    """The resolution of a Megatron function's call (kept: it caches its plans)."""
+    return ResolvedSchedule(spec, pp_size, num_model_chunks, group_size)
 
 
 def _context(call, schedule, forward_step_func, num_microbatches, micro_batch_size, collect_non_loss_data,
              first_val_step, force_all_reduce, forward_only, plan) -> ExecutionContext:
     config, comm, pgc = call.config, call.comm, call.pgc
     before_finalize = None
-    multi = len(call.models) > 1 or schedule == _INTERLEAVED
-    if schedule != _NO_PIPELINING and not forward_only and config.finalize_model_grads_func is not None:
+    multi = len(call.models) > 1 or _interleaved(schedule)
+    if not _local(schedule) and not forward_only and config.finalize_model_grads_func is not None:
         last = (is_pp_last_stage(comm.pp_group) if plan is None else
                 any(plan.is_last_stage(comm.rank, c) for c in range(plan.num_model_chunks)))
         embedding_module = clear_embedding_activation_buffer(config, call.models if multi else call.models[0], last)
@@ -438,7 +469,7 @@ def _context(call, schedule, forward_step_func, num_microbatches, micro_batch_si
         communicator=comm if comm is not None else _LocalComm(config), num_microbatches=num_microbatches,
         act_shape=call.act_shape, grad_shape=call.grad_shape, collect_non_loss_data=collect_non_loss_data,
         first_val_step=first_val_step, cp_group_size=group_size(pgc.cp), vp_stages=multi,
-        per_stage_last=schedule != _NO_PIPELINING, checkpoint=schedule != _NO_PIPELINING, pg_collection=pgc,
+        per_stage_last=not _local(schedule), checkpoint=not _local(schedule), pg_collection=pgc,
         force_all_reduce=force_all_reduce, micro_batch_size=micro_batch_size,
         finalize_models=list(call.models) if multi else [call.models[0]],
         before_finalize=before_finalize, chunk_hooks=call.hooks)
@@ -481,7 +512,7 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, n
     Returns ``forward_data_store``: the reduced value of each microbatch's loss function (spec 2), in microbatch
     order.  Raises ``ValueError`` / ``TypeError`` (``ScheduleContractError`` where Megatron asserts) before running.
     """
-    return _run_schedule(_NO_PIPELINING, forward_step_func=forward_step_func, data_iterator=data_iterator,
+    return _run_schedule(_entry_of(_NO_PIPELINING_FN), forward_step_func=forward_step_func, data_iterator=data_iterator,
                          model=model, num_microbatches=num_microbatches, seq_length=seq_length,
                          micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
                          forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
@@ -505,7 +536,7 @@ def forward_backward_pipelining_without_interleaving(*, forward_step_func, data_
     ``config.overlap_p2p_comm`` and for ``p2p_communicator`` without ``pg_collection`` (or the reverse), plus the
     checks listed in the module docstring -- on every pipeline rank, before any pipeline communication.
     """
-    return _run_schedule(_ONE_F_ONE_B, forward_step_func=forward_step_func, data_iterator=data_iterator,
+    return _run_schedule(_entry_of(_ONE_F_ONE_B_FN), forward_step_func=forward_step_func, data_iterator=data_iterator,
                          model=model, num_microbatches=num_microbatches, seq_length=seq_length,
                          micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
                          forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
@@ -532,7 +563,7 @@ def forward_backward_pipelining_with_interleaving(*, forward_step_func, data_ite
     ``overlap_p2p_comm`` with ``batch_p2p_comm``, for ``G`` outside ``[P, M]``, for ``P < 2``;
     ``RuntimeError`` for ``0 < M mod G < P`` (Megatron-Core's checks, in that order), plus the pipecast checks.
     """
-    return _run_schedule(_INTERLEAVED, forward_step_func=forward_step_func, data_iterator=data_iterator,
+    return _run_schedule(_entry_of(_INTERLEAVED_FN), forward_step_func=forward_step_func, data_iterator=data_iterator,
                          model=model, num_microbatches=num_microbatches, seq_length=seq_length,
                          micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
                          forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
@@ -550,11 +581,12 @@ def forward_backward_pipelining_with_schedule(*, schedule="zb_h1", forward_step_
     """Run any pipecast schedule -- by name, or a :class:`~engine.plan.build.Plan` -- with the keyword arguments
     and loss contract of Megatron's schedule functions (spec 1.18, section 2).
 
-    ``schedule``: ``"zb_h1"`` (one chunk per rank, split backward), ``"zbv"`` (V placement: model chunk 0 of rank
-    ``r`` is stage ``r``, chunk 1 is stage ``2P-1-r``), ``"zb"``, ``"1f1b"``, ``"interleaved"``, or a plan built
-    with :func:`engine.plan.build_plan` for this pipeline size (a built-in plan stands for its schedule: its twin
-    for this call's ``num_microbatches`` and ``forward_only`` is built when they differ; other plans, e.g.
-    imported from CSV, must match the call).  ``model`` /
+    ``schedule``: a registered schedule's name (:func:`engine.plan.schedule_names`; a schedule with a Megatron
+    function runs through that function), or a plan built for this pipeline size (a plan of a registered
+    schedule stands for its schedule: the plan its resolution, :class:`engine.plan.resolve.ResolvedSchedule`,
+    gives for this call's ``num_microbatches`` and ``forward_only`` runs when they differ; other plans, e.g.
+    imported from CSV, must match the call).  Built-in split-backward schedules: ``"zb_h1"`` (one chunk per rank),
+    ``"zbv"`` (V placement: model chunk 0 of rank ``r`` is stage ``r``, chunk 1 is stage ``2P-1-r``), ``"zb"``.  ``model`` /
     ``data_iterator``: one entry per model chunk of the plan (a single module is accepted for one chunk).  P2P
     tensors are ``[s, b, h]`` in ``config.pipeline_dtype``.  Split-backward schedules run ``B`` (input gradient)
     and ``W`` (weight gradient) separately; each chunk's ``W`` passes run in microbatch order, so the gradients
@@ -565,28 +597,24 @@ def forward_backward_pipelining_with_schedule(*, schedule="zb_h1", forward_step_
     schedule or a plan that does not fit the call, plus the checks of the Megatron schedule functions -- on every
     pipeline rank, before any pipeline communication.
     """
-    plan = schedule if isinstance(schedule, Plan) else None
-    # a plan of another origin (e.g. torch's CSV, engine.plan.torch_csv) runs through the generic path of "zb"
-    name = (parse_schedule(schedule) if plan is None else
-            Schedule(plan.schedule) if plan.schedule in tuple(Schedule) else Schedule.ZB)
-    if name in (_NO_PIPELINING, _ONE_F_ONE_B, _INTERLEAVED) and plan is None:
-        func = _BY_NAME[name.megatron_function]
-        return func(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                    num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                    decoder_seq_length=decoder_seq_length, forward_only=forward_only,
-                    collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-                    adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
-                    pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-    if plan is None:
-        chunks = 2 if name is Schedule.ZBV else (len(model) if isinstance(model, list) else 1)
-        plan = _cached_plan(name, _pipeline_size(p2p_communicator), num_microbatches, chunks, bool(forward_only))
-    elif plan.schedule in tuple(Schedule) and (plan.forward_only, plan.num_microbatches) != (bool(forward_only),
-                                                                                            num_microbatches):
-        # a built-in plan stands for its schedule: the twin for this call's microbatches / forward-only flag
-        # (evaluation and sampling run other microbatch counts than the training step the plan was built for)
-        limit = plan.max_in_flight if name is Schedule.ZB and not forward_only else None
-        plan = _cached_plan(name, plan.pp_size, num_microbatches, plan.num_model_chunks, bool(forward_only), limit)
-    return _run_schedule(name, forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+    if isinstance(schedule, Plan):
+        plan, spec = _plan_for_call(schedule, num_microbatches, forward_only)
+    else:
+        try:
+            spec = get_schedule(schedule)
+        except ValueError as exc:
+            raise ValueError(f"{_WITH_SCHEDULE_FN}: {exc}") from None
+        if spec.megatron_function is not None:
+            func = _BY_NAME[spec.megatron_function]
+            return func(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                        decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+                        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+                        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+                        pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        chunks = spec.chunks or (len(model) if isinstance(model, list) else 1)
+        plan = _cached_plan(spec, _pipeline_size(p2p_communicator), num_microbatches, chunks, bool(forward_only))
+    return _run_schedule(spec, forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                          num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          decoder_seq_length=decoder_seq_length, forward_only=forward_only,
                          collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
@@ -601,15 +629,33 @@ def _pipeline_size(p2p_communicator) -> int:
     return ps.get_pipeline_model_parallel_world_size()
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_plan(schedule, pp_size, num_microbatches, num_model_chunks, forward_only, max_in_flight=None) -> Plan:
-    """``build_plan`` of a named split-backward schedule, kept (plans are immutable); ``max_in_flight`` (a ``zb``
-    training plan's per-rank limits) carries over to the twin."""
+def _cached_plan(spec, pp_size, num_microbatches, num_model_chunks, forward_only) -> Plan:
+    """The plan of a named schedule for a call, through its (kept) resolution."""
     try:
-        return build_plan(schedule, pp_size, num_microbatches, num_model_chunks, forward_only=forward_only,
-                          max_in_flight=max_in_flight)
+        spec.check(pp_size, num_model_chunks)
+        return _resolved(spec, pp_size, num_model_chunks).plan(num_microbatches, forward_only)
     except ValueError as exc:
-        raise ValueError(f"forward_backward_pipelining_with_schedule: {exc}") from None
+        raise ValueError(f"{_WITH_SCHEDULE_FN}: {exc}") from None
+
+
+_IMPORTED = ScheduleSpec("imported", lambda *a, **k: None, chunks=None)
+"""Stands for a plan of no registered schedule (e.g. imported from CSV): a pipelined schedule of any chunk count."""
+
+
+def _plan_for_call(plan: Plan, num_microbatches, forward_only):
+    """``(plan, entry)`` for a plan handed to :func:`forward_backward_pipelining_with_schedule`: a plan of a
+    registered schedule stands for that schedule -- the plan its resolution gives for this call's microbatches and
+    forward-only flag (evaluation and sampling run other counts than the training step); any other plan runs as
+    given (it must fit the call)."""
+    resolution = ResolvedSchedule.of_plan(plan)
+    if resolution is None:
+        return plan, _IMPORTED
+    if (plan.forward_only, plan.num_microbatches) != (bool(forward_only), num_microbatches):
+        try:
+            plan = resolution.plan(num_microbatches, bool(forward_only))
+        except ValueError as exc:
+            raise ValueError(f"{_WITH_SCHEDULE_FN}: {exc}") from None
+    return plan, resolution.spec
 
 
 _BY_NAME = {
@@ -633,7 +679,7 @@ def select_schedule_name(pp_size: Optional[int] = None, vp_size: Optional[int] =
     """Name of the schedule function ``get_forward_backward_func(pp_size, vp_size)`` returns (spec 1.1).
 
     Both None: read the pipeline and virtual pipeline sizes from ``engine.parallel_state``; one None: used as
-    given (:func:`engine.plan.schedule.select_schedule`).  Raises ``TypeError`` for ``pp_size=None`` with a
+    given (:func:`engine.plan.registry.auto_schedule`).  Raises ``TypeError`` for ``pp_size=None`` with a
     ``vp_size`` (as Megatron's ``None > 1`` does).
     """
     if pp_size is None and vp_size is None:
@@ -643,7 +689,7 @@ def select_schedule_name(pp_size: Optional[int] = None, vp_size: Optional[int] =
     if pp_size is None:
         raise TypeError(f"get_forward_backward_func(pp_size=None, vp_size={vp_size}): pass pp_size as well, or "
                         "neither to read both from engine.parallel_state")
-    return select_schedule(pp_size, vp_size).megatron_function
+    return get_schedule(auto_schedule(pp_size, vp_size)).megatron_function
 
 
 __all__ = ["get_forward_backward_func", "forward_backward_no_pipelining", "forward_backward_pipelining_with_schedule",

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from engine.plan import Op, Plan
+from engine.plan.registry import find_schedule
 from engine.plan.table import convert_schedule_table_to_order, get_schedule_table
 
 __all__ = [
@@ -48,8 +49,9 @@ def graph_order(plan: Plan, rank: int) -> list[int | float]:
     """The capture order of pipeline rank ``rank``: its training actions in TE ``_order`` notation, ``W`` actions
     of split-backward plans included (as ``-(c+1) - 0.5``, in the plan's position).
 
-    For interleaved plans this equals Megatron's ``convert_schedule_table_to_order(W_r, C, get_schedule_table(M, C,
-    G))`` (spec schedules.md 1.14); the function checks it and raises ``RuntimeError`` if the plan disagrees.
+    For plans of a schedule Megatron-Core runs (a registry entry with a ``megatron_function``) this equals
+    Megatron's ``convert_schedule_table_to_order(W_r, C, get_schedule_table(M, C, G))``; the function checks it and
+    raises ``RuntimeError`` if the plan disagrees.
 
     Raises:
         ValueError: ``rank`` outside ``[0, pp_size)`` or a forward-only plan (graphs capture training steps).
@@ -61,7 +63,8 @@ def graph_order(plan: Plan, rank: int) -> list[int | float]:
     if plan.splits_backward:
         return [_entry(a.op.value, a.chunk) for a in plan.actions[rank]]
     order = plan.order(rank)
-    if plan.schedule == "interleaved":
+    spec = find_schedule(plan.schedule)
+    if spec is not None and spec.megatron_function is not None:
         table = get_schedule_table(plan.num_microbatches, plan.num_model_chunks, plan.group_size)
         megatron = convert_schedule_table_to_order(plan.warmup[rank], plan.num_model_chunks, table)
         if megatron != order:

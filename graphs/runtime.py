@@ -25,7 +25,8 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from engine.plan import Op, build_plan
+from engine.plan import Op
+from engine.plan.resolve import ResolvedSchedule, resolve_schedule
 
 from .capture import BACKENDS, capture
 from .dispatch import GraphedLayers, layers_of_chunk
@@ -41,11 +42,13 @@ class GraphRuntime:
 
     Args:
         model_chunks: this rank's model chunks (``len == num_model_chunks``).
-        schedule: ``"no_pipelining"``, ``"1f1b"``, ``"interleaved"``, or a split-backward schedule ``"zb_h1"`` /
-            ``"zbv"`` / ``"zb"`` (``engine.plan.SCHEDULES``; F, B and W graphs, which need ``defer_weight_grad``).
+        schedule: the run's :class:`engine.plan.resolve.ResolvedSchedule` (the trainer's), or a registered
+            schedule's name (``engine.plan.schedule_names()``), resolved with ``pp_size``, ``num_model_chunks``
+            and ``group_size``.  Split-backward schedules get F, B and W graphs, which need ``defer_weight_grad``.
         pp_size, pp_rank: pipeline size and this rank.
         num_model_chunks: model chunks per rank.
-        group_size: ``microbatch_group_size_per_vp_stage`` (interleaved; default ``pp_size``).
+        group_size: ``microbatch_group_size_per_vp_stage`` for a schedule named by ``schedule`` that takes it
+            (interleaved; default ``pp_size``).
         backend: ``auto``, ``te``, ``torch`` (= ``pipecast``), ``emulate`` or ``eager``.
         warmup_steps: eager steps before capture (the last one records the passes; 0 counts as 1).
         num_warmup_iters: warmup rounds inside the capture.
@@ -58,15 +61,15 @@ class GraphRuntime:
             the recorded step is registered as well (dropout masks then advance per replay, pytorch#84614).
         defer_weight_grad: split-backward schedules: queues a layer's ``W`` replay into the running split backward
             (``engine.runtime.split_backward.defer_weight_grad``; ``graphs.capture.capture``).
-        plan: the run's :class:`engine.plan.Plan` (the trainer's): graphs are captured in its order when the
-            step has its microbatch count (e.g. a ``zb`` plan with its ``max_in_flight``); default: built from
-            ``schedule``.
+        plan: a plan of the run: its resolution (:meth:`ResolvedSchedule.of_plan`) gives the plan of each step's
+            microbatch count, in whose order graphs are captured (e.g. a ``zb`` plan keeps its ``max_in_flight``);
+            default: ``schedule``'s.
 
     Raises:
         ValueError: unknown backend, ``warmup_steps < 0``, chunk count not matching.
     """
 
-    def __init__(self, model_chunks: Sequence[torch.nn.Module], schedule: str, pp_size: int, pp_rank: int,
+    def __init__(self, model_chunks: Sequence[torch.nn.Module], schedule, pp_size: int, pp_rank: int,
                  num_model_chunks: int = 1, group_size: int | None = None, backend: str = "auto",
                  warmup_steps: int = 2, num_warmup_iters: int = 1, group=None, tracer=None,
                  layers_of: Callable[[torch.nn.Module], list] = layers_of_chunk, variable_seq_lengths: bool = False,
@@ -82,7 +85,12 @@ class GraphRuntime:
         if len(model_chunks) != num_model_chunks:
             raise ValueError(f"{len(model_chunks)} model chunks but num_model_chunks={num_model_chunks}")
         self.chunks = list(model_chunks)
-        self.schedule, self.pp_size, self.pp_rank = schedule, pp_size, pp_rank
+        resolution = ResolvedSchedule.of_plan(plan) if plan is not None else None
+        if resolution is None:
+            resolution = schedule if isinstance(schedule, ResolvedSchedule) else resolve_schedule(
+                schedule, pp_size, num_model_chunks, group_size)
+        self.resolution = resolution
+        self.schedule, self.pp_size, self.pp_rank = resolution.name, pp_size, pp_rank
         self.num_model_chunks = num_model_chunks
         self.group_size = group_size
         self.backend, self.warmup_steps, self.num_warmup_iters = backend, warmup_steps, num_warmup_iters
@@ -150,13 +158,8 @@ class GraphRuntime:
         self._eager_steps += 1
 
     def _plan(self, num_microbatches: int):
-        """The run's plan (``plan``, when given and of this microbatch count), else the schedule's plan for
-        ``num_microbatches`` (a ``zb`` plan keeps its in-flight limits)."""
-        if self.plan is not None and self.plan.num_microbatches == num_microbatches:
-            return self.plan
-        limit = self.plan.max_in_flight if self.plan is not None and self.schedule == "zb" else None
-        return build_plan(self.schedule, self.pp_size, num_microbatches, self.num_model_chunks, self.group_size,
-                          max_in_flight=limit)
+        """The run's training plan for ``num_microbatches`` (from the one resolution, cached there)."""
+        return self.resolution.plan(num_microbatches)
 
     def _capture(self, num_microbatches: int, key) -> None:
         rec = self.last_recording = self.layers.stop_recording()

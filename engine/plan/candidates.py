@@ -2,7 +2,8 @@
 
 A :class:`Candidate` is one setting of the ``parallel.*`` fields that pick a schedule (``schedule``, ``virtual``,
 ``microbatch_group_size_per_vp_stage``, ``max_in_flight``).  :func:`candidates` lists every valid one for a model of
-``L`` layers on ``P`` pipeline ranks with ``M`` microbatches: 1F1B, ZB-H1, interleaved 1F1B for every virtual size
+``L`` layers on ``P`` pipeline ranks with ``M`` microbatches, from each registered schedule's tune settings
+(:attr:`engine.plan.registry.ScheduleSpec.tune`); for the built-ins: 1F1B, ZB-H1, interleaved 1F1B for every virtual size
 ``v >= 2`` with ``L % (P*v) == 0`` and every group size Megatron accepts, ZB-V where ``L % 2P == 0``, and the
 memory-budgeted split schedule ``zb`` for every virtual size and in-flight limit ``1 .. 2vP`` (capped at
 ``vM``); candidates whose plans are identical to an earlier one are dropped, and every plan kept passes the
@@ -27,9 +28,9 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .build import Op, Plan, build_plan
-from .schedule import Schedule
-from .table import validate_interleaved_microbatches
+from .build import build_plan
+from .registry import get_schedule, schedule_names
+from .types import Op, Plan
 from .validate import PlanError, validate_plan
 
 __all__ = ["Candidate", "LayoutCosts", "CostModel", "Prediction", "candidates", "virtual_sizes", "predict",
@@ -47,7 +48,7 @@ class Candidate:
 
     @property
     def splits_backward(self) -> bool:
-        return Schedule(self.schedule).splits_backward
+        return get_schedule(self.schedule).splits_backward
 
     @property
     def layout(self) -> tuple[int, bool]:
@@ -114,26 +115,16 @@ def candidates(pp_size: int, num_layers: int, num_microbatches: int) -> list[Can
 
 
 def _raw_candidates(P: int, L: int, M: int) -> list[Candidate]:
-    if P == 1:
-        out = [Candidate("no_pipelining")]
-    else:
-        out = [Candidate("1f1b")]
-    out.append(Candidate("zb_h1"))
+    """Per virtual size, each registered schedule's tune settings (:attr:`ScheduleSpec.tune`), in registry order."""
+    out = []
     for v in virtual_sizes(P, L):
-        if v >= 2 and P >= 2:
-            out += [Candidate("interleaved", v, None if g == P else g) for g in range(P, M + 1) if _group_ok(M, P, g)]
-        if v == 2:
-            out.append(Candidate("zbv", 2))
-        out += [Candidate("zb", v, max_in_flight=k) for k in range(1, min(2 * v * P, v * M) + 1)]
+        for name in schedule_names():
+            spec = get_schedule(name)
+            if spec.tune is None or spec.fits(P, v) is not None:
+                continue
+            for settings in spec.tune(P, v, M):
+                out.append(Candidate(name, v, settings.get("group_size"), settings.get("max_in_flight")))
     return out
-
-
-def _group_ok(M: int, P: int, g: int) -> bool:
-    try:
-        validate_interleaved_microbatches(M, P, g)
-    except (ValueError, RuntimeError):
-        return False
-    return True
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ import os
 import sys
 from pathlib import Path
 
-from .build import SCHEDULES, Plan, build_plan
-from .schedule import Schedule, select_schedule
+from .build import Plan, build_plan
+from .registry import auto_schedule, find_schedule, get_schedule, schedule_names, virtual_or_none
 from .simulate import Simulation, simulate
 from .validate import max_buffered_messages, validate_plan
 
@@ -69,13 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``schedule`` options on ``parser``."""
     parser.add_argument("--pp", type=_positive_int, default=None, help="pipeline ranks P (default 4)")
     parser.add_argument("--vp", type=_positive_int, default=None,
-                        help="model chunks per rank (virtual pipeline size, default 1; 2 with --schedule zbv); "
+                        help="model chunks per rank (virtual pipeline size; default 1, or the count the "
+                             "schedule takes, e.g. 2 with --schedule zbv); "
                              ">= 2 selects interleaved 1F1B")
     parser.add_argument("--microbatches", "-m", type=_positive_int, default=None, help="microbatches M (default 8)")
     parser.add_argument("--group-size", type=_positive_int, default=None,
                         help="microbatch_group_size_per_vp_stage G for interleaved 1F1B (default P)")
-    parser.add_argument("--schedule", choices=("auto",) + SCHEDULES, default="auto",
-                        help="schedule; 'auto' picks it from --pp/--vp like Megatron")
+    parser.add_argument("--schedule", choices=("auto",) + schedule_names(), default="auto",
+                        help="schedule (the registered ones); 'auto' picks it from --pp/--vp like Megatron")
     parser.add_argument("--forward-only", action="store_true", help="evaluation plan (forwards only)")
     parser.add_argument("--forward-time", type=_time, default=1.0, help="cost of one chunk forward (default 1)")
     parser.add_argument("--backward-time", type=_time, default=2.0, help="cost of one chunk backward (default 2)")
@@ -99,13 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(_parser=parser)
 
 
-def _schedule(args) -> Schedule:
+def _schedule(args) -> str:
     """The schedule asked for (``auto``: Megatron's choice from ``--pp`` / ``--vp``); fills in ``args.vp``."""
     if args.vp is None:
-        args.vp = 2 if args.schedule == "zbv" else 1
+        chunks = get_schedule(args.schedule).chunks if args.schedule != "auto" else None
+        args.vp = chunks or 1
     if args.schedule != "auto":
-        return Schedule(args.schedule)
-    return select_schedule(args.pp, args.vp if args.vp > 1 else None)
+        return args.schedule
+    return auto_schedule(args.pp, virtual_or_none(args.vp))
 
 
 def _costs(plan: Plan, args) -> dict:
@@ -158,10 +160,13 @@ def run(args) -> int:
     given = {"--pp": args.pp, "--vp": args.vp, "--microbatches": args.microbatches}
     args.pp, args.microbatches = args.pp or 4, args.microbatches or 8
     schedule = _schedule(args)
-    if args.group_size is not None and schedule != "interleaved":
-        parser.error(f"--group-size {args.group_size} only applies to interleaved 1F1B; add --vp 2 (or more)")
-    if args.max_in_flight is not None and schedule != "zb":
-        parser.error(f"--max-in-flight {args.max_in_flight} only applies to --schedule zb")
+    for option, value, name in (("--group-size", args.group_size, "group_size"),
+                                ("--max-in-flight", args.max_in_flight, "max_in_flight")):
+        if value is not None and name not in get_schedule(schedule).options:
+            takers = " / ".join(n for n in schedule_names() if name in get_schedule(n).options)
+            parser.error(f"{option} {value} only applies to {takers} (the schedule is {schedule}); "
+                         + ("add --vp 2 (or more)" if name == "group_size" and args.schedule == "auto" else
+                            f"use --schedule {takers}"))
     _check_size(parser, args)
     _check_output(parser, "--json", args.json, "plan.json")
     _check_output(parser, "--plot", args.plot, "plan.png")
@@ -180,13 +185,18 @@ def run(args) -> int:
         print(f"wrote {args.csv}")
     if args.plot is not None:
         from .plotting import plot_timeline
-        group = f" G={plan.group_size}" if plan.schedule == "interleaved" else ""
+        group = f" G={plan.group_size}" if _takes_group(plan) else ""
         title = (f"{schedule} pp={plan.pp_size} vp={plan.num_model_chunks} m={plan.num_microbatches}{group}"
                  f"{' forward-only' if plan.forward_only else ''}: makespan "
                  f"{sim.makespan:g}, bubble {100 * sim.bubble_overall:.1f}% (bars: microbatch.chunk)")
         plot_timeline(sim.bars(), args.plot, title, bubbles=sim.bubble)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _takes_group(plan: Plan) -> bool:
+    spec = find_schedule(plan.schedule)
+    return spec is not None and "group_size" in spec.options
 
 
 def _build(parser, args, schedule) -> Plan:
@@ -223,7 +233,7 @@ def _plan_from_csv(parser, args, given: dict) -> Plan:
 def report(plan: Plan, sim: Simulation, buffered, args) -> str:
     """The text printed by ``pipecast schedule``: header, action grid, per-rank simulation figures."""
     mode = "forward-only" if plan.forward_only else "training"
-    group = f" group_size={plan.group_size}" if plan.schedule == "interleaved" else ""
+    group = f" group_size={plan.group_size}" if _takes_group(plan) else ""
     columns = max((len(acts) for acts in plan.actions), default=0)
     full = getattr(args, "grid", False) or (plan.pp_size <= GRID_MAX_RANKS and columns <= GRID_MAX_COLUMNS)
     lines = [f"schedule {plan.schedule}: pp={plan.pp_size} vp={plan.num_model_chunks} "

@@ -12,8 +12,8 @@ The executor (:mod:`engine.runtime.executor`) runs a :class:`RankProgram`; the v
    posted the matching receive (the step consuming a message the receiver sent after posting it);
 4. :func:`local_handovers` -- messages between two stages on the same rank (V placement) become local slots, with
    no P2P at all;
-5. :func:`hook_events` -- the grad / param sync hook events of Megatron-Core's schedules (spec 1.9, 1.17, 3.3, 3.8),
-   and for split-backward plans around each chunk's last ``W`` (a chunk's gradients are complete only then);
+5. :func:`hook_events` -- the grad / param sync hook events, by the rule the plan's schedule entry names
+   (:mod:`engine.plan.hooks`);
 6. :func:`compile_rank` -- assembles the :class:`Step` list the executor indexes.
 
 An exchange point is the moment after a step (or the start, index -1): the step's send and the receives posted
@@ -22,23 +22,15 @@ there go out together, in Megatron's batched order or its even/odd order by rank
 from __future__ import annotations
 
 import bisect
-import enum
-import functools
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from .build import Message, Op, Plan, build_plan, looped_placement
+from .hooks import DISABLE, ENABLE, HookEvent, last_backward_hooks, last_weight_hooks
+from .registry import find_schedule
+from .types import Message, Op, Plan, looped_placement
 
-__all__ = ["MessageKind", "TAG_ACT", "TAG_GRAD", "TAG_ACT_SHAPE", "TAG_GRAD_SHAPE", "Recv", "Step", "RankProgram",
+__all__ = ["TAG_ACT", "TAG_GRAD", "TAG_ACT_SHAPE", "TAG_GRAD_SHAPE", "Recv", "Step", "RankProgram",
            "exchange_order", "incoming", "receive_schedule", "reap_points", "local_handovers", "hook_events",
-           "compile_rank", "program_for", "cached_program", "HookEvent"]
-
-
-class MessageKind(str, enum.Enum):
-    """What crosses between stages: an activation (stage ``s`` -> ``s+1``) or a gradient (``s+1`` -> ``s``)."""
-
-    ACT = "act"
-    GRAD = "grad"
+           "compile_rank", "program_for", "HookEvent", "ENABLE", "DISABLE"]
 
 
 TAG_ACT, TAG_GRAD, TAG_ACT_SHAPE, TAG_GRAD_SHAPE = 1, 2, 3, 4
@@ -60,7 +52,7 @@ def exchange_order(batched: bool, rank: int) -> dict:
 class Recv:
     """One incoming message of a rank, in the sender's order on its link."""
 
-    kind: str          # "act" or "grad" (a MessageKind value)
+    kind: str          # "act" (an activation, stage s -> s+1) or "grad" (a gradient, s+1 -> s)
     peer: int          # sender's pipeline rank
     tag: int
     shape_tag: int
@@ -257,96 +249,14 @@ def local_handovers(plan: Plan, rank: int) -> tuple[list[int], list[int], int]:
 
 
 # ---- pass 5: grad / param sync hook events --------------------------------------------------------------------------
-class HookEvent(NamedTuple):
-    """A grad / param sync hook event: ``enable`` leaves ``no_sync``, ``disable`` enters it, ``grad`` calls
-    ``grad_sync_func`` for ``chunk`` (None: the whole model of a one-chunk rank), ``param`` calls
-    ``param_sync_func`` for ``chunk``."""
-
-    kind: str
-    chunk: int | None = None
-
-
-ENABLE, DISABLE = HookEvent("enable"), HookEvent("disable")
-
 def hook_events(plan: Plan, rank: int, has_grad_sync: bool, has_param_sync: bool):
-    """``(start, before, after, end)``: the hook events run at the start, before / after each step, and at the end.
-
-    Megatron-Core's points (spec 1.9, 1.17, 3.3, 3.8): ``no_sync`` entered at the start; left before the last
-    forward (no pipelining), before the last backward (1F1B; with ``grad_sync_func`` only on pipeline rank 0, the
-    others call it at the end), around the last backward of each chunk or each ``grad_sync_func`` call timed by
-    ``k - r`` (interleaved).  Split-backward plans: around each chunk's last ``W``, where its gradients are
-    complete (``grad_sync_func`` right after it); ``param_sync_func`` for every chunk at the start.
-    """
-    n = len(plan.actions[rank])
-    before, after = [[] for _ in range(n)], [[] for _ in range(n)]
-    start, end = [DISABLE], []
-    ops = [a.op for a in plan.actions[rank]]
-    if plan.schedule == "no_pipelining":
-        fwd = [i for i, op in enumerate(ops) if op is Op.FORWARD]
-        if fwd:
-            before[fwd[-1]].append(ENABLE)
-        return start, before, after, end
-    if plan.forward_only or Op.BACKWARD not in ops:
-        return start, before, after, [ENABLE]
-    if plan.splits_backward:
-        return _split_hooks(plan, rank, has_grad_sync, has_param_sync, (start, before, after, end))
-    if plan.schedule != "interleaved":
-        last_b = max(i for i, op in enumerate(ops) if op is Op.BACKWARD)
-        if not has_grad_sync or rank == 0:
-            before[last_b].append(ENABLE)
-        else:
-            end += [ENABLE, HookEvent("grad", None)]
-        return start, before, after, end
-    return _interleaved_hooks(plan, rank, has_grad_sync, has_param_sync, (start, before, after, end))
-
-
-def _split_hooks(plan: Plan, rank: int, has_grad_sync: bool, has_param_sync: bool, events):
-    start, before, after, end = events
-    acts = plan.actions[rank]
-    last_w = {a.chunk: i for i, a in enumerate(acts) if a.op is Op.WEIGHT}
-    if has_param_sync:
-        start += [HookEvent("param", c) for c in range(plan.num_model_chunks)]
-    for c, i in sorted(last_w.items()):
-        if has_grad_sync:
-            after[i] += [ENABLE, HookEvent("grad", c), DISABLE]
-        else:
-            before[i].append(ENABLE)
-            after[i].append(DISABLE)
-    end.append(ENABLE)
-    return start, before, after, end
-
-
-def _interleaved_hooks(plan: Plan, rank: int, has_grad_sync: bool, has_param_sync: bool, events):
-    """Interleaved 1F1B's hook points (spec 3.2, 3.3, 3.8)."""
-    start, before, after, end = events
-    acts = plan.actions[rank]
-    last_m = plan.num_microbatches - 1
-    fwd_idx = [i for i, a in enumerate(acts) if a.op is Op.FORWARD]
-    bwd_idx = [i for i, a in enumerate(acts) if a.op is Op.BACKWARD]
-    chunks, total = plan.num_model_chunks, len(fwd_idx)
-    if has_param_sync:
-        start += [HookEvent("param", c) for c in range(min(2, chunks))]
-        for k, i in enumerate(fwd_idx):
-            j = k + rank
-            if j < total and acts[fwd_idx[j]].microbatch == 0:
-                c2 = acts[fwd_idx[j]].chunk + 1
-                if 1 < c2 < chunks:
-                    before[i].append(HookEvent("param", c2))
-    synced = set()
-    for k, i in enumerate(bwd_idx):
-        if not has_grad_sync and acts[i].microbatch == last_m:
-            before[i].append(ENABLE)
-            after[i].append(DISABLE)
-        if has_grad_sync:
-            j = k - rank
-            if j >= 0 and acts[bwd_idx[j]].microbatch == last_m:
-                c2 = acts[bwd_idx[j]].chunk
-                after[i] += [ENABLE, HookEvent("grad", c2), DISABLE]
-                synced.add(c2)
-    end.append(ENABLE)
-    if has_grad_sync:
-        end += [HookEvent("grad", c) for c in range(chunks) if c not in synced]
-    return start, before, after, end
+    """``(start, before, after, end)``: the hook events run at the start, before / after each step, and at the end,
+    by the rule of the plan's schedule entry (:attr:`ScheduleSpec.hooks`, :mod:`engine.plan.hooks`); a plan of no
+    registered schedule (e.g. imported from CSV) follows :func:`~engine.plan.hooks.last_weight_hooks` when it splits
+    the backward, else :func:`~engine.plan.hooks.last_backward_hooks`."""
+    spec = find_schedule(plan.schedule)
+    rule = spec.hooks if spec is not None else (last_weight_hooks if plan.splits_backward else last_backward_hooks)
+    return rule(plan, rank, has_grad_sync, has_param_sync)
 
 
 # ---- pass 6: the program --------------------------------------------------------------------------------------------
@@ -409,14 +319,6 @@ def _reap_step(plan: Plan, reap: int | None, i: int) -> int | None:
     if reap is None and plan.forward_only and plan.stage_map == looped_placement(plan.pp_size, plan.num_model_chunks):
         return i + 2 * plan.num_stages
     return reap
-
-
-@functools.lru_cache(maxsize=256)
-def cached_program(schedule: str, pp_size: int, num_microbatches: int, num_model_chunks: int, group_size,
-                   forward_only: bool, rank: int, prefetch: int, batched: bool) -> RankProgram:
-    """:func:`compile_rank` of ``build_plan(...)``, cached by the plan's parameters (no per-call plan scans)."""
-    plan = build_plan(schedule, pp_size, num_microbatches, num_model_chunks, group_size, forward_only)
-    return compile_rank(plan, rank, prefetch, batched)
 
 
 _BY_PLAN: dict = {}

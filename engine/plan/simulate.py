@@ -14,7 +14,7 @@ Closed forms the tests check (uniform costs, no transfer time; ``p`` ranks, ``m`
 * Peak in-flight activations (forwards done whose backward has not finished): ``p-r`` on rank ``r`` for 1F1B
   (``m >= p``); ``W+1`` (warmup count + 1) for interleaved ranks whose warmup is below the total.
 
-Cost: one linear pass over the validator's execution order (:func:`engine.plan.validate.execution_order`, computed and
+Cost: one linear pass over the validator's execution order (:func:`engine.plan.graph.execution_order`, computed and
 cached if the plan was not validated yet); ``benchmarks/plan_scale.py`` times it for P=64, C=8, M=1024.
 """
 from __future__ import annotations
@@ -27,11 +27,11 @@ from typing import Union
 
 import numpy as np
 
-from .build import Plan
+from .graph import PlanGraph, execution_order, memory_levels, plan_graph
 from .plotting import Bar
-from .validate import PlanGraph, execution_order, memory_levels, plan_graph
+from .types import Plan
 
-__all__ = ["Cost", "Simulation", "simulate"]
+__all__ = ["Cost", "Simulation", "simulate", "max_buffered_messages"]
 
 Cost = Union[float, Mapping[tuple[int, int], float], Sequence[Sequence[float]]]
 """A compute cost in time units: one number for every ``(rank, chunk)``, a mapping ``{(rank, chunk): cost}`` (every
@@ -54,7 +54,7 @@ class Simulation:
             ``W`` not); 0 for plans without ``W``.
         transfer_time: the message latency used.
         flat_start, flat_end: start / end times of all actions in the global numbering of
-            :class:`~engine.plan.validate.PlanGraph` (``base[rank] + i``).
+            :class:`~engine.plan.graph.PlanGraph` (``base[rank] + i``).
         base: ``[P+1]`` offsets of each rank in the flat lists.
     """
 
@@ -115,7 +115,7 @@ def simulate(plan: Plan, forward_time: Cost = 1.0, backward_time: Cost = 2.0, tr
     """Simulate one step of ``plan`` (model in the module doc).
 
     Args:
-        plan: a valid plan (checked; see :func:`engine.plan.validate.plan_graph`).
+        plan: a valid plan (checked; see :func:`engine.plan.graph.plan_graph`).
         forward_time: cost of one forward of one model chunk (time units, e.g. ms).
         backward_time: cost of one backward (input and weight gradients unless the plan splits off ``W``).
         transfer_time: latency of every message (producer end to consumer availability), ``>= 0``.
@@ -197,3 +197,39 @@ def _run(plan: Plan, graph: PlanGraph, cost: list[float], transfer: float):
         clock[rank] = t
     end.pop()
     return start, end, clock
+
+
+# -- buffering ---------------------------------------------------------------------------------------------------
+def max_buffered_messages(plan: Plan, simulation=None, **costs) -> tuple[int, ...]:
+    """Per rank, the peak number of messages received but not yet consumed (buffer memory of the receiver).
+
+    A message is buffered on its receiver from its arrival (producer's end + transfer time) until its consuming
+    action starts; arrivals at the very moment the consumer starts are not buffered.  Timing comes from
+    ``simulation`` (a :class:`engine.plan.simulate.Simulation` of this plan) or from ``simulate(plan, **costs)``.
+
+    Raises:
+        PlanError: the plan is invalid.
+        ValueError: ``simulation`` belongs to another plan.
+    """
+    if simulation is not None and simulation.plan is not plan:
+        raise ValueError("simulation is of another plan: pass the Simulation that simulate(plan) returned for this "
+                         "plan, or no simulation (it is then computed from the cost keywords)")
+    sim = simulate(plan, **costs) if simulation is None else simulation
+    graph = plan_graph(plan)
+    n = graph.num_actions
+    deps = np.asarray(graph.deps[:n], dtype=np.int64)
+    start, end = np.asarray(sim.flat_start), np.asarray(sim.flat_end)
+    consumers = np.flatnonzero(deps < n)
+    arrival = end[deps[consumers]] + sim.transfer_time
+    used = start[consumers]
+    held = arrival < used
+    consumers, arrival, used = consumers[held], arrival[held], used[held]
+    peaks = []
+    for rank in range(plan.pp_size):
+        sel = (consumers >= graph.base[rank]) & (consumers < graph.base[rank + 1])
+        times = np.concatenate([used[sel], arrival[sel]])
+        delta = np.concatenate([-np.ones(int(sel.sum()), dtype=np.int64), np.ones(int(sel.sum()), dtype=np.int64)])
+        order = np.lexsort((delta, times))  # at equal times, consumptions (-1) before arrivals (+1)
+        level = np.cumsum(delta[order])
+        peaks.append(int(level.max()) if level.size else 0)
+    return tuple(peaks)

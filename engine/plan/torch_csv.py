@@ -21,7 +21,8 @@ import io
 import re
 from typing import NamedTuple
 
-from .build import Action, Op, Plan
+from .types import Action, Op, Plan
+from .validate import PlanError, validate_plan
 
 __all__ = ["plan_from_csv", "plan_to_csv", "CsvScheduleError"]
 
@@ -168,7 +169,6 @@ def plan_from_csv(text: str, name: str = "csv") -> Plan:
         PlanError: the schedule is incomplete, out of order, routes data wrongly or deadlocks (names the rank, the
             first bad action and, for an action that has a cell, its row and column in the CSV).
     """
-    from .validate import PlanError, validate_plan  # the validator builds on the plan module, as this one does
     rows = _parse_rows(text)
     placement = _placement(rows)
     _check_pairs(rows)

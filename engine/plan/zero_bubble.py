@@ -20,7 +20,7 @@ Schedules (``P`` ranks, ``M`` microbatches):
 
 * ``zb_h1``: looped placement, one chunk per rank, in-flight limit ``min(P - r, M)`` on rank ``r`` -- 1F1B's
   activation memory; ``W`` passes fill the cooldown, bubble ``(P-1)(F+B-W)`` for equal costs (paper, sec. 3.1).
-* ``zbv``: V placement (:func:`engine.plan.build.v_placement`), two chunks per rank, in-flight limit ``2P``
+* ``zbv``: V placement (:func:`engine.plan.types.v_placement`), two chunks per rank, in-flight limit ``2P``
   chunk activations on every rank (each chunk holds half a rank's layers: 1F1B's peak), near-zero bubble when
   ``F = B = W``.
 * ``zb``: looped placement, ``C`` chunks, any per-rank in-flight limit: ``P - r`` gives ZB-H1-like plans, about
@@ -35,9 +35,10 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from .build import Action, Op, Plan, Schedule, looped_placement, v_placement
+from .types import Action, Op, Plan, placement_of
 
-__all__ = ["ZeroBubbleCosts", "list_schedule", "zero_bubble_plan", "default_limits"]
+__all__ = ["ZeroBubbleCosts", "list_schedule", "zero_bubble_plan", "zb_h1_limits", "zbv_limits",
+           "budget_limits"]
 
 _OPS = {"F": Op.FORWARD, "B": Op.BACKWARD, "W": Op.WEIGHT}
 
@@ -74,7 +75,7 @@ def list_schedule(placement, pp_size: int, num_microbatches: int, in_flight_limi
     """Order every rank's ``F`` / ``B`` / ``W`` actions by the list scheduler of the module doc.
 
     Args:
-        placement: stage -> ``(rank, chunk)`` (see :data:`engine.plan.build.Placement`).
+        placement: stage -> ``(rank, chunk)`` (see :data:`engine.plan.types.Placement`).
         in_flight_limit / pending_w_limit: per rank, the limits (``pending_w_limit`` None: no limit).
         forward_only: forwards only (evaluation plans of the same placement).
 
@@ -190,18 +191,24 @@ def _run(rk: _Rank, step, t: float, arrivals, placement, num_stages: int, costs:
     return cost
 
 
-def default_limits(kind: Schedule, pp_size: int, num_microbatches: int, num_model_chunks: int,
-                   max_in_flight=None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per-rank ``(in-flight limits, pending-W limits)`` of a split-backward schedule (module doc).
+def zb_h1_limits(pp_size: int, num_microbatches: int, num_model_chunks: int, max_in_flight=None):
+    """ZB-H1's per-rank ``(in-flight limits, pending-W limits)``: ``min(P - r, M)`` and ``P`` (module doc)."""
+    return tuple(min(pp_size - r, num_microbatches) for r in range(pp_size)), (pp_size,) * pp_size
+
+
+def zbv_limits(pp_size: int, num_microbatches: int, num_model_chunks: int, max_in_flight=None):
+    """ZB-V's per-rank limits: ``2P`` chunk activations and ``2P`` pending ``W`` on every rank (module doc)."""
+    return (2 * pp_size,) * pp_size, (2 * pp_size,) * pp_size
+
+
+def budget_limits(pp_size: int, num_microbatches: int, num_model_chunks: int, max_in_flight=None):
+    """The memory-budgeted schedule's limits: ``max_in_flight`` (one number or one per rank; default
+    ``C*(P - r)``, 1F1B's) for both activations held and pending ``W``.
 
     Raises:
         ValueError: ``max_in_flight`` is not a number >= 1 or one per rank.
     """
     P, C = pp_size, num_model_chunks
-    if kind is Schedule.ZB_H1:
-        return tuple(min(P - r, num_microbatches) for r in range(P)), (P,) * P
-    if kind is Schedule.ZBV:
-        return (2 * P,) * P, (2 * P,) * P
     if max_in_flight is None:
         limits = tuple(C * (P - r) for r in range(P))
     elif isinstance(max_in_flight, int) and not isinstance(max_in_flight, bool):
@@ -214,19 +221,20 @@ def default_limits(kind: Schedule, pp_size: int, num_microbatches: int, num_mode
     return limits, limits
 
 
-def zero_bubble_plan(kind: Schedule, pp_size: int, num_microbatches: int, num_model_chunks: int,
-                     forward_only: bool = False, max_in_flight=None) -> Plan:
-    """The plan of a split-backward schedule (``zb_h1``, ``zbv``, ``zb``; see the module doc).
+def zero_bubble_plan(name: str, placement: str, limits, pp_size: int, num_microbatches: int,
+                     num_model_chunks: int, forward_only: bool = False, max_in_flight=None) -> Plan:
+    """The plan named ``name`` of a split-backward schedule: the list scheduler of the module doc over placement
+    ``placement`` (``"looped"`` or ``"v"``) under ``limits(P, M, C, max_in_flight)`` (e.g. :func:`zb_h1_limits`).
 
     Raises:
-        ValueError: as :func:`default_limits`.
+        ValueError: as ``limits`` raises.
     """
-    placement = v_placement(pp_size) if kind is Schedule.ZBV else looped_placement(pp_size, num_model_chunks)
-    in_flight, pending = default_limits(kind, pp_size, num_microbatches, num_model_chunks, max_in_flight)
-    order, _ = list_schedule(placement, pp_size, num_microbatches, in_flight, pending, forward_only=forward_only)
+    stage_map = placement_of(placement, pp_size, num_model_chunks)
+    in_flight, pending = limits(pp_size, num_microbatches, num_model_chunks, max_in_flight)
+    order, _ = list_schedule(stage_map, pp_size, num_microbatches, in_flight, pending, forward_only=forward_only)
     shared: dict = {}
     actions = tuple(tuple(shared.setdefault(a, Action(_OPS[a[0]], a[1], a[2])) for a in acts) for acts in order)
     warmup = tuple(next((i for i, a in enumerate(acts) if a.op is not Op.FORWARD), len(acts)) for acts in actions)
-    limits = (None, None) if forward_only else (in_flight, pending)
-    return Plan(kind, pp_size, num_model_chunks, num_microbatches, num_microbatches, forward_only, warmup, actions,
-                placement, *limits)
+    limits_held = (None, None) if forward_only else (in_flight, pending)
+    return Plan(name, pp_size, num_model_chunks, num_microbatches, num_microbatches, forward_only, warmup, actions,
+                stage_map, *limits_held)

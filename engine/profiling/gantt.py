@@ -1,6 +1,6 @@
 """Gantt chart of an executed schedule, with each rank's measured bubble beside the simulator's prediction.
 
-The measured spans of one step become :class:`engine.plan.plotting.Span` bars (actions coloured by ``F`` / ``B`` /
+The measured spans of one step become :class:`engine.plan.plotting.Bar` s (actions coloured by ``F`` / ``B`` /
 ``W``; communication waits between actions, ``p2p``, and sync hooks, ``sync``, in their own colours) drawn by
 :func:`engine.plan.plotting.plot_timeline`, the same chart the simulator draws for a plan.  The prediction runs
 :func:`engine.plan.simulate.simulate` on the same plan with the *measured* mean cost of each ``(op, rank, chunk)`` and

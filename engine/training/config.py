@@ -24,7 +24,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from ..plan.schedule import Schedule, select_schedule
+from ..plan.registry import auto_schedule, config_choices, get_schedule, schedule_names, virtual_or_none
+from ..plan.resolve import ResolvedSchedule, resolve_schedule
 from ..plan.table import validate_interleaved_microbatches
 
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "TrainingConfig",
@@ -38,6 +39,11 @@ MAX_STEPS = 10**9  # the upper bound of training.steps
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, its value and the fix."""
+
+
+class ScheduleName(str):
+    """The type of ``parallel.schedule``: ``auto``, a schedule of the registry (:mod:`engine.plan.registry`,
+    including schedules registered before the config is loaded) or ``tuned``."""
 
 
 class ConfigLoader(yaml.SafeLoader):
@@ -102,10 +108,10 @@ class ParallelConfig:
 
     pipeline: int = 1
     virtual: int = 1  # > 1 selects interleaved 1F1B (with schedule: auto)
-    # auto: Megatron's choice from pipeline / virtual; zb_h1 / zbv: split-backward zero-bubble schedules; zb: split
-    # backward under max_in_flight; tuned: the best schedule of the last `pipecast tune` (RUN_DIR/tune.json)
-    schedule: Literal["auto", "no_pipelining", "1f1b", "interleaved", "zb_h1", "zbv", "zb", "tuned"] = "auto"
-    max_in_flight: int | None = None  # zb: per-rank limit on in-flight activations (None: 1F1B's, virtual*(P-r))
+    # auto: Megatron's choice from pipeline / virtual; a registered schedule (engine.plan.registry); tuned: the best
+    # schedule of the last `pipecast tune` (RUN_DIR/tune.json), resolved by the entry points (tune_result)
+    schedule: ScheduleName = "auto"
+    max_in_flight: int | None = None  # schedules taking it (zb): per-rank in-flight limit (None: virtual*(P-r))
     data: int | None = None  # None -> world size // pipeline (1 when the launcher spawns ranks)
     microbatch_group_size_per_vp_stage: int | None = None  # None -> pipeline (Megatron's default)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -242,17 +248,38 @@ class TrainConfig:
 
     @property
     def schedule_name(self) -> str:
-        """The schedule that runs: ``parallel.schedule``, or for ``auto`` Megatron's choice (spec 1.1) from
-        ``parallel.pipeline`` / ``parallel.virtual`` (:func:`engine.plan.schedule.select_schedule`)."""
+        """The schedule that runs: ``parallel.schedule``, or for ``auto`` Megatron's choice from
+        ``parallel.pipeline`` / ``parallel.virtual`` (:func:`engine.plan.registry.auto_schedule`)."""
         p = self.parallel
         if p.schedule != "auto":
             return p.schedule
-        return select_schedule(p.pipeline, p.virtual if p.virtual > 1 else None).value
+        return auto_schedule(p.pipeline, virtual_or_none(p.virtual))
+
+    def resolve_schedule(self) -> ResolvedSchedule:
+        """The run's one :class:`~engine.plan.resolve.ResolvedSchedule` (schedule, sizes and options; it gives
+        every plan of the run).
+
+        Raises:
+            ConfigError: ``parallel.schedule: tuned`` not resolved yet
+                (:func:`engine.training.tune_result.resolve_tuned`), or settings the schedule does not take.
+        """
+        p = self.parallel
+        if p.schedule == "tuned":
+            raise ConfigError("parallel.schedule=tuned was not resolved: resolve it with "
+                              "engine.training.tune_result.resolve_tuned(config), which reads the best schedule from "
+                              "RUN_DIR/tune.json (run `pipecast tune CONFIG` first); pipecast train does this")
+        try:
+            return resolve_schedule(p.schedule, p.pipeline, p.virtual, p.microbatch_group_size_per_vp_stage,
+                                    p.max_in_flight)
+        except ValueError as exc:
+            raise ConfigError(f"parallel.schedule={p.schedule}: {exc}") from None
 
 
 # ---- typed loading --------------------------------------------------------------------------------------------
 
 def _type_name(tp) -> str:
+    if tp is ScheduleName:
+        return " | ".join(repr(a) for a in config_choices())
     origin = typing.get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
@@ -265,6 +292,10 @@ def _type_name(tp) -> str:
 
 def _coerce(value: Any, tp, where: str):
     """Check ``value`` against the annotation ``tp``; ints are accepted for floats.  Returns the value."""
+    if tp is ScheduleName:
+        if value not in config_choices():
+            raise ConfigError(f"{where}={value!r} is not allowed; use one of {_type_name(tp)}")
+        return value
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         for arg in typing.get_args(tp):
@@ -388,7 +419,7 @@ def _split_override(text: str) -> tuple[str, Any]:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | dict[str, Any] | None = None,
-                *, check: bool = True, tuned: bool = True) -> TrainConfig:
+                *, check: bool = True) -> TrainConfig:
     """Read a YAML config (``None``: all defaults), apply overrides, check keys and types, and validate.
 
     Args:
@@ -396,8 +427,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
             ``1e-3`` is a float; duplicate keys are an error).
         overrides: ``["section.key=value", ...]`` or ``{"section.key": value}``.
         check: run :func:`validate` (cross-field checks, data paths).
-        tuned: resolve ``parallel.schedule: tuned`` from ``RUN_DIR/tune.json``
-            (:func:`engine.training.tune_result.resolve_tuned`); ``pipecast tune`` itself loads with ``False``.
+
+    ``parallel.schedule: tuned`` is kept as it is: the entry points (``pipecast train``, :func:`engine.training.run`
+    users) resolve it with :func:`engine.training.tune_result.resolve_tuned`.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -414,9 +446,6 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
         if not isinstance(data, dict):
             raise TypeError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
     config = config_from_dict(apply_overrides(data, overrides))
-    if config.parallel.schedule == "tuned" and tuned:
-        from .tune_result import resolve_tuned
-        config = resolve_tuned(config)
     if check:
         validate(config)
     return config
@@ -579,42 +608,42 @@ def _validate_finite(config: TrainConfig) -> None:
                                   f"(the default is {default!r})")
 
 
-_SCHEDULE_SHAPE = {  # schedule -> (pipeline rule, virtual rule, the fix)
-    "no_pipelining": (lambda pp: pp == 1, lambda vp: vp == 1, "set parallel.pipeline=1 and parallel.virtual=1"),
-    "1f1b": (lambda pp: pp >= 2, lambda vp: vp == 1, "set parallel.pipeline >= 2 and parallel.virtual=1"),
-    "interleaved": (lambda pp: pp >= 2, lambda vp: vp >= 1, "set parallel.pipeline >= 2"),
-    "zb_h1": (lambda pp: pp >= 1, lambda vp: vp == 1, "set parallel.virtual=1 (one model chunk per rank)"),
-    "zbv": (lambda pp: pp >= 1, lambda vp: vp == 2, "set parallel.virtual=2 (ZB-V places two model chunks on "
-                                                    "each rank, stages r and 2P-1-r)"),
-    "zb": (lambda pp: pp >= 1, lambda vp: vp >= 1, ""),
-}
+def _takers(option: str) -> str:
+    return " / ".join(n for n in schedule_names() if option in get_schedule(n).options)
 
 
 def _validate_schedule(config: TrainConfig) -> None:
-    """``parallel.schedule`` against the pipeline / virtual sizes and the features it supports."""
+    """``parallel.schedule`` against the pipeline / virtual sizes and the options its registry entry takes
+    (``tuned`` is checked when it is resolved, :func:`engine.training.tune_result.resolve_tuned`)."""
     p = config.parallel
-    if p.max_in_flight is not None and p.schedule != "zb":
-        raise ConfigError(f"parallel.max_in_flight={p.max_in_flight} only applies to parallel.schedule=zb (got "
-                          f"parallel.schedule={p.schedule}); remove it or set parallel.schedule=zb")
+    if p.schedule == "tuned":
+        return
+    spec = get_schedule(config.schedule_name)
+    if p.max_in_flight is not None and "max_in_flight" not in spec.options:
+        raise ConfigError(f"parallel.max_in_flight={p.max_in_flight} only applies to parallel.schedule="
+                          f"{_takers('max_in_flight')} (got parallel.schedule={p.schedule}); remove it or set "
+                          f"parallel.schedule={_takers('max_in_flight')}")
     if p.max_in_flight is not None and (isinstance(p.max_in_flight, bool) or p.max_in_flight < 1):
         raise ConfigError(f"parallel.max_in_flight={p.max_in_flight} must be an integer >= 1 (activations held per "
                           f"rank); remove it for 1F1B's limit")
-    if p.schedule == "tuned":
-        raise ConfigError("parallel.schedule=tuned was not resolved: load the config with load_config(), which "
-                          "reads the best schedule from RUN_DIR/tune.json (run `pipecast tune CONFIG` first)")
-    if p.schedule == "auto":
-        return
-    pp_ok, vp_ok, fix = _SCHEDULE_SHAPE[p.schedule]
-    if not (pp_ok(p.pipeline) and vp_ok(p.virtual)):
-        raise ConfigError(f"parallel.schedule={p.schedule} does not fit parallel.pipeline={p.pipeline}, "
-                          f"parallel.virtual={p.virtual}: {fix}")
-    if Schedule(p.schedule).splits_backward and config.cuda_graphs.enabled and config.cuda_graphs.backend == "te":
+    why = spec.fits(p.pipeline, p.virtual)
+    if why is not None:
+        picked = f" (Megatron's choice: {spec.name})" if p.schedule == "auto" else ""
+        hint = ("; parallel.virtual > 1 needs parallel.pipeline >= 2 (interleaved 1F1B runs on at least two "
+                "pipeline ranks): set parallel.virtual=1 or parallel.pipeline >= 2") if p.schedule == "auto" else ""
+        raise ConfigError(f"parallel.schedule={p.schedule}{picked} does not fit parallel.pipeline={p.pipeline}, "
+                          f"parallel.virtual={p.virtual}: {why}{hint}")
+    if spec.splits_backward and config.cuda_graphs.enabled and config.cuda_graphs.backend == "te":
         raise ConfigError(f"parallel.schedule={p.schedule} (split backward) with cuda_graphs.backend=te: Transformer "
                           "Engine's capture has no weight-gradient (W) graphs for these layers; set "
                           "cuda_graphs.backend=torch (pipecast's capture: F, B and W graphs) or auto")
-    if Schedule(p.schedule).splits_backward and p.microbatch_group_size_per_vp_stage is not None:
-        raise ConfigError(f"parallel.microbatch_group_size_per_vp_stage only applies to interleaved 1F1B, not "
-                          f"parallel.schedule={p.schedule}; remove it")
+    if p.microbatch_group_size_per_vp_stage is not None and "group_size" not in spec.options:
+        raise ConfigError(f"parallel.microbatch_group_size_per_vp_stage={p.microbatch_group_size_per_vp_stage} only "
+                          f"applies to parallel.schedule={_takers('group_size')} (interleaved 1F1B), not "
+                          f"{spec.name}; remove it or set parallel.virtual >= 2")
+    if p.overlap_p2p_comm and not spec.overlap_p2p:
+        raise ConfigError(f"parallel.overlap_p2p_comm=true is not supported by {spec.name} (as in Megatron-Core's "
+                          "1F1B); set parallel.virtual >= 2 or parallel.overlap_p2p_comm=false")
 
 
 def validate_parallel(config: TrainConfig) -> None:
@@ -622,9 +651,6 @@ def validate_parallel(config: TrainConfig) -> None:
     m, p, s = config.model, config.parallel, config.training
     _validate_schedule(config)
     chunks = p.pipeline * p.virtual
-    if p.pipeline == 1 and p.virtual != 1 and p.schedule != "zbv":
-        raise ConfigError(f"parallel.virtual={p.virtual} needs parallel.pipeline >= 2 (interleaved 1F1B runs on "
-                          f"at least two pipeline ranks); set parallel.virtual=1 or parallel.pipeline >= 2")
     if m.num_layers % chunks:
         raise ConfigError(f"model.num_layers={m.num_layers} cannot be split into parallel.pipeline x "
                           f"parallel.virtual = {p.pipeline} x {p.virtual} = {chunks} model chunks of equal size; "
@@ -634,13 +660,7 @@ def validate_parallel(config: TrainConfig) -> None:
     if p.overlap_p2p_comm and p.batch_p2p_comm:
         raise ConfigError("parallel.overlap_p2p_comm=true needs parallel.batch_p2p_comm=false (Megatron: the two "
                           "are mutually exclusive)")
-    if p.overlap_p2p_comm and config.schedule_name in ("1f1b", "no_pipelining"):
-        raise ConfigError("parallel.overlap_p2p_comm=true is not supported by 1F1B (as in Megatron-Core); set "
-                          "parallel.virtual >= 2 or parallel.overlap_p2p_comm=false")
-    if p.microbatch_group_size_per_vp_stage is not None and config.schedule_name != "interleaved":
-        raise ConfigError(f"parallel.microbatch_group_size_per_vp_stage={p.microbatch_group_size_per_vp_stage} "
-                          f"only applies to interleaved 1F1B; remove it or set parallel.virtual >= 2")
-    if config.schedule_name == "interleaved":
+    if p.schedule != "tuned" and "group_size" in get_schedule(config.schedule_name).options:
         group = p.microbatch_group_size_per_vp_stage or p.pipeline
         if p.microbatch_group_size_per_vp_stage is not None:  # the field the user set is named first
             for count in (s.num_microbatches, config.eval_microbatches):

@@ -46,6 +46,7 @@ import time
 from ..runtime.spawn import STOP_GRACE_S, Interrupted, RankError, Terminated, teardown
 from .config import (ConfigError, TrainConfig, check_fresh_run, load_config, parse_override_args,
                      validate_world_size)
+from .tune_result import resolve_tuned
 
 __all__ = ["add_arguments", "run", "run_spawned", "spawn", "train_worker", "under_torchrun", "Interrupted",
            "EXIT_PREEMPTED", "STOP_GRACE_S"]
@@ -83,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with contextlib.ExitStack() as held:
             try:
-                config = load_config(args.config, parse_override_args(list(getattr(args, "extra", []) or [])))
+                config = resolve_tuned(load_config(args.config,
+                                                   parse_override_args(list(getattr(args, "extra", []) or []))))
                 if under_torchrun():
                     config = validate_world_size(config, int(os.environ["WORLD_SIZE"]))
                 if getattr(args, "print_config", False):

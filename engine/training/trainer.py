@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import functools
 import logging
 import math
 import os
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..model_parallel_config import ModelParallelConfig
+from ..plan.registry import virtual_or_none
 from ..runtime.process_groups import ProcessGroupCollection, build_process_groups
 from .checkpoint import (CheckpointError, checkpoint_keys, latest_checkpoint, list_checkpoints, load_checkpoint,
                          read_checkpoint_meta, save_checkpoint)
@@ -85,11 +85,12 @@ class Trainer:
         p = config.parallel
         backend = None if p.backend == "auto" else p.backend
         self.pg: ProcessGroupCollection = build_process_groups(
-            p.pipeline, p.virtual if p.virtual > 1 else None, backend=backend,
+            p.pipeline, virtual_or_none(p.virtual), backend=backend,
             timeout=datetime.timedelta(seconds=p.timeout_s))
         self.pp_rank, self.pp_size = self.pg.pipeline_model_parallel_rank, p.pipeline
         self.dp_rank, self.dp_size = self.pg.data_parallel_rank, self.pg.data_parallel_size
-        self.plan = self._plan()  # one plan per step: its placement decides which stages this rank holds
+        self.schedule = config.resolve_schedule()  # the run's one resolution: it gives every plan of the run
+        self.plan = self.schedule.plan(config.training.num_microbatches)  # its placement: the stages held here
         self.loss_rank = self.plan.stage_location(self.plan.num_stages - 1)[0]  # pipeline rank of the loss stage
         self.is_log_rank = self.pp_rank == self.loss_rank and self.dp_rank == 0
         self.run_dir = Path(config.logging.run_dir)
@@ -167,7 +168,7 @@ class Trainer:
         bf16 = c.model.precision == "bf16" and self.device.type == "cuda"
         return ModelParallelConfig(
             pipeline_model_parallel_size=p.pipeline,
-            virtual_pipeline_model_parallel_size=p.virtual if p.virtual > 1 else None,
+            virtual_pipeline_model_parallel_size=virtual_or_none(p.virtual),
             microbatch_group_size_per_vp_stage=p.microbatch_group_size_per_vp_stage,
             pipeline_dtype=torch.float32, hidden_size=c.model.hidden_size,
             batch_p2p_comm=p.batch_p2p_comm, overlap_p2p_comm=p.overlap_p2p_comm,
@@ -187,14 +188,6 @@ class Trainer:
     def _lr_multiplier(self, step: int) -> float:
         o = self.config.optimizer
         return lr_lambda(step, o.lr, o.min_lr, o.warmup_steps, self.config.training.steps)
-
-    def _plan(self):
-        """The plan of one training step (built once; its placement decides which stages this rank holds)."""
-        from ..plan import build_plan
-        c, p = self.config, self.config.parallel
-        return build_plan(c.schedule_name, p.pipeline, c.training.num_microbatches, p.virtual,
-                          p.microbatch_group_size_per_vp_stage if c.schedule_name == "interleaved" else None,
-                          max_in_flight=p.max_in_flight)
 
     def simulated_bubble(self) -> float:
         """Bubble fraction of one training step from the plan simulator (``engine.plan.simulate``; uniform costs,
@@ -222,16 +215,11 @@ class Trainer:
                        self.dp_rank, self.dp_size, c.training.seed, c.model.vocab_size, self.device)
 
     def _schedule(self):
+        """The schedule call (the public API, which runs the plan it is handed) and the pipeline communicator."""
         from .. import schedules  # the public API; imported late so that `engine` never imports the trainer eagerly
-        p = self.config.parallel
-        if self.plan.schedule in ("no_pipelining", "1f1b", "interleaved"):
-            fb = schedules.get_forward_backward_func(p.pipeline, p.virtual if self.plan.schedule == "interleaved"
-                                                     else None)
-        else:  # split-backward plans (evaluation runs the forward-only plan of the same placement)
-            fb = functools.partial(schedules.forward_backward_pipelining_with_schedule, schedule=self.plan)
         from ..runtime.p2p import P2PCommunicator
         # no pipelining ignores it (Megatron's contract); pipelined schedules need it next to pg_collection
-        return fb, P2PCommunicator(self.pg.pp, self.mp_config)
+        return schedules.forward_backward_pipelining_with_schedule, P2PCommunicator(self.pg.pp, self.mp_config)
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
@@ -253,6 +241,7 @@ class Trainer:
                       micro_batch_size: int | None = None, collect_non_loss_data: bool = False) -> list:
         c = self.config
         kwargs: dict[str, Any] = dict(
+            schedule=self.schedule.plan(num_microbatches, forward_only),  # the run's plan for this call
             forward_step_func=forward_step_func or self._forward_step, data_iterator=self._iterators(microbatches),
             model=self.model, num_microbatches=num_microbatches, seq_length=c.model.seq_length,
             micro_batch_size=micro_batch_size or c.training.micro_batch_size, forward_only=forward_only,
@@ -281,8 +270,8 @@ class Trainer:
             from engine.runtime.split_backward import defer_weight_grad  # W graphs join the split backward's W
             from graphs.runtime import GraphRuntime  # the one engine -> graphs call site
             p = self.config.parallel
-            self._graphs = GraphRuntime(self.model, self.plan.schedule, self.pp_size, self.pp_rank, p.virtual,
-                                        p.microbatch_group_size_per_vp_stage, backend=cg.backend,
+            self._graphs = GraphRuntime(self.model, self.schedule, self.pp_size, self.pp_rank, p.virtual,
+                                        backend=cg.backend,
                                         warmup_steps=cg.warmup_steps, tracer=self.tracer,
                                         variable_seq_lengths=self.mp_config.variable_seq_lengths,
                                         defer_weight_grad=defer_weight_grad, plan=self.plan)
@@ -388,11 +377,11 @@ class Trainer:
 
     def _next_token_logits(self, ids: list[int]) -> torch.Tensor | None:
         """Logits ``[V]`` after the last ``seq_length`` tokens of ``ids``: one forward-only pipeline pass of
-        microbatches ``[1, s]`` (one; interleaved 1F1B needs a whole microbatch group, so G copies there), the
-        context right-padded to ``s`` (causal attention: padding after the position read cannot change it).
-        Returns the logits on the last pipeline stage, None elsewhere."""
+        microbatches ``[1, s]`` (one; a schedule that groups microbatches, interleaved 1F1B, needs a whole group,
+        so G copies there), the context right-padded to ``s`` (causal attention: padding after the position read
+        cannot change it).  Returns the logits on the last pipeline stage, None elsewhere."""
         p = self.config.parallel
-        m = (p.microbatch_group_size_per_vp_stage or p.pipeline) if p.virtual > 1 else 1
+        m = (self.schedule.group_size or p.pipeline) if "group_size" in self.schedule.spec.options else 1
         s = self.config.model.seq_length
         window = ids[-s:]
         n = len(window)

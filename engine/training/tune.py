@@ -44,9 +44,10 @@ import time
 from pathlib import Path
 
 from ..plan.candidates import Candidate, candidates, predict, rank_predictions, virtual_sizes
+from ..plan.registry import get_schedule
 from .config import ConfigError, TrainConfig, load_config, parse_override_args, validate
 from .tune_model import cost_model, model_from_record, step_times
-from .tune_result import tune_path, tuned_for
+from .tune_result import resolve_tuned, tune_path, tuned_for
 
 __all__ = ["add_arguments", "run", "config_candidate", "variant_config", "measurement_variants", "tune_worker",
            "verify_worker"]
@@ -154,7 +155,7 @@ def _prepare(args) -> tuple[TrainConfig, list[Candidate], Candidate]:
         raise ConfigError(f"--measured {args.measured}: no such file; give a tune result (RUN_DIR/tune.json of an "
                           f"earlier `pipecast tune`)")
     config = _own_config(load_config(args.config, parse_override_args(list(getattr(args, "extra", []) or [])),
-                                     check=False, tuned=False))
+                                     check=False))
     from ..runtime import gloo_io
     from .config import validate_world_size
     from .data import check_data
@@ -179,7 +180,6 @@ def _own_config(config: TrainConfig) -> TrainConfig:
     """The config to tune, validated: ``parallel.schedule: tuned`` stands for the recommendation of the run
     folder's tune result when there is a valid one, else for ``auto`` (said in one line)."""
     if config.parallel.schedule == "tuned":
-        from .tune_result import resolve_tuned
         try:
             config = resolve_tuned(config)
         except ConfigError as exc:
@@ -215,7 +215,7 @@ def _valid(config: TrainConfig, c: Candidate) -> bool:
 def config_candidate(config: TrainConfig) -> Candidate:
     """The config's own schedule as a :class:`Candidate`."""
     p, name = config.parallel, config.schedule_name
-    group = p.microbatch_group_size_per_vp_stage if name == "interleaved" else None
+    group = p.microbatch_group_size_per_vp_stage if "group_size" in get_schedule(name).options else None
     return Candidate(name, p.virtual, None if group == p.pipeline else group, p.max_in_flight)
 
 
@@ -233,16 +233,15 @@ def variant_config(config: TrainConfig, c: Candidate, folder: Path, steps: int) 
 
 
 def measurement_variants(cands: list[Candidate], own: Candidate) -> list[Candidate]:
-    """One schedule per layout ``(virtual, split)`` the candidates use: the config's own for its layout, else
-    1F1B / no pipelining (``v = 1``) or interleaved 1F1B with the full backward, ZB-H1 (``v = 1``), ZB-V
-    (``v = 2``) or ``zb`` with the split one."""
+    """One schedule per layout ``(virtual, split)`` the candidates use: the config's own for its layout, else the
+    first candidate of the layout (registry order) with its options at their defaults -- for the built-ins 1F1B /
+    no pipelining (``v = 1``) or interleaved 1F1B with the full backward, ZB-H1 (``v = 1``), ZB-V (``v = 2``) or
+    ``zb`` with the split one."""
     out = [own]
     for key in sorted({c.layout for c in cands} - {own.layout}):
-        v, split = key
-        if split:
-            out.append(Candidate("zb_h1") if v == 1 else Candidate("zbv", 2) if v == 2 else Candidate("zb", v))
-        else:
-            out.append(next(c for c in cands if c.layout == key and c.group_size is None))
+        of_layout = [c for c in cands if c.layout == key]
+        plain = [c for c in of_layout if c.group_size is None and c.max_in_flight is None]
+        out.append(plain[0] if plain else Candidate(of_layout[0].schedule, of_layout[0].virtual))
     return out
 
 

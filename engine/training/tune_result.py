@@ -1,8 +1,8 @@
 """The result file of ``pipecast tune`` (``RUN_DIR/tune.json``) and ``parallel.schedule: tuned``.
 
 ``pipecast tune`` writes its whole result (``{"measured", "candidates", "best", "verified", "tuned_for"}``) to
-``RUN_DIR/tune.json``.  A config with ``parallel.schedule: tuned`` is resolved by :func:`resolve_tuned` when it is
-loaded: the ``parallel.*`` settings of ``best`` replace ``schedule``, ``virtual``,
+``RUN_DIR/tune.json``.  A config with ``parallel.schedule: tuned`` is resolved by :func:`resolve_tuned` at the entry
+points (``pipecast train`` after loading the config; a program that builds a trainer itself calls it): the ``parallel.*`` settings of ``best`` replace ``schedule``, ``virtual``,
 ``microbatch_group_size_per_vp_stage`` and ``max_in_flight`` (the last two must not be set beside ``tuned``), after
 checking that the result was measured for the same model, pipeline and batch (``tuned_for``); the resolved config
 is validated, errors naming the file.  The run saves the resolved config (the concrete schedule) as
@@ -14,6 +14,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+
+from ..plan.registry import schedule_names
+from .config import ConfigError, validate_parallel
 
 __all__ = ["TUNE_FILE", "tune_path", "tuned_for", "check_tuned_for", "read_result", "resolve_tuned"]
 
@@ -38,7 +41,6 @@ def tuned_for(config) -> dict:
 def check_tuned_for(saved, config, what: str) -> None:
     """Raise ``ConfigError`` (starting with ``what``, naming the first differing field) unless ``saved`` equals
     :func:`tuned_for` of ``config``."""
-    from .config import ConfigError
     if not isinstance(saved, dict):
         raise ConfigError(f"{what} has no 'tuned_for' settings; re-run `pipecast tune CONFIG`")
     now = json.loads(json.dumps(tuned_for(config)))
@@ -50,7 +52,6 @@ def check_tuned_for(saved, config, what: str) -> None:
 
 def read_result(path: str | Path) -> dict:
     """A tune result file (JSON); ``ConfigError`` if it is missing or not one."""
-    from .config import ConfigError
     try:
         result = json.loads(Path(path).read_text())
         if not isinstance(result, dict) or not {"measured", "best", "tuned_for"} <= result.keys():
@@ -62,8 +63,6 @@ def read_result(path: str | Path) -> dict:
 
 def _best_fields(best, where: str) -> dict:
     """The ``parallel.*`` fields of a result's ``best`` entry, type-checked (``ConfigError`` naming ``where``)."""
-    from ..plan.schedule import Schedule
-    from .config import ConfigError
     if best is None:
         raise ConfigError(f"{where} recommends no schedule: no candidate fitted its --memory-budget-gib; re-run "
                           f"`pipecast tune` with a larger budget, or set parallel.schedule to a schedule name")
@@ -71,7 +70,7 @@ def _best_fields(best, where: str) -> dict:
     if not isinstance(settings, dict):
         raise ConfigError(f"{where}: its 'best' entry has no 'settings'; re-run `pipecast tune CONFIG`")
     fields = {f: settings.get(f"parallel.{f}") for f in _TUNED_FIELDS}
-    names = [x.value for x in Schedule]
+    names = list(schedule_names())
     if fields["schedule"] not in names:
         raise ConfigError(f"{where}: its best has parallel.schedule={fields['schedule']!r}, not one of {names}; "
                           f"re-run `pipecast tune CONFIG`")
@@ -84,7 +83,8 @@ def _best_fields(best, where: str) -> dict:
 
 
 def resolve_tuned(config):
-    """``config`` with ``parallel.schedule: tuned`` replaced by the best candidate of ``RUN_DIR/tune.json``.
+    """``config`` with ``parallel.schedule: tuned`` replaced by the best candidate of ``RUN_DIR/tune.json``
+    (any other config is returned as it is).
 
     Raises:
         ConfigError: ``max_in_flight`` or ``microbatch_group_size_per_vp_stage`` set beside ``tuned``; no tune
@@ -92,7 +92,8 @@ def resolve_tuned(config):
             first differing field and says to re-run ``pipecast tune``), one recommending nothing or a setting
             that is not valid for this config.
     """
-    from .config import ConfigError
+    if config.parallel.schedule != "tuned":
+        return config
     path, p = tune_path(config), config.parallel
     for name in ("max_in_flight", "microbatch_group_size_per_vp_stage"):
         if getattr(p, name) is not None:
@@ -107,7 +108,6 @@ def resolve_tuned(config):
     check_tuned_for(result["tuned_for"], config, where)
     fields = _best_fields(result["best"], where)
     tuned = dataclasses.replace(config, parallel=dataclasses.replace(p, **fields))
-    from .config import validate_parallel
     try:
         validate_parallel(tuned)
     except (ConfigError, ValueError, RuntimeError) as exc:

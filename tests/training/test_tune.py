@@ -11,6 +11,7 @@ import yaml
 from engine.cli import main
 from engine.plan.candidates import candidates
 from engine.training.config import ConfigError, load_config
+from engine.training.tune_result import resolve_tuned
 
 TINY = {"model": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 16},
         "parallel": {"pipeline": 2, "virtual": 2},
@@ -102,15 +103,15 @@ def test_a_budget_marks_candidates_over_it(tuned, capsys):
 @pytest.mark.timeout(240)
 def test_parallel_schedule_tuned_trains_with_the_best(tuned):
     path, result, root = tuned
-    config = load_config(path, {"parallel.schedule": "tuned"})
+    config = resolve_tuned(load_config(path, {"parallel.schedule": "tuned"}))
     best = json.loads((root / "run" / "tune.json").read_text())["best"]["settings"]  # the latest result there
     assert config.parallel.schedule == best["parallel.schedule"]
     assert config.parallel.virtual == best["parallel.virtual"]
     assert config.parallel.max_in_flight == best["parallel.max_in_flight"]
     with pytest.raises(ConfigError, match=r"model.hidden_size=32, this config has 64; re-run `pipecast tune"):
-        load_config(path, {"parallel.schedule": "tuned", "model.hidden_size": 64})
+        resolve_tuned(load_config(path, {"parallel.schedule": "tuned", "model.hidden_size": 64}))
     with pytest.raises(ConfigError, match="does not exist: run `pipecast tune CONFIG` with this logging.run_dir first"):
-        load_config(path, {"parallel.schedule": "tuned", "logging.run_dir": str(root / "elsewhere")})
+        resolve_tuned(load_config(path, {"parallel.schedule": "tuned", "logging.run_dir": str(root / "elsewhere")}))
 
 
 @pytest.mark.parametrize("args,message", [
@@ -196,7 +197,7 @@ def test_a_bad_tune_result_is_refused_naming_the_file(tmp_path, best, message):
                  "logging.run_dir": str(tmp_path / "run")}
     _result_file(tmp_path / "run", load_config(None, overrides), best)
     with pytest.raises(ConfigError, match=message) as info:
-        load_config(None, {**overrides, "parallel.schedule": "tuned"})
+        resolve_tuned(load_config(None, {**overrides, "parallel.schedule": "tuned"}))
     assert "tune.json" in str(info.value)
 
 
@@ -204,14 +205,14 @@ def test_tuned_refuses_fields_it_would_overwrite(tmp_path):
     overrides = {**{f"{k}.{kk}": vv for k, v in TINY.items() for kk, vv in v.items()},
                  "logging.run_dir": str(tmp_path / "run"), "parallel.schedule": "tuned", "parallel.max_in_flight": 2}
     with pytest.raises(ConfigError, match="parallel.max_in_flight=2 is set together with parallel.schedule=tuned"):
-        load_config(None, overrides)
+        resolve_tuned(load_config(None, overrides))
 
 
 def test_tuning_a_tuned_config_without_a_result_tunes_from_auto(tmp_path, capsys):
     from engine.training.tune import _own_config
     overrides = {**{f"{k}.{kk}": vv for k, v in TINY.items() for kk, vv in v.items()},
                  "logging.run_dir": str(tmp_path / "run"), "parallel.schedule": "tuned"}
-    config = _own_config(load_config(None, overrides, check=False, tuned=False))
+    config = _own_config(load_config(None, overrides, check=False))
     assert config.parallel.schedule == "auto" and config.schedule_name == "interleaved"
     assert "tuning with parallel.schedule=auto" in capsys.readouterr().err
 

@@ -1,0 +1,105 @@
+"""One resolution per run: a schedule with its settings, giving the plan for any microbatch count, cached.
+
+A run's ``parallel.*`` fields (``schedule``, including ``auto``; ``virtual``; ``microbatch_group_size_per_vp_stage``;
+``max_in_flight``) resolve once into a :class:`ResolvedSchedule`; the trainer, the CUDA-graph runtime, evaluation
+and the Megatron-API functions take that object (or a plan it gave) and ask it for the plan of a step --
+``resolved.plan(num_microbatches)`` for training, ``resolved.plan(num_microbatches, forward_only=True)`` for
+evaluation -- so "the same schedule for another microbatch count" is written here only.  ``tuned`` is not a
+schedule: it is resolved to one from ``pipecast tune``'s result at the entry points
+(:func:`engine.training.tune_result.resolve_tuned`).  Pure: no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .build import build_plan
+from .registry import OPTIONS, ScheduleSpec, auto_schedule, get_schedule, virtual_or_none
+from .types import Plan
+
+__all__ = ["ResolvedSchedule", "resolve_schedule"]
+
+
+@dataclass(frozen=True)
+class ResolvedSchedule:
+    """A schedule entry with the sizes and options of a run.
+
+    Attributes:
+        spec: the registry entry (:class:`~engine.plan.registry.ScheduleSpec`).
+        pp_size: pipeline ranks ``P``.
+        num_model_chunks: model chunks per rank ``C``.
+        group_size: ``microbatch_group_size_per_vp_stage`` for entries that take it (``None``: the default).
+        max_in_flight: per-rank in-flight limit (a number or one per rank) for entries that take it.
+    """
+
+    spec: ScheduleSpec
+    pp_size: int
+    num_model_chunks: int = 1
+    group_size: int | None = None
+    max_in_flight: int | tuple[int, ...] | None = None
+    _plans: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def splits_backward(self) -> bool:
+        return self.spec.splits_backward
+
+    def plan(self, num_microbatches: int, forward_only: bool = False) -> Plan:
+        """The plan of one step with ``num_microbatches`` microbatches (built once per arguments).
+
+        Raises:
+            ValueError / RuntimeError: as :func:`engine.plan.build_plan`.
+        """
+        key = (num_microbatches, bool(forward_only))
+        plan = self._plans.get(key)
+        if plan is None:
+            options = {"group_size": self.group_size, "max_in_flight": None if forward_only else self.max_in_flight}
+            plan = build_plan(self.spec, self.pp_size, num_microbatches, self.num_model_chunks,
+                              forward_only=bool(forward_only),
+                              **{k: v for k, v in options.items() if k in self.spec.options})
+            plan.__dict__["resolution"] = self  # cache beside the plan's fields (not pickled, see Plan.__getstate__)
+            if len(self._plans) >= 32:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = plan
+        return plan
+
+    @classmethod
+    def of_plan(cls, plan: Plan) -> "ResolvedSchedule | None":
+        """The resolution ``plan`` came from: the one that built it, else one rebuilt from a plan of a registered
+        schedule (its sizes; ``group_size`` / ``max_in_flight`` from the plan where the entry takes them); ``None``
+        for a plan of no registered schedule (e.g. imported from CSV)."""
+        own = plan.__dict__.get("resolution")
+        if own is not None:
+            return own
+        from .registry import find_schedule
+        spec = find_schedule(plan.schedule)
+        if spec is None:
+            return None
+        limits = plan.max_in_flight
+        return cls(spec, plan.pp_size, plan.num_model_chunks,
+                   plan.group_size if "group_size" in spec.options else None,
+                   tuple(limits) if "max_in_flight" in spec.options and limits is not None else None)
+
+
+def resolve_schedule(schedule: str, pp_size: int, num_model_chunks: int = 1, group_size: int | None = None,
+                     max_in_flight=None) -> ResolvedSchedule:
+    """Resolve ``schedule`` (a registered name, or ``auto``: Megatron's choice from ``pp_size`` /
+    ``num_model_chunks``) with its settings; checks the sizes and options against the entry.
+
+    Raises:
+        ValueError: ``tuned`` (resolve it first), an unknown name, sizes the schedule does not take, or an option
+            it does not take.
+    """
+    if schedule == "tuned":
+        raise ValueError("schedule='tuned' is resolved from `pipecast tune`'s result first "
+                         "(engine.training.tune_result.resolve_tuned)")
+    if schedule == "auto":
+        schedule = auto_schedule(pp_size, virtual_or_none(num_model_chunks))
+    spec = get_schedule(schedule)
+    spec.check(pp_size, num_model_chunks)
+    for option, value in zip(OPTIONS, (group_size, max_in_flight)):
+        if value is not None and option not in spec.options:
+            raise ValueError(f"{option}={value!r} does not apply to schedule={spec.name!r}")
+    return ResolvedSchedule(spec, pp_size, num_model_chunks, group_size, max_in_flight)
