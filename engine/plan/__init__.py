@@ -1,6 +1,6 @@
 """The plan layer: schedules as data, pure Python (no torch).
 
-* :mod:`engine.plan.table`: Megatron-Core's microbatch counts, schedule table and order (spec 1.12-1.17).
+* :mod:`engine.plan.table`: Megatron-Core's microbatch counts, schedule table and order (Megatron-Core 0.16.1).
 * :mod:`engine.plan.build`: :class:`Plan` (per-rank actions) and :func:`build_plan`.
 * :mod:`engine.plan.validate`: data flow and deadlock freedom of a plan; :class:`PlanError`.
 * :mod:`engine.plan.simulate`: makespan, bubble and memory of a plan under per-action costs.

@@ -5,7 +5,7 @@ step -- ``F(chunk, microbatch)`` and ``B(chunk, microbatch)`` (``W`` is reserved
 Everything else is derived from it: the executor runs it, the CUDA-graph capture uses its order, the profiler
 labels and the timeline plot name its actions, the validator and simulator read it.
 
-All three Megatron schedules are one construction (``shared/spec/schedules.md`` sections 1.12-1.17): a rank runs
+All three Megatron schedules are one construction (Megatron-Core 0.16.1, ``megatron/core/pipeline_parallel/schedules.py``): a rank runs
 the forward steps of its schedule table in order, the first ``W`` as warmup, then alternates one forward and one
 backward (steady 1F1B), then runs the remaining ``W`` backwards (cooldown).  No pipelining is ``W = 0``; 1F1B is
 one model chunk with ``W = min(P-r-1, M)``; interleaved 1F1B uses the virtual-pipeline warmup count and the
@@ -250,7 +250,7 @@ class Plan:
                 for a in self.actions[rank] if a.op is not Op.WEIGHT]
 
     def compute_order(self, rank: int) -> list[str]:
-        """The rank's actions in trace notation (``"F3.1"``), as in ``shared/vectors``."""
+        """The rank's actions in trace notation (``"F3.1"``), as in ``tests/data/megatron_schedules.json``."""
         return [str(a) for a in self.actions[rank]]
 
     @cached_property
@@ -387,7 +387,7 @@ def _megatron_plan(kind: Schedule, pp_size: int, num_microbatches: int, num_mode
 def _table_actions(table, num_model_chunks: int, num_microbatches: int):
     """Forward and backward actions in schedule-table order (one shared object per distinct action) and their keys.
 
-    Backward step ``k`` runs table entry ``k`` with the chunk mirrored (spec 1.13).  Keys as in
+    Backward step ``k`` runs table entry ``k`` with the chunk mirrored (Megatron's ``get_schedule_table``).  Keys as in
     :meth:`Plan.action_keys`.
     """
     forwards = [Action(Op.FORWARD, c, mb) for mb, c in table]
@@ -401,7 +401,7 @@ def _table_actions(table, num_model_chunks: int, num_microbatches: int):
 def _one_f_one_b(forwards, backwards, warmup: int):
     """Warmup forwards, then steady 1F1B (forward ``i`` then backward ``i - W``), then cooldown backwards.
 
-    The same order as :func:`convert_schedule_table_to_order` (spec 1.14), built by slicing (lists or arrays).
+    The same order as :func:`convert_schedule_table_to_order` (Megatron-Core 0.16.1), built by slicing (lists or arrays).
     """
     total = len(forwards)
     warmup = min(warmup, total)

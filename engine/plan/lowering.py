@@ -12,7 +12,7 @@ The executor (:mod:`engine.runtime.executor`) runs a :class:`RankProgram`; the v
    posted the matching receive (the step consuming a message the receiver sent after posting it);
 4. :func:`local_handovers` -- messages between two stages on the same rank (V placement) become local slots, with
    no P2P at all;
-5. :func:`hook_events` -- the grad / param sync hook events of Megatron-Core's schedules (spec 1.9, 1.17, 3.3, 3.8),
+5. :func:`hook_events` -- the grad / param sync hook events of Megatron-Core's schedules (``megatron/core/pipeline_parallel/schedules.py``),
    and for split-backward plans around each chunk's last ``W`` (a chunk's gradients are complete only then);
 6. :func:`compile_rank` -- assembles the :class:`Step` list the executor indexes.
 
@@ -271,7 +271,7 @@ ENABLE, DISABLE = HookEvent("enable"), HookEvent("disable")
 def hook_events(plan: Plan, rank: int, has_grad_sync: bool, has_param_sync: bool):
     """``(start, before, after, end)``: the hook events run at the start, before / after each step, and at the end.
 
-    Megatron-Core's points (spec 1.9, 1.17, 3.3, 3.8): ``no_sync`` entered at the start; left before the last
+    Megatron-Core's points (``megatron/core/pipeline_parallel/schedules.py``): ``no_sync`` entered at the start; left before the last
     forward (no pipelining), before the last backward (1F1B; with ``grad_sync_func`` only on pipeline rank 0, the
     others call it at the end), around the last backward of each chunk or each ``grad_sync_func`` call timed by
     ``k - r`` (interleaved).  Split-backward plans: around each chunk's last ``W``, where its gradients are
@@ -317,7 +317,7 @@ def _split_hooks(plan: Plan, rank: int, has_grad_sync: bool, has_param_sync: boo
 
 
 def _interleaved_hooks(plan: Plan, rank: int, has_grad_sync: bool, has_param_sync: bool, events):
-    """Interleaved 1F1B's hook points (spec 3.2, 3.3, 3.8)."""
+    """Interleaved 1F1B's hook points (Megatron-Core's ``forward_backward_pipelining_with_interleaving``)."""
     start, before, after, end = events
     acts = plan.actions[rank]
     last_m = plan.num_microbatches - 1

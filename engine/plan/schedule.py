@@ -1,7 +1,7 @@
 """The schedule type: one enum, decided in one place.
 
-Megatron-Core picks its schedule from the pipeline and virtual pipeline sizes (``get_forward_backward_func``, spec
-1.1): more than one pipeline rank selects 1F1B, or interleaved 1F1B as soon as a virtual size is given (even 1);
+Megatron-Core picks its schedule from the pipeline and virtual pipeline sizes (``get_forward_backward_func``,
+Megatron-Core 0.16.1): more than one pipeline rank selects 1F1B, or interleaved 1F1B as soon as a virtual size is given (even 1);
 one rank selects no pipelining.  :func:`select_schedule` is that rule; :meth:`Schedule.megatron_function` names the
 Megatron function of each Megatron schedule.  The split-backward schedules (``zb_h1``, ``zbv``, ``zb``) are
 pipecast's (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
@@ -45,7 +45,7 @@ class Schedule(str, enum.Enum):
 
 
 def select_schedule(pp_size: int, vp_size: int | None) -> Schedule:
-    """The schedule Megatron-Core picks for a topology (spec 1.1): ``pp_size > 1`` gives interleaved 1F1B iff
+    """The schedule Megatron-Core picks for a topology (Megatron's ``get_forward_backward_func``): ``pp_size > 1`` gives interleaved 1F1B iff
     ``vp_size is not None`` (even 1), else 1F1B; ``pp_size <= 1`` gives no pipelining."""
     if pp_size > 1:
         return Schedule.ONE_F_ONE_B if vp_size is None else Schedule.INTERLEAVED
