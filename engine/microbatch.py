@@ -1,5 +1,5 @@
 """Megatron-Core's per-microbatch functions with their public signatures: ``forward_step`` and
-``forward_step_calc_loss`` (spec 1.6 and section 2), re-exported by :mod:`engine.schedules`.
+``forward_step_calc_loss`` (Megatron-Core 0.16.1, ``megatron/core/pipeline_parallel/schedules.py``), re-exported by :mod:`engine.schedules`.
 
 They are the API layer's: their defaults come from :mod:`engine.parallel_state` like Megatron's.  The mechanics
 (:func:`~engine.runtime.step.run_forward`, :func:`~engine.runtime.step.apply_loss`, ``backward_step``) live in the
@@ -17,7 +17,7 @@ __all__ = ["forward_step", "forward_step_calc_loss"]
 def forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store,
                  config, cp_group_size, collect_non_loss_data=False, checkpoint_activations_microbatch=None,
                  is_first_microbatch=False, current_microbatch=None, vp_stage=None, is_last_stage=True):
-    """Run one microbatch forward through one model chunk and apply the loss contract (spec 1.6).
+    """Run one microbatch forward through one model chunk and apply the loss contract (Megatron-Core's ``forward_step``).
 
     ``input_tensor`` is what this chunk receives (``[s, b, h]`` activation, ``None`` on the first stage, or a list
     of them); the chunk gets it as a **list** through ``set_input_tensor`` (looked up through ``.module``
@@ -41,7 +41,7 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
 
 def forward_step_calc_loss(model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data,
                            num_microbatches, forward_data_store, cp_group_size=None, is_last_stage=None):
-    """Apply ``loss_func`` on the loss stage and normalise the loss (spec section 2).  Returns
+    """Apply ``loss_func`` on the loss stage and normalise the loss (Megatron-Core's ``forward_step_calc_loss``).  Returns
     ``(output_tensor, num_tokens)``.
 
     On the loss stage (``is_last_stage``):

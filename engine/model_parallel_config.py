@@ -1,7 +1,7 @@
 """``ModelParallelConfig``: Megatron-Core's parallelism / schedule configuration, as one dataclass.
 
 Field names and defaults follow Megatron-Core 0.16.1 (``megatron.core.ModelParallelConfig``) for every field the
-pipeline schedules, the P2P communicator and the step functions read (``shared/spec/schedules.md`` section 1.18),
+pipeline schedules, the P2P communicator and the step functions read (``megatron/core/model_parallel_config.py``),
 plus the usual parallel-size fields.  A few fields that Megatron keeps on ``TransformerConfig`` but the schedules
 read through the same ``config`` object (``hidden_size``, ``calculate_per_token_loss``, ``fp8``,
 ``num_moe_experts``, ``mtp_num_layers``, ``mtp_standalone``) live here too, so that a pipecast model chunk needs
@@ -26,7 +26,7 @@ pipecast adds type / range checks on the sizes (positive integers).  Which sizes
 (``engine.runtime.process_groups``), not here: a config is data and may describe a run pipecast cannot execute.
 
 Like Megatron's, the dataclass is mutable: the interleaved schedule turns a single ``grad_sync_func`` /
-``param_sync_func`` into a per-model-chunk list in place (spec section 7, gotcha 10).
+``param_sync_func`` into a per-model-chunk list in place (as Megatron-Core's interleaved schedule does).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ The whole state is one module-level collection plus the virtual-pipeline rank an
 
 Before ``initialize_model_parallel`` (or after ``destroy_model_parallel``) the rank / size getters answer like a
 single process: rank 0, world size 1, virtual pipeline size None -- the same convention Megatron's stage predicates
-use when torch.distributed is not initialised (spec section 0) -- and ``get_pg_collection()`` returns a collection
+use when torch.distributed is not initialised (``megatron/core/parallel_state.py``) -- and ``get_pg_collection()`` returns a collection
 of ``None`` groups.  The group getters raise ``RuntimeError`` unless called with ``check_initialized=False``.
 """
 from __future__ import annotations

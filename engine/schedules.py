@@ -1,11 +1,11 @@
 """Megatron-Core compatible ``pipeline_parallel.schedules`` API.
 
-Reference: ``shared/reference/schedules_api.md``; behaviour: ``shared/spec/schedules.md``.
+Reference: Megatron-Core 0.16.1, ``megatron/core/pipeline_parallel/schedules.py``.
 
 The three schedule functions are thin compositions: validate the call (Megatron-Core's errors plus pipecast's own,
 agreed over the pipeline group before any pipeline communication), build the plan of the schedule
 (``engine.plan.build_plan``, cached), run it with the one executor (``engine.runtime.executor``) and return
-``forward_data_store`` (spec section 2: the loss stage's reduced losses, one per microbatch; ``[]`` on every other
+``forward_data_store`` (the loss stage's reduced losses, one per microbatch; ``[]`` on every other
 rank).
 
 Deliberate deviations from Megatron-Core 0.16.1:
@@ -59,7 +59,7 @@ from .microbatch import forward_step, forward_step_calc_loss
 def get_pp_rank_microbatches(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage,
                              forward_only=False, overlap_moe_expert_parallel_comm=False, p2p_communicator=None):
     """``(total_num_microbatches, are_all_microbatches_in_warmup, num_warmup_microbatches,
-    num_microbatches_remaining)`` for this pipeline rank (Megatron-Core 0.16.1, spec 1.12).
+    num_microbatches_remaining)`` for this pipeline rank (Megatron-Core 0.16.1).
 
     The topology comes from ``p2p_communicator`` (``pp_group.size()``, ``pp_group.rank()``,
     ``virtual_pipeline_model_parallel_size``; any object with those works) or else from ``engine.parallel_state``.
@@ -503,13 +503,13 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, n
                                    forward_only: bool = False, collect_non_loss_data: bool = False,
                                    first_val_step=None, adjust_tensor_shapes_fn=None, pg_collection=None,
                                    force_all_reduce: bool = False, p2p_communicator=None) -> list:
-    """Run ``num_microbatches`` forward (and backward) passes of one model chunk, no pipeline (spec 1.9).
+    """Run ``num_microbatches`` forward (and backward) passes of one model chunk, no pipeline.
 
     ``model`` / ``data_iterator`` may be one-element lists.  Every microbatch but the last runs inside
     ``config.no_sync_func``; ``finalize_model_grads_func`` runs at the end of training calls.  ``seq_length``,
     ``micro_batch_size``, ``decoder_seq_length`` and ``p2p_communicator`` are unused.
 
-    Returns ``forward_data_store``: the reduced value of each microbatch's loss function (spec 2), in microbatch
+    Returns ``forward_data_store``: the reduced value of each microbatch's loss function, in microbatch
     order.  Raises ``ValueError`` / ``TypeError`` (``ScheduleContractError`` where Megatron asserts) before running.
     """
     return _run_schedule(_entry_of(_NO_PIPELINING_FN), forward_step_func=forward_step_func, data_iterator=data_iterator,
@@ -526,7 +526,7 @@ def forward_backward_pipelining_without_interleaving(*, forward_step_func, data_
                                                      collect_non_loss_data: bool = False, first_val_step=None,
                                                      adjust_tensor_shapes_fn=None, p2p_communicator=None,
                                                      pg_collection=None, force_all_reduce: bool = False) -> list:
-    """Non-interleaved 1F1B (PipeDream-flush) over the pipeline group: one model chunk per rank (spec 1.17).
+    """Non-interleaved 1F1B (PipeDream-flush) over the pipeline group: one model chunk per rank (Narayanan et al., SC'21).
 
     Rank ``r`` runs ``min(P-r-1, M)`` warmup forwards, then one forward / one backward per step, then the remaining
     backwards.  P2P tensors are ``[s, b, h]`` with ``s = (decoder_seq_length or seq_length) // cp``
@@ -551,7 +551,7 @@ def forward_backward_pipelining_with_interleaving(*, forward_step_func, data_ite
                                                   collect_non_loss_data: bool = False, first_val_step=None,
                                                   adjust_tensor_shapes_fn=None, p2p_communicator=None,
                                                   pg_collection=None, force_all_reduce: bool = False) -> list:
-    """Interleaved 1F1B: ``len(model)`` model chunks per rank (virtual pipeline stages), spec 1.15 and 3.
+    """Interleaved 1F1B: ``len(model)`` model chunks per rank (virtual pipeline stages; Narayanan et al., SC'21).
 
     ``model`` and ``data_iterator`` are lists, one entry per chunk (``data_iterator=None`` is accepted for ranks that
     read no data).  Forward order per rank = ``get_schedule_table(M, C, G)`` with ``G =
@@ -579,7 +579,7 @@ def forward_backward_pipelining_with_schedule(*, schedule="zb_h1", forward_step_
                                              adjust_tensor_shapes_fn=None, p2p_communicator=None,
                                              pg_collection=None, force_all_reduce: bool = False) -> list:
     """Run any pipecast schedule -- by name, or a :class:`~engine.plan.build.Plan` -- with the keyword arguments
-    and loss contract of Megatron's schedule functions (spec 1.18, section 2).
+    and loss contract of Megatron's schedule functions.
 
     ``schedule``: a registered schedule's name (:func:`engine.plan.schedule_names`; a schedule with a Megatron
     function runs through that function), or a plan built for this pipeline size (a plan of a registered
@@ -666,17 +666,17 @@ _BY_NAME = {
 
 
 def get_forward_backward_func(pp_size=None, vp_size=None):
-    """The schedule function for a pipeline of ``pp_size`` ranks with ``vp_size`` model chunks each (spec 1.1).
+    """The schedule function for a pipeline of ``pp_size`` ranks with ``vp_size`` model chunks each.
 
     Both None: read from ``engine.parallel_state``.  ``pp_size > 1``: interleaved iff ``vp_size is not None`` (even
     1), else non-interleaved 1F1B; otherwise no pipelining.  Raises ``TypeError`` for ``pp_size=None`` with a
-    ``vp_size``.  Every returned function takes the keyword-only arguments of section 1.18.
+    ``vp_size``.  Every returned function takes the keyword-only arguments of Megatron's schedule functions.
     """
     return _BY_NAME[select_schedule_name(pp_size, vp_size)]
 
 
 def select_schedule_name(pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> str:
-    """Name of the schedule function ``get_forward_backward_func(pp_size, vp_size)`` returns (spec 1.1).
+    """Name of the schedule function ``get_forward_backward_func(pp_size, vp_size)`` returns.
 
     Both None: read the pipeline and virtual pipeline sizes from ``engine.parallel_state``; one None: used as
     given (:func:`engine.plan.registry.auto_schedule`).  Raises ``TypeError`` for ``pp_size=None`` with a

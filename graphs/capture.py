@@ -1,6 +1,6 @@
 """``capture``: graphs per ``(model chunk, microbatch, layer)`` of one pipeline rank, in the rank's order.
 
-One entry point for every backend (``shared/spec/cuda_graphs.md``; DESIGN.md "Graphs"):
+One entry point for every backend; each captures in the order of the rank's plan (:func:`graphs.order.graph_order`):
 
 * ``"te"``: Transformer Engine ``make_graphed_callables(..., _order=...)`` through :mod:`graphs.backends.te`;
 * ``"torch"`` (alias ``"pipecast"``): pipecast's ordered capture on ``torch.cuda.CUDAGraph``;
@@ -110,7 +110,7 @@ def make_sample_args(specs: dict[tuple[int, int], CallSpec], layers_per_chunk: S
     """Fresh static sample arguments in TE's flat layout from one :class:`CallSpec` per ``(chunk, layer)``.
 
     Returns ``(sample_args, sample_kwargs)``: per flat index a tuple of positional tensors and a dict of tensor
-    keyword arguments (ones, with the recorded ``requires_grad``; Megatron uses ones too, spec 2.4).
+    keyword arguments (ones, with the recorded ``requires_grad``; Megatron's ``megatron/core/transformer/cuda_graphs.py`` uses ones too).
     """
     args_out: list[tuple] = []
     kwargs_out: list[dict] = []
@@ -131,7 +131,7 @@ class DebugOptions:
     Attributes:
         check_order: verify the capture order against the plan (off: test the replay guard).
         allow_unsafe_sharing: allow ``share_graphs`` with several microbatches in flight (Megatron-LM#422).
-        param_grads: ``"accumulate"`` (default, in-graph), ``"clone"`` or ``"alias"`` (B17's failure).
+        param_grads: ``"accumulate"`` (default, in-graph), ``"clone"`` or ``"alias"`` (the failure of NVIDIA/TransformerEngine#2937).
     """
 
     check_order: bool = True
@@ -571,7 +571,7 @@ def _capture_te(job: _Job) -> GraphSet:
     job.report.te_features = str(features)
     hooks = []
     if "clone_param_grads_on_return" not in features and job.test.param_grads != "alias":
-        # TE <= 2.18 returns static buffers as parameter grads (B17): clone them before AccumulateGrad keeps them
+        # TE <= 2.18 returns static buffers as parameter grads (TransformerEngine#2937): clone them before AccumulateGrad keeps them
         for module in modules:
             for p in common.module_params(module):
                 hooks.append(p.register_hook(lambda g: g.clone()))

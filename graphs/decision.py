@@ -1,7 +1,7 @@
 """The graphs-or-eager decision, made collectively, and the one-line fallback log.
 
 Captured collectives are collective at replay: if one rank replays graphs while a neighbour runs eagerly, NCCL can
-hang (``shared/spec/cuda_graphs.md`` 3.4, section 4 row 11).  So every rank contributes its local verdict and all
+hang.  So every rank contributes its local verdict and all
 ranks adopt "graphs" only if every rank can; the reasons of the ranks that cannot are gathered so that the single
 log line says why.
 """

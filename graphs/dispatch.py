@@ -3,17 +3,17 @@
 :class:`GraphedLayers` replaces the ``forward`` of every graphed layer (an instance attribute, no module hook) by a
 dispatcher.  In training mode with graphs installed, a call of layer ``l`` of model chunk ``c`` replays the graph
 of ``(c, m, l)`` where ``m = layer.current_microbatch`` -- the attribute Megatron's ``set_current_microbatch``
-writes before every forward step (``shared/spec/cuda_graphs.md`` 2.6).  Everything else runs the original forward:
+writes before every forward step (``megatron/core/transformer/cuda_graphs.py``).  Everything else runs the original forward:
 eval mode, no graphs, or while suspended (capture, evaluation passes in training mode).
 
 Guards instead of silent corruption:
 
 * ``m`` missing or ``m >= M`` (the captured microbatch count) raises ``RuntimeError`` -- Megatron's
-  ``current_microbatch % len(graphs)`` wraps around silently (spec 2.6);
+  ``current_microbatch % len(graphs)`` wraps around silently;
 * a call whose tensors differ in shape, dtype, device or ``requires_grad`` from the capture raises (TE does not
-  check, spec 1.4);
+  check);
 * :class:`ReplayGuard` checks every forward and backward pass against the capture order and raises at the first
-  divergence: a graph replayed out of its captured order uses memory another graph may own (B15, invariant I1).
+  divergence: a graph replayed out of its captured order uses memory another graph may own (NVIDIA/Megatron-LM#6022; :mod:`graphs.liveness`).
 
 The dispatcher can also *record* eager passes (``start_recording``): the ``(F|B, chunk, microbatch, layer)``
 sequence the executor really runs and each call's argument layout, from which the runtime builds sample

@@ -1,7 +1,7 @@
 """Frozen-replay hazards: what a CUDA graph freezes at capture that an eager re-run would not.
 
 A replayed graph re-launches the captured kernels on the captured addresses; no Python runs.  So a layer that
-works eagerly can be wrong, or fail, under a graph (``shared/spec/cuda_graphs.md`` 1.6, 3.4, section 4 row 6/7):
+works eagerly can be wrong, or fail, under a graph (torch's CUDA Graphs notes list the same constraints):
 
 * **host syncs** -- ``.item()``, ``bool(tensor)`` (a data-dependent branch), ``nonzero``, ``masked_select``,
   ``unique``, a copy between the host and the device: illegal inside a capture, and a value read once is frozen;

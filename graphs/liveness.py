@@ -1,9 +1,9 @@
 """A memory-pool model of ordered capture: why graphs must be captured in the order they are replayed.
 
-All graphs of a rank share one memory pool (``shared/spec/cuda_graphs.md`` 3.2).  While capturing, a block freed by
+All graphs of a rank share one memory pool (``torch.cuda.graph(pool=...)``).  While capturing, a block freed by
 one capture can be handed to any later capture; at replay, a graph writes every block it used when captured.  If a
-graph replays while another graph's live data sits in one of its blocks, that data is silently overwritten
-(invariant I1).
+graph replays while another graph's live data sits in one of its blocks, that data is silently overwritten:
+so a graph may replay only when no other graph's live data sits in its blocks.
 
 The model, with blocks of one size and a first-fit allocator:
 

@@ -3,13 +3,13 @@
 The order is the rank's sequence of forward and backward passes in Transformer Engine's ``_order`` notation:
 ``+(c+1)`` is a forward of model chunk ``c``, ``-(c+1)`` a backward of chunk ``c`` (1-based, sign = direction).
 The ``k``-th forward of chunk ``c`` in one step is microbatch ``k`` of that chunk and backwards within a chunk are
-FIFO, so the order alone names every ``(chunk, microbatch)`` (``shared/spec/cuda_graphs.md`` 1.2).  Split-backward
+FIFO, so the order alone names every ``(chunk, microbatch)`` (TE's ``_order`` convention, ``transformer_engine/pytorch/graph.py``).  Split-backward
 plans (zero-bubble schedules) add their weight-gradient passes ``W`` as ``-(c+1) - 0.5`` (TE's notation for a
 separate weight-gradient step); their ``-(c+1)`` is then the input-gradient pass ``B``, and ``W`` passes within a
 chunk are FIFO too (each chunk's ``W`` run in microbatch order).
 
 Graphs are captured per ``(chunk, microbatch, layer)`` and stored flat, chunk-major, then microbatch, then layer
-(TE ``make_graphed_callables(_order=...)`` and Megatron's ``TECudaGraphHelper``, spec 1.1 / 2.6)::
+(TE ``make_graphed_callables(_order=...)`` and Megatron's ``TECudaGraphHelper``)::
 
     idx = (L_0 + ... + L_{c-1}) * M + m * L_c + l
 
@@ -117,7 +117,7 @@ def check_order(order: Sequence[int | float], plan: Plan | None = None, rank: in
     exactly ``M`` forwards and ``M`` backwards (and ``M`` ``W`` if it has any); and, with a plan, equality with the
     rank's actions (kind, chunk and microbatch of every pass, the ``W`` of split-backward plans included).  TE
     itself checks none of this and fails later with an obscure error or, worse, replays graphs against the wrong
-    buffers (spec 1.2, B15).
+    buffers (NVIDIA/Megatron-LM#6022).
 
     Raises:
         TypeError: an entry is not an int (nor a ``W`` entry).
@@ -210,7 +210,7 @@ def num_graphs(layers_per_chunk: Sequence[int], num_microbatches: int) -> int:
 
 def flat_index(chunk: int, microbatch: int, layer: int, layers_per_chunk: Sequence[int],
                num_microbatches: int) -> int:
-    """TE/Megatron flat index of ``(chunk, microbatch, layer)``: ``sum(L[:c])*M + m*L[c] + l`` (spec 1.1)."""
+    """TE/Megatron flat index of ``(chunk, microbatch, layer)``: ``sum(L[:c])*M + m*L[c] + l`` (TE ``make_graphed_callables``)."""
     if not (0 <= chunk < len(layers_per_chunk) and 0 <= microbatch < num_microbatches
             and 0 <= layer < layers_per_chunk[chunk]):
         raise IndexError(f"(chunk={chunk}, microbatch={microbatch}, layer={layer}) is outside the capture "
@@ -240,7 +240,7 @@ def max_in_flight(order: Sequence[int]) -> int:
 
     One graph per layer shared by all microbatches (Megatron's PP=1 capture) is only correct when this is 1:
     otherwise a later forward overwrites the static buffers and saved activations of a microbatch whose backward
-    is still pending (NVIDIA/Megatron-LM#422, spec section 4 row 2).
+    is still pending (NVIDIA/Megatron-LM#422).
     """
     live: dict[int, int] = {}
     peak = 0

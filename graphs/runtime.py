@@ -1,13 +1,13 @@
 """The trainer's CUDA-graph hook: eager warmup steps, record, check, capture collectively, recapture on change.
 
-Lifecycle (Megatron's ``cuda_graph_warmup_steps`` then ``create_cudagraphs``, ``shared/spec/cuda_graphs.md`` 2.1),
+Lifecycle (Megatron's ``cuda_graph_warmup_steps`` then ``create_cudagraphs``, ``megatron/core/transformer/cuda_graphs.py``),
 driven by one call, :meth:`GraphRuntime.before_step`, at the start of every training step:
 
 * steps ``0 .. warmup_steps-2`` run eagerly (lazy initialisation, allocator warm-up);
 * step ``warmup_steps-1`` runs eagerly while the layer dispatchers *record* every pass: the
   ``(F|B, chunk, microbatch, layer)`` sequence the executor really runs and each call's argument layout;
 * at the start of step ``warmup_steps`` the recording is checked -- its passes must equal the plan's (the capture
-  order equals the runtime order, B15), and every microbatch must have the same shapes (no variable sequence
+  order equals the runtime order, NVIDIA/Megatron-LM#6022), and every microbatch must have the same shapes (no variable sequence
   lengths) -- and the graphs are captured from the recorded layouts.  Every check and the capture itself feed one
   collective decision: all ranks replay graphs or all run eagerly, with one log line saying why;
 * if the microbatch count or the step's shape key changes later, the graphs are dropped, one step is recorded
@@ -16,7 +16,7 @@ driven by one call, :meth:`GraphRuntime.before_step`, at the start of every trai
 ``current_microbatch``: Megatron's ``set_current_microbatch`` writes it on ``chunk.decoder.layers``.  For chunks
 without a ``decoder`` (pipecast's ``GPTChunk`` keeps its blocks in ``.layers``) a forward pre-hook on the *chunk*
 (not on a graphed layer) counts the chunk's training forwards within the step -- the ``k``-th forward of chunk ``c``
-is microbatch ``k`` in every schedule, which is also TE's convention (spec 1.2) -- and writes it on the layers.
+is microbatch ``k`` in every schedule, which is also TE's convention -- and writes it on the layers.
 """
 from __future__ import annotations
 

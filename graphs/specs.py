@@ -1,7 +1,7 @@
 """Static-argument layout of one graphed layer call.
 
 A CUDA graph reads its inputs from fixed addresses and freezes everything that is not a tensor argument
-(``shared/spec/cuda_graphs.md`` 1.4, 1.6).  :class:`CallSpec` records, for one layer call, which positional and
+(torch's CUDA Graphs constraints).  :class:`CallSpec` records, for one layer call, which positional and
 keyword arguments are tensors (with shape, dtype, device and ``requires_grad``) and which are constants; it can
 flatten a call into its tensors, rebuild a call from tensors, check that a runtime call matches the capture (TE
 does not check shapes, so pipecast does), and make fresh static input tensors.

@@ -3,7 +3,7 @@
 Pure functions (no torch.distributed).  Their results equal Megatron-Core 0.16.1
 (``pipeline_parallel.schedules.get_pp_rank_microbatches`` / ``get_schedule_table`` and
 ``transformer.cuda_graphs.convert_schedule_table_to_order``) on every vector in
-``shared/vectors/megatron_schedules.json``; see ``shared/spec/schedules.md`` sections 1.12-1.14.
+``tests/data/megatron_schedules.json`` (``tests/plan/test_vectors_pure.py``).
 
 Notation: ``P`` pipeline size, ``r`` pipeline rank, ``C`` model chunks per rank (virtual pipeline size),
 ``M`` microbatches, ``G`` = ``microbatch_group_size_per_vp_stage``, ``T = M * C`` virtual microbatches,
@@ -36,7 +36,7 @@ def pp_rank_microbatches(num_microbatches: int, num_model_chunks: int, microbatc
                          overlap_moe_expert_parallel_comm: bool = False) -> MicrobatchCounts:
     """Warmup / steady counts of one pipeline rank, with the pipeline topology given explicitly.
 
-    Formula (Megatron-Core 0.16.1, spec 1.12): ``T = M*C``; raw warmup ``w`` is ``T`` when forward-only,
+    Formula (Megatron-Core 0.16.1, ``get_pp_rank_microbatches``): ``T = M*C``; raw warmup ``w`` is ``T`` when forward-only,
     ``P-r-1`` for 1F1B (``vp_size`` None), ``2(P-r-1) + (C-1)G (+1 with MoE overlap)`` for interleaved 1F1B and
     ``0`` when ``P == 1``; ``W = min(w, T)``.  Like Megatron, it validates nothing.
     """
@@ -60,7 +60,7 @@ def get_schedule_table(num_microbatches: int, num_model_chunks: int,
     """Forward execution order of one rank as ``[(microbatch_id, model_chunk_id), ...]`` of length ``M*C``.
 
     Microbatches run in groups of ``G``; within a group every model chunk runs in turn; the last group is truncated
-    to ``M`` (Megatron-Core 0.16.1, spec 1.13).  The backward order is the same table with the chunk mirrored
+    to ``M`` (Megatron-Core 0.16.1, ``get_schedule_table``).  The backward order is the same table with the chunk mirrored
     (``C-1-chunk``).  Example: ``M=5, C=2, G=3`` -> ``(0,0) (1,0) (2,0) (0,1) (1,1) (2,1) (3,0) (4,0) (3,1) (4,1)``.
 
     Raises:
@@ -83,7 +83,7 @@ def convert_schedule_table_to_order(num_warmup_microbatches: int, num_model_chun
     Entry ``+(c+1)`` is a forward of model chunk ``c``, ``-(c+1)`` a backward of chunk ``c`` (1-based, sign =
     direction).  The first ``W`` entries are warmup forwards; then forward ``i`` and backward ``i-W`` alternate
     (steady 1F1B); the last ``W`` backwards form the cooldown.  Length ``2*len(table)`` for ``0 <= W <= T``;
-    ``W > T`` behaves as ``W = T``.  Source: Megatron-Core 0.16.1 ``transformer/cuda_graphs.py`` (spec 1.14).
+    ``W > T`` behaves as ``W = T``.  Source: Megatron-Core 0.16.1 ``transformer/cuda_graphs.py``.
     No validation: the order is realisable only when ``W >= (C-1)*min(G, M)``.
     """
     chunks = [chunk for _, chunk in schedule_table]
@@ -99,7 +99,7 @@ def convert_schedule_table_to_order(num_warmup_microbatches: int, num_model_chun
 
 
 def validate_interleaved_microbatches(num_microbatches: int, pp_size: int, group_size: int) -> None:
-    """Megatron's checks of M against ``microbatch_group_size_per_vp_stage`` for interleaved 1F1B (spec 1.15).
+    """Megatron's checks of M against ``microbatch_group_size_per_vp_stage`` for interleaved 1F1B (Megatron-Core 0.16.1, ``megatron/core/pipeline_parallel/schedules.py``).
 
     Raises:
         ValueError: ``G > M`` or ``G < P`` (allowed range ``[P, M]``).

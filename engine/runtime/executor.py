@@ -9,8 +9,8 @@ executor derives everything else from the plan's actions:
   step consuming a message the receiver sent after posting it (gloo offers no completion poll); in evaluation, where
   nothing flows back, ``2*P*C`` steps later; else at the end of the step.  Receives are posted in the *sender's*
   order on every link (``Plan.link_order(src, dst)``), so they match one to one even on a transport that ignores
-  tags -- also with ``P = 2`` and interleaving, where activations and gradients share one pair of ranks (public bug
-  B02) -- and each is waited just before the action that consumes it.  Each message kind also has its own tag
+  tags -- also with ``P = 2`` and interleaving, where activations and gradients share one pair of ranks (NVIDIA/Megatron-LM#750)
+  -- and each is waited just before the action that consumes it.  Each message kind also has its own tag
   (``engine.runtime.p2p``).  This is the communication model of the plan validator: a plan it accepts cannot deadlock here.
 * Receives are posted ``prefetch`` actions ahead (:func:`default_prefetch`): with ``config.overlap_p2p_comm`` the
   receives of the next :data:`OVERLAP_PREFETCH` actions are kept posted (prefetched, waited right before use);
@@ -23,9 +23,9 @@ executor derives everything else from the plan's actions:
 * ``deallocate_pipeline_outputs``: a sent output is shrunk right after its send is posted (the send holds an alias
   of its storage until it is waited), and its backward runs through ``custom_backward``.
 * Partial activation checkpointing by microbatch (``checkpoint_activations_microbatch = (k mod (W+1)) >= K`` for
-  forward step ``k``, spec 3.1), ``is_first_microbatch`` (microbatch 0 of each model chunk, through
+  forward step ``k``, as Megatron's interleaved schedule), ``is_first_microbatch`` (microbatch 0 of each model chunk, through
   ``check_first_val_step``), ``current_microbatch`` (-> ``set_current_microbatch``).
-* Grad / param sync hooks at Megatron-Core's points (spec 1.9, 1.17, 3.3, 3.8): ``no_sync_func`` entered at the
+* Grad / param sync hooks at Megatron-Core's points (``megatron/core/pipeline_parallel/schedules.py``): ``no_sync_func`` entered at the
   start; left before the last forward (no pipelining), before the last backward (1F1B; with ``grad_sync_func`` only
   on pipeline rank 0, the others call ``grad_sync_func`` at the end), around the last backward of each model chunk
   or each ``grad_sync_func`` call timed by ``k - r`` (interleaved); ``param_sync_func`` for chunks 0 and 1 at the

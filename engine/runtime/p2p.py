@@ -1,7 +1,7 @@
 """Point-to-point communication between pipeline ranks: activations forward, gradients backward.
 
 :class:`P2PCommunicator` has Megatron-Core's public surface (``P2PCommunicator(pp_group, config)``, ``recv_forward``,
-``send_forward_recv_backward``, ..., spec section 4) for code that drives the pipeline by hand, and the small
+``send_forward_recv_backward``, ..., ``megatron/core/pipeline_parallel/p2p_communication.py``) for code that drives the pipeline by hand, and the small
 message API the executor (``engine.runtime.executor``) is built on: :meth:`P2PCommunicator.isend` /
 :meth:`P2PCommunicator.irecv` (one non-blocking transfer to / from a pipeline rank, by its rank in the pipeline
 group), :meth:`P2PCommunicator.post` (several transfers of one exchange point, batched or even/odd ordered) and the
@@ -9,12 +9,12 @@ receive-buffer / shape-message helpers.
 
 Topology: ranks are addressed by their index in ``pp_group`` and mapped to global ranks with
 ``torch.distributed.get_process_group_ranks``, so every transfer -- data and shape handshake alike -- stays inside
-the pipeline group, also for non-contiguous groups such as ``{0, 2}`` / ``{1, 3}`` (public bug B04).  The neighbours
+the pipeline group, also for non-contiguous groups such as ``{0, 2}`` / ``{1, 3}`` (NVIDIA/Megatron-LM#620).  The neighbours
 wrap around: the last rank's ``next`` is rank 0 and rank 0's ``prev`` is the last rank (virtual pipeline stages).
 
 Message kinds travel on distinct tags (:data:`TAG_ACT`, :data:`TAG_GRAD` and their shape tags).  With ``P = 2`` the
 previous and the next neighbour are the same rank, and Megatron's batched exchange can pair an activation send with
-a gradient receive there (bug B02, spec 4.4); on gloo the tags make that impossible, and the executor additionally
+a gradient receive there (NVIDIA/Megatron-LM#750); on gloo the tags make that impossible, and the executor additionally
 posts receives in the sender's order so matching is right on transports that ignore tags.
 
 Transport notes (what is and is not verified):
@@ -171,7 +171,7 @@ class P2PCommunicator:
     # -- Megatron's core exchange ---------------------------------------------------------------------------------
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev: bool, recv_next: bool, tensor_shape,
                      wait_on_reqs: bool = True):
-        """One exchange with both neighbours (spec 4.3); returns ``(from_prev, from_next, handles)``.
+        """One exchange with both neighbours (Megatron's ``_communicate``); returns ``(from_prev, from_next, handles)``.
 
         ``handles`` is ``None`` when waited, else a dict keyed ``send_next``, ``recv_prev``, ``send_prev``,
         ``recv_next`` (only the ops posted).  Receive buffers are ``pipeline_dtype`` with ``requires_grad=True``.
@@ -220,7 +220,7 @@ class P2PCommunicator:
         return sorted(named, key=lambda op: rank_order.index(op[0]))
 
     def _exchange_shapes(self, send_next, send_prev, recv_prev, recv_next):
-        """The shape handshake (spec 4.5), on the pipeline group and its own tags."""
+        """The shape handshake of variable sequence lengths (Megatron's ``_communicate_shapes``), on the pipeline group and its own tags."""
         ops, got_prev, got_next = [], None, None
         if send_prev is not None:
             ops.append((True, encode_shape(send_prev.shape, self.device), self.prev, TAG_GRAD_SHAPE))

@@ -24,7 +24,7 @@ pipeline stage for ``embd``) gets ``None``.  To keep the number of ``new_group``
 identical by construction share one object (``mp is pp``; ``dp_cp is dp``; ``tp``, ``cp``, ``tp_cp`` and
 ``pos_embd`` are this rank's one-rank group).  Without ``torch.distributed`` initialised, a one-rank job
 (world 1, pp 1) gets a collection whose groups are all ``None``; :func:`group_rank` / :func:`group_size` treat
-``None`` as rank 0 of size 1, like Megatron's stage predicates (spec section 0).
+``None`` as rank 0 of size 1, like Megatron's stage predicates (``megatron/core/parallel_state.py``).
 
 On gloo the pipeline groups' I/O thread runs at a lower priority (``engine.runtime.gloo_io``; ``gloo_io_nice``).
 """

@@ -1,8 +1,8 @@
 """The per-microbatch functions of Megatron-Core's schedules API: forward step, loss contract, backward step.
 
 Names, signatures, return values and the loss-reduction contract follow Megatron-Core 0.16.1
-(``shared/reference/schedules_api.md``; behaviour ``shared/spec/schedules.md`` sections 0, 1.2-1.8, 1.10, 1.11,
-1.16 and 2).  The schedules in ``engine.schedules`` compose these with a plan and the executor; users may call them
+(``megatron/core/pipeline_parallel/schedules.py``;
+the vectors in ``tests/data/megatron_schedules.json`` pin them).  The schedules in ``engine.schedules`` compose these with a plan and the executor; users may call them
 directly in their own loops.
 
 Deviations from Megatron-Core 0.16.1, all on error paths or inputs Megatron would reject later:
@@ -22,7 +22,7 @@ Deviations from Megatron-Core 0.16.1, all on error paths or inputs Megatron woul
 * ``forward_step`` runs autocast on ``"cuda"`` when CUDA is available and on ``"cpu"`` otherwise (Megatron always
   uses ``"cuda"``, which is a no-op without a GPU).
 * MoE / MTP auxiliary-loss scales are published on :data:`aux_loss_scale` (pipecast has no MoE layers to set them
-  on); they are computed on every pipeline stage, never from a last-stage-only value (public case B08).
+  on); they are computed on every pipeline stage, never from a last-stage-only value (NVIDIA/Megatron-LM#721).
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def set_current_microbatch(model, microbatch_id: int) -> None:
 
     Follows ``.module`` to the first object with a non-None ``decoder`` and sets ``current_microbatch`` on each of
     ``decoder.layers`` and on the inner layer of each multi-token-prediction layer (``mtp.layers[i]``'s
-    ``transformer_layer`` or ``mtp_model_layer``).  Does nothing if no such object exists (spec 1.4).
+    ``transformer_layer`` or ``mtp_model_layer``).  Does nothing if no such object exists (as Megatron's ``set_current_microbatch``).
     """
     for layer in _microbatch_layers(model):
         layer.current_microbatch = microbatch_id
@@ -150,7 +150,7 @@ class ChunkHooks:
 
 def check_first_val_step(first_val_step: Optional[bool], forward_only: bool, cond: bool) -> bool:
     """``is_first_microbatch`` flag: ``first_val_step and cond`` in validation (``forward_only``) when
-    ``first_val_step`` is given, else ``cond`` (spec 1.8)."""
+    ``first_val_step`` is given, else ``cond`` (Megatron's ``check_first_val_step``)."""
     if first_val_step is not None and forward_only:
         return first_val_step and cond
     return cond
@@ -191,7 +191,7 @@ def is_vp_last_stage(vp_stage: Optional[int], vp_size: Optional[int]) -> bool:
 # ---- output deallocation and the raw backward -------------------------------------------------------------------
 
 def deallocate_output_tensor(out, deallocate_pipeline_outputs: bool = False) -> None:
-    """Free the storage of an output that has been sent downstream, keeping its autograd node (spec 1.2).
+    """Free the storage of an output that has been sent downstream, keeping its autograd node (Megatron's ``deallocate_output_tensor``).
 
     After the call ``out`` has shape ``[1]`` (same dtype, device, ``grad_fn``, ``requires_grad``); its backward
     must then go through :func:`custom_backward`.  No-op if ``out`` is None or the flag is False.
@@ -236,7 +236,7 @@ def custom_backward(output: torch.Tensor, grad_output: Optional[torch.Tensor]) -
     engine validates against the shape recorded in ``output.grad_fn``, so it is called directly through
     ``torch.autograd.variable.Variable._execution_engine.run_backward`` (the one PyTorch-private call in pipecast,
     kept here): one root, graph freed, no higher-order graph, gradients accumulated into leaves' ``.grad``,
-    unreachable inputs allowed (Megatron-Core ``custom_backward``, spec 1.3).
+    unreachable inputs allowed (Megatron-Core ``custom_backward``).
 
     Raises :class:`ScheduleContractError` unless ``output.numel() == 1`` and
     :class:`ScheduleContractTypeError` for non-tensor arguments.
@@ -260,7 +260,7 @@ def custom_backward(output: torch.Tensor, grad_output: Optional[torch.Tensor]) -
 # ---- auxiliary-loss scales ---------------------------------------------------------------------------------------
 
 class AuxLossScale:
-    """Scale factors for auxiliary losses set on every forward step (spec 1.5 / section 2, "Auxiliary losses").
+    """Scale factors for auxiliary losses set on every forward step (Megatron's ``MoEAuxLossAutoScaler`` / ``MTPLossAutoScaler``).
 
     ``moe``: ``s`` in per-token mode, else ``s * cp_size / num_microbatches``; ``mtp``: ``s`` or
     ``s / num_microbatches``; ``s = grad_scale_func(ones(1))`` or ``ones(1)``.  Set only when the config has
@@ -292,7 +292,7 @@ def _set_aux_loss_scales(config, output_tensor, cp_group_size, num_microbatches)
     has_mtp = getattr(config, "mtp_num_layers", None) is not None
     if not (has_moe or has_mtp):
         return
-    ref = _first_tensor(output_tensor)  # every stage has its own output (B08: no last-stage-only values)
+    ref = _first_tensor(output_tensor)  # every stage has its own output (no last-stage-only values: Megatron-LM#721)
     device = ref.device if ref is not None else torch.device("cpu")
     ones = torch.ones(1, device=device)
     s = config.grad_scale_func(ones) if config.grad_scale_func is not None else ones
@@ -330,7 +330,7 @@ def _token_count(n) -> torch.Tensor:
 
 def apply_loss(output_tensor, loss_func, config, collect_non_loss_data, num_microbatches, forward_data_store,
                 cp_group_size, is_last_stage):
-    """The loss contract of Megatron's ``forward_step_calc_loss`` (spec section 2; ``engine.schedules``) once
+    """The loss contract of Megatron's ``forward_step_calc_loss`` (``megatron/core/pipeline_parallel/schedules.py``; ``engine.schedules``) once
     ``cp_group_size`` and ``is_last_stage`` are known; returns ``(output_tensor, num_tokens)``, the token count None
     unless ``loss_func`` returned one (the executor then skips the int32 zero)."""
     num_tokens = None
@@ -409,7 +409,7 @@ class ChunkCall:
 
 def run_forward(call: ForwardCall, chunk: ChunkCall, input_tensor, checkpoint_activations_microbatch,
                 is_first_microbatch, current_microbatch, is_last_stage):
-    """One microbatch forward through ``chunk`` within ``call`` (spec 1.6; Megatron's ``forward_step`` is
+    """One microbatch forward through ``chunk`` within ``call`` (Megatron's ``forward_step`` is
     ``engine.schedules.forward_step``): ``set_is_first_microbatch``, ``current_microbatch``, ``set_input_tensor``
     (always a list), ``forward_step_func`` under autocast, then the loss contract.  Returns
     ``(output, num_tokens)``, the output wrapped in a one-element list if ``input_tensor`` was a list.
@@ -467,11 +467,11 @@ def _call_forward_step_func(call: ForwardCall, chunk: ChunkCall, checkpoint_acti
 
 
 def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config=None):
-    """Backpropagate one microbatch through one model chunk; return the gradient of its input (spec 1.7).
+    """Backpropagate one microbatch through one model chunk; return the gradient of its input (Megatron's ``backward_step``).
 
     ``output_tensor_grad`` is the gradient received from the next stage (same shape as the output, e.g.
     ``[s, b, h]``), or None on the loss stage: then ``config.grad_scale_func`` (if set) is applied to the loss
-    first -- once per microbatch, never to ``.grad`` (public case B06).  Backward runs only if the output requires
+    first -- once per microbatch, never to ``.grad`` (pytorch/torchtitan#1733).  Backward runs only if the output requires
     grad, through :func:`custom_backward` when ``config.deallocate_pipeline_outputs`` else
     ``torch.autograd.backward``; parameter gradients accumulate into ``.grad``.  Each non-None input gets
     ``retain_grad()``; the return value is ``input.grad`` (None for a None input), a list if ``input_tensor`` was a
@@ -524,7 +524,7 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, c
 def get_tensor_shapes(*, seq_length, micro_batch_size, decoder_seq_length, config, tp_group, cp_group):
     """The one P2P tensor shape of the non-interleaved schedule: ``[(s, micro_batch_size, config.hidden_size)]``
     with ``s = (decoder_seq_length or seq_length) // cp_size``, further ``// tp_size`` with
-    ``config.sequence_parallel`` (Megatron-Core 0.16.1, spec 1.16).  A None group counts as size 1."""
+    ``config.sequence_parallel`` (Megatron-Core 0.16.1, ``get_tensor_shapes``).  A None group counts as size 1."""
     seq = decoder_seq_length if decoder_seq_length is not None else seq_length
     seq //= group_size(cp_group)
     if config.sequence_parallel:
@@ -535,7 +535,7 @@ def get_tensor_shapes(*, seq_length, micro_batch_size, decoder_seq_length, confi
 def clear_embedding_activation_buffer(config, model, is_last_stage):
     """On the last stage with ``config.defer_embedding_wgrad_compute``: empty the output layer's
     ``embedding_activation_buffer`` of the last model chunk and return the module holding it (the one with
-    ``post_process``); else return None (spec 1.10).  Raises ``RuntimeError`` if no wrapper level has
+    ``post_process``); else return None (Megatron's ``get_embedding_activation_buffer``).  Raises ``RuntimeError`` if no wrapper level has
     ``post_process``."""
     if not (is_last_stage and config.defer_embedding_wgrad_compute):
         return None
@@ -546,7 +546,7 @@ def clear_embedding_activation_buffer(config, model, is_last_stage):
 
 
 def finish_embedding_wgrad_compute(config, embedding_module, is_last_stage, tp_group) -> None:
-    """Compute the deferred output-layer weight gradient on the last stage (spec 1.11).
+    """Compute the deferred output-layer weight gradient on the last stage (Megatron's ``finish_embedding_wgrad_compute``).
 
     Drains ``embedding_module.embedding_activation_buffer`` (activations ``[s, b, h]``) and
     ``grad_output_buffer`` (output gradients ``[s, b, v]``) pairwise, accumulating

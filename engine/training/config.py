@@ -491,7 +491,7 @@ def validate(config: TrainConfig) -> None:
 
     Checks: positive sizes; ``hidden_size`` divisible by heads; ``num_layers`` divisible into
     ``pipeline x virtual`` model chunks; the microbatch counts Megatron's schedule accepts (interleaved:
-    ``P <= G <= M`` and ``M mod G`` in ``{0} U [P, G)``, spec 1.15); sequence length and vocabulary; data paths.
+    ``P <= G <= M`` and ``M mod G`` in ``{0} U [P, G)``, Megatron-Core 0.16.1); sequence length and vocabulary; data paths.
 
     Raises:
         ConfigError (ValueError) / RuntimeError naming field, value and fix.

@@ -1,6 +1,6 @@
 """Gradient synchronisation of one rank's model chunks: data-parallel all-reduce, tied-embedding sum, grad norm.
 
-:class:`GradSync` provides the two hooks the schedules call (spec 1.18, 3.8):
+:class:`GradSync` provides the two hooks the schedules call (Megatron's ``no_sync_func`` / ``grad_sync_func``):
 
 * ``no_sync()`` -- a context manager; inside it, backward passes only accumulate gradients.  The schedules run
   every backward inside it except the last backward of each model chunk.

@@ -1,7 +1,7 @@
 """A decoder-only GPT split layer-wise into pipeline model chunks.
 
 The model has ``L`` transformer blocks; with ``P`` pipeline ranks and ``V`` model chunks per rank it is cut into
-``P*V`` virtual pipeline stages of ``L/(P*V)`` consecutive blocks.  Megatron's order (spec section 0): model chunk
+``P*V`` virtual pipeline stages of ``L/(P*V)`` consecutive blocks.  Megatron's order (``parallel_state``): model chunk
 ``c`` on pipeline rank ``r`` is virtual stage ``c*P + r``.  The token + position embedding lives in the first
 stage (rank 0, chunk 0), the final norm, the output head and the loss in the last (rank ``P-1``, chunk ``V-1``).
 

@@ -708,7 +708,7 @@ def _scheduler_values(tensors: dict) -> dict:
 
 
 def _loss_func(output: torch.Tensor):
-    """Megatron 3-tuple loss contract (spec 2): ``(loss sum, token count, {"lm loss": [sum, count]})`` from the
+    """Megatron 3-tuple loss contract (``forward_step_calc_loss``): ``(loss sum, token count, {"lm loss": [sum, count]})`` from the
     per-token losses ``[b, s]``; the schedule divides by the token count and the number of microbatches."""
     total = output.sum()
     count = torch.tensor(output.numel(), dtype=torch.int, device=output.device)

@@ -2,7 +2,7 @@
 autograd function that replays it, the per-parameter gradient buffers, and the walk that warms up and captures
 slots in the rank's order.
 
-Static-buffer semantics (``shared/spec/cuda_graphs.md`` 1.4, 3.3), identical in both backends:
+Static-buffer semantics (as torch's ``torch.cuda.graph`` and TE's ``transformer_engine/pytorch/graph.py`` define them), identical in both backends:
 
 * a forward replay copies the call's tensors into the slot's static inputs (skipped when the address is already
   the static input's) and writes the outputs into the slot's static outputs; the caller gets detached aliases of
@@ -13,7 +13,7 @@ Static-buffer semantics (``shared/spec/cuda_graphs.md`` 1.4, 3.3), identical in 
 * a backward replay copies the incoming gradients into the slot's static grad-outputs, writes the input gradients
   into static grad-inputs (returned as aliases) and **accumulates each parameter gradient inside the graph** into
   one persistent buffer per parameter (Megatron's ``main_grad`` approach) that is installed as ``param.grad``: no
-  per-microbatch parameter-gradient copy is held and no clone is made (pytorch#181723, TE PR #2937, B17).  Before a
+  per-microbatch parameter-gradient copy is held and no clone is made (pytorch/pytorch#181723, NVIDIA/TransformerEngine#2937).  Before a
   backward replay a parameter whose ``.grad`` is ``None`` gets the zeroed buffer, one with another ``.grad`` gets
   the buffer holding its value -- the values eager ``AccumulateGrad`` produces, in the same order.  Post-accumulate
   grad hooks do not fire for graphed parameters (their gradients never pass through autograd).
@@ -58,7 +58,7 @@ def module_params(module: torch.nn.Module) -> tuple[torch.nn.Parameter, ...]:
 
 def check_capturable(module: torch.nn.Module, where: str) -> None:
     """Graph capture needs a module in training mode, without module hooks (they would be frozen or skipped) and
-    without buffers that require grad (TE and torch impose the same, spec 1.6).
+    without buffers that require grad (TE's ``make_graphed_callables`` and torch's impose the same).
 
     Raises:
         CaptureError: naming ``where`` (``"chunk 1 layer 0"``) and the offending property.
@@ -111,7 +111,7 @@ class SlotOptions:
     """How slots return parameter gradients and what they check.
 
     ``param_grads``: ``"accumulate"`` (in-graph, into :class:`GradBuffers`), ``"clone"`` (a copy per replay) or
-    ``"alias"`` (the static buffer itself; negative-control tests only, B17).  ``generators``: registered with the
+    ``"alias"`` (the static buffer itself; negative-control tests only, NVIDIA/TransformerEngine#2937).  ``generators``: registered with the
     graphs.  ``check_replays``: compare every emulated replay's trace with the capture's (``graphs.hazards``).
     ``defer_weight_grad``: split backward (``B`` and ``W`` graphs) -- called from a ``B`` replay with the ``W``
     callable; returns ``True`` if a split backward in progress queued it, ``False`` to have it run at once
@@ -369,7 +369,7 @@ def walk_capture(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], R
     before any capture) and each backward with zero grad-outputs through ``torch.autograd.grad`` (it never touches
     ``.grad``), ``max(1, num_warmup_iters)`` times, inside ``warmup_ctx()`` (a side stream on CUDA).  Capture then
     calls ``capture_fwd`` / ``capture_bwd`` / ``capture_wgt`` (split backward's ``W`` events) in exactly the order
-    of ``events``, so every slot's buffers are allocated where the runtime will need them (invariant I1).
+    of ``events``, so every slot's buffers are allocated where the runtime will need them (the pool's liveness rule, :mod:`graphs.liveness`).
     """
     with warmup_ctx():
         for _ in range(max(1, num_warmup_iters)):

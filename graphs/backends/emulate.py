@@ -6,8 +6,8 @@ per-parameter buffers.  A forward "replay" copies the call's tensors into the st
 eagerly on them and writes the result into the *same* static output tensors; the autograd graph it builds replaces
 the slot's previous one, exactly as a real replay overwrites the activations saved in the graph's memory.  A
 backward "replay" differentiates the slot's current graph and writes into the same static grad-input tensors.  So
-every buffer-lifetime mistake a real graph would make gives wrong numbers here too (``shared/spec/cuda_graphs.md``
-5.1.5).
+every buffer-lifetime mistake a real graph would make gives wrong numbers here too, on
+CPU.
 
 What a real replay freezes, the emulation enforces instead of silently re-running Python:
 

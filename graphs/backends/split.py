@@ -1,6 +1,6 @@
 """Split backward inside one graphed layer: ``B`` computes the input gradients, ``W`` later the weight gradients.
 
-The cut is made on the layer's autograd graph (``shared/spec/zero_bubble.md``, "autograd-graph split"), once per
+The cut is made on the layer's autograd graph (the generic split of :mod:`engine.runtime.split_backward`), once per
 captured graph: the *input path* is every node from which a static input is reachable; an *intermediate* is an
 input-path node with an edge leaving the path (towards parameters), e.g. the ``addmm`` of a linear layer.
 

@@ -1,7 +1,7 @@
 """``te``: the one adapter around Transformer Engine's ``make_graphed_callables(..., _order=...)``.
 
-Everything pipecast knows about TE's private ordered-capture arguments lives here (``shared/spec/cuda_graphs.md``
-1.1-1.8, 2.5).  The installed signature is detected by feature checks on ``inspect.signature``, never by version
+Everything pipecast knows about TE's private ordered-capture arguments lives here (``transformer_engine/pytorch/graph.py``,
+as Megatron's ``megatron/core/transformer/cuda_graphs.py`` calls it).  The installed signature is detected by feature checks on ``inspect.signature``, never by version
 strings; the adapter passes exactly what TE expects:
 
 * ``modules``: the distinct graphed layers, chunk-major (each layer once);
@@ -11,11 +11,11 @@ strings; the adapter passes exactly what TE expects:
   otherwise the layer counts must be uniform (TE derives them as ``len(sample_args) / V / M``);
 * ``allow_unused_input=True`` and ``num_warmup_iters`` as Megatron passes them;
 * ``clone_param_grads_on_return=True`` when supported; older TE returns static aliases as parameter grads
-  (B17), so the adapter then registers gradient hooks that clone them while graphs are active.
+  (NVIDIA/TransformerEngine#2937), so the adapter then registers gradient hooks that clone them while graphs are active.
 
-TE's capture has no ``try/finally`` (spec 1.3 step 5): if it raises, the adapter restores every module class's
+TE's capture has no ``try/finally`` around its warmup and capture: if it raises, the adapter restores every module class's
 ``__call__``, instance ``forward`` attributes, GC, the CPU/CUDA RNG states, TE's "capturing" flag, training flags
-and the parameters' ``.grad`` (spec 3.4).
+and the parameters' ``.grad``.
 """
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ def te_unavailable_reason() -> str | None:
 def split_backward_reason() -> str:
     """Why the TE backend does not capture split-backward (``W``) plans; the caller falls back to eager with it.
 
-    TE's ``_order`` knows weight-gradient steps only as fractional ``-k - 0.5`` entries (TE >= 2.10, spec 1.2 /
-    1.8) that replay ``backward_dw()`` of TE modules built with ``delay_wgrad_compute=True``, with exactly one
+    TE's ``_order`` knows weight-gradient steps only as fractional ``-k - 0.5`` entries (TE >= 2.10,
+    ``transformer_engine/pytorch/graph.py``) that replay ``backward_dw()`` of TE modules built with ``delay_wgrad_compute=True``, with exactly one
     layer per chunk; its integer backward entries compute input *and* weight gradients.  Nothing in the installed
     signature says a graphed layer defers its weight gradients, so graphs captured through TE would compute them
     in ``B`` and not in the plan's ``W``: wrong accumulation points, not an error.

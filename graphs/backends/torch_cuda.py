@@ -1,9 +1,9 @@
-"""``torch``: pipecast's own ordered capture on ``torch.cuda.CUDAGraph`` (``shared/spec/cuda_graphs.md`` 3.3).
+"""``torch``: pipecast's own ordered capture on ``torch.cuda.CUDAGraph`` (torch's CUDA Graphs API).
 
-Unlike ``torch.cuda.make_graphed_callables`` (all forwards, then all backwards reversed: wrong for 1F1B, spec 3.1),
+Unlike ``torch.cuda.make_graphed_callables`` (all forwards, then all backwards reversed: wrong for 1F1B),
 the forward and backward graph of every ``(chunk, microbatch, layer)`` are captured in the rank's runtime order,
 into one shared memory pool, so that a block freed during one capture is only reused by graphs that the runtime
-replays after that block is dead (invariant I1).  Warmup runs on a side stream with
+replays after that block is dead (the pool's liveness rule, :mod:`graphs.liveness`).  Warmup runs on a side stream with
 ``torch.cuda.set_sync_debug_mode("error")`` (a host sync raises there, before any capture); Python GC is off during
 capture (TE PR #2092); extra RNG generators are registered with every graph so dropout masks advance per replay
 (pytorch#84614); parameter gradients are accumulated inside each backward graph (``graphs.backends.common``).

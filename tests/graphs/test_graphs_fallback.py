@@ -1,7 +1,7 @@
 """A capture that fails half-way through on the ``torch`` backend falls back to eager cleanly -- on CPU, through a
 fake of the ``torch.cuda`` calls the backend makes (``graphs.backends.torch_cuda.cuda``).
 
-The fake behaves like torch's ``torch.cuda.graph`` on an invalidated capture (``shared/spec/cuda_graphs.md`` 3.4):
+The fake behaves like torch's ``torch.cuda.graph`` on an invalidated capture:
 the layer's illegal op raises inside the capture; ``__exit__`` then calls ``capture_end()``, which raises a second
 error before the stream context is left (the thread stays on the capture stream), and the allocator still believes
 a capture is under way, so ``empty_cache()`` raises too.  Checked: the caller's stream and GC setting come back,

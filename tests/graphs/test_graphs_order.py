@@ -88,7 +88,7 @@ def test_flat_index_layout_and_roundtrip():
 
 
 def test_spec_example_flat_ids():
-    """cuda_graphs.md 2.3 example: PP2 VP2 G2 M4 rank 0, two layers per chunk."""
+    """A worked example of the flat graph ids: PP2 VP2 G2 M4 rank 0, two layers per chunk."""
     plan = build_plan("interleaved", 2, 4, 2, 2)
     events = layer_events(graph_order(plan, 0), [2, 2])
     ids = [flat_index(e.chunk, e.microbatch, e.layer, [2, 2], 4) for e in events]
@@ -120,7 +120,7 @@ def test_check_order_rejects():
 
 
 def test_causality_is_exactly_megatron_realisability():
-    """convert_schedule_table_to_order is realisable iff W >= (C-1)*min(G, M) (spec schedules.md 1.14)."""
+    """convert_schedule_table_to_order is realisable iff W >= (C-1)*min(G, M) (Megatron-Core 0.16.1)."""
     for m, c, g in itertools.product(range(1, 7), range(1, 4), range(1, 7)):
         if g > m:
             continue
@@ -150,7 +150,7 @@ def test_pool_model_capture_in_runtime_order_has_no_conflicts(schedule, pp, vp, 
 
 
 def test_pool_model_detects_capture_order_differing_from_runtime():
-    """Negative control (B15, spec 3.2): torch's fixed capture order, or one swapped (F, B) pair at runtime, lets a
+    """Negative control (B15 of ``tests/runtime/test_public_bugs.py``): torch's fixed capture order, or one swapped (F, B) pair at runtime, lets a
     replay overwrite live activations of another microbatch in the shared pool."""
     from graphs.liveness import pool_conflicts
     plan = build_plan("interleaved", 4, 8, 4, 4)

@@ -1,7 +1,7 @@
 """The Transformer Engine adapter against fake ``transformer_engine`` modules injected through ``sys.modules``.
 
 The fakes have the signatures of real TE releases (main after 2.18; 1.6; one without ``_order``) and enforce TE's
-own argument rules (``shared/spec/cuda_graphs.md`` 1.2, 1.7): ``V = max(order)``, ``M = len(order) / V / 2``,
+own argument rules (``transformer_engine/pytorch/graph.py``): ``V = max(order)``, ``M = len(order) / V / 2``,
 ``len(modules) == sum(L)``, ``len(sample_args) == sum(L) * M`` with tensors only, ``_num_layers_per_chunk`` a list
 of ``V`` ints.  Their callables replay eagerly and record which flat index was called, so a whole step can run
 through pipecast's dispatch on the CPU.
@@ -93,7 +93,7 @@ class FakeTE:
         return tuple(out)
 
     def sabotage(self, modules):
-        """What TE leaves behind when capture raises half-way (spec 1.3 step 5, no try/finally)."""
+        """What TE leaves behind when capture raises half-way (TE has no try/finally around it)."""
         for m in modules:
             type(m).__call__ = lambda *a, **k: None
             m.forward = lambda *a, **k: None

@@ -1,6 +1,6 @@
 """Access to ``tests/data/megatron_schedules.json`` (Megatron-Core 0.16.1 behaviour vectors) for the tests.
 
-The file lives in the repository (copied from the project's ``shared/vectors/``; see ``tests/data/README.md``), so
+The file lives in the repository (see ``tests/data/README.md`` for where it comes from), so
 the suite runs on a bare clone.  Every test reads it through this module.  A missing file skips the tests that need
 it, except under ``CI=true``, where it fails them (see :func:`missing_vectors`).
 """

@@ -204,7 +204,7 @@ def reference(config_like, pp_size: int, num_chunks: int, data, *, hidden: int =
               repeats: int = 1, dtype=torch.float32):
     """The unpipelined run of the same model: per-microbatch raw losses and the gradient of every global layer.
 
-    Loss contract (spec 2): 2-tuple -> ``L / M``; 3-tuple -> ``L / max(n, 1) / M``, or ``L`` with ``per_token``.
+    Loss contract (Megatron's ``forward_step_calc_loss``): 2-tuple -> ``L / M``; 3-tuple -> ``L / max(n, 1) / M``, or ``L`` with ``per_token``.
     ``grad_scale`` multiplies the loss before backward (``grad_scale_func``); ``repeats`` accumulates that many
     identical calls.  Returns ``(losses, {layer: (dW, db)})``.
     """

@@ -2,7 +2,7 @@
 
 Checks every file in ``tests.helpers.megatron_vectors.FILES``: present, a regular file inside the repository (not a link
 out of it), tracked by git when the tree is a git checkout, and the bytes whose sha256 ``tests/data/README.md``
-records; and that no test module reads anything from a ``shared/`` folder beside the repository.
+records; and that no test module reads anything from a folder beside the repository.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_vector_file_is_the_recorded_copy(path):
 
 def test_no_test_reads_shared_beside_the_repository():
     pattern = re.compile(r"""parent\s*/\s*["']shared["']|["']\.\./shared""")
-    offenders = [p.name for p in sorted((ROOT / "tests").glob("*.py")) if pattern.search(p.read_text())]
+    offenders = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tests").rglob("*.py")) if pattern.search(p.read_text())]
     assert not offenders, f"these test modules read the shared folder beside the repository (a bare clone has " \
                           f"none): {offenders}"
 

@@ -1,9 +1,44 @@
-"""The public pipeline-schedule bugs of ``shared/cases/public_bugs.md`` that apply on CPU, one test each.
+"""Publicly reported pipeline-schedule bugs that apply on CPU, one test each (case ids as in the table below).
 
 Each test would fail on the buggy behaviour it is named after (a swapped tensor changes the gradients, a hang hits
 the job timeout, a lost microbatch shows in the gradient of a microbatch with a distinctive contribution, ...).
 The multi-process cases run inside the session's two shared jobs (``tests/helpers/pipeline_jobs.py``, together with
 ``tests/runtime/test_equivalence.py``): 2 ranks (PP = 2) and 4 ranks (PP = 4, plus two PP = 2 pipelines for B04).
+
+The cases (P pipeline ranks, V model chunks per rank, M microbatches, G microbatch group size), each with the public
+report it comes from:
+
+B01  pytorch/torchtitan#775, pytorch/pytorch#144702: 1F1B with fewer microbatches than stages (M < P) hung; any
+     M >= 1 must run (warmup ``min(P - r - 1, M)``), forward-only too.
+B02  NVIDIA/Megatron-LM#750: at P = 2 with interleaving the previous and next neighbour are one rank, so an
+     activation and a gradient can be paired with the wrong receive; run correctly in every P2P mode.
+B04  NVIDIA/Megatron-LM#620: the shape handshake of variable sequence lengths ran on the default group, so the
+     second of two pipelines hung; every P2P uses the pipeline group and its global peer ranks.
+B06  pytorch/torchtitan#1733: grads rescaled by 1/M after every call shrink earlier accumulation; K calls must
+     give K times one call's gradients (the schedule never touches ``.grad``).
+B07  NVIDIA/Megatron-LM#936, areal-project/AReaL#1273: the loss normalisation of the 2-tuple and 3-tuple
+     ``loss_func`` returns (``loss / M``; ``loss / max(n, 1) / M``; per-token: unscaled, tokens summed).
+B08  NVIDIA/Megatron-LM#721: MoE aux-loss bookkeeping read a last-stage-only value on earlier stages; every
+     stage computes its scales from its own output.
+B10  NVIDIA-NeMo/Megatron-Bridge#6025: a forward-only call entered by the last rank only hung; every rank enters
+     with the same M, and a rank with another M fails fast.
+B11  pytorch/pytorch#162822, deepspeedai/DeepSpeed#3649: eval before train, or eval / train / eval mixes, failed
+     or deadlocked; calls keep no state between them.
+B13  pytorch/pytorch#128910: outputs cached for the whole step made memory grow with M; 1F1B holds at most
+     ``min(P - r, M)`` activations on rank r.
+B14  NVIDIA/Megatron-LM#1829, verl-project/verl#1004: M and G under interleaving (``P <= G <= M``, remainder
+     ``M mod G`` 0 or at least P) checked on every rank before any communication, with a message naming them.
+B15  NVIDIA/Megatron-LM#6022 (review), NVIDIA/Megatron-LM#675: the CUDA-graph capture order must equal the order
+     the eager schedule runs; warmup ``2 (P - r - 1) + (V - 1) G`` capped at ``M V``.
+B16  NVIDIA/TransformerEngine#1138: a graphed backward passed weights in another order than the forward's
+     inputs (wrong gradients under pipelining).
+B17  NVIDIA/TransformerEngine#2937: a graphed backward returned parameter gradients aliasing static buffers,
+     which later replays overwrote.
+B18  deepspeedai/DeepSpeed#4726: a bf16 loss received into fp32 buffers; receivers use the sender's dtype.
+B20  NVIDIA-NeMo/Automodel#3530, ServiceNow/Fast-LLM#551: accumulated microbatch gradients wiped when shapes
+     changed, so only the last microbatch trained.
+B21  pytorch/pytorch#172668: unbatched sends and receives posted in an order where two neighbours both block in a
+     send; large activations and random delays must not deadlock.
 """
 from __future__ import annotations
 
@@ -245,8 +280,8 @@ def test_b11_eval_train_sequences_are_stateless(pp2):
 
 
 def _megatron_warmup(pp: int, chunks: int, M: int, G: int | None, rank: int) -> int:
-    """Warmup forwards of ``rank``: Megatron's ``get_pp_rank_microbatches`` vector when one exists, else spec 1.3
-    (``min(P - r - 1, M)`` without interleaving, ``min(M C, 2 (P - r - 1) + (C - 1) G)`` with)."""
+    """Warmup forwards of ``rank``: Megatron's ``get_pp_rank_microbatches`` vector when one exists, else Megatron-Core's
+    formula (``min(P - r - 1, M)`` without interleaving, ``min(M C, 2 (P - r - 1) + (C - 1) G)`` with)."""
     vp = chunks if chunks > 1 else None
     for v in vectors("get_pp_rank_microbatches"):
         a = v["args"]

@@ -1,5 +1,6 @@
-"""The per-microbatch step functions: loss contract (spec section 2; cases B06, B07, B08, B18, B20), backward,
-output deallocation, the raw engine backward, model hooks, shapes and the deferred embedding weight gradient."""
+"""The per-microbatch step functions: loss contract (Megatron's ``forward_step_calc_loss``; public cases B06, B07,
+B08, B18, B20 of ``tests/runtime/test_public_bugs.py``), backward, output deallocation, the raw engine backward,
+model hooks, shapes and the deferred embedding weight gradient."""
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,7 @@ def calc(loss_func, *, M=4, cp=1, last=True, per_token=False, non_loss=False, co
 
 def test_two_tuple_scales_loss_in_place_by_cp_over_m():
     loss = torch.tensor(6.0, requires_grad=True) * 1  # non-leaf, like a real loss
-    reduced = {"lm loss": loss}  # aliases the loss: Megatron's in-place normalisation shows through (gotcha 3)
+    reduced = {"lm loss": loss}  # aliases the loss: Megatron's in-place normalisation shows through
     out, n, store = calc(lambda x: (loss, reduced), M=4, cp=2)
     assert out is loss and out.item() == pytest.approx(3.0)
     assert store == [reduced] and reduced["lm loss"].item() == pytest.approx(3.0)

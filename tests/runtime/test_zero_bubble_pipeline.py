@@ -5,7 +5,7 @@ ZB-V (V placement: local hand-over on the last rank, first and last stage on ran
 torch's CSV schedules (pipecast's exported and imported back; torch's ZBV, DualPipeV, ZB1P, interleaved 1F1B), at
 M = P, odd M and larger M, every P2P mode, output deallocation on and off, forward-only calls, repeated calls
 accumulating, negotiated shapes; and the grad-sync hooks around each chunk's last W.  The reference
-(``tests/models.reference``) is plain autograd over the unsplit layer stack; the test model's layers are raw
+(``tests.helpers.models.reference``) is plain autograd over the unsplit layer stack; the test model's layers are raw
 ``x @ W^T`` ops, so these cases run the generic autograd split (the GPT's layer-level deferral is covered by the
 training tests).
 """
