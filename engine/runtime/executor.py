@@ -56,7 +56,7 @@ from ..plan.build import Op
 from ..plan.lowering import ENABLE, TAG_ACT, TAG_ACT_SHAPE, TAG_GRAD, TAG_GRAD_SHAPE, RankProgram, exchange_order
 from .p2p import decode_shape, encode_shape
 from .step import (ChunkCall, ChunkHooks, ForwardCall, backward_step, check_first_val_step, deallocate_output_tensor,
-                   run_forward, sendable_output)
+                   run_forward, sendable_grad, sendable_output)
 from .tracing import current_tracer
 
 __all__ = ["OVERLAP_PREFETCH", "GLOO_PREFETCH", "NCCL_PREFETCH", "default_prefetch", "ExecutionContext", "execute"]
@@ -368,21 +368,28 @@ class _Runner:
                                "the chunks with engine.split_model(..., batch_first=True)")
 
     def _check_send(self, tensor, st, local: bool = False) -> None:
+        """Refuse, before it is handed on, a tensor the receiving stage could not take: None / not a tensor, a dtype
+        other than ``config.pipeline_dtype`` (also for a local hand-over under the V placement, so a model fails the
+        same way under every placement), a shape other than the receive shape.  Layout is not checked: outputs and
+        input gradients are made contiguous (``sendable_output`` / ``sendable_grad``)."""
+        what = "activation (the model chunk's output)" if st.forward else "gradient of the model chunk's input"
+        where = f"{st.label} on pipeline rank {self.p.rank} (model chunk {st.chunk}, microbatch {st.microbatch})"
         if tensor is None and not st.forward:
-            raise RuntimeError(f"{st.label} on pipeline rank {self.p.rank}: the gradient of the model chunk's input "
+            raise RuntimeError(f"{where}: the gradient of the model chunk's input "
                                "is None because the chunk's output does not depend on its input (the tensor given "
                                "to set_input_tensor, which requires grad); use that tensor in forward, without "
                                ".detach() or torch.no_grad(), so the gradient can flow to the previous stage")
         if not isinstance(tensor, torch.Tensor):
-            raise RuntimeError(f"{st.label} on pipeline rank {self.p.rank} produced {type(tensor).__name__}, not a "
+            raise RuntimeError(f"{where} produced {type(tensor).__name__}, not a "
                                "tensor; a model chunk that feeds the next stage must return one tensor [s, b, h]")
-        if local:  # a hand-over between two stages of this rank: no receiver to misread it
-            return
         dtype = self.config.pipeline_dtype
-        if tensor.dtype != dtype:
-            raise RuntimeError(f"{st.label} on pipeline rank {self.p.rank} produced a {tensor.dtype} "
-                               f"{'activation' if st.forward else 'gradient'} but config.pipeline_dtype={dtype}; "
-                               "the receiver would misread it: cast the chunk output or set pipeline_dtype")
+        if tensor.dtype != dtype and (dtype is not None or not local):
+            fix = ("cast the chunk output (e.g. return hidden.to(config.pipeline_dtype))" if st.forward else
+                   "keep the tensor given to set_input_tensor in that dtype")
+            raise RuntimeError(f"{where}: the {what} is {tensor.dtype} but config.pipeline_dtype={dtype}; "
+                               f"the receiving stage would misread it: {fix}, or set pipeline_dtype={tensor.dtype}")
+        if local:  # a hand-over between two stages of this rank: its shape is the receiver's by construction
+            return
         if self.negotiate:
             self._check_negotiated(tuple(tensor.shape), f"{st.label} produced")
         else:
@@ -390,7 +397,7 @@ class _Runner:
             # rank's input shape (= the activation receive shape)
             expected = self.ctx.grad_shape if st.forward else self.ctx.act_shape
             if tuple(tensor.shape) != tuple(expected):
-                raise RuntimeError(f"{st.label} on pipeline rank {self.p.rank} produced shape "
+                raise RuntimeError(f"{where} produced shape "
                                    f"{tuple(tensor.shape)} but the receiving stage expects {tuple(expected)} "
                                    "(from seq_length, micro_batch_size, hidden_size); pass the right sizes or set "
                                    "config.variable_seq_lengths=True")
@@ -438,6 +445,7 @@ class _Runner:
             y = sendable_output(y, self.dealloc)  # contiguous; owns its storage when it will be freed
             send = (y.detach() if self.dealloc else y, st)
         elif st.local_out >= 0:  # the next stage is on this rank: hand over a fresh leaf, as a receive would
+            self._check_send(y, st, local=True)
             y = sendable_output(y, self.dealloc)
             self.local[st.local_out] = y.detach().requires_grad_(not self.forward_only)
         if send is not None or st.posts:
@@ -460,6 +468,7 @@ class _Runner:
                 gx, self.pending_w[slot] = self._split_backward(x, y, gy, self.config)
             else:
                 gx = backward_step(x, y, gy, self.config)
+        gx = sendable_grad(gx)  # a split B returns autograd's raw gradient: a view for a reshaping chunk
         send = None
         if st.send_peer >= 0:
             self._check_send(gx, st)

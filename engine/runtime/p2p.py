@@ -42,7 +42,7 @@ from ..plan.lowering import TAG_ACT, TAG_ACT_SHAPE, TAG_GRAD, TAG_GRAD_SHAPE  # 
 from .process_groups import group_rank, group_size
 
 __all__ = ["P2PCommunicator", "TAG_ACT", "TAG_GRAD", "TAG_ACT_SHAPE", "TAG_GRAD_SHAPE", "SHAPE_MESSAGE_LEN",
-           "encode_shape", "decode_shape", "is_single_shape"]
+           "encode_shape", "decode_shape", "is_single_shape", "check_sendable"]
 
 _MAX_DIMS = 8
 SHAPE_MESSAGE_LEN = 1 + _MAX_DIMS
@@ -66,6 +66,25 @@ def decode_shape(message: torch.Tensor) -> tuple[int, ...]:
     """Inverse of :func:`encode_shape`."""
     values = message.tolist()
     return tuple(values[1:1 + values[0]])
+
+
+_KIND_OF_TAG = {TAG_ACT: "activation", TAG_GRAD: "input gradient", TAG_ACT_SHAPE: "activation shape message",
+               TAG_GRAD_SHAPE: "gradient shape message"}
+
+
+def check_sendable(tensor: torch.Tensor, tag: int) -> None:
+    """Refuse a tensor P2P cannot send: gloo and NCCL send only contiguous tensors (gloo fails with "input tensor
+    has to be contiguous" after the peers are already in step).  The schedules make every output and input gradient
+    contiguous before posting it; this guards the message API for callers that drive it by hand.
+
+    Raises:
+        ValueError: ``tensor`` is not contiguous, naming its kind, shape and strides and the fix.
+    """
+    if not tensor.is_contiguous():
+        kind = _KIND_OF_TAG.get(tag, f"tensor (tag {tag})")
+        raise ValueError(f"pipeline send of a non-contiguous {kind}: shape {tuple(tensor.shape)}, strides "
+                         f"{tuple(tensor.stride())} (a view, e.g. of a transpose); P2P sends only contiguous "
+                         "tensors: send tensor.contiguous()")
 
 
 def is_single_shape(shape) -> bool:
@@ -126,7 +145,11 @@ class P2PCommunicator:
 
     # -- message API (used by the executor) ---------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
-        """Post a non-blocking send of ``tensor`` to pipeline rank ``peer``; returns the handle (``.wait()``)."""
+        """Post a non-blocking send of ``tensor`` to pipeline rank ``peer``; returns the handle (``.wait()``).
+
+        Raises:
+            ValueError: ``tensor`` is not contiguous (see :func:`check_sendable`)."""
+        check_sendable(tensor, tag)
         return self.pp_group.send([tensor], peer, tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
@@ -137,7 +160,11 @@ class P2PCommunicator:
         """Post the transfers of one exchange point; ``ops`` are ``(is_send, tensor, peer, tag)`` already in posting
         order (``batched``: Megatron's batched order, else even/odd -- the caller orders them).  On NCCL they are
         issued as one ``batch_isend_irecv`` group whatever ``batched`` says; on gloo one by one.
-        Returns one handle per op (in order)."""
+        Returns one handle per op (in order).  Raises ``ValueError`` for a non-contiguous send, before anything is
+        posted (:func:`check_sendable`)."""
+        for is_send, tensor, _, tag in ops:
+            if is_send:
+                check_sendable(tensor, tag)
         if self.grouped and len(ops) > 1:  # NCCL: always one group (see the module docstring)
             group = self.pp_group
             p2p = [dist.P2POp(dist.isend if s else dist.irecv, t, self.global_ranks[p], group, tag)
@@ -181,6 +208,10 @@ class P2PCommunicator:
         """
         if self.size == 1 or self.pp_group is None:
             return None, None, (None if wait_on_reqs else {})
+        # Megatron's callers hand over whatever the chunk returned; a strided view (e.g. the gradient of a transposed
+        # input) is sent as a contiguous copy, which the posted work keeps alive until it is waited
+        tensor_send_next = None if tensor_send_next is None else tensor_send_next.contiguous()
+        tensor_send_prev = None if tensor_send_prev is None else tensor_send_prev.contiguous()
         prev_shape = next_shape = tensor_shape
         if self.negotiates_shapes:
             prev_shape, next_shape = self._exchange_shapes(tensor_send_next, tensor_send_prev, recv_prev, recv_next)

@@ -37,7 +37,7 @@ from .process_groups import group_rank, group_size
 
 __all__ = [
     "ScheduleContractError", "ScheduleContractTypeError", "ChunkHooks", "ForwardCall", "ChunkCall", "run_forward",
-    "apply_loss", "sendable_output", "get_attr_wrapped_model", "get_model_config", "set_current_microbatch",
+    "apply_loss", "sendable_output", "sendable_grad", "get_attr_wrapped_model", "get_model_config", "set_current_microbatch",
     "check_first_val_step", "deallocate_output_tensor", "custom_backward", "backward_step", "get_tensor_shapes",
     "clear_embedding_activation_buffer", "finish_embedding_wgrad_compute", "is_pp_first_stage", "is_pp_last_stage",
     "is_vp_first_stage", "is_vp_last_stage", "aux_loss_scale", "AuxLossScale", "Shape",
@@ -225,6 +225,20 @@ def sendable_output(out: torch.Tensor, deallocate_pipeline_outputs: bool) -> tor
     if deallocate_pipeline_outputs and out._base is not None:
         return out.clone()
     return out
+
+
+def sendable_grad(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The input gradient a stage hands upstream (to P2P or, under the V placement, to its own earlier chunk).
+
+    ``backward_step`` returns ``input.grad``, which autograd lays out like the input (contiguous for a receive
+    buffer); a split-backward B (``engine.runtime.split_backward.backward_input_step``) returns the raw gradient
+    autograd computed, which is a strided view when the chunk reshaped its input -- e.g. a batch-first chunk that
+    transposes ``[s, b, h]`` to ``[b, s, h]`` (issue 26).  P2P transports send only contiguous tensors, so a
+    non-contiguous gradient is copied to a contiguous one (same values; ``None`` stays ``None``).
+    """
+    if grad is None or not isinstance(grad, torch.Tensor) or grad.is_contiguous():
+        return grad
+    return grad.contiguous()
 
 
 def custom_backward(output: torch.Tensor, grad_output: Optional[torch.Tensor]) -> None:

@@ -41,8 +41,13 @@ class LoadedModel:
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint folder (``.metadata`` inside), or the latest complete checkpoint of a run folder (its
-    ``checkpoints/`` or the ``checkpoint.dir`` of its ``config.yaml``).
+    """A checkpoint folder (``.metadata`` inside), or the latest complete checkpoint of a run folder.
+
+    A run folder is read where it is, never through the ``logging.run_dir`` written in its ``config.yaml`` (that
+    path is relative to where ``pipecast train`` ran, so for a copied or moved folder it names another run --
+    issue 26): its ``checkpoints/``, else the config's ``checkpoint.dir`` taken relative to this folder when it lay
+    inside the run folder, else that ``checkpoint.dir`` as written when it lay outside (the only copy of that run's
+    checkpoints), else the folder itself.
 
     Raises:
         CheckpointError: naming the path and what it holds instead.
@@ -53,13 +58,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if not p.exists():
         raise CheckpointError(f"{str(p)!r} does not exist; pass a run folder (logging.run_dir) or a checkpoint "
                               f"folder such as RUN_DIR/checkpoints/step_00000200")
-    candidates = [p / "checkpoints", p]
-    if (p / "config.yaml").is_file():
-        from .config import load_config
-        try:
-            candidates.insert(0, load_config(p / "config.yaml", check=False).checkpoint_dir)
-        except (ConfigError, TypeError, ValueError):
-            pass
+    candidates = [p / "checkpoints", *_configured_checkpoint_dirs(p), p]
     for folder in candidates:
         found = latest_checkpoint(folder) if folder.is_dir() else None
         if found is not None:
@@ -67,6 +66,25 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     raise CheckpointError(f"{str(p)!r} is neither a checkpoint (a folder with .metadata) nor a run folder with a "
                           f"complete checkpoint (in {str(p / 'checkpoints')!r} or its config.yaml's checkpoint.dir);"
                           f" train first, or pass the checkpoint folder itself")
+
+
+def _configured_checkpoint_dirs(run: Path) -> list[Path]:
+    """The ``checkpoint.dir`` of ``run/config.yaml`` (if it sets one), rebased onto ``run`` when it lay inside the
+    run folder the config names; ``[]`` without a readable config or an explicit ``checkpoint.dir``."""
+    if not (run / "config.yaml").is_file():
+        return []
+    from .config import load_config
+    try:
+        cfg = load_config(run / "config.yaml", check=False)
+    except (ConfigError, TypeError, ValueError):
+        return []
+    if not cfg.checkpoint.dir:
+        return []
+    configured, run_dir = Path(cfg.checkpoint.dir), Path(cfg.logging.run_dir)
+    try:
+        return [run / configured.relative_to(run_dir)]
+    except ValueError:  # outside the run folder: that is where the checkpoints are
+        return [configured]
 
 
 def _model_config(meta: dict, path: Path) -> ModelConfig:

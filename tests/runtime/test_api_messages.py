@@ -198,8 +198,8 @@ def test_pipeline_errors_name_the_cause():
     cases = ["detached"]
     results = run_ranks(_job, 2, cases, timeout=55)
     first, last = results[0][0], results[1][0]
-    assert last.startswith("RuntimeError: B0.0 on pipeline rank 1: the gradient of the model chunk's input "
-                           "is None because the chunk's output does not depend on its input"), last
+    assert last.startswith("RuntimeError: B0.0 on pipeline rank 1 (model chunk 0, microbatch 0): the gradient of "
+                           "the model chunk's input is None because the chunk's output does not depend on its input"), last
     assert "set_input_tensor" in last
     assert first.startswith("RuntimeError: pipeline rank 0: recv grad B0.0 from pipeline rank 1"), first
 

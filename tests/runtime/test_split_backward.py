@@ -572,3 +572,38 @@ def test_nodes_doing_their_own_w_are_queued_into_it_in_order(mode):
     assert torch.equal(chunk.own_grad, twin.own_grad)
     grads = [(p.grad, q.grad) for p, q in zip(chunk.parameters(), twin.parameters()) if q.grad is not None]
     assert len(grads) == 4 and all(torch.equal(a, b) for a, b in grads)  # fc1 and fc2 (ln is unused)
+
+
+class BatchFirstChunk(MLPChunk):
+    """A batch-first chunk: ``[s, b, h]`` in, transposed to ``[b, s, h]`` for its layers, transposed back out."""
+
+    def forward(self, x):
+        h = x.transpose(0, 1)  # [b, s, h]: its gradient flows back to x as a transposed (strided) view
+        return self.fc2(F.gelu(self.ln(self.fc1(h)))).transpose(0, 1).contiguous()
+
+
+@pytest.mark.parametrize("mode", ["generic", "layer"])
+def test_input_gradient_of_a_transposing_chunk_is_made_sendable(mode):
+    """Issue 26: B's input gradient of a batch-first chunk is autograd's strided view in generic mode; what the
+    executor hands to P2P (``sendable_grad``) is contiguous and equal to the unsplit ``backward_step``'s, and the
+    P2P message API refuses a strided tensor, naming its kind and the fix, before posting anything."""
+    from engine.runtime.p2p import TAG_GRAD, P2PCommunicator, check_sendable
+    from engine.runtime.step import sendable_grad
+    torch.manual_seed(0)
+    chunk, gy = BatchFirstChunk(), torch.randn(S, B, H)
+    x = torch.randn(S, B, H, requires_grad=True)
+    with weight_grad_deferral() if mode == "layer" else torch.enable_grad():
+        y = chunk(x)
+    gx, _ = backward_input_step(x, y, gy, ModelParallelConfig(), mode=mode)
+    ref_x = x.detach().clone().requires_grad_(True)
+    want = backward_step(ref_x, copy.deepcopy(chunk)(ref_x), gy, ModelParallelConfig())
+    assert gx.is_contiguous() == (mode == "layer")  # generic B: autograd's raw gradient, a strided view
+    sent = sendable_grad(gx)
+    assert sent.is_contiguous() and torch.equal(sent, want)
+    strided = want.transpose(0, 1).contiguous().transpose(0, 1)
+    assert sendable_grad(strided).is_contiguous() and sendable_grad(None) is None
+    with pytest.raises(ValueError, match=r"non-contiguous input gradient: shape \(5, 2, 8\).*tensor.contiguous\(\)"):
+        check_sendable(strided, TAG_GRAD)
+    comm = P2PCommunicator(None, ModelParallelConfig())
+    with pytest.raises(ValueError, match="non-contiguous input gradient"):
+        comm.post([(False, torch.empty(3), 1, TAG_GRAD), (True, strided, 1, TAG_GRAD)], batched=True)

@@ -245,6 +245,41 @@ def test_export_then_load_is_bitwise(pp1, tmp_path):
     assert all(half[k].dtype == torch.bfloat16 and torch.equal(half[k], state[k].bfloat16()) for k in state)
 
 
+def test_sample_and_export_read_the_folder_given_not_the_run_dir_in_its_config(pp1, tmp_path, capsys):
+    """Issue 26: a copied run folder keeps its config.yaml, whose logging.run_dir names the original; after the
+    original trains on, sample and export of the copy must read the copy's own checkpoint."""
+    import shutil
+    from engine import Trainer
+    from engine.cli import main
+    from engine.training.export import load_exported
+    from engine.training.generate import resolve_checkpoint
+    original, backup = tmp_path / "default", tmp_path / "backup"
+    shutil.copytree(pp1[0], original)
+    config_text = (original / "config.yaml").read_text().replace(str(pp1[0]), str(original))
+    (original / "config.yaml").write_text(config_text)  # as if trained in that folder
+    shutil.copytree(original, backup)
+    with Trainer(load_config(None, tiny(original, **{"training.steps": STEPS + 2}))) as trainer:
+        assert trainer.load() is not None
+        trainer.train()
+    assert resolve_checkpoint(original).name == f"step_{STEPS + 2:08d}"
+    assert resolve_checkpoint(backup) == backup / "checkpoints" / f"step_{STEPS:08d}"
+    assert main(["sample", str(backup), "--max-new-tokens", "2"]) == 0
+    assert f"from {backup / 'checkpoints' / f'step_{STEPS:08d}'} (step {STEPS})" in capsys.readouterr().err
+    assert main(["export", str(backup), "--out", str(tmp_path / "m.safetensors")]) == 0
+    assert load_exported(tmp_path / "m.safetensors")[1]["checkpoint"] == str(backup / "checkpoints" /
+                                                                               f"step_{STEPS:08d}")
+    # an explicit checkpoint.dir inside the run folder is taken relative to the folder given
+    moved = tmp_path / "moved"
+    (moved / "ckpts").mkdir(parents=True)
+    shutil.copytree(backup / "checkpoints" / f"step_{STEPS:08d}", moved / "ckpts" / f"step_{STEPS:08d}")
+    (moved / "config.yaml").write_text(config_text.replace("checkpoint:\n  dir: null",
+                                                                  f"checkpoint:\n  dir: {original / 'ckpts'}"))
+    assert f"dir: {original / 'ckpts'}" in (moved / "config.yaml").read_text()
+    (original / "ckpts").mkdir()
+    shutil.copytree(original / "checkpoints" / f"step_{STEPS + 2:08d}", original / "ckpts" / f"step_{STEPS + 2:08d}")
+    assert resolve_checkpoint(moved) == moved / "ckpts" / f"step_{STEPS:08d}"
+
+
 @pytest.mark.slow
 def test_export_of_an_unreadable_checkpoint_writes_nothing(pp1, tmp_path):
     import shutil
