@@ -6,8 +6,8 @@ et al., arXiv:2305.13245; SwiGLU: Shazeer, arXiv:2002.05202).
 Module names map 1:1 onto Hugging Face ``LlamaForCausalLM``'s ``model.layers.<i>``: ``input_layernorm``,
 ``self_attn.{q,k,v,o}_proj``, ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``.  Rotary uses the
 rotate-half layout (dimension ``j`` pairs with ``j + d/2``), the layout of the q / k projections as Hugging Face
-stores them, so weights are exchanged without permutation.  Norms are ``torch.nn.RMSNorm``, whose ``F.rms_norm``
-the split backward's layer-level deferral handles (:mod:`engine.runtime.split_backward`).
+stores them, so weights are exchanged without permutation.  Norms are ``torch.nn.RMSNorm`` (:class:`RMSNorm`),
+whose ``F.rms_norm`` the split backward's layer-level deferral handles (:mod:`engine.runtime.split_backward`).
 """
 from __future__ import annotations
 
@@ -19,7 +19,21 @@ from torch import nn
 
 from ..config import ModelConfig
 
-__all__ = ["Embedding", "Attention", "MLP", "Block", "final_norm", "rotary_tables", "apply_rotary"]
+__all__ = ["RMSNorm", "Embedding", "Attention", "MLP", "Block", "final_norm", "rotary_tables", "apply_rotary"]
+
+
+class RMSNorm(nn.RMSNorm):
+    """``torch.nn.RMSNorm`` (``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, Zhang & Sennrich,
+    arXiv:1910.07467) whose input reaches the norm through one view node.
+
+    ``F.rms_norm`` decomposes into several ops reading ``x``; their input gradients would otherwise be summed into
+    ``x``'s gradient one by one together with the residual branch's, while the split backward's deferral runs the
+    norm as its own graph and hands back their sum.  With the view both paths add the same two partial sums in
+    the same order: the split-backward schedules stay bitwise equal to 1F1B (tests/training/test_llama_reference.py).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.view_as(x), self.normalized_shape, self.weight, self.eps)
 
 
 class Embedding(nn.Module):
@@ -106,9 +120,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ffn_hidden_size: int):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
         self.mlp = MLP(cfg, ffn_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,4 +144,4 @@ class Block(nn.Module):
 
 def final_norm(cfg: ModelConfig) -> nn.Module:
     """The RMSNorm before the output head."""
-    return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+    return RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
