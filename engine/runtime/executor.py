@@ -239,7 +239,7 @@ class _Runner:
     @staticmethod
     def _deferral():
         """Forwards of split-backward plans run under layer-level weight-gradient deferral (``nn.Linear``,
-        ``LayerNorm``, ``Embedding``); other parameters are split over the autograd graph."""
+        ``LayerNorm``, ``RMSNorm``, ``Embedding``); other parameters are split over the autograd graph."""
         from .split_backward import weight_grad_deferral
         return weight_grad_deferral()
 

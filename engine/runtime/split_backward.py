@@ -11,8 +11,9 @@ One (model chunk, microbatch) backward is split into
 Two mechanisms (``mode``):
 
 ``"layer"`` -- layer-level deferral.  Inside :func:`weight_grad_deferral` (or on a module given to
-    :func:`enable_layer_deferral`) every ``F.linear``, ``F.layer_norm`` and ``F.embedding`` whose weight (and bias)
-    are leaf tensors requiring grad -- so ``nn.Linear``, ``nn.LayerNorm``, ``nn.Embedding`` and a bare
+    :func:`enable_layer_deferral`) every ``F.linear``, ``F.layer_norm``, ``F.rms_norm`` and ``F.embedding`` whose
+    weight (and bias) are leaf tensors requiring grad -- so ``nn.Linear``, ``nn.LayerNorm``, ``nn.RMSNorm``,
+    ``nn.Embedding`` and a bare
     ``F.linear(x, embedding.weight)`` head -- runs behind a bridge node.  ``F.linear`` on a contiguous ``[n, in]`` /
     ``[s, b, in]`` input (with bias for 3-D; no autocast) uses autograd's own formulas written out (B: ``grad @ W``;
     W: ``grad^T @ x`` and ``grad.sum(0)``); every other deferred op runs as its own small autograd graph, B taking
@@ -245,6 +246,13 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return _defer(input, params, lambda x: F.layer_norm(x, normalized_shape, weight, bias, eps))
 
 
+def _rms_norm(input, normalized_shape, weight=None, eps=None):
+    params = _leaves(weight)
+    if params is None or not isinstance(input, torch.Tensor):
+        return F.rms_norm(input, normalized_shape, weight, eps)
+    return _defer(input, params, lambda x: F.rms_norm(x, normalized_shape, weight, eps))
+
+
 def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                sparse=False):
     params = _leaves(weight)
@@ -254,7 +262,7 @@ def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sc
     return _defer(input, params, lambda x: F.embedding(x, weight, *args))
 
 
-_HANDLERS = {F.linear: _linear, F.layer_norm: _layer_norm, F.embedding: _embedding}
+_HANDLERS = {F.linear: _linear, F.layer_norm: _layer_norm, F.rms_norm: _rms_norm, F.embedding: _embedding}
 
 
 _handling = [0]
@@ -276,7 +284,7 @@ class _DeferralMode(TorchFunctionMode):
 def weight_grad_deferral():
     """Context manager: ops run inside it (a chunk's forward) defer their weight gradients (``mode="layer"``).
 
-    Deferred: ``F.linear``, ``F.layer_norm``, ``F.embedding`` (and the modules calling them) whose weight / bias
+    Deferred: ``F.linear``, ``F.layer_norm``, ``F.rms_norm``, ``F.embedding`` (and the modules calling them) whose weight / bias
     are leaves requiring grad, with grad enabled; anything else runs unchanged.  The forward values are the plain
     ops' values.  Without a split B (:func:`backward_input_step`) the deferred ops backpropagate fully, so a plain
     ``loss.backward()`` still gives the unsplit gradients.  Use: ``with weight_grad_deferral(): y = model(x)``.

@@ -31,7 +31,7 @@ from ..plan.table import validate_interleaved_microbatches
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "TrainingConfig",
            "CheckpointConfig", "LoggingConfig", "CudaGraphsConfig", "ProfileConfig", "TrainConfig",
            "load_config", "config_from_dict", "config_to_dict", "apply_overrides", "parse_override_args",
-           "validate", "validate_parallel", "validate_world_size", "dump_config", "ConfigLoader", "check_fresh_run"]
+           "validate", "validate_parallel", "validate_model_family", "validate_world_size", "dump_config", "ConfigLoader", "check_fresh_run"]
 
 
 MAX_STEPS = 10**9  # the upper bound of training.steps
@@ -85,9 +85,13 @@ def _yaml_load(text: str):
 
 @dataclass
 class ModelConfig:
-    """Decoder-only GPT.  Shapes: activations between pipeline stages are ``[seq_length, micro_batch_size,
-    hidden_size]`` (Megatron's ``[s, b, h]``)."""
+    """Decoder-only transformer of one ``family``: ``gpt2`` (learned positions, LayerNorm, GELU MLP, biases) or
+    ``llama`` (rotary embeddings, RMSNorm, SwiGLU MLP, grouped-query attention, no biases).  Shapes: activations
+    between pipeline stages are ``[seq_length, micro_batch_size, hidden_size]`` (Megatron's ``[s, b, h]``).
+    ``init_from``: a Hugging Face model folder whose ``config.json`` sets the architecture fields and whose
+    weights start the run (:mod:`engine.training.hf`)."""
 
+    family: Literal["gpt2", "llama"] = "gpt2"
     num_layers: int = 4
     hidden_size: int = 128
     num_attention_heads: int = 4
@@ -100,6 +104,11 @@ class ModelConfig:
     tie_embeddings: bool = True
     transformer_engine: bool = False  # use Transformer Engine layers when importable and on CUDA
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast on CUDA; parameters stay fp32
+    num_query_groups: int | None = None  # llama: key / value heads (grouped-query attention); None -> heads
+    rope_theta: float = 10000.0  # llama: rotary base
+    max_position_embeddings: int | None = None  # gpt2: learned position rows; llama: context recorded; None -> seq
+    activation: Literal["gelu", "gelu_tanh"] = "gelu"  # gpt2 MLP: exact GELU or its tanh approximation
+    init_from: str | None = None  # a Hugging Face folder (config.json + model.safetensors) to start from
 
 
 @dataclass
@@ -431,6 +440,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
     ``parallel.schedule: tuned`` is kept as it is: the entry points (``pipecast train``, :func:`engine.training.run`
     users) resolve it with :func:`engine.training.tune_result.resolve_tuned`.
 
+    ``model.init_from`` sets the architecture fields from the folder's ``config.json``
+    (:func:`engine.training.hf.resolve_init_from`); a field also given here must agree.
+
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ConfigError: ``path`` is a folder, unreadable, not UTF-8 text or not YAML (the message names the file).
@@ -445,7 +457,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
         data = _read_config_file(Path(path))
         if not isinstance(data, dict):
             raise TypeError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
-    config = config_from_dict(apply_overrides(data, overrides))
+    data = apply_overrides(data, overrides)
+    config = config_from_dict(data)
+    if config.model.init_from:
+        from .hf import resolve_init_from  # the architecture fields come from the folder's config.json
+        model_section = data.get("model") if isinstance(data.get("model"), dict) else {}
+        config = resolve_init_from(config, explicit=model_section)
     if check:
         validate(config)
     return config
@@ -533,6 +550,10 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     if m.init_std <= 0 or m.norm_epsilon <= 0:
         raise ConfigError(f"model.init_std={m.init_std} and model.norm_epsilon={m.norm_epsilon} must be > 0")
+    validate_model_family(m)
+    if m.init_from:
+        from .hf import check_init_from
+        check_init_from(config)
     validate_parallel(config)
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr={o.lr} must be > 0")
@@ -551,6 +572,41 @@ def validate(config: TrainConfig) -> None:
     _validate_data(config)
     _validate_logging(config)
     _validate_device(config)  # last: the only check that may import torch
+
+
+def validate_model_family(m: ModelConfig) -> None:
+    """The family-specific model fields (part of :func:`validate`): grouped-query attention divides the heads,
+    rotary needs an even head size, gpt2-only and llama-only options are refused in the other family.
+
+    Raises:
+        ConfigError: naming the field, its value and the fix.
+    """
+    groups = m.num_query_groups
+    if groups is not None and (isinstance(groups, bool) or groups < 1 or m.num_attention_heads % groups):
+        raise ConfigError(f"model.num_query_groups={groups} must be a positive divisor of model.num_attention_heads="
+                          f"{m.num_attention_heads} (key / value heads shared by equal groups of query heads); use "
+                          f"a divisor or null (one group per head)")
+    if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
+        raise ConfigError(f"model.max_position_embeddings={m.max_position_embeddings} is below model.seq_length="
+                          f"{m.seq_length}; use >= {m.seq_length} or null (= seq_length)")
+    if m.family == "gpt2":
+        if groups is not None and groups != m.num_attention_heads:
+            raise ConfigError(f"model.num_query_groups={groups} needs model.family=llama (gpt2 attention has one "
+                              f"key / value head per query head); remove it or set model.family=llama")
+        return
+    head = m.hidden_size // m.num_attention_heads
+    if head % 2:
+        raise ConfigError(f"model.family=llama: the head size hidden_size / num_attention_heads = "
+                          f"{m.hidden_size} / {m.num_attention_heads} = {head} must be even for rotary embeddings; "
+                          f"change model.hidden_size or model.num_attention_heads")
+    if not m.rope_theta > 0:
+        raise ConfigError(f"model.rope_theta={m.rope_theta} must be > 0 (the rotary base, e.g. 10000 or 500000)")
+    if m.activation != "gelu":
+        raise ConfigError(f"model.activation={m.activation!r} applies to model.family=gpt2 only (llama's MLP is "
+                          f"SwiGLU); remove it")
+    if m.transformer_engine:
+        raise ConfigError("model.transformer_engine=true is for model.family=gpt2 (Transformer Engine's layer is "
+                          "GPT-shaped); set it to false for model.family=llama")
 
 
 def _validate_steps_bound(s: TrainingConfig) -> None:

@@ -14,6 +14,15 @@ from .config import TrainConfig, _type_name
 __all__ = ["FIELD_HELP", "field_rows", "help_text", "markdown_table"]
 
 FIELD_HELP = {
+    "model.family": "gpt2 (learned positions, LayerNorm, GELU, biases) or llama (rotary, RMSNorm, SwiGLU, "
+                    "grouped-query attention, no biases)",
+    "model.num_query_groups": "llama: key / value heads, dividing the attention heads (null: one per head)",
+    "model.rope_theta": "llama: base of the rotary position embedding",
+    "model.max_position_embeddings": "gpt2: rows of the learned position table; llama: context length recorded "
+                                     "in exports (null: seq_length; >= seq_length)",
+    "model.activation": "gpt2 MLP: gelu (exact) or gelu_tanh (GPT-2's tanh approximation)",
+    "model.init_from": "a Hugging Face folder (config.json + model.safetensors, GPT-2 or Llama) to start from: its "
+                       "config sets the architecture fields, its weights the first step",
     "model.num_layers": "transformer blocks; must divide into parallel.pipeline x parallel.virtual chunks",
     "model.hidden_size": "width h; pipeline messages are [seq_length, micro_batch_size, hidden_size]",
     "model.num_attention_heads": "attention heads; must divide hidden_size",
@@ -22,7 +31,7 @@ FIELD_HELP = {
     "model.vocab_size": "embedding rows: >= 256 for bytes, the BPE size for data.tokenizer=bpe, above the largest "
                         "token id for .bin files",
     "model.dropout": "dropout probability (attention, residual, embedding)",
-    "model.norm_epsilon": "LayerNorm epsilon",
+    "model.norm_epsilon": "LayerNorm (gpt2) / RMSNorm (llama) epsilon",
     "model.init_std": "standard deviation of the normal weight init (residual projections / sqrt(2 L))",
     "model.tie_embeddings": "output head = input embedding (the copies on first and last stage kept in sync)",
     "model.transformer_engine": "Transformer Engine layers when importable and on CUDA",

@@ -7,6 +7,11 @@ Tensor names are the layout-independent checkpoint names (``layers.<i>.*``, ``em
 output head when tied --, ``embedding.pos.weight``, ``final_norm.*``).  Every file is written under a temporary
 name and renamed when complete, so a failed export leaves nothing half-written.  Load with
 :func:`load_exported` (or ``safetensors.torch.load_file``).
+
+``--format hf --out DIR``: a Hugging Face folder instead (``config.json``, ``model.safetensors`` and, for BPE runs,
+``tokenizer.json`` + ``tokenizer_config.json``) that ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``
+loads as ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (:mod:`engine.training.hf`; ``transformers`` is not needed to
+write it).
 """
 from __future__ import annotations
 
@@ -17,15 +22,20 @@ import shutil
 import sys
 from pathlib import Path
 
-__all__ = ["add_arguments", "run", "export_checkpoint", "load_exported", "DTYPES"]
+__all__ = ["add_arguments", "run", "export_checkpoint", "export_hf", "load_exported", "DTYPES", "FORMATS"]
 
 DTYPES = ("fp32", "bf16", "fp16")
+FORMATS = ("safetensors", "hf")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CHECKPOINT",
                         help="a checkpoint folder (step_XXXXXXXX) or a run folder (its latest checkpoint)")
-    parser.add_argument("--out", required=True, help="the .safetensors file to write (e.g. model.safetensors)")
+    parser.add_argument("--out", required=True, help="the .safetensors file to write (e.g. model.safetensors); "
+                        "with --format hf the folder to write")
+    parser.add_argument("--format", choices=FORMATS, default="safetensors",
+                        help="safetensors: pipecast's tensor names in one file (default); hf: a Hugging Face folder "
+                             "(config.json, model.safetensors, tokenizer files) for transformers' from_pretrained")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32",
                         help="tensor dtype in the file (default fp32, the training dtype: bitwise the checkpoint)")
 
@@ -75,6 +85,29 @@ def export_checkpoint(checkpoint, out, dtype: str = "fp32") -> list[Path]:
     return [final for final, _ in tmps]
 
 
+def export_hf(checkpoint, out, dtype: str = "fp32") -> list[Path]:
+    """Write the model of ``checkpoint`` as a Hugging Face folder ``out``; returns the paths written.
+
+    Raises:
+        CheckpointError: no / unreadable checkpoint. ValueError: ``out``'s parent folder is missing, ``out`` is a
+            file, or an unknown ``dtype``.
+    """
+    from .generate import load_model, model_state_dict
+    from .hf import write_hf_folder
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"--out={str(out)!r} is a file; --format hf writes a folder")
+    loaded = load_model(checkpoint)
+    cfg = loaded.config
+    tokenizer_json = None
+    if getattr(loaded.tokenizer, "kind", None) == "bpe":
+        tokenizer_json = (loaded.checkpoint / "tokenizer.json").read_text()
+    hf_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
+    return write_hf_folder(out, cfg, cfg.ffn_hidden_size or 4 * cfg.hidden_size, model_state_dict(loaded.model),
+                           hf_dtype, tokenizer_json)
+
+
 def load_exported(path) -> tuple[dict, dict]:
     """``(tensors, info)`` of an exported file: the state dict and the settings stored with it."""
     from safetensors import safe_open
@@ -88,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``pipecast export``; 0 ok, 2 bad input (one ``error:`` line, nothing written)."""
     from .checkpoint import CheckpointError
     try:
-        written = export_checkpoint(args.checkpoint, args.out, args.dtype)
+        export = export_hf if getattr(args, "format", "safetensors") == "hf" else export_checkpoint
+        written = export(args.checkpoint, args.out, args.dtype)
     except (CheckpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -155,7 +155,7 @@ def generate(model: GPTChunk, prompt: list[int], max_new_tokens: int, temperatur
         ValueError: an empty prompt."""
     if not prompt:
         raise ValueError("generate needs a prompt of at least one token")
-    seq_length = model.embedding.pos.num_embeddings
+    seq_length = model.seq_length
     device = model.output_weight().device
     generator = torch.Generator().manual_seed(seed)
     ids, new = list(prompt), []

@@ -1,11 +1,13 @@
-"""A decoder-only GPT split layer-wise into pipeline model chunks.
+"""A decoder-only transformer (``model.family``: gpt2 or llama, :mod:`engine.training.models`) split layer-wise into
+pipeline model chunks.
 
 The model has ``L`` transformer blocks; with ``P`` pipeline ranks and ``V`` model chunks per rank it is cut into
 ``P*V`` virtual pipeline stages of ``L/(P*V)`` consecutive blocks.  Megatron's order (``parallel_state``): model chunk
 ``c`` on pipeline rank ``r`` is virtual stage ``c*P + r``.  The token + position embedding lives in the first
 stage (rank 0, chunk 0), the final norm, the output head and the loss in the last (rank ``P-1``, chunk ``V-1``).
+The llama family has no position embedding (rotary positions inside attention).
 
-Input and output embeddings are tied.  With one pipeline rank both stages are one module sharing one
+With ``model.tie_embeddings`` input and output embeddings are tied.  With one pipeline rank both stages are one module sharing one
 ``Parameter``; otherwise the last stage holds a copy, initialised bitwise equal from the same seeded generator and
 kept equal by summing the two gradients over the embedding group before the optimizer step (both copies carry
 ``param.shared_embedding = True``, see ``engine.finalize``).  The copy is also marked
@@ -20,7 +22,6 @@ the last stage returns the per-token loss ``[b, s]`` (fp32, nats) when given lab
 from __future__ import annotations
 
 import logging
-import math
 from typing import Iterable, Sequence
 
 import torch
@@ -28,8 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .models import family_of
+from .models.gpt2 import Block, Embedding
 
-__all__ = ["GPTChunk", "Block", "stage_layers", "build_model_chunks", "chunk_stage", "canonical_module"]
+__all__ = ["GPTChunk", "Block", "Embedding", "stage_layers", "build_model_chunks", "chunk_stage", "canonical_module"]
 
 log = logging.getLogger("pipecast." + __name__.rsplit(".", 1)[-1])
 
@@ -52,21 +55,6 @@ def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
-class Embedding(nn.Module):
-    """Token + learned position embedding: ``[b, s]`` token ids -> ``[s, b, h]``."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.pos = nn.Embedding(cfg.seq_length, cfg.hidden_size)
-        self.drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        s = tokens.shape[1]
-        x = self.word(tokens) + self.pos(torch.arange(s, device=tokens.device))[None]
-        return self.drop(x.transpose(0, 1).contiguous())
-
-
 class OutputHead(nn.Module):
     """Final-stage copy of the tied word embedding: ``[s, b, h] -> [s, b, V]`` logits (``x @ word.weight.T``)."""
 
@@ -77,46 +65,6 @@ class OutputHead(nn.Module):
     @property
     def weight(self) -> nn.Parameter:
         return self.word.weight
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(ln(x))``, ``x + mlp(ln(x))``; causal attention through
-    ``F.scaled_dot_product_attention``, GELU MLP.  ``[s, b, h] -> [s, b, h]``."""
-
-    def __init__(self, cfg: ModelConfig, ffn_hidden_size: int):
-        super().__init__()
-        h = cfg.hidden_size
-        self.heads = cfg.num_attention_heads
-        self.dropout = cfg.dropout
-        self.ln1 = nn.LayerNorm(h, eps=cfg.norm_epsilon)
-        self.qkv = nn.Linear(h, 3 * h)
-        self.proj = nn.Linear(h, h)
-        self.ln2 = nn.LayerNorm(h, eps=cfg.norm_epsilon)
-        self.fc1 = nn.Linear(h, ffn_hidden_size)
-        self.fc2 = nn.Linear(ffn_hidden_size, h)
-        self.drop = nn.Dropout(cfg.dropout)
-
-    def attention(self, x: torch.Tensor) -> torch.Tensor:
-        s, b, h = x.shape
-        q, k, v = self.qkv(x).view(s, b, 3, self.heads, h // self.heads).permute(2, 1, 3, 0, 4)  # [b, nh, s, d]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, h))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attention(self.ln1(x)))
-        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
-
-    @torch.no_grad()
-    def reset_parameters(self, std: float, num_layers: int, generator: torch.Generator) -> None:
-        """GPT-2 initialisation: normal(0, std) weights, residual projections scaled by ``1/sqrt(2L)``."""
-        for lin, scale in ((self.qkv, 1.0), (self.proj, 1 / math.sqrt(2 * num_layers)), (self.fc1, 1.0),
-                           (self.fc2, 1 / math.sqrt(2 * num_layers))):
-            lin.weight.copy_(torch.randn(lin.weight.shape, generator=generator) * (std * scale))
-            lin.bias.zero_()
-        for ln in (self.ln1, self.ln2):
-            ln.weight.fill_(1.0)
-            ln.bias.zero_()
 
 
 def _te_block(cfg: ModelConfig, ffn_hidden_size: int, index: int) -> nn.Module | None:
@@ -158,20 +106,24 @@ class GPTChunk(nn.Module):
         self.stage, self.num_stages = stage, num_stages
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.tied = cfg.tie_embeddings
+        self.seq_length = cfg.seq_length  # the longest context (sampling windows to it)
         self.layer_ids = stage_layers(cfg.num_layers, num_stages, stage)
         self.input_tensor: torch.Tensor | None = None
-        self.embedding = Embedding(cfg) if self.is_first else None
+        family = family_of(cfg)
+        self.family = family.name
+        self.embedding = family.embedding(cfg) if self.is_first else None
         blocks = []
         for index in self.layer_ids:
             block = _te_block(cfg, ffn_hidden_size, index) if use_te else None
             if block is None:
-                block = Block(cfg, ffn_hidden_size)
+                block = family.block(cfg, ffn_hidden_size)
                 block.reset_parameters(cfg.init_std, cfg.num_layers, _generator(seed, index + 1))
             blocks.append(block)
         self.layers = nn.ModuleList(blocks)
-        self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon) if self.is_last else None
+        self.final_norm = family.final_norm(cfg) if self.is_last else None
         if self.is_first:
-            self._init_embedding(self.embedding.word, self.embedding.pos, cfg, _generator(seed, _EMBEDDING_STREAM))
+            self._init_embedding(self.embedding.word, getattr(self.embedding, "pos", None), cfg,
+                                 _generator(seed, _EMBEDDING_STREAM))
         # the output head: the embedding itself when this one chunk holds both ends, else the last stage's own
         # weight -- a bitwise copy of the word embedding when tied (same generator stream), independent otherwise
         self.head: OutputHead | None = None
@@ -263,7 +215,8 @@ def canonical_module(chunks: Iterable[GPTChunk]) -> nn.Module:
     """A container whose parameter names do not depend on the pipeline layout.
 
     ``layers.<global index>.*``, ``embedding.word.weight`` (also the last stage's tied copy: the two are bitwise
-    equal, so a checkpoint stores one tensor), ``embedding.pos.weight``, ``final_norm.*``.  Used for checkpoints,
+    equal, so a checkpoint stores one tensor), ``embedding.pos.weight`` (gpt2), ``final_norm.*``,
+    ``output_head.word.weight`` (untied).  Used for checkpoints,
     so a run can be resumed with another pipeline layout.
     """
     root = nn.Module()

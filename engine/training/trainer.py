@@ -110,6 +110,8 @@ class Trainer:
         self.mp_config.finalize_model_grads_func = self.grad_sync.finalize_model_grads
         self.mp_config.no_sync_func = self.grad_sync.no_sync
         self.canonical = canonical_module(self.model)
+        if config.model.init_from:
+            self._init_from_hf()
         self.optimizer = self._build_optimizer()
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_multiplier)
         self.batches = self._build_batches()
@@ -145,6 +147,27 @@ class Trainer:
                 f" launch with `pipecast train CONFIG`, torchrun, or engine.training.launch.spawn")
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         return True
+
+    @torch.no_grad()
+    def _init_from_hf(self) -> None:
+        """``model.init_from``: copy the Hugging Face folder's tensors into this rank's parameters (each rank reads
+        only what its model chunks hold; a tied copy on the last stage reads the word embedding).  A later
+        ``load()`` (resume) overwrites them.
+
+        Raises:
+            ConfigError: missing or unexpected tensors, or a shape that differs (naming the tensor)."""
+        from .config import ConfigError
+        from .hf import load_hf_weights
+        params = dict(self.canonical.named_parameters())
+        tensors = load_hf_weights(self.config.model.init_from, self.config.model, params)
+        for name, param in params.items():
+            value = tensors[name]
+            if tuple(value.shape) != tuple(param.shape):
+                raise ConfigError(f"model.init_from={self.config.model.init_from!r}: tensor for {name} has shape "
+                                  f"{list(value.shape)}, the model expects {list(param.shape)}")
+            param.copy_(value)
+        if self.is_log_rank:
+            log.info("model.init_from: %d tensors from %s", len(params), self.config.model.init_from)
 
     @staticmethod
     def _pick_device(config: TrainConfig) -> torch.device:
@@ -690,7 +713,7 @@ class Trainer:
 
 # model settings that fix the parameter names and shapes (ffn_hidden_size is saved resolved)
 _MODEL_MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                     "tie_embeddings")
+                     "tie_embeddings", "family", "num_query_groups", "max_position_embeddings")
 
 
 _SCHEDULER_FIELDS = {"last_epoch": int, "_step_count": int, "base_lrs": list, "_last_lr": list}
