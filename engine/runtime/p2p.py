@@ -85,7 +85,9 @@ class P2PCommunicator:
 
     Attributes: ``pp_group``, ``config``, ``virtual_pipeline_model_parallel_size``, ``rank`` / ``size`` (in the
     pipeline group), ``next_rank`` / ``prev_rank`` (global ranks, wrap-around), ``next`` / ``prev`` (group ranks),
-    ``device`` (where receive buffers live: the current CUDA device on NCCL, else CPU).
+    ``device`` (where receive buffers live: the current CUDA device on NCCL, else CPU), ``sent_bytes`` (bytes
+    posted for sending so far, by message tag -- :data:`TAG_ACT` activations, :data:`TAG_GRAD` gradients, shape
+    tags --; read by benchmarks, reset by assigning ``{}``).
     """
 
     def __init__(self, pp_group: Optional[dist.ProcessGroup], config):
@@ -106,6 +108,10 @@ class P2PCommunicator:
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
+        self.sent_bytes: dict[int, int] = {}
+
+    def _count(self, tensor: torch.Tensor, tag: int) -> None:
+        self.sent_bytes[tag] = self.sent_bytes.get(tag, 0) + tensor.numel() * tensor.element_size()
 
     # -- stage predicates (HEAD names) -------------------------------------------------------------------------
     @property
@@ -127,6 +133,7 @@ class P2PCommunicator:
     # -- message API (used by the executor) ---------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
         """Post a non-blocking send of ``tensor`` to pipeline rank ``peer``; returns the handle (``.wait()``)."""
+        self._count(tensor, tag)
         return self.pp_group.send([tensor], peer, tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
@@ -138,6 +145,9 @@ class P2PCommunicator:
         order (``batched``: Megatron's batched order, else even/odd -- the caller orders them).  On NCCL they are
         issued as one ``batch_isend_irecv`` group whatever ``batched`` says; on gloo one by one.
         Returns one handle per op (in order)."""
+        for is_send, t, _, tag in ops:
+            if is_send:
+                self._count(t, tag)
         if self.grouped and len(ops) > 1:  # NCCL: always one group (see the module docstring)
             group = self.pp_group
             p2p = [dist.P2POp(dist.isend if s else dist.irecv, t, self.global_ranks[p], group, tag)
