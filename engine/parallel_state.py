@@ -29,7 +29,10 @@ __all__ = [
     "get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size",
     "get_embedding_group", "get_position_embedding_group", "get_model_parallel_group",
     "get_tensor_model_parallel_group", "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size",
-    "get_context_parallel_group", "get_context_parallel_rank", "get_context_parallel_world_size",
+    "get_tensor_model_parallel_src_rank", "set_tensor_model_parallel_rank", "set_tensor_model_parallel_world_size",
+    "get_tensor_and_context_parallel_group", "get_tensor_and_context_parallel_rank",
+    "get_tensor_and_context_parallel_world_size", "get_model_parallel_world_size", "get_model_parallel_rank",
+    "get_data_parallel_src_rank", "get_device_mesh", "get_context_parallel_group", "get_context_parallel_rank", "get_context_parallel_world_size",
 ]
 
 _UNSET = object()
@@ -41,6 +44,9 @@ class _State:
     vp_world_size = _UNSET  # override (Megatron's set_virtual_pipeline_model_parallel_world_size)
     pp_world_size: Optional[int] = None  # override
     pp_rank: Optional[int] = None  # override
+    tp_world_size: Optional[int] = None  # override (Megatron's set_tensor_model_parallel_world_size)
+    tp_rank: Optional[int] = None  # override
+    mesh = None  # the DeviceMesh of get_device_mesh, built on first use
 
 
 _state = _State()
@@ -57,10 +63,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                               distributed_timeout_minutes: int = 30, order: str = "tp-cp-ep-dp-pp",
                               create_gloo_process_groups: bool = True, high_priority_stream_groups=None,
                               sharp_enabled_group=None) -> None:
-    """Build the process groups (Megatron-Core signature); the data-parallel size is ``world_size // pp``.
+    """Build the process groups (Megatron-Core signature); the data-parallel size is ``world_size // (pp * tp)``.
 
-    Supported: tensor / context / expert parallel size 1, one distributed-optimizer instance, the default
-    ``order``; ``use_sharp``, ``nccl_communicator_config_path``, ``create_gloo_process_groups``,
+    Supported: any tensor-parallel size dividing ``world_size // pp`` (Megatron's rank order ``tp-cp-ep-dp-pp``:
+    the tensor-parallel rank varies fastest), context / expert parallel size 1, one distributed-optimizer
+    instance, the default ``order``; ``use_sharp``, ``nccl_communicator_config_path``, ``create_gloo_process_groups``,
     ``high_priority_stream_groups``, ``sharp_enabled_group`` are accepted and have no effect.
     ``pipeline_model_parallel_comm_backend`` is the backend of the pipeline groups (default: the world's).
     Rank layout: see ``engine.runtime.process_groups``.  With ``virtual_pipeline_model_parallel_size`` set, the virtual
@@ -73,8 +80,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     if _state.pg is not None:
         raise RuntimeError("initialize_model_parallel: model parallel state is already initialised; call "
                            "engine.parallel_state.destroy_model_parallel() first")
-    unsupported = {"tensor_model_parallel_size": (tensor_model_parallel_size, 1),
-                   "context_parallel_size": (context_parallel_size, 1),
+    unsupported = {"context_parallel_size": (context_parallel_size, 1),
                    "expert_model_parallel_size": (expert_model_parallel_size, 1),
                    "num_distributed_optimizer_instances": (num_distributed_optimizer_instances, 1),
                    "hierarchical_context_parallel_sizes": (hierarchical_context_parallel_sizes, None),
@@ -84,8 +90,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     for name, (value, supported) in unsupported.items():
         if value != supported:
             raise ValueError(f"initialize_model_parallel: {name}={value!r} is not supported by pipecast "
-                             f"(pipeline x data parallel only); use {name}={supported!r}")
+                             f"(pipeline x data x tensor parallel only); use {name}={supported!r}")
     pg = build_process_groups(pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
+                              tensor_model_parallel_size=tensor_model_parallel_size,
                               backend=pipeline_model_parallel_comm_backend,
                               timeout=datetime.timedelta(minutes=distributed_timeout_minutes))
     _state.pg = pg
@@ -99,6 +106,9 @@ def destroy_model_parallel() -> None:
     _state.vp_world_size = _UNSET
     _state.pp_world_size = None
     _state.pp_rank = None
+    _state.tp_world_size = None
+    _state.tp_rank = None
+    _state.mesh = None
     if pg is not None:
         pg.destroy()
 
@@ -261,23 +271,88 @@ def get_position_embedding_group(check_initialized: bool = True):
 
 
 def get_model_parallel_group(check_initialized: bool = True):
-    """Tensor x pipeline group; equals the pipeline group (tensor parallel size 1)."""
+    """Tensor x pipeline group of this data-parallel replica (the pipeline group when tensor parallel size is 1)."""
     return _group("mp", check_initialized)
 
 
+def get_model_parallel_world_size() -> int:
+    """Ranks in the tensor x pipeline group (1 before initialisation)."""
+    return group_size(get_pg_collection().mp)
+
+
+def get_model_parallel_rank() -> int:
+    """This rank's index in the tensor x pipeline group (0 before initialisation)."""
+    return group_rank(get_pg_collection().mp)
+
+
 def get_tensor_model_parallel_group(check_initialized: bool = True):
-    """This rank alone (tensor parallel size 1)."""
+    """The tensor-parallel group of this rank: ``tensor_model_parallel_size`` consecutive global ranks."""
     return _group("tp", check_initialized)
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    """Always 1 in pipecast."""
+    """Tensor-parallel size (1 before initialisation)."""
+    if _state.tp_world_size is not None:
+        return _state.tp_world_size
     return group_size(get_pg_collection().tp)
 
 
 def get_tensor_model_parallel_rank() -> int:
-    """Always 0 in pipecast."""
+    """This rank's index in its tensor-parallel group (0 before initialisation)."""
+    if _state.tp_rank is not None:
+        return _state.tp_rank
     return group_rank(get_pg_collection().tp)
+
+
+def set_tensor_model_parallel_world_size(world_size: Optional[int]) -> None:
+    """Override the tensor-parallel size the getters report (Megatron test helper); None removes the override."""
+    _state.tp_world_size = world_size
+
+
+def set_tensor_model_parallel_rank(rank: Optional[int]) -> None:
+    """Override the tensor-parallel rank the getters report (Megatron test helper); None removes the override."""
+    _state.tp_rank = rank
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of tensor-parallel rank 0 of this rank's group (Megatron: ``(rank // tp) * tp``)."""
+    return get_pg_collection().tp_ranks[0]
+
+
+def get_tensor_and_context_parallel_group(check_initialized: bool = True):
+    """Tensor x context group; equals the tensor-parallel group (context parallel size 1)."""
+    return _group("tp_cp", check_initialized)
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    """Tensor x context size; the tensor-parallel size (context parallel size 1)."""
+    return group_size(get_pg_collection().tp_cp)
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    """This rank's index in the tensor x context group."""
+    return group_rank(get_pg_collection().tp_cp)
+
+
+def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
+    """Global rank of data-parallel rank 0 of this rank's data-parallel group."""
+    del with_context_parallel  # context parallel size 1: dp_cp is dp
+    return get_pg_collection().dp_ranks[0]
+
+
+def get_device_mesh(device_type: str | None = None):
+    """The torch ``DeviceMesh`` (dims ``"pp"``, ``"dp"``, ``"tp"``) over the groups of
+    ``initialize_model_parallel`` (``engine.runtime.process_groups.device_mesh``), built on first use.
+    ``device_type`` defaults to ``"cuda"`` when CUDA is available, else ``"cpu"``.  Raises ``RuntimeError`` before
+    initialisation."""
+    if _state.pg is None:
+        raise RuntimeError("get_device_mesh: call engine.parallel_state.initialize_model_parallel() first")
+    if _state.mesh is None or (device_type is not None and _state.mesh.device_type != device_type):
+        import torch
+        from .runtime.process_groups import device_mesh
+        kind = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        _state.mesh = device_mesh(_state.pg, kind)
+    return _state.mesh
 
 
 def get_context_parallel_group(check_initialized: bool = True):

@@ -104,7 +104,9 @@ class P2PCommunicator:
 
     Attributes: ``pp_group``, ``config``, ``virtual_pipeline_model_parallel_size``, ``rank`` / ``size`` (in the
     pipeline group), ``next_rank`` / ``prev_rank`` (global ranks, wrap-around), ``next`` / ``prev`` (group ranks),
-    ``device`` (where receive buffers live: the current CUDA device on NCCL, else CPU).
+    ``device`` (where receive buffers live: the current CUDA device on NCCL, else CPU), ``sent_bytes`` (bytes
+    posted for sending so far, by message tag -- :data:`TAG_ACT` activations, :data:`TAG_GRAD` gradients, shape
+    tags --; read by benchmarks, reset by assigning ``{}``).
     """
 
     def __init__(self, pp_group: Optional[dist.ProcessGroup], config):
@@ -125,6 +127,10 @@ class P2PCommunicator:
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
+        self.sent_bytes: dict[int, int] = {}
+
+    def _count(self, tensor: torch.Tensor, tag: int) -> None:
+        self.sent_bytes[tag] = self.sent_bytes.get(tag, 0) + tensor.numel() * tensor.element_size()
 
     # -- stage predicates (HEAD names) -------------------------------------------------------------------------
     @property
@@ -150,6 +156,7 @@ class P2PCommunicator:
         Raises:
             ValueError: ``tensor`` is not contiguous (see :func:`check_sendable`)."""
         check_sendable(tensor, tag)
+        self._count(tensor, tag)
         return self.pp_group.send([tensor], peer, tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
@@ -165,6 +172,9 @@ class P2PCommunicator:
         for is_send, tensor, _, tag in ops:
             if is_send:
                 check_sendable(tensor, tag)
+        for is_send, tensor, _, tag in ops:
+            if is_send:
+                self._count(tensor, tag)
         if self.grouped and len(ops) > 1:  # NCCL: always one group (see the module docstring)
             group = self.pp_group
             p2p = [dist.P2POp(dist.isend if s else dist.irecv, t, self.global_ranks[p], group, tag)

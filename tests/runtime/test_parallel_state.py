@@ -50,6 +50,27 @@ def _observe():
     }
 
 
+def _observe_tp():
+    pg, mesh = ps.get_pg_collection(), ps.get_device_mesh("cpu")
+    return {
+        "tp": (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+               ps.get_tensor_model_parallel_src_rank()),
+        "tp_cp": (ps.get_tensor_and_context_parallel_rank(), ps.get_tensor_and_context_parallel_world_size()),
+        "pp": (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(), pg.pp_ranks),
+        "dp": (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), pg.dp_ranks,
+               ps.get_data_parallel_src_rank()),
+        "mp": (ps.get_model_parallel_rank(), ps.get_model_parallel_world_size()),
+        "embd_ranks": pg.embd_ranks, "next": ps.get_pipeline_model_parallel_next_rank(),
+        "sums": {name: _members(group) for name, group in (
+            ("tp", ps.get_tensor_model_parallel_group()), ("tp_cp", ps.get_tensor_and_context_parallel_group()),
+            ("pp", ps.get_pipeline_model_parallel_group()), ("dp", ps.get_data_parallel_group()),
+            ("mp", ps.get_model_parallel_group()), ("embd", ps.get_embedding_group()))},
+        "mesh": (mesh.mesh_dim_names, tuple(mesh.mesh.shape), mesh.mesh.tolist()),
+        "mesh_sums": {d: _members(mesh.get_group(d)) for d in ("pp", "dp", "tp")},
+        "mesh_is_pg": (mesh.get_group("tp") is pg.tp, mesh.get_group("pp") is pg.pp, mesh.get_group("dp") is pg.dp),
+    }
+
+
 def _error(fn):
     try:
         fn()
@@ -76,12 +97,22 @@ def _scenarios(rank, world_size):
                            _error(lambda: ps.is_pipeline_last_stage(ignore_virtual=False)))
     ps.destroy_model_parallel()
 
+    for pp, tp in ((2, 2), (1, 2)):  # Megatron's order with tensor parallelism, and the DeviceMesh over it
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        out[f"pp{pp}_tp{tp}"] = _observe_tp()
+        ps.destroy_model_parallel()
+
     # rejected on every rank before any collective: the world still works afterwards and nothing is initialised
     out["errors"] = {
         "pp3": _error(lambda: ps.initialize_model_parallel(pipeline_model_parallel_size=3)),
         "pp0": _error(lambda: ps.initialize_model_parallel(pipeline_model_parallel_size=0)),
         "pp8": _error(lambda: ps.initialize_model_parallel(pipeline_model_parallel_size=8)),
-        "tp2": _error(lambda: ps.initialize_model_parallel(tensor_model_parallel_size=2)),
+        "tp3": _error(lambda: ps.initialize_model_parallel(tensor_model_parallel_size=3)),
+        "pp2_tp4": _error(lambda: ps.initialize_model_parallel(tensor_model_parallel_size=4,
+                                                               pipeline_model_parallel_size=2)),
+        "cp2": _error(lambda: ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)),
+        "ep2": _error(lambda: ps.initialize_model_parallel(tensor_model_parallel_size=2,
+                                                           expert_model_parallel_size=2)),
         "vp0": _error(lambda: ps.initialize_model_parallel(pipeline_model_parallel_size=2,
                                                            virtual_pipeline_model_parallel_size=0)),
         "world": _error(lambda: build_process_groups(2, world_size=8)),
@@ -120,6 +151,56 @@ def test_pp2_layout(observed):
         assert o["vp"] == (None, None)
 
 
+def _megatron_groups(world, pp, tp):
+    """Megatron's order ``tp-cp-ep-dp-pp`` (tp fastest) written as a mesh: rank = index in arange(world) viewed as
+    ``[pp, dp, tp]``; a group of one kind varies one mesh coordinate (two for model parallel: pp and tp)."""
+    dp = world // (pp * tp)
+    mesh = torch.arange(world).reshape(pp, dp, tp)
+    groups = {"tp": [], "dp": [], "pp": [], "mp": []}
+    for r in range(world):
+        s, d, t = (int(i) for i in (mesh == r).nonzero()[0])
+        groups["tp"].append(tuple(mesh[s, d, :].tolist()))
+        groups["dp"].append(tuple(mesh[s, :, t].tolist()))
+        groups["pp"].append(tuple(mesh[:, d, t].tolist()))
+        groups["mp"].append(tuple(sorted(mesh[:, d, :].reshape(-1).tolist())))
+    return mesh.tolist(), groups
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("pp, tp", [(2, 2), (1, 2)])
+def test_tensor_parallel_layout_follows_megatron_order(observed, pp, tp):
+    mesh, groups = _megatron_groups(WORLD, pp, tp)
+    dp = WORLD // (pp * tp)
+    for rank, o in enumerate(observed):
+        o = o[f"pp{pp}_tp{tp}"]
+        tp_group, dp_group, pipeline = groups["tp"][rank], groups["dp"][rank], groups["pp"][rank]
+        assert o["tp"] == (tp_group.index(rank), tp, tp_group[0]) and o["tp_cp"] == o["tp"][:2]
+        assert o["pp"] == (pipeline.index(rank), pp, pipeline)
+        assert o["dp"] == (dp_group.index(rank), dp, dp_group, dp_group[0])
+        assert o["mp"] == (groups["mp"][rank].index(rank), pp * tp)
+        # embedding group: first and last stage of this pipeline, i.e. of the same tensor-parallel rank
+        assert o["embd_ranks"] == ((pipeline[0], pipeline[-1]) if pp > 1 else (pipeline[0],))
+        assert o["next"] == pipeline[(pipeline.index(rank) + 1) % pp]
+        assert o["sums"] == {"tp": sum(tp_group), "tp_cp": sum(tp_group), "pp": sum(pipeline), "dp": sum(dp_group),
+                             "mp": sum(groups["mp"][rank]), "embd": sum(o["embd_ranks"])}
+        assert o["mesh"] == (("pp", "dp", "tp"), (pp, dp, tp), mesh)
+        assert o["mesh_sums"] == {"pp": sum(pipeline), "dp": sum(dp_group), "tp": sum(tp_group)}
+        assert o["mesh_is_pg"] == (True, True, True)  # one rank map: the mesh wraps the collection's groups
+
+
+@pytest.mark.parametrize("pp, tp, world", [(2, 2, 8), (1, 4, 8), (2, 1, 4), (2, 2, 4), (4, 2, 16)])
+def test_rank_layout_with_tensor_parallel(pp, tp, world):
+    _, groups = _megatron_groups(world, pp, tp)
+    layout = rank_layout(pp, world, tp)
+    for r in range(world):
+        assert layout.tensor_group_of(r) == groups["tp"][r]
+        assert layout.data_parallel_group_of(r) == groups["dp"][r]
+        assert layout.pipeline_group_of(r) == groups["pp"][r]
+        assert layout.model_parallel_group_of(r) == groups["mp"][r]
+    for kind in ("tensor_groups", "data_parallel_groups", "pipeline_groups", "model_parallel_groups"):
+        assert sorted(r for g in getattr(layout, kind) for r in g) == list(range(world))
+
+
 @pytest.mark.timeout(90)
 def test_pp4_with_virtual_pipeline(observed):
     for rank, o in enumerate(observed):
@@ -143,7 +224,11 @@ def test_invalid_sizes_rejected_on_every_rank_before_any_collective(observed):
         assert errors["pp3"][0] == "ValueError" and "divisible" in errors["pp3"][1]
         assert errors["pp8"][0] == "ValueError" and "divisible" in errors["pp8"][1]
         assert errors["pp0"][0] == "ValueError" and "pipeline_model_parallel_size" in errors["pp0"][1]
-        assert errors["tp2"][0] == "ValueError" and "not supported" in errors["tp2"][1]
+        assert errors["tp3"][0] == "ValueError" and "tensor_model_parallel_size" in errors["tp3"][1]
+        assert errors["pp2_tp4"][0] == "ValueError" and "divisible" in errors["pp2_tp4"][1]
+        for name in ("cp2", "ep2"):
+            assert errors[name][0] == "ValueError" and "not supported" in errors[name][1]
+        assert "context_parallel_size" in errors["cp2"][1] and "expert_model_parallel_size" in errors["ep2"][1]
         assert errors["vp0"][0] == "ValueError"
         assert errors["world"][0] == "ValueError" and "world_size=8" in errors["world"][1]
         assert o["still_uninitialised"] is False and o["world_sum"] == 6  # no rank left inside a collective
@@ -181,13 +266,17 @@ def test_single_process_defaults_without_torch_distributed():
 
 
 def test_overrides_reset_by_destroy():
+    ps.set_tensor_model_parallel_world_size(2)
+    ps.set_tensor_model_parallel_rank(1)
+    assert (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()) == (2, 1)
     ps.set_pipeline_model_parallel_world_size(4)
     ps.set_pipeline_model_parallel_rank(3)
     ps.set_virtual_pipeline_model_parallel_world_size(2)
     assert ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=1)
     assert not ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=0)
     ps.destroy_model_parallel()
-    assert ps.get_pipeline_model_parallel_world_size() == 1
+    assert ps.get_pipeline_model_parallel_world_size() == 1 and ps.get_tensor_model_parallel_world_size() == 1
+    assert ps.get_tensor_model_parallel_rank() == 0
     assert ps.get_virtual_pipeline_model_parallel_world_size() is None
 
 
