@@ -492,6 +492,10 @@ def _slot_capture(slot_cls, warmup_ctx, job: _Job, prepare=None) -> GraphSet:
     events = layer_events(job.order, job.lpc)
     if job.share:
         events = [e for e in events if e.microbatch == 0]
+    if job.splits:
+        pool = common.WeightInputPool(common.pending_weight_sets(events)[0])
+        for s in slots:
+            s.weight_pool = pool
 
     def slot_of(ev: LayerEvent) -> common.ReplaySlot:
         return slots[flat_index(ev.chunk, ev.microbatch, ev.layer, job.lpc, n_mb)]
