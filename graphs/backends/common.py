@@ -231,6 +231,7 @@ class ReplaySlot:
         self.input_needs_grad = [t.requires_grad for t in self.static_inputs]
         self.grads = grads
         self.accumulate: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, buffer) that receive a gradient
+        self._grad_params: list[torch.Tensor] = []  # noted in warmup, their buffers allocated after it
         self.static_outputs: list[torch.Tensor] = []
         self.out_struct: Any = None
         self.diff_outputs: list[bool] = []
@@ -331,9 +332,16 @@ class ReplaySlot:
         fire_post_accumulate_hooks([p for p, _ in self.accumulate])  # grad sync sees each W, as in eager
 
     def note_param_grads(self, param_grads) -> None:
-        """After warmup: which parameters receive a gradient (only those get a buffer installed as ``.grad``)."""
+        """In warmup: which parameters receive a gradient (only those get a buffer installed as ``.grad``).  The
+        buffers are allocated later, by :meth:`allocate_grad_buffers` on the caller's stream."""
+        self._grad_params = [p for p, g in zip(self.params, param_grads) if g is not None]
+
+    def allocate_grad_buffers(self) -> None:
+        """After warmup, on the caller's stream (the one that replays and reads them): the per-parameter buffers.
+        Allocated on the warmup side stream instead, their blocks would belong to that stream, and the caching
+        allocator could hand them out again there while the default stream still uses them (``record_stream``)."""
         if self.grads is not None:
-            self.accumulate = [(p, self.grads.of(p)) for p, g in zip(self.params, param_grads) if g is not None]
+            self.accumulate = [(p, self.grads.of(p)) for p in self._grad_params]
 
     # -- chained buffers ------------------------------------------------------------------------------------
     def chain_input(self) -> None:
@@ -456,6 +464,9 @@ def walk_capture(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], R
     with warmup_ctx():
         for _ in range(max(1, num_warmup_iters)):
             _warmup_round(events, slot_of)
+    for ev in events:  # back on the caller's stream
+        if ev.kind == "F":
+            slot_of(ev).allocate_grad_buffers()
     capturers = {"F": capture_fwd, "B": capture_bwd, "W": capture_wgt}
     for ev in events:
         capturers[ev.kind](slot_of(ev))

@@ -214,3 +214,31 @@ def test_graphs_under_the_executors_weight_gradient_deferral_see_the_layers_own_
     assert bitwise_equal(ref, got)
     # the last replays' graphs were cut at the blocks' own addmm / layer-norm nodes (not at deferral bridges)
     assert all(len(s.split.intermediates) == 3 for s in graphs.graphs.callables)
+
+
+class _SharedTranspose(torch.nn.Module):
+    """One transposed weight used by three matmuls whose gradients differ by orders of magnitude, summed as
+    ``(c + b) + a``: the graph walk meets ``a`` first, ``B`` runs ``c`` first (the last op created), so a ``W`` that
+    summed the three contributions in walk order would round differently from eager's ``AccumulateGrad``."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(H, H, bias=False)
+
+    def forward(self, x):
+        wt = self.w.weight.t()
+        a, b, c = x @ wt, (x * 1e-4) @ wt, (x * 1e4) @ wt
+        return (c + b) + a
+
+
+def test_w_sums_the_recorded_gradients_in_bs_execution_order():
+    plan = build_plan("zb_h1", 2, 4)
+    torch.manual_seed(0)
+    eager = [[_SharedTranspose(), _SharedTranspose()]]
+    graphed = copy.deepcopy(eager)
+    queue = WeightQueue()
+    layers = capture(graphed, plan, 0, samples(graphed, 4), backend="emulate", defer_weight_grad=queue.defer)
+    assert layers.active, layers.report
+    data = make_rank_data(1, 4, (S, B, H))
+    assert bitwise_equal(_steps(eager, plan, 0, data, 2), _steps(graphed, plan, 0, data, 2, queue))
+    layers.remove()
