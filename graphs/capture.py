@@ -22,6 +22,7 @@ whose layers dispatch to the graph of their current microbatch; ``.report`` says
 from __future__ import annotations
 
 import gc
+import logging
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -42,7 +43,10 @@ from .specs import AutocastState, CallSpec, autocast_context, current_autocast
 __all__ = ["BACKENDS", "CaptureReport", "DebugOptions", "capture", "resolve_backend", "make_sample_args",
            "describe_failure", "root_cause"]
 
+log = logging.getLogger("pipecast.graphs")
 BACKENDS = ("auto", "te", "torch", "pipecast", "emulate", "eager")
+CAPTURE_TIMEOUT_FRACTION = 0.8  # of the collective timeout: a longer projected capture stops (see capture)
+_clock = time.perf_counter  # replaced by a fake clock in CPU tests of the capture-time check
 
 
 @dataclass
@@ -164,6 +168,7 @@ class _Job:
     report: CaptureReport | None = None
     defer_weight_grad: Any = None
     splits: bool = False
+    timeout_s: float | None = None
 
     @property
     def lpc(self) -> list[int]:
@@ -175,7 +180,7 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
             specs: dict[tuple[int, int], CallSpec] | None = None, backend: str = "auto", num_warmup_iters: int = 1,
             order: Sequence[int] | None = None, share_graphs: bool = False, chain_layers: bool = True, pool=None,
             generators: Sequence[torch.Generator] = (), group=None, tracer=None, veto: str | None = None,
-            autocast: AutocastState | None = None, defer_weight_grad=None,
+            autocast: AutocastState | None = None, defer_weight_grad=None, timeout_s: float | None = None,
             _debug: DebugOptions | None = None) -> GraphedLayers:
     """Capture the graphs of pipeline rank ``rank`` of ``plan`` and install them on its layers.
 
@@ -202,6 +207,11 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
             emulated replay run under it with the cast cache off, and replay checks the caller is in it.
         defer_weight_grad: split-backward plans only (required there): ``fn(w) -> bool`` queueing a layer's ``W``
             replay ``w`` into the split backward in progress (``engine.runtime.split_backward.defer_weight_grad``).
+        timeout_s: the collective timeout of ``group`` (``parallel.timeout_s``), seconds: the other ranks wait in
+            the decision after the capture for at most this long.  Each graph's capture synchronises the device and
+            empties the cache, so a capture of many graphs can take long: once a few graphs are captured, a capture
+            projected to take more than :data:`CAPTURE_TIMEOUT_FRACTION` of it stops with the reason (all ranks
+            then run eagerly), and one that took more than half of it logs a warning.  ``None``: no check.
         _debug: :class:`DebugOptions` for negative-control tests.
 
     Returns:
@@ -218,7 +228,8 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
         job = _Job(layers, [], plan.num_microbatches, sample_args, sample_kwargs, None, num_warmup_iters,
                    share_graphs, chain_layers, pool, tuple(generators), tracer,
                    current_autocast() if autocast is None else autocast, _debug or DebugOptions(),
-                   defer_weight_grad=defer_weight_grad, splits=plan.splits_backward and not plan.forward_only)
+                   defer_weight_grad=defer_weight_grad, splits=plan.splits_backward and not plan.forward_only,
+                   timeout_s=timeout_s)
         _validate(job, backend, plan, rank, specs, order, veto)
     except BaseException:
         if created:
@@ -438,7 +449,7 @@ def describe_failure(exc: BaseException) -> str:
 def _run_capture(chosen: str, job: _Job):
     """``(GraphSet, None)`` or ``(None, one-line error)``; never raises an ``Exception``."""
     caller = _CallerState.save(job.generators)
-    start = time.perf_counter()
+    start = _clock()
     try:
         with job.layers.suspend(), autocast_context(job.autocast):
             return _CAPTURERS[chosen](job), None
@@ -451,7 +462,10 @@ def _run_capture(chosen: str, job: _Job):
             cleanup += _release_device_memory()
             if cleanup:
                 job.report.traceback += "cleanup errors: " + "; ".join(cleanup) + "\n"
-        job.report.seconds = time.perf_counter() - start
+        job.report.seconds = _clock() - start
+        if job.timeout_s is not None and job.report.seconds > 0.5 * job.timeout_s:
+            log.warning("CUDA graphs: capture took %.1fs, more than half of the collective timeout "
+                        "parallel.timeout_s=%s; raise it if captures grow", job.report.seconds, job.timeout_s)
 
 
 def _release_device_memory() -> list[str]:
@@ -492,6 +506,10 @@ def _slot_capture(slot_cls, warmup_ctx, job: _Job, prepare=None) -> GraphSet:
     events = layer_events(job.order, job.lpc)
     if job.share:
         events = [e for e in events if e.microbatch == 0]
+    if job.splits:
+        pool = common.WeightInputPool(common.pending_weight_sets(events)[0])
+        for s in slots:
+            s.weight_pool = pool
 
     def slot_of(ev: LayerEvent) -> common.ReplaySlot:
         return slots[flat_index(ev.chunk, ev.microbatch, ev.layer, job.lpc, n_mb)]
@@ -500,12 +518,14 @@ def _slot_capture(slot_cls, warmup_ctx, job: _Job, prepare=None) -> GraphSet:
         for s in slots:
             _quietly(s.release)
 
+    timer = _CaptureTimer(job.timeout_s, len(events))
     try:
         if prepare is not None:
             prepare(slots)
         gc.disable()  # a GC pass freeing an old graph during another capture is a CUDA error (TE PR #2092)
-        common.walk_capture(events, slot_of, job.num_warmup_iters, warmup_ctx, lambda s: s.capture_forward(),
-                            lambda s: s.capture_backward(), lambda s: s.capture_weight())
+        common.walk_capture(events, slot_of, job.num_warmup_iters, warmup_ctx,
+                            timer.timed(lambda s: s.capture_forward()), timer.timed(lambda s: s.capture_backward()),
+                            timer.timed(lambda s: s.capture_weight()))
     except BaseException:
         release()  # drops every graph and static tensor: the pool's blocks become free
         raise
@@ -514,6 +534,39 @@ def _slot_capture(slot_cls, warmup_ctx, job: _Job, prepare=None) -> GraphSet:
     gs.extra["grad_buffers"] = slots[0].grads if slots else None
     gs.check_step = _storage_check(job)
     return gs
+
+
+class _CaptureTimer:
+    """Projects the capture's wall time from the graphs captured so far (after the first few) and stops it when the
+    projection exceeds :data:`CAPTURE_TIMEOUT_FRACTION` of the collective timeout."""
+
+    MIN_GRAPHS = 4
+
+    def __init__(self, timeout_s: float | None, total: int):
+        self.timeout_s, self.total, self.done = timeout_s, total, 0
+        self.start = _clock()
+        self.first: float | None = None
+
+    def timed(self, fn):
+        def run(slot):
+            if self.first is None:
+                self.first = _clock()  # warmup is over
+            fn(slot)
+            self.tick()
+        return run
+
+    def tick(self) -> None:
+        self.done += 1
+        if self.timeout_s is None or self.done < min(self.MIN_GRAPHS, self.total):
+            return
+        now = _clock()
+        projected = (self.first - self.start) + (now - self.first) / self.done * self.total
+        if projected > CAPTURE_TIMEOUT_FRACTION * self.timeout_s:
+            raise common.CaptureError(
+                f"capture would take about {projected:.0f}s ({self.total} graphs, {self.done} captured in "
+                f"{now - self.first:.1f}s after {self.first - self.start:.1f}s of warmup), more than "
+                f"{CAPTURE_TIMEOUT_FRACTION:.0%} of the collective timeout parallel.timeout_s={self.timeout_s:g} "
+                f"that the other ranks wait for -- raise parallel.timeout_s, or graph fewer microbatches / layers")
 
 
 def _storage_check(job: _Job):

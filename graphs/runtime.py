@@ -64,6 +64,8 @@ class GraphRuntime:
         plan: a plan of the run: its resolution (:meth:`ResolvedSchedule.of_plan`) gives the plan of each step's
             microbatch count, in whose order graphs are captured (e.g. a ``zb`` plan keeps its ``max_in_flight``);
             default: ``schedule``'s.
+        timeout_s: the collective timeout (``parallel.timeout_s``): a capture projected to outlast it stops and
+            every rank runs eagerly (``graphs.capture.capture``).
 
     Raises:
         ValueError: unknown backend, ``warmup_steps < 0``, chunk count not matching.
@@ -73,7 +75,8 @@ class GraphRuntime:
                  num_model_chunks: int = 1, group_size: int | None = None, backend: str = "auto",
                  warmup_steps: int = 2, num_warmup_iters: int = 1, group=None, tracer=None,
                  layers_of: Callable[[torch.nn.Module], list] = layers_of_chunk, variable_seq_lengths: bool = False,
-                 generators: Sequence[torch.Generator] = (), defer_weight_grad=None, plan=None):
+                 generators: Sequence[torch.Generator] = (), defer_weight_grad=None, plan=None,
+                 timeout_s: float | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"cuda_graphs.backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -99,6 +102,7 @@ class GraphRuntime:
         self.generators = list(generators)
         self.defer_weight_grad = defer_weight_grad
         self.plan = plan
+        self.timeout_s = timeout_s
         self.layers = GraphedLayers([layers_of(c) for c in self.chunks], tracer=tracer)
         self.disabled_reason: str | None = None
         self.steps_seen = 0
@@ -193,7 +197,7 @@ class GraphRuntime:
         layers = capture(self.layers, plan, self.pp_rank, specs=specs, backend=self.backend,
                          num_warmup_iters=self.num_warmup_iters, group=self.group, tracer=self.tracer, veto=veto,
                          autocast=autocast, share_graphs=share, chain_layers=not rec.unchained,
-                         defer_weight_grad=self.defer_weight_grad,
+                         defer_weight_grad=self.defer_weight_grad, timeout_s=self.timeout_s,
                          generators=self.generators + [g for g in rec.generators if all(g._cdata != h._cdata for h in
                                                                                          self.generators)])
         report = layers.report

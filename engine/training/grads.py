@@ -14,7 +14,10 @@ With ``overlap=True`` the data-parallel all-reduce of a chunk starts (``async_op
 gradient of the chunk has been accumulated by a backward that ran with sync enabled (a post-accumulate-grad hook),
 overlapping communication with the remaining backward passes; ``finalize_model_grads`` waits for it.  If a
 gradient changed after its all-reduce was launched (a schedule that enabled sync too early) the chunk is reduced
-again synchronously, so the result never depends on the timing.
+again synchronously, so the result never depends on the timing.  CUDA-graph replays (``graphs``) write
+gradients without autograd; they run these hooks and bump the gradient buffers' version counters themselves
+(``graphs.backends.common.fire_post_accumulate_hooks``), so overlap and the late-change check hold with graphs,
+split-backward ``W`` graphs included (issue 24).
 
 :func:`clip_grad_norm` computes the global L2 norm over the pipeline (each tied weight counted once: the last
 stage's copy carries ``shared_embedding_copy``) and clips with ``torch.nn.utils.clip_grads_with_norm_``.

@@ -297,7 +297,7 @@ class Trainer:
                                         backend=cg.backend,
                                         warmup_steps=cg.warmup_steps, tracer=self.tracer,
                                         variable_seq_lengths=self.mp_config.variable_seq_lengths,
-                                        defer_weight_grad=defer_weight_grad, plan=self.plan)
+                                        defer_weight_grad=defer_weight_grad, plan=self.plan, timeout_s=p.timeout_s)
         self._graphs.before_step(self.config.training.num_microbatches,
                                  (self.config.model.seq_length, self.config.training.micro_batch_size))
 

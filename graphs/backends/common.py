@@ -40,8 +40,8 @@ from ..order import LayerEvent
 from ..specs import AutocastState, CallSpec, TensorSpec, flatten_outputs
 from . import split as layer_split
 
-__all__ = ["ReplaySlot", "SlotOptions", "GradBuffers", "walk_capture", "module_params", "check_capturable",
-           "CaptureError", "PARAM_GRAD_MODES"]
+__all__ = ["ReplaySlot", "SlotOptions", "GradBuffers", "WeightInputPool", "walk_capture", "module_params",
+           "check_capturable", "CaptureError", "PARAM_GRAD_MODES", "pending_weight_sets", "fire_post_accumulate_hooks"]
 
 _NULL = contextlib.nullcontext()
 PARAM_GRAD_MODES = ("accumulate", "clone", "alias")
@@ -106,6 +106,83 @@ class GradBuffers:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
 
+def pending_weight_sets(events: Sequence[LayerEvent]) -> tuple[dict[tuple[int, int, int], int], dict]:
+    """Which set of ``W``-input buffers each ``(chunk, microbatch, layer)`` uses, reusing a set once its ``W`` ran.
+
+    Walks ``events`` (the rank's per-layer order, ``B`` and ``W`` included): at ``B`` of ``(c, m, l)`` it takes the
+    lowest free set of ``(c, l)`` (or opens one), at ``W`` it frees it.  Returns ``(assignment, peak)``:
+    ``assignment[(c, m, l)]`` is the set index, ``peak[(c, l)]`` the number of sets ``(c, l)`` needs -- the peak
+    number of that layer's microbatches between ``B`` and ``W`` (the plan's peak pending ``W`` per chunk), not the
+    microbatch count.
+    """
+    free: dict[tuple[int, int], list[int]] = {}
+    peak: dict[tuple[int, int], int] = {}
+    held: dict[tuple[int, int, int], int] = {}
+    assignment: dict[tuple[int, int, int], int] = {}
+    for ev in events:
+        key, slot = (ev.chunk, ev.layer), (ev.chunk, ev.microbatch, ev.layer)
+        if ev.kind == "B":
+            sets = free.setdefault(key, [])
+            k = min(sets) if sets else peak.get(key, 0)
+            if sets:
+                sets.remove(k)
+            else:
+                peak[key] = k + 1
+            held[slot] = assignment[slot] = k
+        elif ev.kind == "W" and slot in held:
+            free.setdefault(key, []).append(held.pop(slot))
+    return assignment, peak
+
+
+class WeightInputPool:
+    """The buffers that carry a split layer's recorded gradients from its ``B`` to its ``W`` replay, one set per
+    ``(chunk, layer, k)`` with ``k`` from :func:`pending_weight_sets`: microbatches whose ``B..W`` intervals do not
+    overlap in the rank's order share a set, so the bytes held are bounded by the peak pending ``W``, not by the
+    number of microbatches (issue 24).  Every slot of ``(chunk, layer)`` records the same tensors (same layer, same
+    shapes), so the sets are interchangeable."""
+
+    def __init__(self, assignment: dict[tuple[int, int, int], int]):
+        self.assignment = assignment
+        self.sets: dict[tuple[int, int, int], list] = {}
+
+    def of(self, event: LayerEvent, recorded: Sequence) -> list:
+        """The set of ``event``'s ``(chunk, microbatch, layer)``, allocated like ``recorded`` on first use
+        (``None`` where nothing was recorded); not filled."""
+        key = (event.chunk, event.layer, self.assignment[(event.chunk, event.microbatch, event.layer)])
+        found = self.sets.get(key)
+        if found is None:
+            found = self.sets[key] = [None if r is None else tuple(None if g is None else torch.empty_like(g)
+                                                                   for g in r) for r in recorded]
+        return found
+
+    @staticmethod
+    def fill(statics: Sequence, recorded: Sequence) -> None:
+        """Copy what one ``B`` recorded into its set (grad mode off: a plain copy, not differentiated)."""
+        with torch.no_grad():
+            for dst, src in zip(statics, recorded):
+                for static, g in zip(dst or (), src or ()):
+                    if static is not None:
+                        static.zero_() if g is None else static.copy_(g)
+
+
+def fire_post_accumulate_hooks(params: Sequence[torch.Tensor]) -> None:
+    """Run each parameter's post-accumulate-grad hooks, as ``AccumulateGrad`` does after it wrote ``.grad``.
+
+    A graph replay accumulates into the gradient buffers without autograd, so the hooks that data-parallel grad
+    sync relies on (``engine.training.grads.GradSync``, FSDP) would never run; the replay calls this instead.
+    The hooks live in ``Tensor._post_accumulate_grad_hooks`` (filled by the public
+    ``Tensor.register_post_accumulate_grad_hook``); the buffers' version counters are bumped first
+    (``torch.autograd.graph.increment_version``), since a replay's writes bypass the dispatcher that would.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch.autograd.graph.increment_version(grads)
+    for p in params:
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+        for hook in list((hooks or {}).values()):
+            hook(p)
+
+
 @dataclass(frozen=True)
 class SlotOptions:
     """How slots return parameter gradients and what they check.
@@ -154,6 +231,7 @@ class ReplaySlot:
         self.input_needs_grad = [t.requires_grad for t in self.static_inputs]
         self.grads = grads
         self.accumulate: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, buffer) that receive a gradient
+        self._grad_params: list[torch.Tensor] = []  # noted in warmup, their buffers allocated after it
         self.static_outputs: list[torch.Tensor] = []
         self.out_struct: Any = None
         self.diff_outputs: list[bool] = []
@@ -169,6 +247,7 @@ class ReplaySlot:
         self.splits = options.defer_weight_grad is not None
         self.split: layer_split.LayerSplit | None = None  # the cut of the layer's graph (split backward)
         self.static_weight_inputs: list = []  # per intermediate: the gradients B records for W (split backward)
+        self.weight_pool: WeightInputPool | None = None  # emulate: the shared sets of W inputs (split backward)
         at = f"{event.microbatch}.{event.chunk} l{event.layer}"  # the action's notation, then the layer
         self._labels = (f"replay F{at}", f"replay B{at}", f"replay W{at}")
 
@@ -232,9 +311,10 @@ class ReplaySlot:
         diff = [o for o, d in zip(outs, self.diff_outputs) if d]
         return layer_split.weight_grads(self.split, recorded, diff, self.static_grad_outputs, self.params)
 
-    def accumulate_param_grads(self, param_grads) -> None:
-        """Add each parameter's gradient into its buffer (grad mode off; inside the ``W`` graph on CUDA)."""
-        buffers = {id(p): buf for p, buf in self.accumulate}
+    def accumulate_param_grads(self, param_grads, bypass_version: bool = False) -> None:
+        """Add each parameter's gradient into its buffer (grad mode off; inside the ``W`` graph on CUDA).
+        ``bypass_version``: write through ``.data`` (no version bump), as a graph replay writes (emulate)."""
+        buffers = {id(p): (buf.data if bypass_version else buf) for p, buf in self.accumulate}
         with torch.no_grad():
             for p, g in zip(self.params, param_grads):
                 if g is not None and id(p) in buffers:
@@ -249,11 +329,19 @@ class ReplaySlot:
             with torch.no_grad():
                 GradBuffers.attach(self.accumulate)
             self.replay_weight()
+        fire_post_accumulate_hooks([p for p, _ in self.accumulate])  # grad sync sees each W, as in eager
 
     def note_param_grads(self, param_grads) -> None:
-        """After warmup: which parameters receive a gradient (only those get a buffer installed as ``.grad``)."""
+        """In warmup: which parameters receive a gradient (only those get a buffer installed as ``.grad``).  The
+        buffers are allocated later, by :meth:`allocate_grad_buffers` on the caller's stream."""
+        self._grad_params = [p for p, g in zip(self.params, param_grads) if g is not None]
+
+    def allocate_grad_buffers(self) -> None:
+        """After warmup, on the caller's stream (the one that replays and reads them): the per-parameter buffers.
+        Allocated on the warmup side stream instead, their blocks would belong to that stream, and the caching
+        allocator could hand them out again there while the default stream still uses them (``record_stream``)."""
         if self.grads is not None:
-            self.accumulate = [(p, self.grads.of(p)) for p, g in zip(self.params, param_grads) if g is not None]
+            self.accumulate = [(p, self.grads.of(p)) for p in self._grad_params]
 
     # -- chained buffers ------------------------------------------------------------------------------------
     def chain_input(self) -> None:
@@ -331,6 +419,8 @@ class _GraphedPass(torch.autograd.Function):
             _load(slot.static_grad_outputs, grads if all(slot.diff_outputs) else
                   [g for g, d in zip(grads, slot.diff_outputs) if d])
             slot.replay_backward()
+        if not slot.splits and slot.accumulate:  # a replay's writes bypass the dispatcher's version bump
+            torch.autograd.graph.increment_version([buf for _, buf in slot.accumulate])
         if slot.splits:
             ev = ctx.event
             weight = (lambda: slot.run_weight(LayerEvent("W", ev.chunk, ev.microbatch, ev.layer)))
@@ -374,6 +464,9 @@ def walk_capture(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], R
     with warmup_ctx():
         for _ in range(max(1, num_warmup_iters)):
             _warmup_round(events, slot_of)
+    for ev in events:  # back on the caller's stream
+        if ev.kind == "F":
+            slot_of(ev).allocate_grad_buffers()
     capturers = {"F": capture_fwd, "B": capture_bwd, "W": capture_wgt}
     for ev in events:
         capturers[ev.kind](slot_of(ev))

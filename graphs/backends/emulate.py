@@ -33,7 +33,7 @@ import torch
 
 from ..hazards import CallTrace
 from ..specs import autocast_context
-from .common import ReplaySlot
+from .common import ReplaySlot, WeightInputPool
 
 __all__ = ["EmulatedSlot", "warmup_context"]
 
@@ -60,8 +60,12 @@ class EmulatedSlot(ReplaySlot):
         if self.splits:
             in_grads, recorded = self.split_input_grads(self._live)
             self.static_grad_inputs = [None if g is None else g.detach().clone() for g in in_grads]
-            self.static_weight_inputs = [None if r is None else tuple(None if g is None else g.clone() for g in r)
-                                         for r in recorded]
+            if self.weight_pool is not None:  # one set per pending W of (chunk, layer), not per microbatch
+                self.static_weight_inputs = self.weight_pool.of(self.event, recorded)
+            else:
+                self.static_weight_inputs = [None if r is None else tuple(None if g is None else torch.empty_like(g)
+                                                                          for g in r) for r in recorded]
+            WeightInputPool.fill(self.static_weight_inputs, recorded)
             return  # the graph stays until W is captured
         grads = self.eager_backward(self._live, self.static_grad_outputs, retain_graph=True)
         in_grads, param_grads = self.split_grads(grads)
@@ -100,7 +104,7 @@ class EmulatedSlot(ReplaySlot):
                     static.zero_() if g is None else static.copy_(g)
             if self.options.param_grads == "accumulate":
                 for (p, buf), g in zip(self.accumulate, [g for g in param_grads if g is not None]):
-                    buf.add_(g)
+                    buf.data.add_(g)  # .data: a graph replay's write bumps no version counter either
 
     def _replay_split_input(self) -> None:
         """Split ``B``: input gradients into the static grad-inputs, the recorded gradients into this slot's
@@ -110,16 +114,14 @@ class EmulatedSlot(ReplaySlot):
             for static, g in zip(self.static_grad_inputs, in_grads):
                 if static is not None:
                     static.zero_() if g is None else static.copy_(g)
-            for statics, grads in zip(self.static_weight_inputs, recorded):
-                for static, g in zip(statics or (), grads or ()):
-                    if static is not None:
-                        static.zero_() if g is None else static.copy_(g)
+        WeightInputPool.fill(self.static_weight_inputs, recorded)
 
     def replay_weight(self) -> None:
         if self._live is None:
             raise RuntimeError(f"weight-gradient replay of {self.where} without a forward replay of that slot in "
                                f"this step")
-        self.accumulate_param_grads(self.split_weight_grads(self._live, self.static_weight_inputs))
+        self.accumulate_param_grads(self.split_weight_grads(self._live, self.static_weight_inputs),
+                                    bypass_version=True)
 
     def release(self) -> None:
         self._live = None

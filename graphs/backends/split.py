@@ -38,11 +38,15 @@ class LayerSplit:
             (``k``: the edge's index in ``node.next_functions``), in discovery order.
         path_outputs: indices (into the differentiable outputs) whose graph reaches an input.
         weight_only_outputs: indices of the others: their whole backward belongs to ``W``.
+        b_order: indices into ``intermediates`` in the order ``B`` ran them (set by :func:`input_grads`; the
+            autograd engine runs one graph in one order, so every replay of it repeats this one); ``W`` sums the
+            gradients of a shared target in this order, as ``AccumulateGrad`` / an input buffer does in eager.
     """
 
     intermediates: list = field(default_factory=list)
     path_outputs: list[int] = field(default_factory=list)
     weight_only_outputs: list[int] = field(default_factory=list)
+    b_order: list[int] = field(default_factory=list)
 
 
 def analyze(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> LayerSplit:
@@ -93,10 +97,12 @@ def input_grads(split: LayerSplit, outputs: Sequence[torch.Tensor], grad_outputs
     recorded: list = [None] * len(split.intermediates)
     if not inputs or not split.path_outputs:
         return [None] * len(inputs), recorded
+    fired: list[int] = []
 
     def recorder(i):
         def hook(grads):
             recorded[i] = tuple(None if g is None else g.detach() for g in grads)
+            fired.append(i)
         return hook
 
     handles = [node.register_prehook(recorder(i)) for i, (node, _) in enumerate(split.intermediates)]
@@ -107,6 +113,7 @@ def input_grads(split: LayerSplit, outputs: Sequence[torch.Tensor], grad_outputs
     finally:
         for h in handles:
             h.remove()
+    split.b_order = fired + [i for i in range(len(recorded)) if i not in set(fired)]
     return list(grads), recorded
 
 
@@ -115,7 +122,9 @@ def weight_grads(split: LayerSplit, recorded: Sequence, outputs: Sequence[torch.
     """``W``: the gradient of every parameter (``None`` if it gets none) from ``recorded`` (what ``B`` recorded,
     or buffers holding those values) and the grad-outputs of the weight-only outputs.  The graph is retained."""
     sums: dict = {}
-    for (node, off), grads in zip(split.intermediates, recorded):
+    order = split.b_order or range(len(split.intermediates))
+    for i in order:
+        (node, off), grads = split.intermediates[i], recorded[i]
         if grads is None:
             continue
         for (_, c, nr), g in zip(off, _edge_grads(node, off, grads)):

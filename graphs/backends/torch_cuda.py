@@ -12,8 +12,10 @@ Split backward (zero-bubble plans): three graphs per slot, captured where the pl
 The ``B`` graph computes the input gradients and the gradients arriving at the layer's intermediates
 (:mod:`graphs.backends.split`); those tensors stay referenced as the slot's static ``W`` inputs, and the captured
 autograd graph (the saved activations) is kept until the ``W`` capture, which accumulates the parameter gradients
-into the per-parameter buffers inside the graph and then drops it -- so the activations' blocks return to the pool
-exactly where the runtime's ``W`` ends their life.
+into the per-parameter buffers inside the graph and then drops both -- so the activations' and the recorded
+gradients' blocks return to the pool exactly where the runtime's ``W`` ends their life, and later captures reuse
+them: the pool holds the recorded gradients of the pending ``W`` passes only (their peak per chunk), whatever the
+number of microbatches.
 
 Every CUDA call goes through :data:`cuda` (``torch.cuda``; tests substitute a fake to exercise failure paths on
 CPU).  :func:`graph_capture` restores the caller's stream whatever happens: ``torch.cuda.graph.__exit__`` calls
@@ -99,7 +101,11 @@ class CudaGraphSlot(ReplaySlot):
         self.wgt_graph = self._new_graph()
         with graph_capture(self.wgt_graph, self.pool):
             self.accumulate_param_grads(self.split_weight_grads(self._capture_outputs, self.static_weight_inputs))
-        self._capture_outputs = None  # the activations are dead after W: their blocks go back to the pool
+        # the activations and B's recorded gradients are dead after W: their blocks go back to the pool, where
+        # only graphs captured later -- replayed after this W -- can take them (I1), so the pool holds recorded
+        # gradients of the pending W only, not of every microbatch (issue 24)
+        self._capture_outputs = None
+        self.static_weight_inputs = []
         self.split = None
 
     def replay_weight(self) -> None:

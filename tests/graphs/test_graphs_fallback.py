@@ -182,3 +182,67 @@ def test_graph_capture_returns_to_the_callers_stream_when_capture_end_raises(fak
             raise RuntimeError("illegal op")
     assert fake.current is fake.default
     assert capture_mod.root_cause(info.value).args == ("illegal op",)
+
+
+def test_gradient_buffers_are_allocated_on_the_callers_stream_not_the_warmup_stream(fake_cuda, monkeypatch):
+    """The buffers are read on the caller's stream by every replay; allocated on the warmup side stream, their
+    blocks would belong to that stream (issue 24)."""
+    from graphs.backends import common
+    fake, _ = fake_cuda
+    streams = []
+    real_of = common.GradBuffers.of
+
+    def of(self, p):
+        streams.append(fake.current.name)
+        return real_of(self, p)
+
+    monkeypatch.setattr(common.GradBuffers, "of", of)
+    plan = build_plan("1f1b", 2, 2)
+    graphed = [[Block(), Block()]]
+    layers = capture(graphed, plan, 0, samples(graphed, 2), backend="torch")
+    assert layers.active, layers.report
+    assert streams and set(streams) == {"default"}
+
+
+class _FakeClock:
+    """Advances ``step`` seconds per graph capture (the fake's ``graph`` context) and not otherwise."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_capture_projected_to_outlast_the_collective_timeout_stops_and_falls_back(fake_cuda, monkeypatch,
+                                                                                     caplog):
+    fake, decisions = fake_cuda
+    clock = _FakeClock(2.0)
+    monkeypatch.setattr(capture_mod, "_clock", clock)
+    real_graph = fake.graph
+
+    @contextlib.contextmanager
+    def slow_graph(g, pool=None):
+        with real_graph(g, pool):
+            yield
+        clock.now += clock.step  # each graph: synchronize, empty_cache, capture
+
+    monkeypatch.setattr(fake, "graph", slow_graph)
+    plan = build_plan("1f1b", 2, 4)
+    torch.manual_seed(0)
+    eager = [[Block(), Block()]]
+    graphed = copy.deepcopy(eager)
+    # 2 layers x 4 microbatches x (F, B) = 16 graphs at 2 s: 32 s, more than 0.8 x 30 s
+    layers = capture(graphed, plan, 0, samples(graphed, 4), backend="torch", timeout_s=30.0)
+    assert not layers.active and [ok for ok, _ in decisions] == [True, False]
+    assert "capture would take about 32s (16 graphs" in layers.report.reason
+    assert "parallel.timeout_s=30" in layers.report.reason
+    assert all(g.was_reset for g in fake.graphs)
+    data = make_rank_data(1, 4, (S, B, H))
+    assert bitwise_equal(run_steps(eager, plan, 0, data, 1), run_steps(graphed, plan, 0, data, 1))
+    # the same capture with a timeout it fits in: graphs on, a warning once it took more than half of it
+    clock.now, graphed = 0.0, copy.deepcopy(eager)
+    with caplog.at_level(logging.WARNING, logger="pipecast.graphs"):
+        layers = capture(graphed, plan, 0, samples(graphed, 4), backend="torch", timeout_s=50.0)
+    assert layers.active and layers.report.seconds == 32.0
+    assert any("more than half of the collective timeout" in r.getMessage() for r in caplog.records)

@@ -177,17 +177,23 @@ def test_torch_backend_captures_f_b_and_w_graphs_in_plan_order(fake_cuda):  # no
     created = [owner[id(g)] for g in fake.graphs]
     events = layer_events(graph_order(plan, 1), [2, 2])
     assert created == [(e.kind, e.chunk, e.microbatch, e.layer) for e in events]
-    assert all(s._capture_outputs is None and s.static_weight_inputs for s in layers.graphs.callables)
+    # after its W capture a slot keeps neither the saved activations nor B's recorded gradients: their blocks go
+    # back to the pool (tests/graphs/test_graphs_split_memory.py checks the bound)
+    assert all(s._capture_outputs is None and not s.static_weight_inputs for s in layers.graphs.callables)
     layers.remove()
 
 
 def test_w_buffers_hold_one_gradient_per_weight_op():
-    """What B records for W: per slot the gradient at each intermediate -- for the block, the outputs of fc2
-    ([s*b, h]), fc1 ([s*b, 2h]) and the layer norm ([s, b, h]) -- counted by graphs.accounting."""
+    """What B records for W: per set the gradient at each intermediate -- for the block, the outputs of fc2
+    ([s*b, h]), fc1 ([s*b, 2h]) and the layer norm ([s, b, h]) -- counted by graphs.accounting; one set per pending
+    W of each (chunk, layer), not per microbatch."""
     from graphs.accounting import held_bytes
+    from graphs.backends.common import pending_weight_sets
     plan, _, graphed, _, graphs = _pair("zbv", 2, 4, 0)
-    per_slot = (H + 2 * H + H) * S * B * 4  # fp32
-    assert held_bytes(graphs.graphs)["weight_inputs"] == 2 * 4 * 2 * per_slot  # chunks x microbatches x layers
+    per_set = (H + 2 * H + H) * S * B * 4  # fp32
+    peak = pending_weight_sets(layer_events(graph_order(plan, 0), [2, 2]))[1]
+    assert sum(peak.values()) < 2 * 4 * 2  # fewer sets than chunks x microbatches x layers
+    assert held_bytes(graphs.graphs)["weight_inputs"] == sum(peak.values()) * per_set
 
 
 def test_graphs_under_the_executors_weight_gradient_deferral_see_the_layers_own_ops():
@@ -208,3 +214,31 @@ def test_graphs_under_the_executors_weight_gradient_deferral_see_the_layers_own_
     assert bitwise_equal(ref, got)
     # the last replays' graphs were cut at the blocks' own addmm / layer-norm nodes (not at deferral bridges)
     assert all(len(s.split.intermediates) == 3 for s in graphs.graphs.callables)
+
+
+class _SharedTranspose(torch.nn.Module):
+    """One transposed weight used by three matmuls whose gradients differ by orders of magnitude, summed as
+    ``(c + b) + a``: the graph walk meets ``a`` first, ``B`` runs ``c`` first (the last op created), so a ``W`` that
+    summed the three contributions in walk order would round differently from eager's ``AccumulateGrad``."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(H, H, bias=False)
+
+    def forward(self, x):
+        wt = self.w.weight.t()
+        a, b, c = x @ wt, (x * 1e-4) @ wt, (x * 1e4) @ wt
+        return (c + b) + a
+
+
+def test_w_sums_the_recorded_gradients_in_bs_execution_order():
+    plan = build_plan("zb_h1", 2, 4)
+    torch.manual_seed(0)
+    eager = [[_SharedTranspose(), _SharedTranspose()]]
+    graphed = copy.deepcopy(eager)
+    queue = WeightQueue()
+    layers = capture(graphed, plan, 0, samples(graphed, 4), backend="emulate", defer_weight_grad=queue.defer)
+    assert layers.active, layers.report
+    data = make_rank_data(1, 4, (S, B, H))
+    assert bitwise_equal(_steps(eager, plan, 0, data, 2), _steps(graphed, plan, 0, data, 2, queue))
+    layers.remove()
