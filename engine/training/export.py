@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -73,16 +72,8 @@ def export_checkpoint(checkpoint, out, dtype: str = "fp32") -> list[Path]:
               (config_path, lambda p: p.write_text(json.dumps(info, indent=1, sort_keys=True) + "\n"))]
     if getattr(loaded.tokenizer, "kind", None) == "bpe":
         writes.append((tok_path, lambda p: shutil.copyfile(loaded.checkpoint / "tokenizer.json", p)))
-    tmps = [(final, final.with_name(f".{final.name}.tmp")) for final, _ in writes]
-    try:
-        for (_, write), (_, tmp) in zip(writes, tmps):
-            write(tmp)
-        for final, tmp in tmps:
-            os.replace(tmp, final)
-    finally:
-        for _, tmp in tmps:
-            tmp.unlink(missing_ok=True)
-    return [final for final, _ in tmps]
+    from .hf import write_atomically  # imported on use, as export_hf imports .hf
+    return write_atomically(writes)
 
 
 def export_hf(checkpoint, out, dtype: str = "fp32") -> list[Path]:

@@ -145,11 +145,14 @@ def write_hf_folder(out: str | os.PathLike, cfg: ModelConfig, ffn_hidden_size: i
         tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_length}
         writes += [("tokenizer.json", lambda p: p.write_text(tokenizer_json)),
                    ("tokenizer_config.json", lambda p: p.write_text(json.dumps(tok_config, indent=2) + "\n"))]
-    return _write_all(out, writes)
+    return write_atomically([(out / name, write) for name, write in writes])
 
 
-def _write_all(out: Path, writes: list) -> list[Path]:
-    tmps = [(out / name, out / f".{name}.tmp") for name, _ in writes]
+def write_atomically(writes: list) -> list[Path]:
+    """Write each ``(final_path, write_fn)`` to a hidden ``.NAME.tmp`` beside it, then rename them all into place
+    (so a reader never sees a half-written file); the temporaries are removed whatever happens.  Returns the
+    final paths."""
+    tmps = [(final, final.with_name(f".{final.name}.tmp")) for final, _ in writes]
     try:
         for (_, write), (_, tmp) in zip(writes, tmps):
             write(tmp)
