@@ -149,7 +149,7 @@ def run_config(name: str, cfg: dict, args, device, dtype, backend: str) -> dict:
     eager = build(cfg, args.vp, device, dtype)
     graphed = copy.deepcopy(eager)
     res: dict = {"config": cfg, "backend": backend, "pp": args.pp, "vp": args.vp, "rank": rank,
-                 "microbatches": args.microbatches, "order": plan.order(rank)}
+                 "microbatches": args.microbatches, "order": plan.te_order(rank)}
 
     # warm up cuBLAS/allocator on a throwaway copy, so the eager reference is not the first run
     scratch = copy.deepcopy(eager)

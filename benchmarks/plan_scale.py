@@ -8,7 +8,7 @@ time is the steadier figure) and the total; ``--json`` writes them.  Target: tot
 Phases:
     build     ``build_plan`` (per-rank action lists and their integer keys)
     graph     ``plan_graph``: structure, data-flow checks and the dependency graph (numpy)
-    deadlock  ``execution_order``: event-driven execution of all ranks (the deadlock check)
+    deadlock  ``deadlock_free_segments``: event-driven execution of all ranks (the deadlock check)
     simulate  ``simulate`` with forward 1, backward 2, transfer 0 (one pass over the execution order)
 ``validate`` = graph + deadlock.  Each repeat builds a fresh plan (no caches carried over); the best repeat is
 reported, with every repeat in the JSON.
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.plan import build_plan  # noqa: E402
 from engine.plan.simulate import simulate  # noqa: E402
-from engine.plan.validate import execution_order, plan_graph  # noqa: E402
+from engine.plan.validate import deadlock_free_segments, plan_graph  # noqa: E402
 
 PHASES = ("build", "graph", "deadlock", "simulate")
 
@@ -44,7 +44,7 @@ def run_once(pp: int, vp: int, microbatches: int) -> dict:
         clocks.append((time.perf_counter(), time.process_time()))
         plan_graph(plan)
         clocks.append((time.perf_counter(), time.process_time()))
-        execution_order(plan)
+        deadlock_free_segments(plan)
         clocks.append((time.perf_counter(), time.process_time()))
         sim = simulate(plan, 1.0, 2.0, 0.0)
         clocks.append((time.perf_counter(), time.process_time()))

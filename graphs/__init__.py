@@ -18,7 +18,7 @@ Dependencies run graphs -> ``engine.plan`` / ``engine.plan.table`` (the pure lay
 """
 from .capture import BACKENDS, CaptureReport, capture, make_sample_args, resolve_backend
 from .dispatch import GraphedLayers, GraphSet, Recording, ReplayGuard, layers_of_chunk
-from .order import (LayerEvent, check_order, flat_index, graph_order, layer_events, max_in_flight, order_events,
+from .order import (LayerEvent, check_order, flat_index, capture_order, layer_events, max_in_flight, order_events,
                     unflat_index)
 from .runtime import GraphRuntime
 from .specs import CallSpec, TensorSpec
@@ -26,6 +26,6 @@ from .specs import CallSpec, TensorSpec
 __all__ = [
     "BACKENDS", "CaptureReport", "capture", "make_sample_args", "resolve_backend",
     "GraphedLayers", "GraphSet", "Recording", "ReplayGuard", "layers_of_chunk",
-    "LayerEvent", "check_order", "flat_index", "graph_order", "layer_events", "max_in_flight", "order_events",
+    "LayerEvent", "check_order", "flat_index", "capture_order", "layer_events", "max_in_flight", "order_events",
     "unflat_index", "CallSpec", "TensorSpec", "GraphRuntime",
 ]

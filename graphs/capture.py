@@ -1,6 +1,6 @@
 """``capture``: graphs per ``(model chunk, microbatch, layer)`` of one pipeline rank, in the rank's order.
 
-One entry point for every backend; each captures in the order of the rank's plan (:func:`graphs.order.graph_order`):
+One entry point for every backend; each captures in the order of the rank's plan (:func:`graphs.order.capture_order`):
 
 * ``"te"``: Transformer Engine ``make_graphed_callables(..., _order=...)`` through :mod:`graphs.backends.te`;
 * ``"torch"`` (alias ``"pipecast"``): pipecast's ordered capture on ``torch.cuda.CUDAGraph``;
@@ -11,7 +11,7 @@ One entry point for every backend; each captures in the order of the rank's plan
 
 Split-backward plans (``zb_h1``, ``zbv``, ``zb``: ``W`` actions) get three graphs per ``(chunk, microbatch,
 layer)``: ``F``, ``B`` (input gradient only) and ``W`` (weight gradients), captured in the plan's order with the
-``W`` actions in it (``graphs.order.graph_order``); the caller passes ``defer_weight_grad`` (the split backward's
+``W`` actions in it (``graphs.order.capture_order``); the caller passes ``defer_weight_grad`` (the split backward's
 queue, ``engine.runtime.split_backward.defer_weight_grad``).  The ``torch`` and ``emulate`` backends support
 this; ``te`` falls back to eager with the reason (:func:`graphs.backends.te.split_backward_reason`).
 
@@ -36,7 +36,7 @@ from . import decision
 from .backends import common, emulate as emulate_backend, te as te_backend, torch_cuda
 from .dispatch import GraphedLayers, GraphSet
 from .hazards import HazardError
-from .order import (LayerEvent, check_order, flat_index, graph_order, layer_events, max_in_flight, num_graphs,
+from .order import (LayerEvent, check_order, flat_index, capture_order, layer_events, max_in_flight, num_graphs,
                     order_events)
 from .specs import AutocastState, CallSpec, autocast_context, current_autocast
 
@@ -193,7 +193,7 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
             ``sample_kwargs``: tensor keyword arguments, same layout.  Or ``specs``: a :class:`CallSpec` per
             ``(chunk, layer)``.
         backend: see module docstring.  ``num_warmup_iters``: eager rounds before capture (at least one runs).
-        order: the capture order (default ``graph_order(plan, rank)``); it must equal the runtime's.
+        order: the capture order (default ``capture_order(plan, rank)``); it must equal the runtime's.
         share_graphs: one graph per layer for all microbatches; only with one microbatch per chunk in flight.
         chain_layers: layer ``l``'s static input is layer ``l-1``'s static output (torch/emulate: no copy); each
             layer must then be called on its predecessor's output.
@@ -296,7 +296,7 @@ def _fall_back(layers: GraphedLayers, backend: str, reason: str, group) -> Graph
 def _validate(job: _Job, backend: str, plan: Plan, rank: int, specs, order, veto) -> None:
     lpc = job.lpc
     resolve_backend_name(backend)
-    job.order = graph_order(plan, rank) if order is None else list(order)
+    job.order = capture_order(plan, rank) if order is None else list(order)
     if veto is not None:
         return
     if len(lpc) != plan.num_model_chunks:

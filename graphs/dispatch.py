@@ -65,7 +65,7 @@ class ReplayGuard:
                 f"CUDA-graph replay order diverged from the capture order at pass {pos}: the runtime ran "
                 f"'{event}' but the graphs were captured for '{want}' there. A graph replayed out of its captured "
                 f"order reads and writes memory that other graphs own (wrong gradients, not an error, on a GPU); "
-                f"the executor must run graphs.order.graph_order(plan, rank) -- recapture after changing the "
+                f"the executor must run graphs.order.capture_order(plan, rank) -- recapture after changing the "
                 f"schedule")
         self.position = (self.position + 1) % len(self.events)
 

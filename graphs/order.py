@@ -27,7 +27,7 @@ from engine.plan.registry import find_schedule
 from engine.plan.table import convert_schedule_table_to_order, get_schedule_table
 
 __all__ = [
-    "LayerEvent", "graph_order", "check_order", "entry_kind", "order_events", "layer_events", "flat_index", "unflat_index",
+    "LayerEvent", "capture_order", "check_order", "entry_kind", "order_events", "layer_events", "flat_index", "unflat_index",
     "num_graphs", "layers_per_chunk_list", "max_in_flight",
 ]
 
@@ -45,7 +45,7 @@ class LayerEvent:
         return f"{self.kind}{self.microbatch}.{self.chunk} l{self.layer}"  # the action's notation, then the layer
 
 
-def graph_order(plan: Plan, rank: int) -> list[int | float]:
+def capture_order(plan: Plan, rank: int) -> list[int | float]:
     """The capture order of pipeline rank ``rank``: its training actions in TE ``_order`` notation, ``W`` actions
     of split-backward plans included (as ``-(c+1) - 0.5``, in the plan's position).
 
@@ -62,7 +62,7 @@ def graph_order(plan: Plan, rank: int) -> list[int | float]:
                          "backward); evaluation runs eagerly -- build the plan with forward_only=False")
     if plan.splits_backward:
         return [_entry(a.op.value, a.chunk) for a in plan.actions[rank]]
-    order = plan.order(rank)
+    order = plan.te_order(rank)
     spec = find_schedule(plan.schedule)
     if spec is not None and spec.megatron_function is not None:
         table = get_schedule_table(plan.num_microbatches, plan.num_model_chunks, plan.group_size)
@@ -179,12 +179,12 @@ def _check_against_plan(order: list, plan: Plan, rank: int) -> None:
     if len(runtime) != len(order):
         raise ValueError(f"order has {len(order)} passes but rank {rank} of the {plan.schedule} plan runs "
                          f"{len(runtime)}{' (W included)' if plan.splits_backward else ''}; build the order with "
-                         f"graphs.order.graph_order(plan, rank)")
+                         f"graphs.order.capture_order(plan, rank)")
     for i, ((kind, chunk, mb), action) in enumerate(zip(order_events(order), runtime)):
         if (kind, chunk, mb) != (action.op.value, action.chunk, action.microbatch):
             raise ValueError(f"order differs from the runtime plan of rank {rank} at position {i}: the order "
                              f"captures {kind}{mb}.{chunk}, the rank runs {action}; graphs captured in "
-                             f"this order would be replayed against the wrong buffers -- use graph_order(plan, rank)")
+                             f"this order would be replayed against the wrong buffers -- use capture_order(plan, rank)")
 
 
 def layers_per_chunk_list(layers_per_chunk: int | Sequence[int], num_model_chunks: int) -> list[int]:

@@ -193,7 +193,7 @@ class GraphRuntime:
         # without pipelining forward and backward alternate and nothing is sent to a neighbour, so one graph per
         # layer serves every microbatch (Megatron captures M=1 for PP=1); otherwise one per (chunk, microbatch,
         # layer) -- also on a 1F1B rank without warmup, whose static input grads may still be in flight in a send
-        share = self.pp_size == 1 and max_in_flight(plan.order(self.pp_rank)) == 1 and not plan.splits_backward
+        share = self.pp_size == 1 and max_in_flight(plan.te_order(self.pp_rank)) == 1 and not plan.splits_backward
         layers = capture(self.layers, plan, self.pp_rank, specs=specs, backend=self.backend,
                          num_warmup_iters=self.num_warmup_iters, group=self.group, tracer=self.tracer, veto=veto,
                          autocast=autocast, share_graphs=share, chain_layers=not rec.unchained,

@@ -276,7 +276,7 @@ def to_json(plan: Plan, sim: Simulation, buffered) -> dict:
         "num_microbatches": plan.num_microbatches, "group_size": plan.group_size,
         "forward_only": plan.forward_only, "transfer_time": sim.transfer_time, "makespan": sim.makespan,
         "bubble_overall": sim.bubble_overall, "placement": [list(loc) for loc in plan.stage_map],
-        "ranks": [{"rank": r, "warmup": plan.warmup[r], "actions": plan.compute_order(r), "start": sim.start[r],
+        "ranks": [{"rank": r, "warmup": plan.warmup[r], "actions": plan.action_labels(r), "start": sim.start[r],
                    "end": sim.end[r], "busy": sim.busy[r], "bubble": sim.bubble[r],
                    "bubble_of_ideal": sim.bubble_of_ideal[r], "peak_in_flight": sim.peak_in_flight[r],
                    "peak_pending_w": sim.peak_pending_w[r], "peak_buffered_messages": buffered[r]} for r in range(plan.pp_size)],

@@ -2,7 +2,7 @@
 
 Both the validator (:mod:`engine.plan.validate`) and the simulator (:mod:`engine.plan.simulate`) build on this
 module (neither imports the other).  :func:`plan_graph` checks the plan's structure and data flow (checks 1-4 of
-:mod:`engine.plan.validate`) while it builds the graph; :func:`execution_order` runs the plan's actions in an
+:mod:`engine.plan.validate`) while it builds the graph; :func:`deadlock_free_segments` runs the plan's actions in an
 event-driven pass and raises :class:`PlanError` at a deadlock; :func:`memory_levels` walks each rank's order for
 its activations held and weight-gradient passes pending.  The graph and the order are cached on the plan.  Pure.
 """
@@ -15,7 +15,7 @@ import numpy as np
 
 from .types import Action, Message, Op, Plan
 
-__all__ = ["PlanError", "PlanGraph", "plan_graph", "execution_order", "memory_levels", "deadlock_error"]
+__all__ = ["PlanError", "PlanGraph", "plan_graph", "deadlock_free_segments", "memory_levels", "deadlock_error"]
 
 _OPS = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)  # key order of Plan.action_keys
 
@@ -330,7 +330,7 @@ def _inside(plan: Plan, msg: Message) -> bool:
 
 
 # -- deadlock ----------------------------------------------------------------------------------------------------
-def execution_order(plan: Plan) -> list[tuple[int, int, int]]:
+def deadlock_free_segments(plan: Plan) -> list[tuple[int, int, int]]:
     """A deadlock-free execution of all ranks as segments ``(rank, lo, hi)``: rank ``rank`` runs its actions with
     global indices ``lo..hi-1`` (see :class:`PlanGraph`) once every earlier segment has run.
 
@@ -342,11 +342,11 @@ def execution_order(plan: Plan) -> list[tuple[int, int, int]]:
     Raises:
         PlanError: the plan is invalid or deadlocks (names the first stuck rank's action and the wait cycle).
     """
-    cached = plan.__dict__.get("_execution_order")
+    cached = plan.__dict__.get("_deadlock_free_segments")
     if cached is None:
         graph = plan_graph(plan)
         cached = _execute(plan, graph)
-        plan.__dict__["_execution_order"] = cached
+        plan.__dict__["_deadlock_free_segments"] = cached
     return cached
 
 

@@ -14,7 +14,7 @@ Closed forms the tests check (uniform costs, no transfer time; ``p`` ranks, ``m`
 * Peak in-flight activations (forwards done whose backward has not finished): ``p-r`` on rank ``r`` for 1F1B
   (``m >= p``); ``W+1`` (warmup count + 1) for interleaved ranks whose warmup is below the total.
 
-Cost: one linear pass over the validator's execution order (:func:`engine.plan.graph.execution_order`, computed and
+Cost: one linear pass over the validator's execution order (:func:`engine.plan.graph.deadlock_free_segments`, computed and
 cached if the plan was not validated yet); ``benchmarks/plan_scale.py`` times it for P=64, C=8, M=1024.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Union
 
 import numpy as np
 
-from .graph import PlanGraph, execution_order, memory_levels, plan_graph
+from .graph import PlanGraph, deadlock_free_segments, memory_levels, plan_graph
 from .plotting import Bar
 from .types import Plan
 
@@ -174,12 +174,12 @@ def _cost_table(name: str, value: Cost, pp: int, chunks: int) -> list[list[float
 
 
 def _run(plan: Plan, graph: PlanGraph, cost: list[float], transfer: float):
-    """Times of every action: one pass over a deadlock-free execution order (:func:`execution_order`).
+    """Times of every action: one pass over a deadlock-free execution order (:func:`deadlock_free_segments`).
 
     Any topological order gives the same times: an action starts at ``max(end of the rank's previous action,
     end of its producer + transfer)``.  Returns ``(start, end, clock)``: flat times and each rank's finishing time.
     """
-    segments = execution_order(plan)
+    segments = deadlock_free_segments(plan)
     deps, n = graph.deps, graph.num_actions
     end = [0.0] * (n + 1)
     end[n] = -math.inf  # "receives nothing": always available

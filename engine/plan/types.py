@@ -230,12 +230,12 @@ class Plan:
         return [m for m in self.sends(src) if m.dst == dst]
 
     # -- views ------------------------------------------------------------------------------------------------
-    def order(self, rank: int) -> list[int]:
+    def te_order(self, rank: int) -> list[int]:
         """The rank's order in Transformer Engine notation (forward chunk ``c`` as ``c+1``, backward as ``-(c+1)``)."""
         return [(a.chunk + 1) if a.op is Op.FORWARD else -(a.chunk + 1)
                 for a in self.actions[rank] if a.op is not Op.WEIGHT]
 
-    def compute_order(self, rank: int) -> list[str]:
+    def action_labels(self, rank: int) -> list[str]:
         """The rank's actions in trace notation (``"F3.1"``, Megatron-Core's trace notation)."""
         return [str(a) for a in self.actions[rank]]
 

@@ -29,12 +29,12 @@ execution order are cached on the plan, so :func:`engine.plan.simulate.simulate`
 """
 from __future__ import annotations
 
-from .graph import PlanError, PlanGraph, execution_order, memory_levels, plan_graph
+from .graph import PlanError, PlanGraph, deadlock_free_segments, memory_levels, plan_graph
 from .lowering import compile_rank
 from .simulate import max_buffered_messages
 from .types import Plan
 
-__all__ = ["PlanError", "PlanGraph", "plan_graph", "execution_order", "validate_plan", "max_buffered_messages",
+__all__ = ["PlanError", "PlanGraph", "plan_graph", "deadlock_free_segments", "validate_plan", "max_buffered_messages",
            "memory_levels", "validate_programs"]
 
 
@@ -45,7 +45,7 @@ def validate_plan(plan: Plan) -> PlanGraph:
         PlanError: (a ``ValueError``) naming the first violating rank and action and why.
     """
     graph = plan_graph(plan)
-    execution_order(plan)
+    deadlock_free_segments(plan)
     return graph
 
 

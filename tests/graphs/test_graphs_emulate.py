@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.plan import build_plan
-from graphs import capture, graph_order
+from graphs import capture, capture_order
 from graphs.capture import DebugOptions
 from graphs.local_rank import make_rank_data, run_rank_step, sgd_step
 from graphs.order import LayerEvent, order_events
@@ -102,7 +102,7 @@ def test_emulated_graphs_bitwise_equal_eager(schedule, pp, vp, m, g, rank):
     ref = run_steps(eager, plan, rank, data, 3)
     got = run_steps(graphed, plan, rank, data, 3)
     assert bitwise_equal(ref, got)
-    assert [(k, c, mb) for k, c, mb in order_events(graph_order(plan, rank))] == got[0][0].executed
+    assert [(k, c, mb) for k, c, mb in order_events(capture_order(plan, rank))] == got[0][0].executed
     assert layers.guard.at_step_boundary
 
 
@@ -136,12 +136,12 @@ def test_shared_graphs_are_fine_without_pipelining():
 
 def test_negative_control_capture_order_differs_from_runtime_is_detected():
     plan = build_plan("interleaved", 2, 4, 2, 2)
-    order = graph_order(plan, 0)
+    order = capture_order(plan, 0)
     torch_style = [e for e in order if e > 0] + [e for e in reversed(order) if e < 0]  # torch's fixed order
     graphed = make_chunks(2, 2)
     with pytest.raises(ValueError, match="differs from the runtime plan"):
         capture(graphed, plan, 0, samples(graphed, 4), backend="emulate", order=torch_style)
-    wrong_rank = graph_order(plan, 1)
+    wrong_rank = capture_order(plan, 1)
     layers = capture(graphed, plan, 0, samples(graphed, 4), backend="emulate", order=wrong_rank,
                      _debug=DebugOptions(check_order=False))
     data = make_rank_data(2, 4, (S, B, H))
@@ -214,7 +214,7 @@ def test_record_mode_sees_the_executed_order():
     layers.start_recording()
     run_rank_step(chunks, plan, 1, make_rank_data(1, 5, (S, B, H)))
     rec = layers.stop_recording()
-    assert rec.chunk_order() == graph_order(plan, 1)
+    assert rec.chunk_order() == capture_order(plan, 1)
     assert rec.microbatch_passes() == [(a.op.value, a.chunk, a.microbatch) for a in plan.actions[1]]
     assert rec.events[:4] == [LayerEvent("F", 0, 0, 0), LayerEvent("F", 0, 0, 1), LayerEvent("F", 0, 0, 2),
                               LayerEvent("F", 0, 1, 0)]

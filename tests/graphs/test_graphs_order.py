@@ -7,7 +7,7 @@ import pytest
 
 from engine.plan import build_plan
 from engine.plan.table import convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches
-from graphs.order import (LayerEvent, check_order, flat_index, graph_order, layer_events, max_in_flight,
+from graphs.order import (LayerEvent, check_order, flat_index, capture_order, layer_events, max_in_flight,
                           order_events, unflat_index)
 
 from tests.helpers.megatron_vectors import vectors
@@ -30,7 +30,7 @@ GRID = list(_grid())
 def test_graph_order_is_runtime_order_and_megatron_order(schedule, pp, vp, m, g):
     plan = build_plan(schedule, pp, m, vp, g)
     for rank in range(pp):
-        order = graph_order(plan, rank)
+        order = capture_order(plan, rank)
         passes = list(order_events(order))
         assert passes == [(a.op.value, a.chunk, a.microbatch) for a in plan.actions[rank]]
         check_order(order, plan, rank)
@@ -58,7 +58,7 @@ def test_graph_order_equals_megatron_traces():
             recorded = per_rank.get("compute_order")
             if not recorded:
                 continue
-            mine = [f"{k}{mb}.{c}" for k, c, mb in order_events(graph_order(plan, int(rank)))]
+            mine = [f"{k}{mb}.{c}" for k, c, mb in order_events(capture_order(plan, int(rank)))]
             assert mine == recorded, (a, rank)
             checked += 1
     assert checked >= 20
@@ -67,7 +67,7 @@ def test_graph_order_equals_megatron_traces():
 def test_docstring_example():
     # Megatron's convert_schedule_table_to_order docstring: PP2 VP2 G3 M5 rank 0
     plan = build_plan("interleaved", 2, 5, 2, 3)
-    assert graph_order(plan, 0) == [1, 1, 1, 2, 2, 2, -2, 1, -2, 1, -2, 2, -1, 2, -1, -1, -2, -2, -1, -1]
+    assert capture_order(plan, 0) == [1, 1, 1, 2, 2, 2, -2, 1, -2, 1, -2, 2, -1, 2, -1, -1, -2, -2, -1, -1]
 
 
 def test_flat_index_layout_and_roundtrip():
@@ -90,7 +90,7 @@ def test_flat_index_layout_and_roundtrip():
 def test_spec_example_flat_ids():
     """A worked example of the flat graph ids: PP2 VP2 G2 M4 rank 0, two layers per chunk."""
     plan = build_plan("interleaved", 2, 4, 2, 2)
-    events = layer_events(graph_order(plan, 0), [2, 2])
+    events = layer_events(capture_order(plan, 0), [2, 2])
     ids = [flat_index(e.chunk, e.microbatch, e.layer, [2, 2], 4) for e in events]
     assert ids[:12] == [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 9, 8]
     assert ids[-4:] == [5, 4, 7, 6]
@@ -99,11 +99,11 @@ def test_spec_example_flat_ids():
 
 def test_check_order_rejects():
     plan = build_plan("interleaved", 2, 4, 2, 2)
-    good = graph_order(plan, 0)
+    good = capture_order(plan, 0)
     with pytest.raises(ValueError, match="not causal"):
         check_order([-1, 1] + good[2:])
     with pytest.raises(ValueError, match="differs from the runtime plan of rank 0 at position"):
-        check_order(graph_order(plan, 1), plan, 0)
+        check_order(capture_order(plan, 1), plan, 0)
     torch_style = [e for e in good if e > 0] + [e for e in reversed(good) if e < 0]
     with pytest.raises(ValueError, match="differs from the runtime plan"):
         check_order(torch_style, plan, 0)
@@ -114,9 +114,9 @@ def test_check_order_rejects():
     with pytest.raises(ValueError, match="out of range"):
         check_order([3, -3], num_model_chunks=2)
     with pytest.raises(ValueError, match="forward_only"):
-        graph_order(build_plan("1f1b", 2, 2, forward_only=True), 0)
+        capture_order(build_plan("1f1b", 2, 2, forward_only=True), 0)
     with pytest.raises(ValueError, match="rank"):
-        graph_order(plan, 2)
+        capture_order(plan, 2)
 
 
 def test_causality_is_exactly_megatron_realisability():
@@ -137,7 +137,7 @@ def test_causality_is_exactly_megatron_realisability():
 
 def test_max_in_flight():
     assert max_in_flight([1, -1] * 4) == 1
-    assert max_in_flight(graph_order(build_plan("1f1b", 4, 8), 0)) == 4
+    assert max_in_flight(capture_order(build_plan("1f1b", 4, 8), 0)) == 4
 
 
 @pytest.mark.parametrize("schedule,pp,vp,m,g", GRID)
@@ -145,7 +145,7 @@ def test_pool_model_capture_in_runtime_order_has_no_conflicts(schedule, pp, vp, 
     from graphs.liveness import pool_conflicts
     plan = build_plan(schedule, pp, m, vp, g)
     for rank in range(pp):
-        order = graph_order(plan, rank)
+        order = capture_order(plan, rank)
         assert pool_conflicts(order, order, [2] * vp).conflicts == []
 
 
@@ -154,7 +154,7 @@ def test_pool_model_detects_capture_order_differing_from_runtime():
     replay overwrite live activations of another microbatch in the shared pool."""
     from graphs.liveness import pool_conflicts
     plan = build_plan("interleaved", 4, 8, 4, 4)
-    order = graph_order(plan, 1)
+    order = capture_order(plan, 1)
     torch_style = [e for e in order if e > 0] + [e for e in reversed(order) if e < 0]
     same, torch_model = pool_conflicts(order, order, [1] * 4), pool_conflicts(torch_style, order, [1] * 4)
     assert torch_model.conflicts and torch_model.num_blocks > same.num_blocks

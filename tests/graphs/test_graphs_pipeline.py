@@ -4,7 +4,7 @@ One spawn per world size runs several cases and several training steps each.  Pe
 same model train side by side: eager, and with :class:`graphs.runtime.GraphRuntime` (backend ``emulate``,
 ``warmup_steps=1``: step 0 records, graphs from step 1 on).  Checked on the parent:
 
-* the recorded passes of the executor equal the capture order (``graph_order``) and, for interleaved ranks,
+* the recorded passes of the executor equal the capture order (``capture_order``) and, for interleaved ranks,
   ``convert_schedule_table_to_order``;
 * losses and parameter gradients of the graphed copy are bitwise equal to eager on every step;
 * graphs were active from step 1 with per-(chunk, microbatch, layer) graphs;
@@ -86,7 +86,7 @@ def _job(rank, world, cases):
     from engine.plan import build_plan
     from engine.runtime.process_groups import build_process_groups
     from engine.plan.table import convert_schedule_table_to_order, get_schedule_table, pp_rank_microbatches
-    from graphs import graph_order
+    from graphs import capture_order
     from graphs.runtime import GraphRuntime
 
     pgc = build_process_groups(world)
@@ -142,7 +142,7 @@ def _job(rank, world, cases):
                 plan = build_plan(schedule, world, M, C, G)
                 rec = runtime.last_recording
                 res["recorded"] = rec.chunk_order()
-                res["graph_order"] = graph_order(plan, rank)
+                res["capture_order"] = capture_order(plan, rank)
                 res["passes_ok"] = rec.microbatch_passes() == [(a.op.value, a.chunk, a.microbatch)
                                                                 for a in plan.actions[rank]]
                 if C > 1:
@@ -169,7 +169,7 @@ def _check(results, world):
                 assert all(s["finite"] and s["losses_equal"] and s["grads_equal"] for s in steps)
                 continue
             assert res["backend"] == "emulate", res
-            assert res["recorded"] == res["graph_order"], (case, res["rank"])
+            assert res["recorded"] == res["capture_order"], (case, res["rank"])
             assert res["passes_ok"], (case, res["rank"])
             if case["chunks"] > 1:
                 assert res["recorded"] == res["megatron_order"], (case, res["rank"])

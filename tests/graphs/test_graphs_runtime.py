@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.plan import build_plan
-from graphs import GraphRuntime, graph_order
+from graphs import GraphRuntime, capture_order
 from graphs.local_rank import make_rank_data, run_rank_step
 from tests.graphs.test_graphs_emulate import S, B, H, bitwise_equal, make_chunks, run_steps
 
@@ -60,7 +60,7 @@ def test_warmup_record_capture_and_recapture_on_microbatch_change():
         assert bitwise_equal(run_steps(eager, plan, 0, data, 1), run_steps(graphed, plan, 0, data, 1)), step
     assert active == [False, False, True, True, False, True, True]
     assert runtime.layers.graphs.num_microbatches == 6
-    assert runtime.last_recording.chunk_order() == graph_order(build_plan("interleaved", 2, 6, 2, 2), 0)
+    assert runtime.last_recording.chunk_order() == capture_order(build_plan("interleaved", 2, 6, 2, 2), 0)
     runtime.close()
     assert all("forward" not in layer.__dict__ for chunk in graphed for layer in chunk)
 

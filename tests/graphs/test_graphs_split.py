@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from engine.plan import build_plan
-from graphs import capture, check_order, graph_order, layer_events, order_events
+from graphs import capture, check_order, capture_order, layer_events, order_events
 from graphs.local_rank import WeightQueue, make_rank_data, run_rank_step, sgd_step
 from tests.graphs.test_graphs_emulate import B, H, S, bitwise_equal, make_chunks, param_grads, samples
 from tests.graphs.test_graphs_fallback import fake_cuda  # noqa: F401 - the fixture
@@ -43,9 +43,9 @@ def _plans():
 def test_capture_order_includes_w_and_equals_the_plan():
     for plan in _plans():
         for rank in range(plan.pp_size):
-            order = graph_order(plan, rank)
+            order = capture_order(plan, rank)
             where = (plan.schedule, plan.pp_size, plan.num_microbatches, rank)
-            assert [f"{k}{m}.{c}" for k, c, m in order_events(order)] == plan.compute_order(rank), where
+            assert [f"{k}{m}.{c}" for k, c, m in order_events(order)] == plan.action_labels(rank), where
             assert sum(isinstance(e, float) for e in order) == plan.num_model_chunks * plan.num_microbatches, where
             check_order(order, plan, rank)
             events = layer_events(order, [2] * plan.num_model_chunks)
@@ -54,9 +54,9 @@ def test_capture_order_includes_w_and_equals_the_plan():
 
 def test_check_order_rejects_split_orders_that_are_not_the_plans():
     plan = build_plan("zbv", 2, 4, 2)
-    order = graph_order(plan, 0)
+    order = capture_order(plan, 0)
     with pytest.raises(ValueError, match=r"rank 0 of the zbv plan runs 24 \(W included\)"):
-        check_order(plan.order(0), plan, 0)  # the F/B order of unsplit capture
+        check_order(plan.te_order(0), plan, 0)  # the F/B order of unsplit capture
     first_w = next(i for i, e in enumerate(order) if isinstance(e, float))
     early = [order[first_w]] + order[:first_w] + order[first_w + 1:]
     with pytest.raises(ValueError, match="not causal: weight-gradient pass #1 of model chunk 1"):
@@ -99,7 +99,7 @@ def test_emulated_split_graphs_bitwise_equal_eager(schedule, C, M, rank):
     got = _steps(graphed, plan, rank, data, 3, queue)
     assert bitwise_equal(ref, got)
     assert got[0][0].executed == [(a.op.value, a.chunk, a.microbatch) for a in plan.actions[rank]]
-    assert graphs.report.order == graph_order(plan, rank) and graphs.guard.at_step_boundary
+    assert graphs.report.order == capture_order(plan, rank) and graphs.guard.at_step_boundary
     assert not queue.pending  # every queued W ran in its W action
 
 
@@ -175,7 +175,7 @@ def test_torch_backend_captures_f_b_and_w_graphs_in_plan_order(fake_cuda):  # no
         for kind, g in (("F", s.fwd_graph), ("B", s.bwd_graph), ("W", s.wgt_graph)):
             owner[id(g)] = (kind, s.event.chunk, s.event.microbatch, s.event.layer)
     created = [owner[id(g)] for g in fake.graphs]
-    events = layer_events(graph_order(plan, 1), [2, 2])
+    events = layer_events(capture_order(plan, 1), [2, 2])
     assert created == [(e.kind, e.chunk, e.microbatch, e.layer) for e in events]
     # after its W capture a slot keeps neither the saved activations nor B's recorded gradients: their blocks go
     # back to the pool (tests/graphs/test_graphs_split_memory.py checks the bound)
@@ -191,7 +191,7 @@ def test_w_buffers_hold_one_gradient_per_weight_op():
     from graphs.backends.common import pending_weight_sets
     plan, _, graphed, _, graphs = _pair("zbv", 2, 4, 0)
     per_set = (H + 2 * H + H) * S * B * 4  # fp32
-    peak = pending_weight_sets(layer_events(graph_order(plan, 0), [2, 2]))[1]
+    peak = pending_weight_sets(layer_events(capture_order(plan, 0), [2, 2]))[1]
     assert sum(peak.values()) < 2 * 4 * 2  # fewer sets than chunks x microbatches x layers
     assert held_bytes(graphs.graphs)["weight_inputs"] == sum(peak.values()) * per_set
 

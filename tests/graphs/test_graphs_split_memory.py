@@ -20,7 +20,7 @@ import torch
 from engine.plan import build_plan
 from engine.training.config import ModelConfig
 from engine.training.model import Block
-from graphs import capture, graph_order, layer_events
+from graphs import capture, capture_order, layer_events
 from graphs.accounting import held_bytes
 from graphs.backends import torch_cuda
 from graphs.backends.common import pending_weight_sets
@@ -45,7 +45,7 @@ def _meta_split_bytes(schedule: str, pp: int, vp: int, m: int, rank: int = 0) ->
     assert layers.active, layers.report
     held = held_bytes(layers.graphs)
     layers.remove()
-    return held, pending_weight_sets(layer_events(graph_order(plan, rank), [LAYERS] * vp))[1]
+    return held, pending_weight_sets(layer_events(capture_order(plan, rank), [LAYERS] * vp))[1]
 
 
 def test_w_inputs_on_the_meta_device_do_not_grow_with_the_microbatch_count():
@@ -69,7 +69,7 @@ def test_w_inputs_follow_the_peak_pending_w_when_it_changes():
 
 def test_pending_weight_sets_reuses_a_set_once_its_w_ran():
     plan = build_plan("zbv", 2, 6, 2)
-    events = layer_events(graph_order(plan, 0), [1, 1])
+    events = layer_events(capture_order(plan, 0), [1, 1])
     assignment, peak = pending_weight_sets(events)
     holder: dict = {}
     for ev in events:  # no set is taken by two microbatches at once
@@ -106,7 +106,7 @@ def test_torch_backend_holds_recorded_gradients_only_between_b_and_w(fake_cuda, 
     monkeypatch.setattr(torch_cuda.CudaGraphSlot, "capture_weight", capture_weight)
     layers = capture(chunks, plan, 0, samples(chunks, 8), backend="torch", defer_weight_grad=WeightQueue().defer)
     assert layers.active, layers.report
-    peak = pending_weight_sets(layer_events(graph_order(plan, 0), [2, 2]))[1]
+    peak = pending_weight_sets(layer_events(capture_order(plan, 0), [2, 2]))[1]
     assert max(holding) == sum(peak.values()) < len(layers.graphs.callables)
     assert holding[-1] == 0 and held_bytes(layers.graphs)["weight_inputs"] == 0
     layers.remove()

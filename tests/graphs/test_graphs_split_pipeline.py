@@ -5,7 +5,7 @@ copy (:class:`graphs.runtime.GraphRuntime`, backend ``emulate``, ``warmup_steps=
 graphs from step 1 on) run ``forward_backward_pipelining_with_schedule``, and the parent-free single-process
 reference (every stage in sequence, plain autograd) runs here on each rank.  Checked on the parent:
 
-* the capture order equals ``graph_order(plan, rank)`` and holds the plan's actions one to one, ``W`` included;
+* the capture order equals ``capture_order(plan, rank)`` and holds the plan's actions one to one, ``W`` included;
 * graphs are active from step 1; every step ends at the captured order's boundary (each ``W`` replayed in place);
 * losses and parameter gradients of the graphed copy are bitwise the eager copy's, and within ``TOL`` of the
   reference, on every step.
@@ -111,7 +111,7 @@ def _job(rank, world, cases):
     from engine.plan import build_plan
     from engine.runtime import split_backward
     from engine.runtime.process_groups import build_process_groups
-    from graphs import graph_order
+    from graphs import capture_order
     from graphs.runtime import GraphRuntime
 
     pgc = build_process_groups(world)
@@ -141,7 +141,7 @@ def _job(rank, world, cases):
         plan = build_plan(schedule, world, Ms[-1], C)
         report = runtime.layers.report
         res.update(backend=report.backend, reason=report.reason, order=report.order,
-                   graph_order=graph_order(plan, rank), plan_actions=plan.compute_order(rank))
+                   capture_order=capture_order(plan, rank), plan_actions=plan.action_labels(rank))
         runtime.close()
         out.append(res)
     return out
@@ -159,7 +159,7 @@ def _check(results):
                 assert all(s["losses_equal"] and s["grads_equal"] and s["grad_err"] <= TOL for s in steps), steps
                 continue
             assert res["backend"] == "emulate", (where, res["reason"])
-            assert res["order"] == res["graph_order"], where
+            assert res["order"] == res["capture_order"], where
             assert [f"{k}{m}.{c}" for k, c, m in order_events(res["order"])] == res["plan_actions"], where
             assert any(isinstance(e, float) for e in res["order"]), where  # the W actions are in it
             assert not steps[0]["active"] and all(s["active"] for s in steps[1:]), (where, steps)

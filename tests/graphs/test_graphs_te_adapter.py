@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.plan import build_plan
-from graphs import capture, flat_index, graph_order, layer_events
+from graphs import capture, flat_index, capture_order, layer_events
 from graphs.local_rank import make_rank_data
 from tests.graphs.test_graphs_emulate import Block, bitwise_equal, make_chunks, run_steps, samples
 
@@ -171,7 +171,7 @@ def test_te_adapter_passes_exactly_what_te_expects(monkeypatch, schedule, pp, vp
     layers = capture(graphed, plan, rank, sample, backend="te", num_warmup_iters=2)
     assert layers.active and layers.report.backend == "te", layers.report
     (call,) = fake.calls
-    assert call["_order"] == graph_order(plan, rank)
+    assert call["_order"] == capture_order(plan, rank)
     assert call["_num_layers_per_chunk"] == lpc
     assert list(call["modules"]) == [layer for chunk in graphed for layer in chunk]  # chunk-major, each once
     assert len(call["sample_args"]) == sum(lpc) * m
@@ -183,7 +183,7 @@ def test_te_adapter_passes_exactly_what_te_expects(monkeypatch, schedule, pp, vp
     # one step through the dispatch: the callable of (c, m, l) is the one TE built for that flat index
     data = make_rank_data(vp, m, (S, B, H))
     assert bitwise_equal(run_steps(eager, plan, rank, data, 1), run_steps(graphed, plan, rank, data, 1))
-    events = layer_events(graph_order(plan, rank), lpc)
+    events = layer_events(capture_order(plan, rank), lpc)
     assert fake.replayed == [flat_index(e.chunk, e.microbatch, e.layer, lpc, m) for e in events if e.kind == "F"]
 
 
@@ -195,7 +195,7 @@ def test_te_1_6_signature_uniform_layers_and_b17_hooks(monkeypatch):
     layers = capture(graphed, plan, 0, samples(graphed, 4), backend="te")
     assert layers.active
     (call,) = fake.calls
-    assert "_num_layers_per_chunk" not in call and call["_order"] == graph_order(plan, 0)
+    assert "_num_layers_per_chunk" not in call and call["_order"] == capture_order(plan, 0)
     assert "clone_param_grads_on_return=no" in layers.report.te_features
     hooked = [p for chunk in graphed for layer in chunk for p in layer.parameters() if p._backward_hooks]
     assert len(hooked) == sum(1 for chunk in graphed for layer in chunk for _ in layer.parameters())

@@ -106,13 +106,13 @@ def _split_job(rank, world, run_dir):
 @pytest.mark.timeout(200)
 def test_trainer_split_schedules_with_emulated_graphs_match_eager(tmp_path):
     from engine.plan import build_plan
-    from graphs import graph_order
+    from graphs import capture_order
     results = run_ranks(_split_job, 2, tmp_path, timeout=190)
     for rank, res in enumerate(results):
         for schedule, virtual, limit in SPLIT_CASES:
             eager, graphed = res[(schedule, None)], res[(schedule, "emulate")]
             assert graphed["active"] == [False] + [True] * (STEPS - 1), (schedule, rank, graphed["reason"])
             plan = build_plan(schedule, 2, 4, virtual, max_in_flight=limit)  # the trainer's plan, W included
-            assert graphed["order"] == graph_order(plan, rank)
+            assert graphed["order"] == capture_order(plan, rank)
             assert graphed["losses"] == eager["losses"], (schedule, rank)  # bitwise
             assert graphed["digest"] == eager["digest"], (schedule, rank)

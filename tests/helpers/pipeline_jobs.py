@@ -121,7 +121,7 @@ class _TraceLog(list):
             entry = f"B m{mb} c{c}" + ("" if self.rec.active else " grad_sync_enabled")
         super().append(entry)
 
-    def compute_order(self):
+    def action_labels(self):
         out = []
         for e in self:
             if e.startswith(("F m", "B m")):
@@ -207,7 +207,7 @@ def run_case(rank: int, pgc, c: dict) -> dict:
         except Exception as exc:  # noqa: BLE001 - reported to the parent
             result["error"] = (type(exc).__name__, str(exc))
             return result
-        call = {"forward_only": fo, "M": M, "store_len": len(store), "order": log.compute_order(), "events": list(log),
+        call = {"forward_only": fo, "M": M, "store_len": len(store), "order": log.action_labels(), "events": list(log),
                 "plan_order": _plan_order(c, schedule, pp, M, C, fo, pp_rank),
                 "seen_ok": all(mb == cur for ch in chunks for mb, cur, _ in ch.seen),
                 "input_dtypes": sorted({str(d) for ch in chunks for d in ch.input_dtypes}),
@@ -495,7 +495,7 @@ def _execute_plan(rank: int, world: int, pgc, plan, prefetch: int) -> dict:
     _, ref = tm.reference(None, world, C, data)
     order = [e if e[0] == "F" else f"B{e.split()[1][1:]}.{e.split()[2][1:]}" for e in log if e[0] in "FB"]
     return {"grad_err": tm.max_rel_error(tm.chunk_grads(chunks), ref), "order": order,
-            "plan_order": plan.compute_order(rank), "store_len": len(store), "pp_rank": rank}
+            "plan_order": plan.action_labels(rank), "store_len": len(store), "pp_rank": rank}
 
 
 def swapped_backward_plan(rank: int, world: int) -> dict:

@@ -1,7 +1,7 @@
 """Plans against Megatron's executed schedules (``trace:`` vectors) and invariants over parameter grids.
 
 Every ``trace:*forward_backward_*`` vector of ``tests/data/megatron_schedules.json`` is a real Megatron-Core 0.16.1
-schedule run with fake compute and a fake network; each rank's ``compute_order`` must equal ``Plan.compute_order``.
+schedule run with fake compute and a fake network; each rank's ``action_labels`` must equal ``Plan.action_labels``.
 Where Megatron raises, ``build_plan`` raises the same exception type.  pipecast deliberately differs on three
 degenerate inputs, listed in ``DELIBERATE`` with Megatron's recorded behaviour (checked here too).
 """
@@ -72,7 +72,7 @@ def test_trace_vectors_compute_order():
         assert plan.pp_size == len(ranks)
         for rank, recorded in enumerate(ranks):
             assert recorded["dataflow_errors"] == []
-            assert plan.compute_order(rank) == recorded["compute_order"], (trace["function"], args, rank)
+            assert plan.action_labels(rank) == recorded["compute_order"], (trace["function"], args, rank)
         assert trace["result"]["unmatched_p2p_ops"] == []
         validate_plan(plan)
         checked += 1
@@ -149,7 +149,7 @@ def _check_invariants(schedule, pp, microbatches, chunks, group, forward_only):
         if not forward_only:
             assert warmup == len(acts) // 2 or acts[warmup].op is Op.FORWARD and acts[warmup + 1].op is Op.BACKWARD
             if schedule == "interleaved":
-                assert plan.order(rank) == convert_schedule_table_to_order(warmup, chunks, table)
+                assert plan.te_order(rank) == convert_schedule_table_to_order(warmup, chunks, table)
     validate_plan(plan)
     return plan
 
@@ -238,4 +238,4 @@ def test_one_action_notation_round_trips():
         with pytest.raises(ValueError, match="is not an action"):
             Action.parse(bad)
     plan = build_plan("zbv", 2, 2, 2)
-    assert [Action.parse(s) for s in plan.compute_order(0)] == list(plan.actions[0])
+    assert [Action.parse(s) for s in plan.action_labels(0)] == list(plan.actions[0])

@@ -23,7 +23,7 @@ def test_prints_grid_and_bubble(capsys):
     out = capsys.readouterr().out
     plan = build_plan("interleaved", 4, 8, 2)
     for rank in range(4):
-        assert " ".join(plan.compute_order(rank)) in out  # the full per-rank action grid
+        assert " ".join(plan.action_labels(rank)) in out  # the full per-rank action grid
     sim = simulate(plan, 1.0, 2.0)
     assert f"makespan {sim.makespan:g}, overall bubble {100 * sim.bubble_overall:.1f}%" in out
     assert out.count("bubble ") >= 5  # one per rank and the total
@@ -40,7 +40,7 @@ def test_json_and_plot(tmp_path, capsys):
     plan = build_plan("interleaved", 2, 5, 2, 3)
     sim = simulate(plan, 1.0, 2.0, 0.5)
     assert data["group_size"] == 3 and data["makespan"] == sim.makespan
-    assert [r["actions"] for r in data["ranks"]] == [plan.compute_order(r) for r in range(2)]
+    assert [r["actions"] for r in data["ranks"]] == [plan.action_labels(r) for r in range(2)]
     assert data["ranks"][1]["start"] == sim.start[1]
     assert data["ranks"][0]["warmup"] == 5
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -119,5 +119,5 @@ def test_large_plans_print_a_summary_unless_grid_is_given(capsys):
     out = capsys.readouterr().out
     plan = build_plan("1f1b", 4, 200)
     rows = [line.split(": ", 1)[1].split() for line in out.splitlines() if line.startswith("rank ") and "(warmup" in line]
-    assert rows == [plan.compute_order(rank) for rank in range(4)]
+    assert rows == [plan.action_labels(rank) for rank in range(4)]
     assert "omitted" not in out and out.count("bubble ") >= 5

@@ -7,7 +7,7 @@ import pytest
 
 from engine.plan import Action, Message, Op, Plan, build_plan
 from engine.plan.simulate import simulate
-from engine.plan.validate import PlanError, execution_order, max_buffered_messages, plan_graph, validate_plan
+from engine.plan.validate import PlanError, deadlock_free_segments, max_buffered_messages, plan_graph, validate_plan
 
 F, B, W = Op.FORWARD, Op.BACKWARD, Op.WEIGHT
 
@@ -34,7 +34,7 @@ def test_built_plans_validate_and_return_their_graph():
     graph = validate_plan(plan)
     assert graph is plan_graph(plan)  # cached
     assert graph.num_actions == plan.total_actions == 4 * 2 * 16
-    segments = execution_order(plan)
+    segments = deadlock_free_segments(plan)
     covered = sorted(i for _, lo, hi in segments for i in range(lo, hi))
     assert covered == list(range(graph.num_actions))  # every action once
 
@@ -43,7 +43,7 @@ def test_execution_order_respects_messages():
     plan = build_plan("interleaved", 3, 6, 2, 3)
     graph = validate_plan(plan)
     position = {}
-    for step, (rank, lo, hi) in enumerate(execution_order(plan)):
+    for step, (rank, lo, hi) in enumerate(deadlock_free_segments(plan)):
         for i in range(lo, hi):
             position[i] = (step, i)
     for i in range(graph.num_actions):
@@ -57,7 +57,7 @@ def test_execution_order_respects_messages():
 
 def test_backward_before_forward_is_rejected():
     plan = build_plan("1f1b", 2, 2)
-    assert plan.compute_order(1) == ["F0.0", "B0.0", "F1.0", "B1.0"]
+    assert plan.action_labels(1) == ["F0.0", "B0.0", "F1.0", "B1.0"]
     bad = _with_actions(plan, {1: _acts("B0.0 F0.0 F1.0 B1.0")})
     with pytest.raises(PlanError, match=r"rank 1, action 0 \(B0.0\): runs before F0.0") as info:
         validate_plan(bad)
@@ -243,9 +243,9 @@ def test_caches_stay_out_of_pickles_and_simulation_must_match_plan():
     import pickle
     plan = build_plan("interleaved", 2, 4, 2)
     validate_plan(plan)
-    assert {"_plan_graph", "_execution_order", "action_keys"} <= set(plan.__dict__)
+    assert {"_plan_graph", "_deadlock_free_segments", "action_keys"} <= set(plan.__dict__)
     copy = pickle.loads(pickle.dumps(plan))
-    assert copy == plan and not {"_plan_graph", "_execution_order", "action_keys"} & set(copy.__dict__)
+    assert copy == plan and not {"_plan_graph", "_deadlock_free_segments", "action_keys"} & set(copy.__dict__)
     validate_plan(copy)
     with pytest.raises(ValueError, match="simulation is of another plan"):
         max_buffered_messages(copy, simulate(plan))

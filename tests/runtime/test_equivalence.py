@@ -8,7 +8,7 @@ Two spawned jobs (PP = 2 on 2 ranks, PP = 4 on 4 ranks; shared with ``tests/runt
   off: every per-microbatch loss and every parameter gradient equals the reference (fp32, max relative error
   <= 1e-5), the loss stage returns M entries in microbatch order and every other rank ``[]``;
 * forward-only calls, repeated calls accumulating gradients, eval / train / eval sequences;
-* the compute order each rank's model records equals the plan's (``Plan.compute_order``);
+* the compute order each rank's model records equals the plan's (``Plan.action_labels``);
 * every Megatron-Core 0.16.1 trace vector with PP in {2, 4}: the recorded per-rank sequence of forwards (with the
   ``is_first_microbatch`` / checkpoint / last-stage flags), backwards (with grad sync on or off), ``no_sync``
   enter/exit, ``grad_sync_func`` / ``param_sync_func`` calls and ``finalize_model_grads_func`` equals Megatron's,

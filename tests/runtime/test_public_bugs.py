@@ -322,10 +322,10 @@ def test_b14_group_size_rules(fixture, request):
             _ok(c, ranks)
 
 
-def _te_order(compute_order: list[str]) -> list[int]:
+def _te_order(action_labels: list[str]) -> list[int]:
     """Transformer Engine's ``_order`` (spec cuda_graphs 1.2): ``+(c + 1)`` for a forward of chunk ``c``,
     ``-(c + 1)`` for its backward, from a compute order in the traces' ``F<mb>.<c>`` / ``B<mb>.<c>`` notation."""
-    return [(int(a.split(".")[1]) + 1) * (1 if a[0] == "F" else -1) for a in compute_order]
+    return [(int(a.split(".")[1]) + 1) * (1 if a[0] == "F" else -1) for a in action_labels]
 
 
 def _megatron_capture_order(pp: int, chunks: int, M: int, G: int, rank: int, forward_only: bool) -> list[int]:
