@@ -1,7 +1,8 @@
 """The config reference, generated from the dataclasses of :mod:`engine.training.config`: every field with its type
 and default read from the dataclass and its meaning from :data:`FIELD_HELP` (a test checks that every field has
-one and no entry is stale).  ``pipecast train --help`` prints :func:`help_text`; :func:`markdown_table` gives the same
-rows for documentation.
+one and no entry is stale; an entry that names schedules is a function that reads the schedule registry,
+:mod:`engine.plan.registry`, when the help is shown).  ``pipecast train --help`` prints :func:`help_text`;
+:func:`markdown_table` gives the same rows for documentation.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 import textwrap
 import typing
 
+from ..plan.registry import get_schedule, schedule_names
 from .config import TrainConfig, _type_name
 
 __all__ = ["FIELD_HELP", "field_rows", "help_text", "markdown_table"]
@@ -38,13 +40,12 @@ FIELD_HELP = {
     "model.precision": "bf16: autocast on CUDA (parameters and pipeline messages stay fp32)",
     "parallel.pipeline": "pipeline ranks P",
     "parallel.virtual": "model chunks per pipeline rank; > 1 selects interleaved 1F1B (schedule: auto)",
-    "parallel.schedule": "auto (Megatron's choice from pipeline / virtual), no_pipelining, 1f1b, interleaved, zb_h1 "
-                         "(split backward, one chunk per rank), zbv (V placement, needs virtual: 2), zb (split "
-                         "backward under max_in_flight) or tuned (the best of RUN_DIR/tune.json, `pipecast tune`)",
-    "parallel.max_in_flight": "zb only: per-rank limit on in-flight activations (null: 1F1B's, virtual x (P - r))",
+    "parallel.schedule": lambda: _schedule_help(),
+    "parallel.max_in_flight": lambda: f"{_takers('max_in_flight')} only: per-rank limit on in-flight activations "
+                                      "(null: 1F1B's, virtual x (P - r))",
     "parallel.data": "data-parallel replicas (null: world size / pipeline; 1 when spawning locally)",
-    "parallel.microbatch_group_size_per_vp_stage": "interleaved only (null: P); Megatron's rules P <= G <= M, "
-                                                   "M mod G in {0} U [P, G)",
+    "parallel.microbatch_group_size_per_vp_stage": lambda: f"{_takers('group_size')} only (null: P); Megatron's "
+                                                           "rules P <= G <= M, M mod G in {0} U [P, G)",
     "parallel.device": "auto: CUDA when available, else CPU",
     "parallel.backend": "auto: NCCL on CUDA, gloo on CPU",
     "parallel.timeout_s": "communication timeout in seconds; a lost peer fails the job after this long",
@@ -102,6 +103,19 @@ FIELD_HELP = {
 }
 
 
+def _takers(option: str) -> str:
+    """The registered schedules that take build option ``option``, joined with " / "."""
+    return " / ".join(n for n in schedule_names() if option in get_schedule(n).options) or "no schedule"
+
+
+def _schedule_help() -> str:
+    """``parallel.schedule``'s meaning, read from the schedule registry when help is shown (so schedules
+    registered before that are listed too)."""
+    named = "; ".join(f"{n}: {get_schedule(n).summary}" if get_schedule(n).summary else n for n in schedule_names())
+    return (f"auto: Megatron's choice from pipeline / virtual; a registered schedule -- {named}; tuned: the best "
+            "of RUN_DIR/tune.json (`pipecast tune`)")
+
+
 def field_rows() -> list[tuple[str, str, str, str]]:
     """``(section.field, type, default, meaning)`` for every config field, in dataclass order."""
     rows = []
@@ -114,7 +128,8 @@ def field_rows() -> list[tuple[str, str, str, str]]:
             name = f"{section.name}.{f.name}"
             shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else \
                 str(default)
-            rows.append((name, _type_name(hints[f.name]), shown, FIELD_HELP.get(name, "")))
+            meaning = FIELD_HELP.get(name, "")
+            rows.append((name, _type_name(hints[f.name]), shown, meaning() if callable(meaning) else meaning))
     return rows
 
 
