@@ -27,6 +27,7 @@ import yaml
 from ..plan.registry import auto_schedule, config_choices, get_schedule, schedule_names, virtual_or_none
 from ..plan.resolve import ResolvedSchedule, resolve_schedule
 from ..plan.table import validate_interleaved_microbatches
+from .errors import ConfigError
 
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "TrainingConfig",
            "CheckpointConfig", "LoggingConfig", "CudaGraphsConfig", "ProfileConfig", "TrainConfig",
@@ -35,10 +36,6 @@ __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "Optimi
 
 
 MAX_STEPS = 10**9  # the upper bound of training.steps
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field, its value and the fix."""
 
 
 class ScheduleName(str):

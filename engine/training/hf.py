@@ -27,9 +27,12 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-from .config import ConfigError, ModelConfig, TrainConfig
+from .errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: engine.training.config imports this module to resolve model.init_from
+    from .config import ModelConfig, TrainConfig
 
 __all__ = ["ARCHITECTURE_FIELDS", "hf_config", "to_hf_tensors", "model_fields", "read_hf_config",
            "resolve_init_from", "check_init_from", "load_hf_weights", "write_hf_folder", "hf_tensor_names"]
@@ -37,7 +40,8 @@ __all__ = ["ARCHITECTURE_FIELDS", "hf_config", "to_hf_tensors", "model_fields", 
 ARCHITECTURE_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                        "ffn_hidden_size", "vocab_size", "norm_epsilon", "rope_theta", "max_position_embeddings",
                        "tie_embeddings", "activation")
-"""The ``model.*`` fields a Hugging Face ``config.json`` sets (``model.init_from``)."""
+"""The ``model.*`` fields a Hugging Face ``config.json`` sets (``model.init_from``; gpt2 has no rotary embedding
+and leaves ``rope_theta`` as it is)."""
 
 # (pipecast name pattern, Hugging Face name, transposed): gpt2's Conv1D stores [in, out]
 _GPT2_RULES = (
@@ -205,7 +209,7 @@ def _gpt2_fields(hf: dict, where: str) -> dict:
     return {"family": "gpt2", "num_layers": hf.get("n_layer", 12), "hidden_size": hidden,
             "num_attention_heads": hf.get("n_head", 12), "num_query_groups": None,
             "ffn_hidden_size": hf.get("n_inner") or 4 * hidden, "vocab_size": hf.get("vocab_size", 50257),
-            "norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)), "rope_theta": ModelConfig.rope_theta,
+            "norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
             "max_position_embeddings": hf.get("n_positions", 1024),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", True)), "activation": _GELU[act]}
 

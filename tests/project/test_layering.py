@@ -3,7 +3,8 @@ the plan layer without torch; functions that fit on a screen.
 
 Every ``import`` statement of ``engine/`` and ``graphs/`` (module level and inside functions alike) is read with
 ``ast`` and resolved to a module; each module belongs to one layer, and each layer may import only the layers
-listed for it.  Module-level imports must form no cycle.
+listed for it (imports under ``if TYPE_CHECKING:`` never run and are not counted).  The imports form no cycle: neither the module-level ones nor those with the imports inside functions
+(lazy imports) added.
 """
 from __future__ import annotations
 
@@ -53,7 +54,10 @@ def _imports(module: str, path: Path, is_package: bool):
     tree = ast.parse(path.read_text(), filename=str(path))
     top = {id(n) for n in tree.body}
     package = module if is_package else module.rpartition(".")[0]
+    skipped = _type_checking_only(tree)
     for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, node.lineno, id(node) in top
@@ -66,6 +70,15 @@ def _imports(module: str, path: Path, is_package: bool):
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 yield (full if layer_of(full) and _is_module(full) else base), node.lineno, id(node) in top
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """Ids of the nodes under ``if TYPE_CHECKING:`` (annotations only: its imports never run)."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skipped
 
 
 def _is_module(name: str) -> bool:
@@ -88,11 +101,22 @@ def test_no_import_runs_against_the_layering():
     assert wrong == []
 
 
-def test_module_level_imports_have_no_cycle():
+def import_graph(*, lazy: bool, extra: dict | None = None) -> dict[str, set[str]]:
+    """``module -> the project modules it imports``: module-level imports, and with ``lazy`` also the imports inside
+    functions (they run later, but a circle through them is still a circle in the design).  ``extra``: planted
+    edges for the negative controls."""
     edges = {}
     for module, path, is_package in _modules():
-        edges[module] = {t for t, _, top in _imports(module, path, is_package) if top and layer_of(t)}
-    state, cycle = {}, []
+        edges[module] = {t for t, _, top in _imports(module, path, is_package) if (top or lazy) and layer_of(t)}
+    for module, targets in (extra or {}).items():
+        edges.setdefault(module, set()).update(targets)
+    return edges
+
+
+def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The circles a depth-first walk of ``edges`` meets (each as ``[m, ..., m]``); a module importing its own
+    package (the package's ``__init__``) is not one."""
+    state, cycles = {}, []
 
     def visit(m, stack):
         state[m] = 1
@@ -100,7 +124,7 @@ def test_module_level_imports_have_no_cycle():
             if t == m or (m.startswith(t + ".") and t in edges):  # a package's own __init__ while importing it
                 continue
             if state.get(t) == 1:
-                cycle.append(stack[stack.index(t):] + [t] if t in stack else [m, t])
+                cycles.append(stack[stack.index(t):] + [t] if t in stack else [m, t])
             elif state.get(t) is None:
                 visit(t, stack + [t])
         state[m] = 2
@@ -108,7 +132,28 @@ def test_module_level_imports_have_no_cycle():
     for m in sorted(edges):
         if state.get(m) is None:
             visit(m, [m])
-    assert cycle == []
+    return cycles
+
+
+def test_module_level_imports_have_no_cycle():
+    assert find_cycles(import_graph(lazy=False)) == []
+
+
+def test_imports_inside_functions_have_no_cycle_either():
+    assert find_cycles(import_graph(lazy=True)) == []
+
+
+def test_the_cycle_check_catches_a_planted_lazy_circle(tmp_path):
+    """Negative control: a function-level import of ``engine.plan.build`` from ``engine.plan.types`` (which
+    ``build`` imports at module level) closes a circle that only the lazy graph sees."""
+    path = tmp_path / "types.py"
+    path.write_text("def f():\n    from .build import build_plan\n")
+    planted = {t for t, _, top in _imports("engine.plan.types", path, False) if not top}
+    assert planted == {"engine.plan.build"}
+    assert "engine.plan.types" in import_graph(lazy=False)["engine.plan.build"]
+    assert find_cycles(import_graph(lazy=True)) == []
+    cycles = find_cycles(import_graph(lazy=True, extra={"engine.plan.types": planted}))
+    assert any({"engine.plan.types", "engine.plan.build"} <= set(c) for c in cycles), cycles
 
 
 def test_the_plan_layer_and_pipecast_schedule_import_no_torch():
