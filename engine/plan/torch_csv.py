@@ -12,7 +12,8 @@ chunks 0, 1, ... (so Megatron's looped placement and the V placement come out as
 The microbatches are those stage 0 forwards (``0..M-1``); a cell of another microbatch is refused.  The plan is
 then checked like every plan (:func:`engine.plan.validate.validate_plan`: data flow, deadlock, memory), so a bad
 schedule is refused with the first bad action named in pipecast's notation (``B3.1`` = microbatch 3 of chunk 1) and
-its cell in the grid (``[CSV row 0, column 5: '3F1']``; columns count idle cells).  Pure: no torch.
+its cell in the grid (``[CSV row 0, column 5: '3F1']``; columns count idle cells).  torch 2.13's
+``Schedule1F1B.pipeline_order`` is refused this way: its last rank forwards microbatches ``1..M``.  Pure: no torch.
 """
 from __future__ import annotations
 
