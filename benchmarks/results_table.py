@@ -134,6 +134,23 @@ def post_stalls(d: dict) -> list[str]:
     return out + ["", _machine(d)]
 
 
+def split_backward(d: dict) -> list[str]:
+    w = d["workload"]
+    s, b, h = w["microbatch_sbh"]
+    out = [f"### Split backward: B + W against the full backward (hidden {w['hidden']})",
+           f"One model chunk of {w['layers_per_chunk']} layers, one microbatch [s, b, h] = [{s}, {b}, {h}], "
+           f"{d['threads']} thread; medians (minima in brackets) of {d['repeats']} repetitions.  Full backward "
+           f"{d['full_backward_ms']:.3f} ms ({d['full_backward_min_ms']:.3f}); the unsplit backward holds "
+           f"{d['activation_bytes_after_forward']} B after the forward.", "",
+           "| mode | forward (ms) | B (ms) | W (ms) | B + W / full | bytes held between B and W | of which the "
+           "handle's |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for mode, r in d["modes"].items():
+        out.append(f"| {mode} | {d['forward_ms'][mode]:.3f} | {r['b_ms']:.3f} | {r['w_ms']:.3f} | "
+                   f"{r['ratio_to_full']:.3f} ({r['min_ratio_to_full']:.3f}) | {r['bytes_between_b_and_w']} | "
+                   f"{r['handle_held_bytes']} |")
+    return out + [""] + _goals(d) + ["", _machine(d)]
+
+
 def generic(d: dict) -> list[str]:
     out = [f"### {d.get('benchmark', 'benchmark')}"]
     rows = d.get("rows")
@@ -174,7 +191,7 @@ def tune(d: dict) -> list[str]:
 
 RENDER = {"vs_torch_pipelining": vs_torch, "tune_configs": tune, "vs_torch_pipelining_pinned": vs_torch, "runtime_overhead": overhead,
           "memory": memory, "p2p_stalls_1f1b": stalls, "p2p_stalls_interleaved": stalls,
-          "gloo_post_stalls": post_stalls}
+          "gloo_post_stalls": post_stalls, "split_backward": split_backward}
 ORDER = ["vs_torch_pipelining", "vs_torch_pipelining_pinned", "tune_configs", "runtime_overhead", "memory", "p2p_stalls_1f1b",
          "p2p_stalls_interleaved", "gloo_post_stalls"]
 
