@@ -1,18 +1,19 @@
 """The training loop: a :class:`Trainer` that owns init, ``train_step``, ``train``, ``evaluate``, checkpoints and
 ``close`` (torchtitan's shape).  It drives the pipeline only through the public Megatron-style API:
-``engine.schedules.get_forward_backward_func`` with a ``forward_step_func`` / ``loss_func`` pair, model chunks that
-implement ``set_input_tensor`` and carry ``.config``, and the ``finalize_model_grads_func`` / ``no_sync_func`` hooks
-on that config.
+``engine.schedules.forward_backward_pipelining_with_schedule`` handed the plan of the run's one resolution
+(:class:`engine.plan.resolve.ResolvedSchedule`), with a ``forward_step_func`` / ``loss_func`` pair, model chunks
+that implement ``set_input_tensor`` and carry ``.config``, and the ``finalize_model_grads_func`` / ``no_sync_func``
+hooks on that config.
 
 One training step (every rank)::
 
-    zero grads -> schedule(forward_step_func, data iterators, chunks, M microbatches)   # 1F1B / interleaved
+    zero grads -> schedule(forward_step_func, data iterators, chunks, M microbatches)   # the run's plan
                -> finalize_model_grads (data-parallel average, tied-embedding sum)      # called by the schedule
                -> global grad-norm clip -> AdamW step -> LR schedule step
 
-The loss is owned by the last pipeline stage (on the last rank, or rank 0 under the V placement); it is averaged over data-parallel replicas and broadcast over the
-pipeline so every rank returns the same metrics.  The log line is written by the last stage of data-parallel
-replica 0.
+The loss is owned by the last pipeline stage (on the last rank, or rank 0 under the V placement); it is averaged
+over data-parallel replicas and broadcast over the pipeline so every rank returns the same metrics.  The log line
+is written by the last stage of data-parallel replica 0.
 """
 from __future__ import annotations
 
