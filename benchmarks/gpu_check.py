@@ -465,12 +465,15 @@ def run_checks(rep: Report, selected: set[str], device, backend: str, sz: dict) 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu" / "gpu_check.json"),
-                    help="the JSON report (default benchmarks/results/gpu/gpu_check.json)")
+    ap.add_argument("--out", default=None, help="the JSON report (default benchmarks/results/gpu/gpu_check.json; "
+                    "with --dry-run gpu_check_dry_run.json beside it, so a CPU run never replaces a GPU report)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, emulate backend, tiny sizes; what needs CUDA is recorded as skipped")
     ap.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {', '.join(CHECKS)}")
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = str(ROOT / "benchmarks" / "results" / "gpu" /
+                       ("gpu_check_dry_run.json" if args.dry_run else "gpu_check.json"))
     selected = {c.strip() for c in args.checks.split(",") if c.strip()}
     if selected - set(CHECKS):
         ap.error(f"--checks: unknown {sorted(selected - set(CHECKS))}; use {', '.join(CHECKS)}")
@@ -484,6 +487,8 @@ def main(argv=None) -> int:
     set_determinism()
     rep = Report(args.dry_run)
     env = environment(args.dry_run)
+    if tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < (2, 11):
+        print(f"[gpu_check] warning: torch {torch.__version__} is older than the 2.11 this check is written for")
     print(f"[gpu_check] {json.dumps(env)}", flush=True)
     run_checks(rep, selected, device, env["backend"], SIZES["dry" if args.dry_run else "gpu"])
     ok = rep.correct
