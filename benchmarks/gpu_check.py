@@ -86,6 +86,7 @@ SIZES = {  # the GPT block: hidden, heads, ffn, seq, micro batch, layers per chu
 }
 GPU_PRESET_GRAPHS, GPU_PRESET_TIMEOUT_S = 2 * 2 * 16 * 2, 300.0  # configs/gpu_cuda_graphs.yaml: rank 0's F+B graphs
 NEEDS_CUDA = "skipped: needs CUDA"
+QUIET = {"caller_state", "at", "schedule", "pp", "rank", "chunks", "microbatches", "reason", "note", "tail"}  # JSON only
 log = logging.getLogger("pipecast.gpu_check")
 
 
@@ -100,8 +101,8 @@ class Report:
         if kind == "goal" and status in ("pass", "fail"):
             entry["goal_met"] = status == "pass"
         self.checks[name] = entry
-        shown = {k: v for k, v in figures.items() if (k == "failures" and v) or (isinstance(v, dict) and len(v) <= 5)
-                 or not isinstance(v, (dict, list))}
+        shown = {k: v for k, v in figures.items() if k not in QUIET and ((k == "failures" and v) or (
+            isinstance(v, dict) and len(v) <= 5) or not isinstance(v, (dict, list)))}
         print(f"[gpu_check {time.perf_counter() - self.t0:6.1f}s] {name}: {status.upper()} "
               f"{json.dumps(shown, default=str)}", flush=True)
         return entry
@@ -165,14 +166,16 @@ def check_cuda_tests(rep: Report, dry: bool) -> None:
         out, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         out, rc = f"timed out after {exc.timeout}s: {exc.stdout or ''}", -1
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", out)}
+    counts = {k.rstrip("s") if k.startswith("error") else k: int(n)
+              for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors|error|deselected)", out)}
     figures = dict(files=files, returncode=rc, counts=counts, seconds=round(time.perf_counter() - t0, 1),
                    tail=out.strip().splitlines()[-15:])
     if dry:  # the subprocess ran (so the files collect); every test skips without CUDA
-        ok = rc == 0 and counts.get("skipped", 0) > 0 and not counts.get("failed") and not counts.get("errors")
+        ok = rc == 0 and counts.get("skipped", 0) > 0 and not counts.get("failed") and not counts.get("error")
         rep.add("cuda_tests", "correctness", NEEDS_CUDA if ok else "fail", **figures)
         return
-    rep.check("cuda_tests", rc == 0 and counts.get("passed", 0) > 0, **figures)
+    rep.check("cuda_tests", rc == 0 and counts.get("passed", 0) > 0 and not counts.get("failed")
+              and not counts.get("error"), **figures)
 
 
 # -- b, c, e: the GPT block with graphs against eager ---------------------------------------------------------
@@ -240,6 +243,9 @@ def checked_capture(chunks, plan, rank: int, sample, backend: str, device, queue
     failures += [f"graph sets {report.num_graphs} != {expected_sets}"] if report.num_graphs != expected_sets else []
     failures += [f"pipecast.graphs logged: {line}" for line in records.lines]
     failures += [f"caller's {k} changed by the capture" for k, v in figures["caller_state"].items() if v == "CHANGED"]
+    states = figures["caller_state"].values()
+    figures["caller"] = ("unchanged" if "CHANGED" not in states else "CHANGED") + (
+        f" ({sum(v == NEEDS_CUDA for v in states)} of {len(before)} {NEEDS_CUDA})" if not cuda else "")
     return layers, figures, failures
 
 
@@ -373,8 +379,9 @@ def check_capture_seconds(rep: Report, captures: list[dict]) -> None:
     per_graph = seconds / graphs if graphs else None
     projected = per_graph * GPU_PRESET_GRAPHS if per_graph is not None else None
     ratio = GPU_PRESET_TIMEOUT_S / 2 / projected if projected else None
-    rep.goal("capture_seconds", ratio, 1.0, captures=len(captures), graphs=graphs, seconds=round(seconds, 2),
-             seconds_per_graph=per_graph, projected_gpu_preset_s=projected,
+    rep.goal("capture_seconds", round(ratio, 2) if ratio else None, 1.0, captures=len(captures), graphs=graphs, seconds=round(seconds, 2),
+             seconds_per_graph=round(per_graph, 4) if per_graph else None,
+             projected_gpu_preset_s=round(projected, 1) if projected else None,
              note="value: half of configs/gpu_cuda_graphs.yaml's parallel.timeout_s over its projected capture")
 
 
