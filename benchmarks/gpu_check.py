@@ -169,7 +169,7 @@ def check_cuda_tests(rep: Report, dry: bool) -> None:
     counts = {k.rstrip("s") if k.startswith("error") else k: int(n)
               for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors|error|deselected)", out)}
     figures = dict(files=files, returncode=rc, counts=counts, seconds=round(time.perf_counter() - t0, 1),
-                   tail=out.strip().splitlines()[-15:])
+                   tail=out.strip().splitlines()[-15 if rc else -1:])  # the summary line; more on a failure
     if dry:  # the subprocess ran (so the files collect); every test skips without CUDA
         ok = rc == 0 and counts.get("skipped", 0) > 0 and not counts.get("failed") and not counts.get("error")
         rep.add("cuda_tests", "correctness", NEEDS_CUDA if ok else "fail", **figures)
