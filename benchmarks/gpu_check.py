@@ -32,6 +32,8 @@ Checks (``kind`` correctness unless said otherwise), in order:
 * ``trainer``: ``engine.Trainer`` on one GPU (pipeline 1, virtual 2, ``zbv``, byte-level data from this Python's
   standard library, fp32, SDPA's math backend as above), graphs off and on (``torch`` backend): bitwise the same
   losses, graphs active after the warmup step;
+* ``nvtx``: ``engine.profiling.nvtx_ranges.NvtxTracer`` opens a range without the ``nvtx`` package
+  (``torch.cuda.nvtx``);
 * ``bench_bitwise``: ``benchmarks/cuda_graphs_bench.py``'s own equality checks (launch and compute configs, bf16);
   ``bench_launch_speedup`` (goal >= 1.7x) and ``bench_compute_ratio`` (goal >= 0.99x): its eager / graph step time.
 
@@ -78,7 +80,7 @@ from graphs.local_rank import WeightQueue, make_rank_data, run_rank_step, sgd_st
 BF16_TOLERANCE = 2.0 ** -6
 MEMORY_SLACK = (0.10, 64 * 2 ** 20)  # relative, bytes
 GOALS = {"bench_launch_speedup": 1.7, "bench_compute_ratio": 0.99}
-CHECKS = ("cuda_tests", "graphs", "split_memory", "capture_seconds", "trainer", "bench")
+CHECKS = ("cuda_tests", "graphs", "split_memory", "capture_seconds", "trainer", "nvtx", "bench")
 SCHEDULES = (("interleaved", 2), ("zb_h1", 1), ("zbv", 2))  # schedule, model chunks per rank (pp = 2, rank 0)
 SIZES = {  # the GPT block: hidden, heads, ffn, seq, micro batch, layers per chunk, microbatches
     "gpu": dict(hidden=1024, heads=16, ffn=4096, seq=1024, mbs=4, layers=2, m=4),
@@ -422,6 +424,25 @@ def check_trainer(rep: Report, device, backend: str, sz: dict, steps: int = 4) -
               failures=failures)
 
 
+# -- NVTX ranges without the nvtx package --------------------------------------------------------------------------
+def check_nvtx(rep: Report, device) -> None:
+    """``engine.profiling.nvtx_ranges.NvtxTracer("auto")`` uses the ``nvtx`` package when installed, else
+    ``torch.cuda.nvtx``: one range pushed and popped (without CUDA and without the package it must say so)."""
+    from engine.profiling.nvtx_ranges import NvtxTracer
+    if device.type != "cuda":
+        try:
+            NvtxTracer()
+        except RuntimeError as exc:  # no package, no CUDA: the documented error
+            rep.add("nvtx", "correctness", NEEDS_CUDA, error=str(exc))
+            return
+        rep.add("nvtx", "correctness", NEEDS_CUDA, backend="nvtx package")
+        return
+    tracer = NvtxTracer()
+    with tracer.span("compute", "F0.0"):
+        torch.cuda.synchronize()
+    rep.check("nvtx", tracer.backend in ("nvtx", "torch"), backend=tracer.backend)
+
+
 # -- g: benchmarks/cuda_graphs_bench.py -------------------------------------------------------------------------
 def check_bench(rep: Report, dry: bool) -> None:
     from benchmarks import cuda_graphs_bench
@@ -458,6 +479,7 @@ def run_checks(rep: Report, selected: set[str], device, backend: str, sz: dict) 
     steps += [("split_memory", lambda: captures.extend(check_split_memory(rep, sz, device, backend))),
               ("capture_seconds", lambda: check_capture_seconds(rep, captures)),
               ("trainer", lambda: check_trainer(rep, device, backend, sz)),
+              ("nvtx", lambda: check_nvtx(rep, device)),
               ("bench", lambda: check_bench(rep, rep.dry))]
     for name, step in steps:
         if name not in selected:

@@ -81,7 +81,7 @@ def _run(tmp_path: Path, *args: str, plant: str | None = None) -> tuple[subproce
 def _check_names() -> set[str]:
     from benchmarks.gpu_check import SCHEDULES
     graphs = {f"graphs_{s}_{d}" for s, _ in SCHEDULES for d in ("fp32", "bf16")}
-    return graphs | {"cuda_tests", "split_memory", "capture_seconds", "trainer", "bench_bitwise",
+    return graphs | {"cuda_tests", "split_memory", "capture_seconds", "trainer", "nvtx", "bench_bitwise",
                      "bench_launch_speedup", "bench_compute_ratio"}
 
 
