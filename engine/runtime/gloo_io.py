@@ -20,18 +20,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Iterator, Optional
 
-__all__ = ["IO_THREAD_NAME", "DEFAULT_NICE", "parse_nice", "check_environment", "resolve_nice", "default_nice",
-           "io_threads", "lowered_io_priority"]
+__all__ = ["IO_THREAD_NAME", "DEFAULT_NICE", "NAME_WAIT_S", "parse_nice", "check_environment", "resolve_nice",
+           "default_nice", "io_threads", "new_io_threads", "lowered_io_priority"]
 
 IO_THREAD_NAME = "gloo_tcp_loop"
 """The name gloo gives the I/O thread of each of its process groups."""
 DEFAULT_NICE = 19
 """Nice value given to the pipeline groups' gloo I/O threads unless ``PIPECAST_GLOO_IO_NICE`` says otherwise."""
 _ENV = "PIPECAST_GLOO_IO_NICE"
+NAME_WAIT_S = 5.0
+"""Longest wait (seconds) for gloo's I/O threads to name themselves: a thread exists as soon as its group is
+created, but takes the name :data:`IO_THREAD_NAME` only once it runs, which on a busy machine can be later."""
 
 
 def parse_nice(raw: Optional[str]) -> Optional[int]:
@@ -100,11 +104,28 @@ def io_threads() -> set[int]:
     return found
 
 
+def new_io_threads(before: set[int], expected: int, wait_s: float = NAME_WAIT_S) -> set[int]:
+    """The gloo I/O threads not in ``before``, once ``expected`` of them carry their name (or after ``wait_s``
+    seconds, whatever has appeared by then: a count that is never reached costs that wait, nothing else).
+
+    Counting right after a group is created misses threads that have not run yet (they still carry their
+    creator's name), so this polls; it never sleeps when ``expected`` are already there.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = io_threads() - before
+        if len(found) >= expected or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.001)
+
+
 @contextlib.contextmanager
-def lowered_io_priority(nice: Optional[int]) -> Iterator[set[int]]:
+def lowered_io_priority(nice: Optional[int], expected: int = 1) -> Iterator[set[int]]:
     """Give the gloo I/O threads created inside the ``with`` block the nice value ``nice`` (None: do nothing).
 
-    Yields the set of thread ids that were reniced, filled when the block ends.  Only raises what the block raises.
+    ``expected``: how many I/O threads the block creates on this rank (one per gloo group it joins); the renice
+    waits until that many have named themselves (:func:`new_io_threads`).  Yields the set of thread ids that were
+    reniced, filled when the block ends.  Only raises what the block raises.
     """
     changed: set[int] = set()
     before = io_threads() if nice is not None else set()
@@ -112,7 +133,7 @@ def lowered_io_priority(nice: Optional[int]) -> Iterator[set[int]]:
         yield changed
     finally:
         if nice is not None:
-            for tid in io_threads() - before:
+            for tid in new_io_threads(before, expected):
                 try:
                     if os.getpriority(os.PRIO_PROCESS, tid) < nice:
                         os.setpriority(os.PRIO_PROCESS, tid, nice)

@@ -308,7 +308,8 @@ def build_process_groups(pipeline_model_parallel_size: int, virtual_pipeline_mod
                 found, ranks = g, members
         return found, ranks
 
-    with gloo_io.lowered_io_priority(nice if pipeline_model_parallel_size > 1 else None):
+    gloo = "gloo" in str(backend or dist.get_backend())  # only gloo groups have the I/O thread to renice
+    with gloo_io.lowered_io_priority(nice if pipeline_model_parallel_size > 1 and gloo else None, expected=1):
         pp, pp_ranks = mine(layout.pipeline_groups)
     dp, dp_ranks = mine(layout.data_parallel_groups)
     embd, embd_ranks = mine(layout.embedding_groups)

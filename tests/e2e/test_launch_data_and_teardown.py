@@ -156,16 +156,13 @@ def test_sigint_stops_every_rank_and_exits_130(tmp_path, to_group):
         pids = [r["pid"] for r in read_records(tmp_path).values()]
         assert len(pids) == 2, "the ranks did not start"
         time.sleep(0.5)  # both ranks are inside their gloo receive
-        sent = time.time()
         if to_group:
             os.killpg(proc.pid, signal.SIGINT)
         else:
             proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
-        took = time.time() - sent
         assert proc.returncode == 130, err
         assert err.strip() == "interrupted; stopped ranks 0, 1", err
-        assert took < launch.STOP_GRACE_S + 5, f"the launcher took {took:.1f}s to stop the ranks"
         assert not any(process_alive(p) for p in pids), "a rank outlived the interrupt"
     finally:
         if proc.poll() is None:

@@ -293,22 +293,39 @@ def pipeline_case(rank: int, case: dict) -> dict:
         model = model.to(dtype)
     data = iter([torch.randn(seq, mbs, hidden, generator=torch.Generator().manual_seed(i)) for i in range(8)])
     t0 = time.monotonic()
-    result = {"ok": True, "error": None}
+    result = {"ok": True, "error": None, "p2p_ops": 0}
     try:
         if pick("skip"):
             time.sleep(pick("skip"))
             result["error"] = "skipped"
         else:
+            comm = _counting(P2PCommunicator(pgc.pp, config), result)
             store = get_forward_backward_func(2, None)(
                 forward_step_func=_forward_step, data_iterator=data if rank == 0 else None, model=model,
-                num_microbatches=m, seq_length=seq, micro_batch_size=mbs,
-                p2p_communicator=P2PCommunicator(pgc.pp, config), pg_collection=pgc)
+                num_microbatches=m, seq_length=seq, micro_batch_size=mbs, p2p_communicator=comm,
+                pg_collection=pgc)
             result["losses"] = [entry["loss"].item() for entry in store]
             result["grad"] = model.weight.grad.tolist()
     except Exception as exc:  # noqa: BLE001 - the outcome is the result
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}")
     result["seconds"] = time.monotonic() - t0
     return result
+
+
+def _counting(comm, result: dict):
+    """``comm`` with every posted send / receive counted in ``result["p2p_ops"]`` (shape handshakes included):
+    zero shows a rank failed before any point-to-point message, whatever the time it took."""
+    post, irecv = comm.post, comm.irecv
+
+    def counted_post(ops, batched):
+        result["p2p_ops"] += len(ops)
+        return post(ops, batched)
+
+    def counted_irecv(*args, **kwargs):
+        result["p2p_ops"] += 1
+        return irecv(*args, **kwargs)
+    comm.post, comm.irecv = counted_post, counted_irecv
+    return comm
 
 
 def pipeline_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:

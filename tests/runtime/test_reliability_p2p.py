@@ -1,5 +1,7 @@
 """Reliability of the schedule API between pipeline stages (2 gloo ranks, one spawn, every case in fresh pipeline
-groups with a short timeout so that a hang would show up as a timeout error, not a stuck test):
+groups with a short timeout so that a hang would show up as a timeout error, not a stuck test).  Nothing here
+asserts how long a case took (the suite runs on busy machines): "before any P2P" is the count of posted sends and
+receives, "the group's timeout, not a hang" is gloo's timeout error.
 
 * bad input on only one rank (``num_microbatches=0``, a different ``num_microbatches`` / ``seq_length`` /
   ``config.pipeline_dtype``): every rank raises before any P2P, at once, naming the field and the per-rank values;
@@ -19,8 +21,7 @@ from tests.helpers.distributed import run_ranks
 from tests.helpers.reliability_jobs import pipeline_cases
 
 T = 2.0  # pipeline-group timeout of the cases that must wait for a peer (seconds)
-SLOW = 10  # pipeline-group timeout of the cases that must fail before any wait: failing after FAST s proves it
-FAST = 5
+SLOW = 10  # pipeline-group timeout of the cases that must fail before any wait
 
 CASES = {
     "ok": dict(),
@@ -51,8 +52,7 @@ def outcomes():
 def _both_fail_fast(out, *parts):
     for rank, r in enumerate(out):
         assert not r["ok"], f"rank {rank} did not fail"
-        assert r["seconds"] < FAST, f"rank {rank} took {r['seconds']:.1f}s: it waited for a peer instead of " \
-                                 "failing before any P2P"
+        assert r["p2p_ops"] == 0, f"rank {rank} posted {r['p2p_ops']} P2P operations before failing"
         for part in parts:
             assert part in r["error"], f"rank {rank}: {part!r} not in {r['error']!r}"
 
@@ -92,7 +92,7 @@ def test_bad_input_on_one_rank_fails_every_rank_before_p2p(outcomes):
     assert rank1["error"].startswith("ValueError: num_microbatches=0") and "num_microbatches >= 1" in rank1["error"]
     # the other rank raises the same error (type, field, value, fix), saying where it came from
     assert rank0["error"].startswith(rank1["error"]) and "[raised on pipeline rank 1;" in rank0["error"], rank0
-    assert max(rank0["seconds"], rank1["seconds"]) < FAST
+    assert rank0["p2p_ops"] == rank1["p2p_ops"] == 0, (rank0, rank1)
     _both_fail_fast(outcomes["M_differs"], "ValueError", "different num_microbatches: [3, 2]")
     _both_fail_fast(outcomes["seq_length_differs"], "ValueError", "different activation shape", "(6, 2, 8)",
                     "(4, 2, 8)")
@@ -106,12 +106,11 @@ def test_wrong_shape_or_dtype_is_a_clear_error_not_a_hang(outcomes):
     sender, receiver = outcomes["wrong_shape"]
     assert "RuntimeError" in sender["error"] and "produced shape (4, 2, 9)" in sender["error"] \
         and "expects (4, 2, 8)" in sender["error"], sender
-    assert sender["seconds"] < T
-    assert not receiver["ok"] and receiver["seconds"] < 3 * T, receiver  # the group timeout, not a hang
+    assert not receiver["ok"] and "Timed out" in receiver["error"], receiver  # the group timeout, not a hang
     assert "recv act F0.0 from pipeline rank 0 (global rank 0) failed" in receiver["error"], receiver
     sender, receiver = outcomes["wrong_dtype"]
     assert "torch.float64" in sender["error"] and "pipeline_dtype=torch.float32" in sender["error"], sender
-    assert not receiver["ok"] and receiver["seconds"] < 3 * T, receiver
+    assert not receiver["ok"] and "Timed out" in receiver["error"], receiver
 
 
 @pytest.mark.timeout(160)
@@ -123,8 +122,7 @@ def test_shape_handshake_catches_a_wrong_shape(outcomes):
     sender, receiver = outcomes["variable_wrong_hidden_receiver"]  # caught by the receiver's handshake check
     assert "shape handshake of recv act F0.0 from pipeline rank 0 announced shape (4, 2, 9)" in receiver["error"] \
         and "hidden_size=8" in receiver["error"], receiver
-    assert receiver["seconds"] < T
-    assert not sender["ok"] and sender["seconds"] < 3 * T, sender  # its gradient never comes: the group timeout
+    assert not sender["ok"] and "Timed out" in sender["error"], sender  # its gradient never comes: the group timeout
 
 
 @pytest.mark.timeout(160)
@@ -132,4 +130,4 @@ def test_communication_timeout_is_the_groups(outcomes):
     waiting, absent = outcomes["peer_absent"]
     assert absent["error"] == "skipped"
     assert not waiting["ok"] and "Timed out" in waiting["error"], waiting
-    assert T <= waiting["seconds"] < 3 * T, f"waited {waiting['seconds']:.1f}s with a {T}s timeout"
+    assert waiting["seconds"] >= T, f"gave up after {waiting['seconds']:.1f}s with a {T}s timeout"

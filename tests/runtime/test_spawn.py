@@ -61,16 +61,12 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_a_stopped_rank_ends_as_the_peers_timeout_within_the_grace(tmp_path):
+def test_a_stopped_rank_ends_as_the_peers_timeout(tmp_path):
     """Rank 1 SIGSTOPs itself: rank 0's collective times out after ``group_timeout_s`` and is the error reported
-    (not the spawner's SIGKILL of the stopped rank), within the timeout + REPORT_GRACE_S + the stop."""
-    start = time.monotonic()
-    with pytest.raises(sp.RankError) as info:
+    (not the spawner's SIGKILL of the stopped rank, nor the job timeout)."""
+    with pytest.raises(sp.RankError) as info:  # not the JobTimeout of timeout_s: the peer's timeout is reported
         sp.spawn(jobs.stop_self, 2, args=(1, str(tmp_path)), group_timeout_s=3, timeout_s=50)
-    took = time.monotonic() - start
     assert info.value.rank == 0 and "Timed out" in str(info.value), str(info.value)
-    pid_written = min(f.stat().st_mtime for f in tmp_path.glob("*.pid"))
-    assert time.time() - pid_written < 3 + sp.REPORT_GRACE_S + 4, f"reported {took:.1f}s after the start"
     _no_rank_left(tmp_path)
 
 
