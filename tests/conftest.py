@@ -24,11 +24,20 @@ MULTIPROCESS_MODULES = {
 }
 
 
+MIN_TIMEOUT_S = 240
+"""Floor of every per-test timeout (seconds).  The timeouts are hang guards, not speed checks: on a shared CI
+machine a 2-rank test that takes 15 s alone can take five times that, so a test's own smaller value is raised to
+this (a hang still fails, later)."""
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.rpartition(".")[2] in MULTIPROCESS_MODULES:
             item.add_marker(pytest.mark.multiprocess)
             item.add_marker(pytest.mark.slow)
+        own = item.get_closest_marker("timeout")
+        if own is not None and own.args and own.args[0] < MIN_TIMEOUT_S:
+            item.add_marker(pytest.mark.timeout(MIN_TIMEOUT_S), append=False)
 
 
 @pytest.fixture

@@ -22,9 +22,15 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+MIN_JOB_TIMEOUT_S = 200.0
+"""Floor of a job's timeout (seconds), below the tests' own floor (``tests/conftest.py``: ``MIN_TIMEOUT_S``), so
+that a hung job ends as a ``JobTimeout`` naming its ranks rather than as pytest's timeout."""
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, pg_timeout: float = 30.0):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results in rank order.
 
     Raises ``RankError`` if a rank raised or died, ``JobTimeout`` if the job did not finish in ``timeout`` seconds.
     """
-    return spawn(fn, world_size, args=args, timeout_s=timeout, group_timeout_s=pg_timeout, threads=1)
+    timeout = max(timeout, MIN_JOB_TIMEOUT_S)  # a hang guard: a busy CI machine makes a 15 s job take 75 s
+    return spawn(fn, world_size, args=args, timeout_s=timeout, group_timeout_s=max(pg_timeout, 60.0), threads=1)
