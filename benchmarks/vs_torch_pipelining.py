@@ -1,4 +1,4 @@
-"""pipecast's 1F1B, interleaved 1F1B, ZB-H1 and ZB-V against torch.distributed.pipelining's schedules, side by side.
+"""pipecast's 1F1B, interleaved 1F1B, ZB-H1, ZB-V and DualPipeV against torch.distributed.pipelining's schedules.
 
 Same model (``benchmarks.common``: MLP stack, hidden 512, 8 layers), same data (16 sequences of 64 tokens in 8
 microbatches, fp32), 2 ranks on gloo, 1 thread per rank, same process priority.  Each repeat is one fresh 2-rank
@@ -10,10 +10,13 @@ and writes ``benchmarks/results/vs_torch_pipelining.json``.
 Figures: step time (ms); speedup over the single-process loop; ratio of that speedup to the bound of the schedule
 with equal stage costs and free communication, ``P*M/(M+P-1)`` for 1F1B (``2m/(m+1)`` at P=2) and
 ``P*M/(M+(P-1)/V)`` for interleaved 1F1B with V chunks per rank (``2m/(m+1/2)`` at P=2, V=2) (Narayanan et al.,
-SC'21, section 2.2); and the mean microbatch loss, which must agree across engines.
+SC'21, section 2.2); DualPipeV (pipecast's and torch's rows alike): the bound of its plan simulated with
+``F = B = W`` (:func:`engine.plan.simulate.simulate`); and the mean microbatch loss, which must agree across engines.
 
     python benchmarks/vs_torch_pipelining.py                 # full run (about 5 minutes on 2 cores)
     python benchmarks/vs_torch_pipelining.py --repeats 1 --steps 2 --warmup 1   # smoke test
+    python benchmarks/vs_torch_pipelining.py --only DualPipeV ZB-V --torch-schedules ScheduleDualPipeV \
+        ScheduleZBVZeroBubble --out benchmarks/results/vs_torch_pipelining_dualpipev.json   # DualPipeV beside torch
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ def engines(torch_schedules) -> list[tuple[str, str, dict]]:
            ("pipecast interleaved 1F1B", "pipecast", {"chunks": 2}),
            ("pipecast ZB-H1", "pipecast", {"chunks": 1, "schedule": "zb_h1"}),
            ("pipecast ZB-V", "pipecast", {"chunks": 2, "schedule": "zbv"}),
+           ("pipecast DualPipeV", "pipecast", {"chunks": 2, "schedule": "dualpipev"}),
            (f"pipecast 1F1B, {NOT_RENICED}", "pipecast", {"chunks": 1, "gloo_io_nice": None}),
            (f"pipecast interleaved 1F1B, {NOT_RENICED}", "pipecast", {"chunks": 2, "gloo_io_nice": None})]
     out += [(f"torch {s}", "torch", {"schedule": s, "chunks": TORCH_SCHEDULES[s]}) for s in torch_schedules]
@@ -87,6 +91,11 @@ def job(rank: int, world: int, todo: list, workload: Workload, warmup: int, step
 def bound(schedule: str, pp: int, m: int, chunks: int) -> float:
     """Speedup bound with equal stage costs and free communication (see module docstring); zero-bubble rows with
     F = B = W: ZB-H1's bubble ``(P-1)(F+B-W)`` (Qi et al., ICLR 2024), ZB-V's the fill of ``P-1`` chunk forwards."""
+    if "DualPipeV" in schedule:
+        from engine.plan import build_plan
+        from engine.plan.simulate import simulate
+        sim = simulate(build_plan("dualpipev", pp, m, 2), forward_time=1.0, backward_time=1.0, weight_time=1.0)
+        return sum(sim.busy) / sim.makespan
     if "ZB-H1" in schedule:
         return pp * 3 * m / (3 * m + pp - 1)
     if "ZB-V" in schedule:

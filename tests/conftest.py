@@ -19,8 +19,9 @@ MULTIPROCESS_MODULES = {
     "test_odd_pipelines", "test_p2p_messages", "test_parallel_state", "test_profiling_pipeline", "test_public_bugs",
     "test_readme", "test_reliability_config", "test_reliability_faults", "test_reliability_p2p", "test_spawn",
     "test_trainer_reference", "test_training_cli", "test_training_grads", "test_training_outputs",
-    "test_training_runs", "test_training_validation", "test_zero_bubble_pipeline", "test_model_split",
-    "test_profiling", "test_reliability_checkpoint", "test_tune", "test_hf_models", "test_llama_reference", "test_hf_roundtrip",
+    "test_training_runs", "test_training_validation", "test_zero_bubble_pipeline", "test_dualpipev_pipeline",
+    "test_model_split", "test_profiling", "test_reliability_checkpoint", "test_tune", "test_hf_models",
+    "test_llama_reference", "test_hf_roundtrip",
 }
 
 

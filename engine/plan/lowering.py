@@ -17,7 +17,11 @@ The executor (:mod:`engine.runtime.executor`) runs a :class:`RankProgram`; the v
 6. :func:`compile_rank` -- assembles the :class:`Step` list the executor indexes.
 
 An exchange point is the moment after a step (or the start, index -1): the step's send and the receives posted
-there go out together, in Megatron's batched order or its even/odd order by rank parity.  Pure: no torch.
+there go out together, in Megatron's batched order or its even/odd order by rank parity.  A compound cell
+(:class:`~engine.plan.types.Compound`, e.g. DualPipeV's overlapped forward and backward) lowers to its parts as
+consecutive steps, each with its own receive and send: a part's output goes out as soon as that part is done, which
+never waits longer than sending all of the cell's outputs after its last part (the validator checks these programs
+as the executor runs them).  Pure: no torch.
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ given), and returns a :class:`~engine.plan.types.Plan` whose ``schedule`` is the
 
 The built-in entries: Megatron-Core 0.16.1's three schedules (no pipelining, 1F1B, interleaved 1F1B; Megatron
 picks among them from the pipeline and virtual sizes, :func:`auto_schedule`) and the split-backward schedules of
-Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (ZB-H1, ZB-V and a memory-budgeted one).  Pure: no torch.
+Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (ZB-H1, ZB-V and a memory-budgeted one), and DeepSeek-AI's
+DualPipeV (:mod:`engine.plan.dualpipev`).  Pure: no torch.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from .dualpipev import dualpipev_plan
 from .hooks import interleaved_hooks, last_backward_hooks, last_forward_hooks, last_weight_hooks
 from .megatron import megatron_plan
 from .table import validate_interleaved_microbatches
@@ -236,6 +238,10 @@ _BUILTINS = (
     ScheduleSpec("zb", functools.partial(zero_bubble_plan, "zb", "looped", budget_limits), chunks=None,
                  splits_backward=True, options=("max_in_flight",), tune=_budget_settings,
                  summary="split backward under a per-rank limit on in-flight activations (max_in_flight)"),
+    ScheduleSpec("dualpipev", dualpipev_plan, placement="v", chunks=2,
+                 chunks_why="DualPipeV places exactly two model chunks on each rank (virtual pipeline size 2)",
+                 splits_backward=True, tune=lambda P, v, M: [{}] if v == 2 and M >= 2 * P else [],
+                 summary="DualPipeV: V placement, overlapped forward-backward cells, needs microbatches >= 2*pp"),
 )
 for _spec in _BUILTINS:
     register_schedule(_spec)

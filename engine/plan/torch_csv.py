@@ -4,7 +4,7 @@ torch writes one row per pipeline rank and one cell per action slot, each action
 ``F`` forward, ``I`` input-gradient backward, ``W`` weight-gradient backward, ``B`` full backward (torch's
 ``_Action`` notation, e.g. ``2F0``, ``1I3``); an empty cell is an idle slot.  Two more cells of torch's own
 schedules are read: DualPipeV's ``(0F3;3B1)OVERLAP_F_B`` is its sub-actions in order (how torch runs it without a
-custom overlap function) and ``<stage>REDUCE_GRAD`` (torch's single-stage schedules end each stage with it) is
+custom overlap function), kept as one :class:`~engine.plan.types.Compound` (:attr:`Plan.compounds`), and ``<stage>REDUCE_GRAD`` (torch's single-stage schedules end each stage with it) is
 dropped: pipecast syncs a chunk's gradients after its last backward pass in any case.  An imported schedule becomes a
 :class:`~engine.plan.build.Plan`: the ranks are the rows; each rank's stages, in increasing order, are its model
 chunks 0, 1, ... (so Megatron's looped placement and the V placement come out as themselves); ``I`` is pipecast's
@@ -13,7 +13,9 @@ The microbatches are those stage 0 forwards (``0..M-1``); a cell of another micr
 then checked like every plan (:func:`engine.plan.validate.validate_plan`: data flow, deadlock, memory), so a bad
 schedule is refused with the first bad action named in pipecast's notation (``B3.1`` = microbatch 3 of chunk 1) and
 its cell in the grid (``[CSV row 0, column 5: '3F1']``; columns count idle cells).  torch 2.13's
-``Schedule1F1B.pipeline_order`` is refused this way: its last rank forwards microbatches ``1..M``.  Pure: no torch.
+``Schedule1F1B.pipeline_order`` is refused this way: its last rank forwards microbatches ``1..M``.  Export writes a
+plan's compounds back as ``OVERLAP_F_B`` cells (a ``B`` followed by its ``W`` inside one as torch's full ``B``).
+Pure: no torch.
 """
 from __future__ import annotations
 
@@ -160,6 +162,23 @@ def _lower(rows, placement) -> tuple[list[tuple[Action, ...]], list[list[_Cell]]
     return per_rank, origin
 
 
+def _compound_spans(origin):
+    """Per rank, the ``(start, stop)`` spans of the actions that came from one ``OVERLAP_F_B`` cell; ``None`` when
+    no rank has one."""
+    spans = []
+    for came in origin:
+        mine, i = [], 0
+        while i < len(came):
+            j = i + 1
+            while j < len(came) and came[j].col == came[i].col:
+                j += 1
+            if _OVERLAP.match(came[i].text) is not None and j - i >= 2:
+                mine.append((i, j))
+            i = j
+        spans.append(tuple(mine))
+    return tuple(spans) if any(spans) else None
+
+
 def plan_from_csv(text: str, name: str = "csv") -> Plan:
     """The plan of a compute-only CSV schedule (module doc); checked by the validator before it is returned.
 
@@ -179,7 +198,7 @@ def plan_from_csv(text: str, name: str = "csv") -> Plan:
     warmup = tuple(next((i for i, a in enumerate(acts) if a.op is not Op.FORWARD), len(acts)) for acts in per_rank)
     forward_only = not any(a.op is not Op.FORWARD for acts in per_rank for a in acts)
     plan = Plan(name, len(rows), chunks, num_microbatches, num_microbatches, forward_only, warmup, tuple(per_rank),
-                placement)
+                placement, compounds=_compound_spans(origin))
     try:
         validate_plan(plan)
     except PlanError as exc:
@@ -193,14 +212,33 @@ def plan_from_csv(text: str, name: str = "csv") -> Plan:
 
 def plan_to_csv(plan: Plan) -> str:
     """``plan`` as a compute-only CSV in torch's action grammar: split plans write ``I`` and ``W``, unsplit ones
-    ``B`` for the backward."""
+    ``B`` for the backward; a compound is one ``(a;b)OVERLAP_F_B`` cell, where a ``B`` followed by its own ``W`` is
+    torch's full backward ``B``."""
     split = plan.splits_backward
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    for rank, acts in enumerate(plan.actions):
+    for rank in range(plan.pp_size):
         cells = []
-        for a in acts:
-            kind = {Op.FORWARD: "F", Op.WEIGHT: "W"}.get(a.op, "I" if split else "B")
-            cells.append(f"{plan.stage(rank, a.chunk)}{kind}{a.microbatch}")
+        for cell in plan.cells(rank):
+            if isinstance(cell, Action):
+                cells.append(_torch_action(plan, rank, cell, "I" if split else "B"))
+            else:
+                cells.append(f"({';'.join(_torch_parts(plan, rank, cell.parts, split))})OVERLAP_F_B")
         writer.writerow(cells)
     return out.getvalue()
+
+
+def _torch_action(plan: Plan, rank: int, a: Action, backward: str) -> str:
+    kind = {Op.FORWARD: "F", Op.WEIGHT: "W"}.get(a.op, backward)
+    return f"{plan.stage(rank, a.chunk)}{kind}{a.microbatch}"
+
+
+def _torch_parts(plan: Plan, rank: int, parts, split: bool) -> list[str]:
+    """A compound's parts as torch's sub-actions: ``B`` then its ``W`` is one full ``B``."""
+    out, i = [], 0
+    while i < len(parts):
+        a = parts[i]
+        full = (a.op is Op.BACKWARD and i + 1 < len(parts) and parts[i + 1] == Action(Op.WEIGHT, a.chunk, a.microbatch))
+        out.append(_torch_action(plan, rank, a, "B" if full or not split else "I"))
+        i += 2 if full else 1
+    return out

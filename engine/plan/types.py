@@ -23,7 +23,7 @@ from array import array
 from dataclasses import dataclass
 from functools import cached_property
 
-__all__ = ["Op", "Action", "Message", "Plan", "Placement", "MAX_PLAN_FORWARDS", "looped_placement", "v_placement",
+__all__ = ["Op", "Action", "Compound", "parse_cell", "Message", "Plan", "Placement", "MAX_PLAN_FORWARDS", "looped_placement", "v_placement",
            "PLACEMENTS", "placement_of"]
 
 MAX_PLAN_FORWARDS = 2 ** 24
@@ -78,6 +78,54 @@ class Action:
         return cls(Op(m.group(1)), int(m.group(3)), int(m.group(2)))
 
 
+_COMPOUND = re.compile(r"^[FBW]\d+\.\d+(\+[FBW]\d+\.\d+)+$")
+
+
+@dataclass(frozen=True, slots=True)
+class Compound:
+    """Several actions of one rank that form one cell of the schedule, run as their parts in order.
+
+    DualPipeV's overlapped forward and backward (torch's ``OVERLAP_F_B``, DeepSeek-AI, "DeepSeek-V3 Technical
+    Report", arXiv:2412.19437, sec. 3.2.1) is the compound of a forward and a full backward, e.g. ``F3.0+B1.1+W1.1``
+    (a full backward in a split plan is its ``B`` followed by its ``W``).  Notation: the parts' notations joined by
+    ``+``; ``Compound.parse(str(c)) == c``.  A plan keeps its compounds as spans of its flat action list
+    (:attr:`Plan.compounds`), so every analysis that reads :attr:`Plan.actions` sees the parts; the runtime runs
+    them back to back, in order, as separate steps on CPU.
+    """
+
+    parts: tuple[Action, ...]
+
+    def __str__(self) -> str:
+        return "+".join(map(str, self.parts))
+
+    @property
+    def label(self) -> str:
+        """The compound's notation (``str(compound)``)."""
+        return str(self)
+
+    @classmethod
+    def parse(cls, text: str) -> "Compound":
+        """The compound written ``text`` (``"F3.0+B1.1+W1.1"``).
+
+        Raises:
+            ValueError: ``text`` is not two or more actions joined by ``+``.
+        """
+        if not isinstance(text, str) or _COMPOUND.match(text.strip()) is None:
+            raise ValueError(f"{text!r} is not a compound action: write actions joined by '+', e.g. F3.0+B1.1")
+        return cls(tuple(Action.parse(part) for part in text.strip().split("+")))
+
+
+def parse_cell(text: str) -> "Action | Compound":
+    """An action (``"F3.1"``) or a compound (``"F3.0+B1.1"``) from its notation.
+
+    Raises:
+        ValueError: ``text`` is neither.
+    """
+    if isinstance(text, str) and "+" in text:
+        return Compound.parse(text)
+    return Action.parse(text)
+
+
 @dataclass(frozen=True, slots=True)
 class Message:
     """A tensor that crosses between pipeline ranks: an activation (``"act"``) or a gradient (``"grad"``).
@@ -129,6 +177,9 @@ class Plan:
         max_in_flight: per rank, the limit on activations held (forward done, backward not) that the validator
             enforces, or ``None`` (no limit).
         max_pending_w: per rank, the limit on weight-gradient passes pending (backward done, ``W`` not), or ``None``.
+        compounds: per rank, the ``(start, stop)`` spans of :attr:`actions` that form one :class:`Compound` each
+            (sorted, disjoint, two actions or more), or ``None`` (no compound).  The actions stay flat, so the
+            analyses and the executor run the parts; :meth:`cells` groups them.
     """
 
     schedule: str
@@ -142,6 +193,7 @@ class Plan:
     placement: Placement | None = None
     max_in_flight: tuple[int, ...] | None = None
     max_pending_w: tuple[int, ...] | None = None
+    compounds: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     def __getstate__(self) -> dict:
         """Pickle only the fields: derived caches (keys, dependency graph, execution order) are rebuilt on demand."""
@@ -239,6 +291,25 @@ class Plan:
         """The rank's actions in trace notation (``"F3.1"``, Megatron-Core's trace notation)."""
         return [str(a) for a in self.actions[rank]]
 
+    def compound_spans(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """The rank's compound spans (:attr:`compounds`; empty when it has none)."""
+        return () if self.compounds is None else tuple(self.compounds[rank])
+
+    def cells(self, rank: int) -> list:
+        """The rank's schedule cells in order: each an :class:`Action`, or a :class:`Compound` of the actions of one
+        of its spans."""
+        acts, out, at = self.actions[rank], [], 0
+        for start, stop in self.compound_spans(rank):
+            out.extend(acts[at:start])
+            out.append(Compound(tuple(acts[start:stop])))
+            at = stop
+        out.extend(acts[at:])
+        return out
+
+    def cell_labels(self, rank: int) -> list[str]:
+        """The rank's cells in notation (``"F3.1"``, ``"F3.0+B1.1"``)."""
+        return [str(c) for c in self.cells(rank)]
+
     @cached_property
     def total_actions(self) -> int:
         """Number of actions over all ranks."""
@@ -267,11 +338,12 @@ class Plan:
         return tuple(array("q", map(key_of.__getitem__, map(id, acts))) for acts in self.actions)
 
     def grid(self) -> str:
-        """A text grid: one row per pipeline rank, one column per action slot."""
-        width = max((len(str(a)) for acts in self.actions for a in acts), default=4)
+        """A text grid: one row per pipeline rank, one column per cell (an action, or a compound in its notation)."""
+        labels = [self.cell_labels(rank) for rank in range(len(self.actions))]
+        width = max((len(c) for row in labels for c in row), default=4)
         rows = []
-        for rank, acts in enumerate(self.actions):
-            cells = " ".join(str(a).ljust(width) for a in acts)
+        for rank, row in enumerate(labels):
+            cells = " ".join(c.ljust(width) for c in row)
             rows.append(f"rank {rank} (warmup {self.warmup[rank]:>3}): {cells}")
         return "\n".join(rows)
 

@@ -2,6 +2,7 @@
 
 Checks, in this order (the first violation raises :class:`PlanError` naming the rank, the action and why):
 
+0. the compounds (:attr:`Plan.compounds`) are sorted, disjoint spans of two actions or more of each rank's list;
 1. every action is an :class:`~engine.plan.Action` of the plan (``0 <= chunk < C``, ``0 <= microbatch < M``);
 2. each ``(op, chunk, microbatch)`` runs at most once per rank, and every ``(chunk, microbatch)`` of the rank's
    ``C`` chunks runs exactly once per op: ``F`` always, ``B`` unless the plan is forward-only (then never), ``W``
@@ -34,7 +35,7 @@ from .lowering import compile_rank
 from .simulate import max_buffered_messages
 from .types import Plan
 
-__all__ = ["PlanError", "PlanGraph", "plan_graph", "deadlock_free_segments", "validate_plan", "max_buffered_messages",
+__all__ = ["PlanError", "PlanGraph", "plan_graph", "deadlock_free_segments", "validate_plan", "check_compounds", "max_buffered_messages",
            "memory_levels", "validate_programs"]
 
 
@@ -44,9 +45,32 @@ def validate_plan(plan: Plan) -> PlanGraph:
     Raises:
         PlanError: (a ``ValueError``) naming the first violating rank and action and why.
     """
+    check_compounds(plan)
     graph = plan_graph(plan)
     deadlock_free_segments(plan)
     return graph
+
+
+def check_compounds(plan: Plan) -> None:
+    """Check 0 of the module doc: each rank's compound spans are sorted, disjoint and span two actions or more.
+
+    Raises:
+        PlanError: naming the rank, the first action of the bad span and why.
+    """
+    if plan.compounds is None:
+        return
+    if len(plan.compounds) != plan.pp_size:
+        raise PlanError(None, None, None, f"compounds lists {len(plan.compounds)} ranks; the plan has "
+                        f"{plan.pp_size} (one tuple of spans per rank)")
+    for rank, spans in enumerate(plan.compounds):
+        n, at = len(plan.actions[rank]), 0
+        for span in spans:
+            start, stop = span
+            action = plan.actions[rank][start] if 0 <= start < n else None
+            if not (at <= start and start + 2 <= stop <= n):
+                raise PlanError(rank, start, action, f"compound span {tuple(span)} is not a span of two actions or "
+                                f"more after the previous span (ends at {at}) within the rank's {n} actions")
+            at = stop
 
 
 # -- the compiled programs ---------------------------------------------------------------------------------------

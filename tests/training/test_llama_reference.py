@@ -2,12 +2,13 @@
 written here (RMSNorm, rotary on pairs ``(j, j + d/2)``, grouped-query attention by repeating key / value heads,
 SwiGLU), from the recorded parameters alone -- as tests/training/test_trainer_reference.py does for gpt2.
 
-Layouts: pp=1 (in this process), and on 2 gloo ranks 1F1B, interleaved (pp=2 x vp=2), zb_h1, zbv, zb, a tied
-head under 1F1B, and emulated CUDA graphs under interleaved and zbv.  Checked at every step: each gradient on every
-rank equals the reference (fp32, relative :data:`TOL`), the reported loss equals the reference loss; zb_h1 and zbv
-give *bitwise* the gradients of the unsplit schedule with the same model chunks (zb_h1 = 1F1B, zbv = interleaved:
-the same per-parameter accumulation order; ``zb`` runs its W passes in another order, so it is checked against
-the reference only), and emulated graphs give bitwise the eager losses and gradients.
+Layouts: pp=1 (in this process), and on 2 gloo ranks 1F1B, interleaved (pp=2 x vp=2), zb_h1, zbv, zb, dualpipev, a
+tied head under 1F1B, and emulated CUDA graphs under interleaved, zbv and dualpipev.  Checked at every step: each
+gradient on every rank equals the reference (fp32, relative :data:`TOL`), the reported loss equals the reference
+loss; zb_h1, zbv and dualpipev give *bitwise* the gradients of the schedule with the same model chunks and the same
+per-parameter accumulation order (zb_h1 = 1F1B, zbv = interleaved, dualpipev = zbv: each chunk's weight gradients
+summed in microbatch order; ``zb`` runs its W passes in another order, so it is checked against the reference
+only), and emulated graphs give bitwise the eager losses and gradients.
 """
 from __future__ import annotations
 
@@ -40,9 +41,11 @@ LAYOUTS = {  # name -> overrides
     "1f1b_tied": {"parallel.pipeline": 2, "parallel.schedule": "1f1b", "model.tie_embeddings": True},
     "interleaved_graphs": {"parallel.pipeline": 2, "parallel.virtual": 2, **GRAPHS},
     "zbv_graphs": {"parallel.pipeline": 2, "parallel.virtual": 2, "parallel.schedule": "zbv", **GRAPHS},
+    "dualpipev": {"parallel.pipeline": 2, "parallel.virtual": 2, "parallel.schedule": "dualpipev"},
+    "dualpipev_graphs": {"parallel.pipeline": 2, "parallel.virtual": 2, "parallel.schedule": "dualpipev", **GRAPHS},
 }
 BITWISE = {"zb_h1": "1f1b", "zb": "1f1b", "zbv": "interleaved", "interleaved_graphs": "interleaved",
-           "zbv_graphs": "zbv"}
+           "zbv_graphs": "zbv", "dualpipev": "zbv", "dualpipev_graphs": "dualpipev"}
 
 
 def overrides(layout: dict, run_dir) -> dict:
