@@ -97,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
                 if not under_torchrun():  # locked before torch is imported: a second run is refused at once
                     held.enter_context(run_lock(config))
                 check_fresh_run(config, bool(args.resume))
+                if args.resume:  # a resume that would continue another trajectory is refused here (warnings: ranks)
+                    from .resume_check import check_resume
+                    check_resume(config, ConfigError)
                 from ..runtime import gloo_io
                 gloo_io.check_environment()
             except (ConfigError, TypeError, ValueError, RuntimeError, OSError) as exc:
