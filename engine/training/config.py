@@ -501,9 +501,11 @@ def dump_config(config: TrainConfig, path: str | os.PathLike) -> None:
 def validate(config: TrainConfig) -> None:
     """Cross-field checks of a whole run, before any process group exists (no communication).
 
-    Checks: positive sizes; ``hidden_size`` divisible by heads; ``num_layers`` divisible into
+    Checks: every numeric field against its row of :data:`engine.training.config_ranges.RANGES` (finite, within
+    what the code represents); ``hidden_size`` divisible by heads; ``num_layers`` divisible into
     ``pipeline x virtual`` model chunks; the microbatch counts Megatron's schedule accepts (interleaved:
-    ``P <= G <= M`` and ``M mod G`` in ``{0} U [P, G)``, Megatron-Core 0.16.1); sequence length and vocabulary; data paths.
+    ``P <= G <= M`` and ``M mod G`` in ``{0} U [P, G)``, Megatron-Core 0.16.1); every plan the run builds, built
+    and validated (:func:`validate_plans`); sequence length and vocabulary; data paths.
 
     Raises:
         ConfigError (ValueError) / RuntimeError naming field, value and fix.
