@@ -65,6 +65,33 @@ class ResolvedSchedule:
             self._plans[key] = plan
         return plan
 
+    def checked_plan(self, num_microbatches: int, forward_only: bool = False) -> Plan:
+        """:meth:`plan`, validated over all ranks (:func:`engine.plan.validate.validate_plan`: data flow, deadlock
+        freedom, memory) -- what an entry point calls before any rank starts.
+
+        Raises:
+            ValueError / RuntimeError: as :meth:`plan`, or :class:`~engine.plan.validate.PlanError`.
+        """
+        from .validate import validate_plan
+        plan = self.plan(num_microbatches, forward_only)
+        validate_plan(plan)
+        return plan
+
+    def smallest_max_in_flight(self, num_microbatches: int, limit: int = 4096) -> int | None:
+        """The smallest ``max_in_flight`` (one number for every rank) with which the training plan of
+        ``num_microbatches`` builds and validates, trying ``1, 2, ...`` through the builder up to ``limit``;
+        ``None`` when the schedule takes no ``max_in_flight`` or none up to ``limit`` works."""
+        if "max_in_flight" not in self.spec.options:
+            return None
+        for value in range(1, min(limit, self.pp_size * self.num_model_chunks * num_microbatches) + 1):
+            trial = ResolvedSchedule(self.spec, self.pp_size, self.num_model_chunks, self.group_size, value)
+            try:
+                trial.checked_plan(num_microbatches)
+            except (ValueError, RuntimeError):
+                continue
+            return value
+        return None
+
     @classmethod
     def of_plan(cls, plan: Plan) -> "ResolvedSchedule | None":
         """The resolution ``plan`` came from: the one that built it, else one rebuilt from a plan of a registered

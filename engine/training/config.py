@@ -27,15 +27,16 @@ import yaml
 from ..plan.registry import auto_schedule, config_choices, get_schedule, schedule_names, virtual_or_none
 from ..plan.resolve import ResolvedSchedule, resolve_schedule
 from ..plan.table import validate_interleaved_microbatches
+from .config_ranges import MAX_STEPS, RANGES, check_ranges  # noqa: F401 - MAX_STEPS, RANGES re-exported
 from .errors import ConfigError
 
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "TrainingConfig",
            "CheckpointConfig", "LoggingConfig", "CudaGraphsConfig", "ProfileConfig", "TrainConfig",
            "load_config", "config_from_dict", "config_to_dict", "apply_overrides", "parse_override_args",
-           "validate", "validate_parallel", "validate_model_family", "validate_world_size", "dump_config", "ConfigLoader", "check_fresh_run"]
+           "validate", "validate_parallel", "validate_plans", "run_plans", "validate_model_family",
+           "validate_world_size", "dump_config", "ConfigLoader", "check_fresh_run"]
 
 
-MAX_STEPS = 10**9  # the upper bound of training.steps
 
 
 class ScheduleName(str):
@@ -495,77 +496,33 @@ def dump_config(config: TrainConfig, path: str | os.PathLike) -> None:
 
 # ---- cross-field validation -----------------------------------------------------------------------------------
 
-def _positive(where: str, value, fix: str, minimum: int | float = 1) -> None:
-    if value is not None and value < minimum:
-        raise ConfigError(f"{where}={value!r} is invalid: must be >= {minimum}; {fix}")
-
-
 def validate(config: TrainConfig) -> None:
     """Cross-field checks of a whole run, before any process group exists (no communication).
 
-    Checks: positive sizes; ``hidden_size`` divisible by heads; ``num_layers`` divisible into
+    Checks: every numeric field against its row of :data:`engine.training.config_ranges.RANGES` (finite, within
+    what the code represents); ``hidden_size`` divisible by heads; ``num_layers`` divisible into
     ``pipeline x virtual`` model chunks; the microbatch counts Megatron's schedule accepts (interleaved:
-    ``P <= G <= M`` and ``M mod G`` in ``{0} U [P, G)``, Megatron-Core 0.16.1); sequence length and vocabulary; data paths.
+    ``P <= G <= M`` and ``M mod G`` in ``{0} U [P, G)``, Megatron-Core 0.16.1); every plan the run builds, built
+    and validated (:func:`validate_plans`); sequence length and vocabulary; data paths.
 
     Raises:
         ConfigError (ValueError) / RuntimeError naming field, value and fix.
     """
-    m, p, s, o, d = config.model, config.parallel, config.training, config.optimizer, config.data
-    _validate_finite(config)
-    for where, value in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
-                         ("model.num_attention_heads", m.num_attention_heads), ("model.ffn_hidden_size",
-                         m.ffn_hidden_size), ("parallel.pipeline", p.pipeline), ("parallel.virtual", p.virtual),
-                         ("parallel.data", p.data), ("training.steps", s.steps),
-                         ("training.micro_batch_size", s.micro_batch_size),
-                         ("training.num_microbatches", s.num_microbatches), ("training.eval_iters", s.eval_iters),
-                         ("training.eval_microbatches", s.eval_microbatches),
-                         ("data.split_block_bytes", d.split_block_bytes), ("data.max_bytes", d.max_bytes),
-                         ("checkpoint.keep", config.checkpoint.keep), ("logging.log_interval",
-                         config.logging.log_interval)]:
-        _positive(where, value, "use a positive integer")
-    for where, value in [("training.eval_interval", s.eval_interval), ("checkpoint.interval",
-                         config.checkpoint.interval), ("optimizer.warmup_steps", o.warmup_steps),
-                         ("profile.wait", config.profile.wait), ("profile.warmup", config.profile.warmup)]:
-        _positive(where, value, "use 0 or a positive integer", minimum=0)
-    _positive("profile.active", config.profile.active, "profile at least one step")
-    _validate_steps_bound(s)
-    _positive("cuda_graphs.warmup_steps", config.cuda_graphs.warmup_steps,
-              "capture needs at least one eager step to record the passes it captures")
+    m, o = config.model, config.optimizer
+    check_ranges(config, ConfigError)  # every numeric field against its row of RANGES (finite, bounds)
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
                           f"{m.num_attention_heads}; choose heads that divide the hidden size")
-    if m.seq_length < 2:
-        raise ConfigError(f"model.seq_length={m.seq_length} is too short: next-token training needs >= 2 tokens")
-    if m.seq_length > 1 << 20:
-        raise ConfigError(f"model.seq_length={m.seq_length} is unreasonably long; use <= {1 << 20}")
-    if not 2 <= m.vocab_size <= 1 << 24:
-        raise ConfigError(f"model.vocab_size={m.vocab_size} is out of range [2, {1 << 24}]")
-    if d.source in ("stdlib", "text") and m.vocab_size < 256:
+    if config.data.source in ("stdlib", "text") and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is too small for byte-level data "
-                          f"(data.source={d.source!r}); set model.vocab_size >= 256")
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
-    if m.init_std <= 0 or m.norm_epsilon <= 0:
-        raise ConfigError(f"model.init_std={m.init_std} and model.norm_epsilon={m.norm_epsilon} must be > 0")
+                          f"(data.source={config.data.source!r}); set model.vocab_size >= 256")
     validate_model_family(m)
     if m.init_from:
         from .hf import check_init_from
         check_init_from(config)
     validate_parallel(config)
-    if o.lr <= 0:
-        raise ConfigError(f"optimizer.lr={o.lr} must be > 0")
-    if not 0 <= o.min_lr <= o.lr:
+    if not o.min_lr <= o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be in [0, optimizer.lr={o.lr}]")
-    if o.grad_clip < 0:
-        raise ConfigError(f"optimizer.grad_clip={o.grad_clip} must be >= 0; use a positive max grad norm (e.g. "
-                          f"1.0) or 0 to disable clipping")
-    if o.weight_decay < 0:
-        raise ConfigError(f"optimizer.weight_decay={o.weight_decay} must be >= 0; use e.g. 0.1 (0 disables it)")
-    if o.eps <= 0:
-        raise ConfigError(f"optimizer.eps={o.eps} must be > 0; use e.g. 1e-8")
-    for where, beta in [("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)]:
-        if not 0.0 <= beta < 1.0:
-            raise ConfigError(f"{where}={beta} must be in [0, 1)")
     _validate_data(config)
     _validate_logging(config)
     _validate_device(config)  # last: the only check that may import torch
@@ -596,20 +553,12 @@ def validate_model_family(m: ModelConfig) -> None:
         raise ConfigError(f"model.family=llama: the head size hidden_size / num_attention_heads = "
                           f"{m.hidden_size} / {m.num_attention_heads} = {head} must be even for rotary embeddings; "
                           f"change model.hidden_size or model.num_attention_heads")
-    if not m.rope_theta > 0:
-        raise ConfigError(f"model.rope_theta={m.rope_theta} must be > 0 (the rotary base, e.g. 10000 or 500000)")
     if m.activation != "gelu":
         raise ConfigError(f"model.activation={m.activation!r} applies to model.family=gpt2 only (llama's MLP is "
                           f"SwiGLU); remove it")
     if m.transformer_engine:
         raise ConfigError("model.transformer_engine=true is for model.family=gpt2 (Transformer Engine's layer is "
                           "GPT-shaped); set it to false for model.family=llama")
-
-
-def _validate_steps_bound(s: TrainingConfig) -> None:
-    if s.steps > MAX_STEPS:
-        raise ConfigError(f"training.steps={s.steps} is over the upper bound {MAX_STEPS:_}; use a step count "
-                          f"<= {MAX_STEPS:_} (at one step per millisecond that is 11 days)")
 
 
 def _validate_device(config: TrainConfig) -> None:
@@ -649,18 +598,6 @@ def check_fresh_run(config: TrainConfig, resume: bool) -> None:
                           f"logging.run_dir (or checkpoint.dir) for a fresh run, or delete that folder")
 
 
-def _validate_finite(config: TrainConfig) -> None:
-    """Every float field is a finite number (``.nan`` / ``.inf`` in YAML parse as floats)."""
-    for section in dataclasses.fields(TrainConfig):
-        values = getattr(config, section.name)
-        for f in dataclasses.fields(values):
-            value = getattr(values, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                default = f.default if f.default is not dataclasses.MISSING else None
-                raise ConfigError(f"{section.name}.{f.name}={value!r} is not a finite number; use a finite value "
-                                  f"(the default is {default!r})")
-
-
 def _takers(option: str) -> str:
     return " / ".join(n for n in schedule_names() if option in get_schedule(n).options)
 
@@ -676,9 +613,6 @@ def _validate_schedule(config: TrainConfig) -> None:
         raise ConfigError(f"parallel.max_in_flight={p.max_in_flight} only applies to parallel.schedule="
                           f"{_takers('max_in_flight')} (got parallel.schedule={p.schedule}); remove it or set "
                           f"parallel.schedule={_takers('max_in_flight')}")
-    if p.max_in_flight is not None and (isinstance(p.max_in_flight, bool) or p.max_in_flight < 1):
-        raise ConfigError(f"parallel.max_in_flight={p.max_in_flight} must be an integer >= 1 (activations held per "
-                          f"rank); remove it for 1F1B's limit")
     why = spec.fits(p.pipeline, p.virtual)
     if why is not None:
         picked = f" (Megatron's choice: {spec.name})" if p.schedule == "auto" else ""
@@ -708,8 +642,6 @@ def validate_parallel(config: TrainConfig) -> None:
         raise ConfigError(f"model.num_layers={m.num_layers} cannot be split into parallel.pipeline x "
                           f"parallel.virtual = {p.pipeline} x {p.virtual} = {chunks} model chunks of equal size; "
                           f"use a multiple of {chunks} layers or change the pipeline / virtual sizes")
-    if p.timeout_s <= 0:
-        raise ConfigError(f"parallel.timeout_s={p.timeout_s} must be > 0 seconds")
     if p.overlap_p2p_comm and p.batch_p2p_comm:
         raise ConfigError("parallel.overlap_p2p_comm=true needs parallel.batch_p2p_comm=false (Megatron: the two "
                           "are mutually exclusive)")
@@ -734,12 +666,61 @@ def validate_parallel(config: TrainConfig) -> None:
     if p.device == "cpu" and p.backend == "nccl":
         raise ConfigError("parallel.backend='nccl' needs CUDA; use parallel.backend=gloo (or auto) with "
                           "parallel.device=cpu")
+    validate_plans(config)
+
+
+def run_plans(config: TrainConfig) -> list[tuple[str, int, bool]]:
+    """``(what, num_microbatches, forward_only)`` of every plan a run of ``config`` builds: the training step
+    (``training.num_microbatches``), evaluation's forward-only plan (``training.eval_microbatches``) and, when
+    ``logging.sample_every_eval`` asks for samples, sampling's forward-only plan (one microbatch; a whole group
+    for schedules that group microbatches, see :meth:`engine.training.trainer.Trainer.sample`)."""
+    s, p = config.training, config.parallel
+    plans = [("training.num_microbatches", s.num_microbatches, False),
+             ("training.eval_microbatches", config.eval_microbatches, True)]
+    if config.logging.sample_every_eval:
+        grouped = "group_size" in get_schedule(config.schedule_name).options
+        plans.append(("logging.sample_every_eval", (p.microbatch_group_size_per_vp_stage or p.pipeline)
+                      if grouped else 1, True))
+    return plans
+
+
+def validate_plans(config: TrainConfig) -> None:
+    """Build and validate (:meth:`~engine.plan.resolve.ResolvedSchedule.checked_plan`) every plan of
+    :func:`run_plans` before any rank starts, so that a schedule that cannot run (e.g. ``parallel.schedule=zb``
+    with a ``parallel.max_in_flight`` too small for the placement: the builder's list scheduler gets stuck) is
+    refused here, naming the field and the smallest ``max_in_flight`` that works.  ``tuned`` is checked once it
+    is resolved.  Pure (no torch); a few milliseconds for the sizes of a config.
+
+    Raises:
+        ConfigError: naming the field, its value and the fix.
+    """
+    p = config.parallel
+    if p.schedule == "tuned":
+        return
+    resolved = config.resolve_schedule()
+    for where, count, forward_only in run_plans(config):
+        try:
+            resolved.checked_plan(count, forward_only)
+        except (ValueError, RuntimeError) as exc:
+            sizes = (f"parallel.schedule={config.schedule_name}, parallel.pipeline={p.pipeline}, parallel.virtual="
+                     f"{p.virtual}, {count} microbatches")
+            if p.max_in_flight is not None and not forward_only:
+                least = resolved.smallest_max_in_flight(count)
+                fix = (f"use parallel.max_in_flight >= {least} (the smallest that gives a valid plan) or remove it "
+                       f"(1F1B's limit)") if least is not None else "remove parallel.max_in_flight (1F1B's limit)"
+                raise ConfigError(f"parallel.max_in_flight={p.max_in_flight} is too small for {sizes}: the plan "
+                                  f"cannot be built ({exc}); {fix}") from None
+            if where == "logging.sample_every_eval":
+                raise ConfigError(f"logging.sample_every_eval={config.logging.sample_every_eval}: sampling's "
+                                  f"forward-only plan cannot be built for {sizes}: {exc}; set "
+                                  f"logging.sample_every_eval=0 or change parallel.schedule") from None
+            what = "evaluation" if forward_only else "the training step"
+            raise ConfigError(f"{where}={count}: the plan of {what} cannot be built for {sizes}: {exc}; change "
+                              f"{where} or parallel.schedule") from None
 
 
 def _validate_data(config: TrainConfig) -> None:
     d = config.data
-    if not 0.0 < d.val_fraction < 0.5:
-        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
     if d.source == "bin" and d.tokenizer != "bytes":
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} does not apply to data.source='bin' (its files hold "
                           f"token ids already); remove data.tokenizer, or use data.source=text / stdlib")
@@ -760,9 +741,6 @@ def _validate_data(config: TrainConfig) -> None:
 
 def _validate_logging(config: TrainConfig) -> None:
     lg = config.logging
-    _positive("logging.sample_every_eval", lg.sample_every_eval, "use 0 (off) or a number of tokens", minimum=0)
-    if lg.peak_tflops is not None and lg.peak_tflops <= 0:
-        raise ConfigError(f"logging.peak_tflops={lg.peak_tflops} must be > 0 (TFLOP/s of one GPU) or null")
     if lg.tensorboard:
         import importlib.util
         if importlib.util.find_spec("tensorboard") is None:

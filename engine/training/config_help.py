@@ -116,28 +116,50 @@ def _schedule_help() -> str:
             "of RUN_DIR/tune.json (`pipecast tune`)")
 
 
-def field_rows() -> list[tuple[str, str, str, str]]:
-    """``(section.field, type, default, meaning)`` for every config field, in dataclass order."""
+def _shown(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def field_rows(config: TrainConfig | None = None) -> list[tuple[str, str, str, str]]:
+    """``(section.field, type, value, meaning)`` for every config field, in dataclass order; ``value`` is the
+    built-in default, or the field's value in ``config`` when one is given."""
     rows = []
     sections = typing.get_type_hints(TrainConfig)
     for section in dataclasses.fields(TrainConfig):
         cls = sections[section.name]
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if config is not None:
+                value = getattr(getattr(config, section.name), f.name)
             name = f"{section.name}.{f.name}"
-            shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else \
-                str(default)
             meaning = FIELD_HELP.get(name, "")
-            rows.append((name, _type_name(hints[f.name]), shown, meaning() if callable(meaning) else meaning))
+            rows.append((name, _type_name(hints[f.name]), _shown(value), meaning() if callable(meaning) else meaning))
     return rows
 
 
-def help_text(width: int = 118) -> str:
-    """Every field as ``--section.key TYPE (default D)`` and its meaning (for ``pipecast train --help``)."""
-    lines = ["config fields (set in the YAML file or override with --section.key=value):"]
-    for name, kind, default, meaning in field_rows():
-        lines.append(f"  --{name} {kind} (default {default})")
+def help_text(width: int = 118, config: TrainConfig | None = None, source: str | None = None) -> str:
+    """Every field as ``--section.key TYPE`` with its value and meaning (for ``pipecast train --help``).
+
+    Without ``config``: the built-in defaults, marked as such (a config file replaces them).  With ``config`` (the
+    file ``source`` after the command line's overrides, as :func:`engine.training.config.load_config` resolves it):
+    the values a run would use, and the built-in default beside each value that differs from it.
+    """
+    builtin = {name: value for name, _, value, _ in field_rows()}
+    if config is None:
+        lines = ["config fields (set in the YAML file or override with --section.key=value). The values shown are "
+                 "the built-in defaults, which a config file replaces: `pipecast train CONFIG --help` shows the "
+                 "values a run of CONFIG would use."]
+    else:
+        lines = [f"config fields with the values a run of {source} would use (that file, then the overrides given; "
+                 f"override with --section.key=value):"]
+    lines = textwrap.wrap(lines[0], width)
+    for name, kind, value, meaning in field_rows(config):
+        if config is None:
+            lines.append(f"  --{name} {kind} (built-in default {value})")
+        else:
+            differs = f"; built-in default {builtin[name]}" if builtin[name] != value else ""
+            lines.append(f"  --{name} {kind} = {value} ({differs[2:] if differs else 'built-in default'})")
         lines.extend(textwrap.wrap(meaning, width, initial_indent=" " * 6, subsequent_indent=" " * 6))
     return "\n".join(lines)
 

@@ -68,9 +68,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the resolved config (file + overrides, validated) as YAML and exit")
     from .config_help import help_text
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = ("Override any config field with --section.key=value, e.g. --training.steps=50 "
-                     "--parallel.pipeline=4. Under torchrun each process joins the job; otherwise the configured "
-                     "number of local ranks is spawned.\n\n" + help_text())
+    parser.epilog = _EPILOG + help_text()
+    for container in (parser, parser._optionals):  # replace argparse's own -h / --help by _ConfigHelp
+        container.conflict_handler = "resolve"
+    parser.add_argument("-h", "--help", action=_ConfigHelp, nargs=0,
+                        help="show this help (with CONFIG: the values a run of CONFIG and the overrides would use) "
+                             "and exit")
+
+
+_EPILOG = ("Override any config field with --section.key=value, e.g. --training.steps=50 --parallel.pipeline=4. "
+           "Under torchrun each process joins the job; otherwise the configured number of local ranks is spawned.\n\n")
+
+
+class _ConfigHelp(argparse.Action):
+    """``--help``: without a config given before it, argparse's help with the built-in defaults; after
+    ``CONFIG``, the help is printed by :func:`run` once the overrides are parsed too (:func:`_print_help`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, "config", None) is None:
+            parser.print_help()
+            parser.exit()
+        namespace.help_parser = parser
+
+
+def _print_help(args: argparse.Namespace) -> int:
+    """``pipecast train CONFIG [--section.key=value ...] --help``: the help with the values a run would use (the
+    file after the overrides, validated); exit status 0, or 2 with one ``error:`` line for a bad config."""
+    from .config_help import help_text
+    try:
+        config = load_config(args.config, parse_override_args(list(getattr(args, "extra", []) or [])))
+    except (ConfigError, TypeError, ValueError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    parser = args.help_parser
+    parser.epilog = _EPILOG + help_text(config=config, source=args.config)
+    parser.print_help()
+    return 0
 
 
 def under_torchrun() -> bool:
@@ -81,6 +114,8 @@ def under_torchrun() -> bool:
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``pipecast train``; returns the exit status (0 ok, 1 a rank failed, 2 bad config, data or
     output path, or the run folder is locked by another run; 130 interrupted; 143 stopped by SIGTERM)."""
+    if getattr(args, "help_parser", None) is not None:
+        return _print_help(args)
     try:
         with contextlib.ExitStack() as held:
             try:
@@ -97,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
                 if not under_torchrun():  # locked before torch is imported: a second run is refused at once
                     held.enter_context(run_lock(config))
                 check_fresh_run(config, bool(args.resume))
+                if args.resume:  # a resume that would continue another trajectory is refused here (warnings: ranks)
+                    from .resume_check import check_resume
+                    check_resume(config, ConfigError)
                 from ..runtime import gloo_io
                 gloo_io.check_environment()
             except (ConfigError, TypeError, ValueError, RuntimeError, OSError) as exc:

@@ -36,6 +36,7 @@ from ..plan.registry import virtual_or_none
 from ..runtime.process_groups import ProcessGroupCollection, build_process_groups
 from .checkpoint import (CheckpointError, checkpoint_keys, latest_checkpoint, list_checkpoints, load_checkpoint,
                          read_checkpoint_meta, save_checkpoint)
+from .resume_check import MODEL_MUST_MATCH, refusal_message, resume_differences, run_settings
 from .config import TrainConfig, check_fresh_run, dump_config, validate, validate_world_size
 from .data import Batches, load_corpus
 from .grads import GradSync, clip_grad_norm
@@ -596,32 +597,24 @@ class Trainer:
         ``tokenizer.json`` in the checkpoint folder, or ``none`` for ``.bin`` token files)."""
         c = self.config
         kind = "none" if c.data.source == "bin" else c.data.tokenizer
-        return {"step": self.step, "model": {k: getattr(c.model, k) for k in _MODEL_MUST_MATCH} |
+        return {"step": self.step, "model": {k: getattr(c.model, k) for k in MODEL_MUST_MATCH} |
                 {"ffn_hidden_size": c.ffn_hidden_size},
                 "model_config": dataclasses.asdict(c.model) | {"ffn_hidden_size": c.ffn_hidden_size},
                 "tokenizer": {"kind": kind} | ({"file": "tokenizer.json"} if kind == "bpe" else {}),
-                "seed": c.training.seed}
+                "seed": c.training.seed, "run": run_settings(c)}
 
-    def _check_checkpoint_meta(self, path: Path) -> None:
-        """Compare the model settings saved with ``path`` to this config before loading any tensor.
+    def _check_checkpoint_meta(self, path: Path) -> list[str]:
+        """Compare the model and run settings saved with ``path`` to this config before loading any tensor
+        (:func:`engine.training.resume_check.resume_differences`: which changes are refused, which warned, and
+        why).  Returns the warned changes (``load`` logs them once, on the logging rank, into train.log).
 
         Raises:
-            CheckpointError: one line per differing field, with both values and the fix.
+            CheckpointError: one message naming every refused field with both values, and the fix.
         """
-        meta = read_checkpoint_meta(path)
-        saved = (meta or {}).get("model")
-        if not isinstance(saved, dict):
-            return  # written without pipecast.json: DCP's key / shape checks still apply
-        ours = self._checkpoint_meta()["model"]
-        diffs = [f"checkpoint has model.{k}={saved[k]!r}, the config has {ours[k]!r}"
-                 for k in ours if k in saved and saved[k] != ours[k]]
-        saved_tok, our_tok = (meta.get("tokenizer") or {}).get("kind"), self._checkpoint_meta()["tokenizer"]["kind"]
-        if saved_tok is not None and saved_tok != our_tok:
-            diffs.append(f"checkpoint was trained on {saved_tok!r} tokens, the config's data gives {our_tok!r}")
-        if diffs:
-            raise CheckpointError(f"cannot resume from {str(path)!r}: it was written for another model: "
-                                  f"{'; '.join(diffs)}; resume with the same model settings (the parallel layout "
-                                  f"may change), or start a fresh run in a new logging.run_dir")
+        refused, warned = resume_differences(read_checkpoint_meta(path), self.config)
+        if refused:
+            raise CheckpointError(refusal_message(path, refused))
+        return warned
 
     def load(self, path: str | Path | None = None) -> Path | None:
         """Collective: restore model, optimizer, LR schedule, data position and RNG from ``path`` (default: the
@@ -637,7 +630,7 @@ class Trainer:
             if path is None:
                 return None
         keys = checkpoint_keys(path)
-        self._check_checkpoint_meta(Path(path))
+        warned = self._check_checkpoint_meta(Path(path))
         model_sd, optim_sd, options = self._dcp_state()
         target = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
                   "trainer": {"step": torch.tensor(0, dtype=torch.int64)}}
@@ -659,6 +652,9 @@ class Trainer:
         self._open_run_files()  # this run continues the folder's run: its train.log and config.yaml are ours
         if self.is_log_rank:
             log.info("resumed from %s at step %d", path, self.step)
+            if warned:
+                log.warning("resumed with changed settings (the run continues with the new values): %s",
+                            "; ".join(warned))
         return Path(path)
 
     def _open_run_files(self) -> None:
@@ -713,9 +709,6 @@ class Trainer:
 
 
 # model settings that fix the parameter names and shapes (ffn_hidden_size is saved resolved)
-_MODEL_MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                     "tie_embeddings", "family", "num_query_groups", "max_position_embeddings")
-
 
 _SCHEDULER_FIELDS = {"last_epoch": int, "_step_count": int, "base_lrs": list, "_last_lr": list}
 

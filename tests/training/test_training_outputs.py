@@ -376,8 +376,8 @@ def test_every_config_field_is_documented_in_train_help(capsys):
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     for name, kind, default, _ in rows:
-        assert f"--{name} {kind} (default {default})" in text
-    assert "--data.tokenizer 'bytes' | 'bpe' (default bytes)" in text and "--print-config" in text
+        assert f"--{name} {kind} (built-in default {default})" in text
+    assert "--data.tokenizer 'bytes' | 'bpe' (built-in default bytes)" in text and "--print-config" in text
 
 
 def test_print_config_prints_the_resolved_yaml_and_exits(capsys, tmp_path):

@@ -240,3 +240,14 @@ def test_resume_with_other_model_settings_names_each_field(tmp_path):
                  "model.tie_embeddings=True, the config has False", "model.ffn_hidden_size=128, the config has 256",
                  "resume with the same model settings"):
         assert word in message, message
+    # the run settings saved with it (issue 26.6): another trajectory is refused before any rank, naming each
+    # field old -> new, by the launcher's pure check and by the trainer; an optimisation change is logged
+    from engine.training.resume_check import check_resume
+    with pytest.raises(ConfigError, match=r"training.seed: 1234 -> 5; global_batch_size: 4 -> 8"):
+        check_resume(_config(tmp_path, **{"training.seed": 5, "training.micro_batch_size": 4}), ConfigError)
+    with Trainer(_config(tmp_path, **{"training.steps": 2, "data.max_bytes": 50_000})) as other:
+        with pytest.raises(CheckpointError, match=r"data.max_bytes: 100000 -> 50000"):
+            other.load()
+    with Trainer(_config(tmp_path, **{"training.steps": 2, "optimizer.lr": 5e-4})) as resumed:
+        assert resumed.load() is not None
+    assert "optimizer.lr: 0.001 -> 0.0005" in (tmp_path / "train.log").read_text()
