@@ -292,6 +292,34 @@ def test_export_of_an_unreadable_checkpoint_writes_nothing(pp1, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "hf"])
+def test_export_to_a_full_or_read_only_disk_is_one_error_line(pp1, tmp_path, monkeypatch, capsys, fmt):
+    """Issue 26: export to a full disk / read-only folder raised a traceback (the read-only one a second OSError
+    from removing the ``.tmp`` file).  Now: exit 2, one ``error:`` line with the reason, nothing left behind."""
+    import errno
+    from engine.cli import main
+    out = tmp_path / ("m.safetensors" if fmt == "safetensors" else "hf")
+    real_write = Path.write_text
+    for code, removal_fails in ((errno.ENOSPC, False), (errno.EROFS, True)):
+        def failing_write(self, *args, _code=code, **kwargs):  # the sidecar / config.json, after the weights
+            if self.name.endswith(".tmp"):
+                raise OSError(_code, os.strerror(_code))
+            return real_write(self, *args, **kwargs)
+
+        def failing_unlink(self, missing_ok=False, _code=code):
+            raise OSError(_code, os.strerror(_code), str(self))
+        with monkeypatch.context() as patch:
+            patch.setattr(Path, "write_text", failing_write)
+            if removal_fails:
+                patch.setattr(Path, "unlink", failing_unlink)
+            assert main(["export", str(pp1[0]), "--out", str(out), "--format", fmt]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: cannot write "), err
+        assert os.strerror(code) in err and f"{out.stem if fmt == 'hf' else 'm.config'}" in err, err
+        if not removal_fails:  # (the patched unlink cannot remove the temporaries it was asked to)
+            assert sorted(tmp_path.iterdir()) == [], sorted(tmp_path.iterdir())
+
+
 # ---- tokenizers and token files -------------------------------------------------------------------------------
 def test_bpe_round_trips_and_is_cached(tmp_path):
     from engine.training.data import bpe_cache, load_corpus
