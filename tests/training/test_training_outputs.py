@@ -177,6 +177,23 @@ def test_sampling_is_seeded(pp1):
     assert greedy == generate(loaded.model, prompt, 8, 0.0, None, seed=2)  # temperature 0: argmax, seed unused
 
 
+def test_sample_options_out_of_range_are_one_error_line(pp1, capsys):
+    """Issue 26 sweep: a seed past what torch takes raised a traceback (``Overflow when unpacking long long``), a
+    huge --threads an error naming no option, a tiny temperature ``probability tensor contains inf`` (logits / T
+    overflowed; shifted by the max first they give -inf, and the draw is the argmax)."""
+    from engine.cli import main
+    from engine.training.generate import generate, load_model
+    for option, value, message in (("--seed", str(2**64), "--seed=18446744073709551616 must be in -2**63..2**64-1"),
+                                   ("--threads", str(10**20), "--threads=100000000000000000000 must be in 1..1024"),
+                                   ("--max-new-tokens", str(10**20), "is more than 1,000,000")):
+        assert main(["sample", str(pp1[0]), option, value]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    loaded = load_model(pp1[0])
+    prompt = loaded.tokenizer.encode("def ")
+    assert generate(loaded.model, prompt, 8, 1e-300, None, seed=3) == generate(loaded.model, prompt, 8, 0.0, None)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_sampling_is_layout_independent(runs):
