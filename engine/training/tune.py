@@ -30,7 +30,7 @@ The result goes to ``RUN_DIR/tune.json`` (what ``parallel.schedule: tuned`` read
 prints and writes, then a `pipecast train` command that trains with the recommendation from where the run folder is
 (:func:`train_hint`).  Exit status: 0, 1 (a rank failed), 2 (bad config / data / arguments, a result file that
 cannot be written, or no candidate fits `--memory-budget-gib`: the message names the budget and the smallest peak;
-the measurements are written anyway), 130 (interrupted).
+the measurements are written anyway), 130 (interrupted), 143 (SIGTERM; nothing written).
 """
 from __future__ import annotations
 
@@ -53,7 +53,9 @@ from .config import ConfigError, TrainConfig, load_config, parse_override_args, 
 from .tune_model import cost_model, model_from_record, step_times
 from .tune_result import resolve_tuned, tune_path, tuned_for
 
-__all__ = ["add_arguments", "run", "config_candidate", "variant_config", "measurement_variants", "tune_worker",
+MAX_STEPS = 100_000  # --steps + --warmup per measured layout
+
+__all__ = ["add_arguments", "run", "MAX_STEPS", "config_candidate", "variant_config", "measurement_variants", "tune_worker",
            "verify_worker"]
 
 
@@ -89,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``pipecast tune``; returns the exit status."""
-    from ..runtime.spawn import Interrupted, RankError
+    from ..runtime.spawn import Interrupted, RankError, Terminated
     try:
         config, cands, own = _prepare(args)
     except (ConfigError, TypeError, ValueError, RuntimeError, OSError) as exc:
@@ -107,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
             print(exc.traceback.rstrip(), file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except Terminated as exc:  # SIGTERM: nothing to save (a tune writes its result only at the end)
+        print(f"error: {exc}; no tune result was written", file=sys.stderr)
+        return 143
     except KeyboardInterrupt as exc:
         print(str(exc) if isinstance(exc, Interrupted) else "interrupted", file=sys.stderr)
         return 130
@@ -210,9 +215,15 @@ def _prepare(args) -> tuple[TrainConfig, list[Candidate], Candidate]:
     if args.min_gain is not None and not 0 <= args.min_gain < 100:
         raise ConfigError(f"--min-gain={args.min_gain} must be a percentage in [0, 100); 0 recommends the top of "
                           f"the table whatever its margin")
+    if args.steps + args.warmup > MAX_STEPS:  # checked here: the ranks would refuse training.steps after starting
+        raise ConfigError(f"--steps {args.steps} + --warmup {args.warmup} is more than {MAX_STEPS:,} steps per "
+                          f"measured layout; a few (the default 10 + 2) give the medians")
     if args.json is not None and (Path(args.json).is_dir() or not Path(args.json).parent.is_dir()):
         raise ConfigError(f"--json {args.json}: " + ("is a folder; give a file path" if Path(args.json).is_dir() else
                                                      "its folder does not exist; create it or give another path"))
+    if args.json is not None:  # a probe file, before measuring (not after): permissions, read-only disks, /proc
+        from .outputs import _writable_folder
+        _writable_folder(f"--json {args.json}: its folder", str(Path(args.json).parent))
     if args.measured is not None and not Path(args.measured).is_file():
         raise ConfigError(f"--measured {args.measured}: no such file; give a tune result (RUN_DIR/tune.json of an "
                           f"earlier `pipecast tune`)")

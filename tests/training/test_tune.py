@@ -122,6 +122,8 @@ def test_parallel_schedule_tuned_trains_with_the_best(tuned):
     (["--min-gain", "-5"], "--min-gain=-5.0 must be a percentage in [0, 100)"),
     (["--measured", "/nonexistent/tune.json"], "--measured /nonexistent/tune.json: no such file"),
     (["--parallel.pipeline=3"], "model.num_layers=4 cannot be split"),
+    (["--steps", "99999999999999999999"], "--steps 99999999999999999999 + --warmup 2 is more than 100,000 steps"),
+    (["--json", "/proc/pipecast-tune.json"], "--json /proc/pipecast-tune.json: its folder='/proc' cannot be written"),
 ])
 def test_bad_arguments_exit_2_before_any_rank_starts(tmp_path, capsys, args, message):
     path = tmp_path / "tiny.yaml"
