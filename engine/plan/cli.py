@@ -25,6 +25,8 @@ beyond that a summary is printed (``--grid`` prints them anyway, ``--json`` writ
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import math
 import os
@@ -170,28 +172,47 @@ def run(args) -> int:
     _check_size(parser, args)
     _check_output(parser, "--json", args.json, "plan.json")
     _check_output(parser, "--plot", args.plot, "plan.png")
+    if args.plot is not None:
+        from .plotting import check_plot_path
+        try:
+            check_plot_path(args.plot)
+        except ValueError as exc:
+            parser.error(f"--plot {args.plot}: {exc}")
     _check_output(parser, "--csv", args.csv, "plan.csv")
     plan = _plan_from_csv(parser, args, given) if args.from_csv is not None else _build(parser, args, schedule)
+    _check_size(parser, args)  # again with the file's sizes (--from-csv)
     validate_plan(plan)
     sim = simulate(plan, **_costs(plan, args))
     buffered = max_buffered_messages(plan, sim)
     print(report(plan, sim, buffered, args))
     if args.json is not None:
-        args.json.write_text(json.dumps(to_json(plan, sim, buffered), indent=1))
-        print(f"wrote {args.json}")
+        _write(parser, "--json", args.json, lambda p: p.write_text(json.dumps(to_json(plan, sim, buffered), indent=1)))
     if args.csv is not None:
         from .torch_csv import plan_to_csv
-        args.csv.write_text(plan_to_csv(plan))
-        print(f"wrote {args.csv}")
+        _write(parser, "--csv", args.csv, lambda p: p.write_text(plan_to_csv(plan)))
     if args.plot is not None:
         from .plotting import plot_timeline
         group = f" G={plan.group_size}" if _takes_group(plan) else ""
         title = (f"{schedule} pp={plan.pp_size} vp={plan.num_model_chunks} m={plan.num_microbatches}{group}"
                  f"{' forward-only' if plan.forward_only else ''}: makespan "
                  f"{sim.makespan:g}, bubble {100 * sim.bubble_overall:.1f}% (bars: microbatch.chunk)")
-        plot_timeline(sim.bars(), args.plot, title, bubbles=sim.bubble)
-        print(f"wrote {args.plot}")
+        _write(parser, "--plot", args.plot, lambda p: plot_timeline(sim.bars(), p, title, bubbles=sim.bubble))
     return 0
+
+
+def _write(parser, option: str, path: Path, write) -> None:
+    """``write(path)``, then ``wrote PATH``; a write the operating system refuses (full or read-only disk, no
+    permission) exits 2 naming the option, the path and the reason, and removes the partial file."""
+    try:
+        write(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+        full = exc.errno == errno.ENOSPC
+        parser.error(f"{option} {path}: cannot be written: {exc.strerror or exc}{where}; "
+                     + ("free space there or choose another path" if full else "choose another path"))
+    print(f"wrote {path}")
 
 
 def _takes_group(plan: Plan) -> bool:

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["Bar", "plot_timeline", "KIND_COLOURS"]
+__all__ = ["Bar", "plot_timeline", "plot_formats", "check_plot_path", "KIND_COLOURS"]
 
 KIND_COLOURS = {"F": "#4C78A8", "B": "#F58518", "W": "#54A24B"}
 """Colours of the known kinds: forward, backward, weight-gradient.  Other kinds get the ``_EXTRA`` palette."""
@@ -26,6 +26,34 @@ class Bar(NamedTuple):
     end: float
     label: str
     kind: str
+
+
+def plot_formats() -> tuple[str, ...]:
+    """The file suffixes (without the dot) matplotlib's Agg canvas writes (``png``, ``pdf``, ``svg``, ...).
+
+    Raises:
+        ValueError: matplotlib is not installed (naming the fix)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ValueError("drawing a chart needs matplotlib, which is not installed; pip install matplotlib (or "
+                         "pip install -e '.[dev]')") from None
+    return tuple(sorted(FigureCanvasAgg(Figure()).get_supported_filetypes()))
+
+
+def check_plot_path(path: str | Path) -> None:
+    """Refuse, before any work, a chart path whose suffix matplotlib cannot write.
+
+    Raises:
+        ValueError: no suffix or an unsupported one (naming the formats it can write), or no matplotlib.
+    """
+    suffix = Path(path).suffix.lower().lstrip(".")
+    formats = plot_formats()
+    if suffix not in formats:
+        what = f"'.{suffix}' is not an image format matplotlib writes" if suffix else "the name has no file suffix"
+        raise ValueError(f"{what}; end the name in one of {', '.join('.' + f for f in formats)} (e.g. "
+                         f"{Path(path).with_suffix('.png').name})")
 
 
 def plot_timeline(rows: Iterable[Bar | Sequence], path: str | Path, title: str,

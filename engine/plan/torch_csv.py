@@ -132,9 +132,20 @@ def _check_pairs(rows) -> None:
 
 
 def _num_microbatches(rows) -> int:
-    """``M``: the microbatches stage 0 forwards are 0..M-1; an action of another microbatch is refused."""
+    """``M``: the microbatches stage 0 forwards are 0..M-1 (no gaps: ``M`` is at most the number of cells, so a
+    huge microbatch number is refused before it sizes anything); an action of another microbatch is refused."""
     firsts = [a.mb for actions in rows for a in actions if a.stage == 0 and a.kind == "F"]
-    M = 1 + max(firsts if firsts else [a.mb for actions in rows for a in actions])
+    if not firsts:
+        raise CsvScheduleError("no cell forwards stage 0 (0F<microbatch>); stage 0 forwards each microbatch 0..M-1 "
+                               "once, so a schedule without it runs nothing")
+    M = 1 + max(firsts)
+    if M > len(firsts):  # a gap: checked before M sizes anything (0F99999999999999999999 is one cell, not 1e20)
+        missing = min(set(range(len(firsts) + 1)) - set(firsts))
+        r, top = next((r, a) for r, actions in enumerate(rows) for a in actions
+                      if a.stage == 0 and a.kind == "F" and a.mb == M - 1)
+        raise CsvScheduleError(f"row {r} (pipeline rank {r}), column {top.col}: {top} is microbatch {top.mb}, but "
+                               f"stage 0 forwards no microbatch {missing}; stage 0 forwards each microbatch 0..M-1 "
+                               "once (number them from 0 without gaps)")
     for r, actions in enumerate(rows):
         bad = next((a for a in actions if a.mb >= M), None)
         if bad is not None:

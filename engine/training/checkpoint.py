@@ -17,6 +17,7 @@ bitwise-equal copies of the tied embedding share one key, data-parallel replicas
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -74,14 +75,14 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
     """
     d = Path(directory)
     final, tmp = d / f"step_{step:08d}", d / f".step_{step:08d}.tmp"
-    with _save_errors(d, step):
+    with _save_errors(d, step, tmp):
         if _rank() == 0:
             d.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         _barrier()
         import torch.distributed.checkpoint as dcp  # heavy (DTensor); only when checkpointing
-        dcp.save(state, checkpoint_id=str(tmp))
+        dcp.save(state, storage_writer=_recording_writer(tmp))
         _barrier()
         if _rank() == 0 and meta is not None:
             (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
@@ -100,22 +101,97 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
     return final
 
 
+def _recording_writer(path: Path):
+    """DCP's ``FileSystemWriter`` for ``path`` whose write errors keep their cause.
+
+    torch's zip writer (``torch.save`` into DCP's file stream) turns an ``OSError`` raised by the stream -- a full
+    disk -- into ``RuntimeError: [enforce fail at inline_container.cc] ... unexpected pos``, hiding ``No space left
+    on device``.  This writer's streams record the first ``OSError`` (with the file's path when it names none), and
+    a failed ``write_data`` / ``finish`` raises that ``OSError`` (the RuntimeError as its cause), which DCP then
+    reports in its per-rank failures on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem
+    errors: list[OSError] = []
+
+    def record(exc: OSError, where) -> None:
+        if exc.errno is not None and not any(e is exc or e.__cause__ is exc for e in errors):
+            named = exc if exc.filename is not None else OSError(exc.errno, exc.strerror, str(where))
+            if named is not exc:
+                named.__cause__ = exc
+            errors.append(named)
+
+    class _Stream:
+        """The file stream, recording an ``OSError`` of ``write`` / ``flush`` / ``close`` before it propagates."""
+
+        def __init__(self, raw, where):
+            self._raw, self._where = raw, where
+
+        def __getattr__(self, name):
+            attr = getattr(self._raw, name)
+            if name not in ("write", "flush", "close"):
+                return attr
+
+            def recorded(*args, **kwargs):
+                try:
+                    return attr(*args, **kwargs)
+                except OSError as exc:
+                    record(exc, self._where)
+                    raise
+            return recorded
+
+    class _FileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, where, mode):
+            try:
+                with super().create_stream(where, mode) as raw:
+                    yield _Stream(raw, where)
+            except OSError as exc:
+                record(exc, where)
+                raise
+
+    class _Writer(dcp.FileSystemWriter):
+        def _cause(self, call, *args):
+            try:
+                return call(*args)
+            except Exception as exc:
+                if errors and errors[0] is not exc:
+                    raise errors[0] from exc
+                raise
+
+        def write_data(self, plan, planner):
+            return self._cause(super().write_data, plan, planner)
+
+        def finish(self, metadata, results):
+            return self._cause(super().finish, metadata, results)
+
+    writer = _Writer(str(path))
+    writer.fs = _FileSystem()
+    return writer
+
+
 @contextlib.contextmanager
-def _save_errors(directory: Path, step: int):
-    """Turn a failed write (an ``OSError``, or DCP's ``CheckpointException`` wrapping one) into a
-    :class:`CheckpointError` whose first line carries the operating system's reason (e.g. ``No space left on
-    device``) and says that the previous checkpoint is intact."""
+def _save_errors(directory: Path, step: int, tmp: Path):
+    """Turn a failed write (an ``OSError``, or DCP's ``CheckpointException`` wrapping one on some rank) into a
+    :class:`CheckpointError` whose first line carries the root cause -- the operating system's reason and the file
+    (e.g. ``No space left on device: '.../__0_0.distcp'``) -- and says that the previous checkpoint is intact.
+    Rank 0 removes the partial temporary folder (every rank has left DCP's collective save when it fails), so the
+    space it took is free again."""
     from torch.distributed.checkpoint.api import CheckpointException
     try:
         yield
     except (OSError, CheckpointException) as exc:
         from ..runtime.spawn import describe_exception, os_error_under
-        cause = os_error_under(exc)
-        cause = describe_exception(exc) if cause is None else f"{type(cause).__name__}: {cause}"
+        os_error = os_error_under(exc)
+        cause = describe_exception(exc) if os_error is None else f"{type(os_error).__name__}: {os_error}"
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_checkpoint(directory)
         kept = f"the previous checkpoint {str(previous)!r} is intact" if previous else "no earlier checkpoint"
+        full = os_error is None or os_error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+        fix = "free space or set checkpoint.dir to a folder with room" if full else \
+            "set checkpoint.dir to a folder this job can write"
         raise CheckpointError(f"cannot save the checkpoint of step {step} in {str(directory)!r}: {cause}; {kept}; "
-                              f"free space or set checkpoint.dir to a folder with room, then --resume") from exc
+                              f"{fix}, then --resume") from exc
 
 
 def read_checkpoint_meta(path: str | os.PathLike) -> dict | None:

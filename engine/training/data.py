@@ -211,7 +211,8 @@ def read_bin(path: Path, where: str = "data.paths[0]") -> np.ndarray:
 
     Raises:
         ConfigError: naming the file and what it found: an empty file, a header of another kind (other magic or
-            version), a token count that does not match the file size, or a raw file of an odd number of bytes.
+            version), a token count that does not match the file size, a raw file of an odd number of bytes, or
+            a text file (its first 64 KiB UTF-8 text) given as token ids (naming ``data.source=text``).
     """
     size = path.stat().st_size
     if size == 0:
@@ -235,12 +236,47 @@ def read_bin(path: Path, where: str = "data.paths[0]") -> np.ndarray:
         raise ConfigError(f"{where}: {path} starts with a header of magic {int(first[0])} version {int(first[1])}, "
                           f"not an llm.c token file (magic {LLMC_MAGIC}, version 1 or 2) nor raw uint16 tokens; "
                           f"point data.paths at token files (e.g. llm.c's *_train.bin / *_val.bin)")
+    text = _text_sample(path)
+    if text is not None:
+        raise ConfigError(f"{where}: {path} is a text file (its first bytes read {text!r}), not token ids: "
+                          f"data.source='bin' reads token files (llm.c's headered or nanoGPT's raw uint16), and read "
+                          f"as uint16 this text gives ids up to {_text_token_max(path):,}; for a text corpus set "
+                          f"data.source=text (bytes, or data.tokenizer=bpe), or point data.paths at the .bin token "
+                          f"files")
     if size % np.dtype(BIN_DTYPE).itemsize:
         raise ConfigError(f"{where}: {path} has {size} bytes, not a whole number of tokens: without an llm.c "
                           f"header data.source='bin' reads raw uint16 token ids (2 bytes each, little-endian, "
                           f"nanoGPT's np.array(ids, dtype=np.uint16).tofile(path)); the file is truncated or not "
                           f"in that layout -- re-export it, or use data.source='text' for raw bytes")
     return np.memmap(path, dtype=BIN_DTYPE, mode="r")
+
+
+_TEXT_SAMPLE = 1 << 16  # bytes looked at to tell a text file from raw uint16 token ids
+
+
+def _text_sample(path: Path) -> str | None:
+    """The first characters of ``path`` when its first 64 KiB are UTF-8 text (at most 0.1% control bytes other than
+    tab / newline / carriage return / form feed), else None.  Raw uint16 token ids are not: every id below 8192
+    (GPT-2's most common tokens) has a high byte below 0x20."""
+    with open(path, "rb") as fh:
+        head = fh.read(_TEXT_SAMPLE)
+    try:
+        decoded = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 3:  # not only a character cut at the sample's end
+            return None
+        decoded = head[:exc.start].decode("utf-8")
+    control = sum(1 for c in decoded if ord(c) < 32 and c not in "\t\n\r\f")
+    if not decoded or control > len(decoded) // 1000:
+        return None
+    return " ".join(decoded[:40].split())
+
+
+def _text_token_max(path: Path) -> int:
+    """The largest uint16 id of the (even part of the) sample, read as nanoGPT's raw token file would be."""
+    with open(path, "rb") as fh:
+        head = fh.read(_TEXT_SAMPLE)
+    return int(np.frombuffer(head[:len(head) // 2 * 2], dtype=BIN_DTYPE).max(initial=0))
 
 
 def write_llmc_bin(path: Path, tokens: np.ndarray) -> None:

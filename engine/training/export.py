@@ -21,6 +21,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from .files import WriteError, write_atomically
+
 __all__ = ["add_arguments", "run", "export_checkpoint", "export_hf", "load_exported", "DTYPES", "FORMATS"]
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -48,7 +50,9 @@ def export_checkpoint(checkpoint, out, dtype: str = "fp32") -> list[Path]:
 
     Raises:
         CheckpointError: no / unreadable checkpoint. ValueError: ``out`` is not a ``.safetensors`` path in an
-            existing folder, or an unknown ``dtype``.
+            existing folder, ``out`` is a folder, or an unknown ``dtype``.  WriteError (an ``OSError``): a file could
+            not be written (read-only or full disk, no permission), naming it and the operating system's reason;
+            no file is left half-written.
     """
     import torch
     from safetensors.torch import save_file
@@ -58,6 +62,8 @@ def export_checkpoint(checkpoint, out, dtype: str = "fp32") -> list[Path]:
         raise ValueError(f"--out={str(out)!r} must end in .safetensors (e.g. model.safetensors)")
     if not out.parent.is_dir():
         raise ValueError(f"--out={str(out)!r}: folder {str(out.parent)!r} does not exist; create it first")
+    if out.is_dir():
+        raise ValueError(f"--out={str(out)!r} is a folder; name the file to write, e.g. {str(out / 'model.safetensors')!r}")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     loaded = load_model(checkpoint)
@@ -72,7 +78,6 @@ def export_checkpoint(checkpoint, out, dtype: str = "fp32") -> list[Path]:
               (config_path, lambda p: p.write_text(json.dumps(info, indent=1, sort_keys=True) + "\n"))]
     if getattr(loaded.tokenizer, "kind", None) == "bpe":
         writes.append((tok_path, lambda p: shutil.copyfile(loaded.checkpoint / "tokenizer.json", p)))
-    from .hf import write_atomically  # imported on use, as export_hf imports .hf
     return write_atomically(writes)
 
 
@@ -81,7 +86,7 @@ def export_hf(checkpoint, out, dtype: str = "fp32") -> list[Path]:
 
     Raises:
         CheckpointError: no / unreadable checkpoint. ValueError: ``out``'s parent folder is missing, ``out`` is a
-            file, or an unknown ``dtype``.
+            file, or an unknown ``dtype``.  WriteError: as :func:`export_checkpoint`.
     """
     from .generate import load_model, model_state_dict
     from .hf import write_hf_folder
@@ -114,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         export = export_hf if getattr(args, "format", "safetensors") == "hf" else export_checkpoint
         written = export(args.checkpoint, args.out, args.dtype)
-    except (CheckpointError, ValueError) as exc:
+    except (CheckpointError, ValueError, WriteError) as exc:  # WriteError: an OSError naming path and reason
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)

@@ -138,7 +138,8 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None, ge
     softmax(logits / temperature) restricted to the ``top_k`` largest logits (all when None)."""
     if temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits.double() / temperature
+    logits = logits.double()
+    logits = (logits - logits.max()) / temperature  # shifted first: a tiny temperature gives -inf, never inf - inf
     if top_k is not None and top_k < logits.numel():
         cutoff = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < cutoff, float("-inf"))

@@ -22,6 +22,7 @@ Sources: ``transformers`` ``models/gpt2/modeling_gpt2.py`` and ``models/llama/mo
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from .errors import ConfigError
+from .files import WriteError, make_folder, write_atomically
 
 if TYPE_CHECKING:  # annotations only: engine.training.config imports this module to resolve model.init_from
     from .config import ModelConfig, TrainConfig
@@ -130,7 +132,9 @@ def write_hf_folder(out: str | os.PathLike, cfg: ModelConfig, ffn_hidden_size: i
     written under a temporary name and renamed when complete.  Returns the paths written.
 
     Raises:
-        ValueError: the parent folder of ``out`` does not exist, or ``out`` is a file."""
+        ValueError: the parent folder of ``out`` does not exist, or ``out`` is a file.
+        WriteError: a file or ``out`` could not be written (read-only or full disk, no permission), naming it and
+            the operating system's reason; no file is left half-written."""
     import torch
     from safetensors.torch import save_file
     out = Path(out)
@@ -139,7 +143,8 @@ def write_hf_folder(out: str | os.PathLike, cfg: ModelConfig, ffn_hidden_size: i
                          f"model.safetensors): pass a folder path")
     if not out.parent.is_dir():
         raise ValueError(f"--out={str(out)!r}: folder {str(out.parent)!r} does not exist; create it first")
-    out.mkdir(exist_ok=True)
+    created = not out.exists()
+    make_folder(out)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     tensors = {k: v.detach().to(torch_dtype).contiguous() for k, v in to_hf_tensors(cfg.family, state).items()}
     config = hf_config(cfg, ffn_hidden_size, dtype)
@@ -149,23 +154,13 @@ def write_hf_folder(out: str | os.PathLike, cfg: ModelConfig, ffn_hidden_size: i
         tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_length}
         writes += [("tokenizer.json", lambda p: p.write_text(tokenizer_json)),
                    ("tokenizer_config.json", lambda p: p.write_text(json.dumps(tok_config, indent=2) + "\n"))]
-    return write_atomically([(out / name, write) for name, write in writes])
-
-
-def write_atomically(writes: list) -> list[Path]:
-    """Write each ``(final_path, write_fn)`` to a hidden ``.NAME.tmp`` beside it, then rename them all into place
-    (so a reader never sees a half-written file); the temporaries are removed whatever happens.  Returns the
-    final paths."""
-    tmps = [(final, final.with_name(f".{final.name}.tmp")) for final, _ in writes]
     try:
-        for (_, write), (_, tmp) in zip(writes, tmps):
-            write(tmp)
-        for final, tmp in tmps:
-            os.replace(tmp, final)
-    finally:
-        for _, tmp in tmps:
-            tmp.unlink(missing_ok=True)
-    return [final for final, _ in tmps]
+        return write_atomically([(out / name, write) for name, write in writes])
+    except WriteError:
+        if created:  # nothing was written: leave no empty folder behind
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
 
 
 # ---- config.json in --------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import datetime
 import logging
+import math
 import os
 import signal
 import sys
@@ -48,7 +49,7 @@ from .config import (ConfigError, TrainConfig, check_fresh_run, load_config, par
                      validate_world_size)
 from .tune_result import resolve_tuned
 
-__all__ = ["add_arguments", "run", "run_spawned", "spawn", "train_worker", "under_torchrun", "Interrupted",
+__all__ = ["add_arguments", "run", "run_spawned", "spawn", "train_worker", "summary_line", "under_torchrun", "Interrupted",
            "EXIT_PREEMPTED", "STOP_GRACE_S"]
 
 log = logging.getLogger("pipecast.train")
@@ -247,12 +248,26 @@ def train_worker(config: TrainConfig, resume: bool = False, timeline=None, nvtx:
         with TrainerProfiling(trainer, timeline, nvtx):
             trainer.train()
         if trainer.is_log_rank and trainer.val_history:
-            first, last = trainer.val_history[0][1], trainer.val_history[-1][1]
-            log.info("done: step %d in %.1f s | val loss %.4f -> %.4f (%.1f%% lower)", trainer.step,
-                     time.perf_counter() - t0, first, last, 100 * (1 - last / first) if first == first else 0.0)
+            log.info("%s", summary_line(trainer.step, time.perf_counter() - t0, trainer.val_history,
+                                        trainer.preempted is not None))
         if trainer.preempted is not None:
             return preempted_result(trainer.step, trainer.preempted)
     return None
+
+
+def summary_line(step: int, seconds: float, val_history: list[tuple[int, float]], preempted: bool = False) -> str:
+    """The run's last log line: ``done: step N in T s | val loss A -> B (x% lower)`` over this run's evaluations
+    ``val_history`` (``(step, loss)``, first at the run's start).  With one evaluation only -- SIGTERM stopped the
+    run before the next, or no step reached one -- there is nothing to compare: the line gives that loss, its step
+    and why no later one exists."""
+    head = f"{'stopped (SIGTERM)' if preempted else 'done'}: step {step} in {seconds:.1f} s"
+    (first_step, first), (last_step, last) = val_history[0], val_history[-1]
+    if last_step == first_step:
+        why = "stopped by SIGTERM before the next evaluation" if preempted else "no evaluation since"
+        return f"{head} | val loss {first:.4f} at step {first_step} ({why}; training.eval_interval sets how often)"
+    change = (f"{100 * (1 - last / first):.1f}% lower" if last <= first else f"{100 * (last / first - 1):.1f}% higher") \
+        if first > 0 and math.isfinite(first) and math.isfinite(last) else "no ratio"
+    return f"{head} | val loss {first:.4f} -> {last:.4f} ({change})"
 
 
 def _train_rank(rank: int, world_size: int, fn, config: TrainConfig, *args):

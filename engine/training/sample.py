@@ -3,7 +3,8 @@
 
 The checkpoint may come from any pipeline layout; it is loaded into this one process.  The prompt and the
 generated text go to stdout, one line of timing to stderr.  Exit status 2 with one ``error:`` line for a path
-without a checkpoint, an unreadable checkpoint, an invalid option or a prompt the tokenizer cannot encode.
+without a checkpoint, an unreadable checkpoint, an invalid option (out of range: ``--threads`` 1..1024,
+``--seed`` -2**63..2**64-1, ``--max-new-tokens`` 1..10**6) or a prompt the tokenizer cannot encode.
 """
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import argparse
 import sys
 import time
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "MAX_THREADS", "MAX_NEW_TOKENS"]
+
+MAX_THREADS = 1024
+MAX_NEW_TOKENS = 1_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +43,13 @@ def _check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature={args.temperature} must be a finite number >= 0 (0 = greedy)")
     if args.top_k < 0:
         raise ValueError(f"--top-k={args.top_k} must be >= 0 (0 = no limit)")
-    if args.threads < 1:
-        raise ValueError(f"--threads={args.threads} must be >= 1")
+    if not 1 <= args.threads <= MAX_THREADS:
+        raise ValueError(f"--threads={args.threads} must be in 1..{MAX_THREADS}")
+    if not -2**63 <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
+        raise ValueError(f"--seed={args.seed} must be in -2**63..2**64-1")
+    if args.max_new_tokens > MAX_NEW_TOKENS:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens} is more than {MAX_NEW_TOKENS:,}: without a KV cache "
+                         f"each token runs the model over its whole window; ask for fewer")
 
 
 def _device(name: str):

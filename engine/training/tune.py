@@ -27,7 +27,10 @@ pick the schedule from measured costs and a memory budget.
 
 The result goes to ``RUN_DIR/tune.json`` (what ``parallel.schedule: tuned`` reads, :mod:`.tune_result`) and to
 ``--json PATH``.  Under ``torchrun`` every process joins the job (as with ``pipecast train``) and global rank 0
-prints and writes.  Exit status: 0, 1 (a rank failed), 2 (bad config / data / arguments), 130 (interrupted).
+prints and writes, then a `pipecast train` command that trains with the recommendation from where the run folder is
+(:func:`train_hint`).  Exit status: 0, 1 (a rank failed), 2 (bad config / data / arguments, a result file that
+cannot be written, or no candidate fits `--memory-budget-gib`: the message names the budget and the smallest peak;
+the measurements are written anyway), 130 (interrupted), 143 (SIGTERM; nothing written).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import math
 import os
 import statistics
 import sys
@@ -49,7 +53,9 @@ from .config import ConfigError, TrainConfig, load_config, parse_override_args, 
 from .tune_model import cost_model, model_from_record, step_times
 from .tune_result import resolve_tuned, tune_path, tuned_for
 
-__all__ = ["add_arguments", "run", "config_candidate", "variant_config", "measurement_variants", "tune_worker",
+MAX_STEPS = 100_000  # --steps + --warmup per measured layout
+
+__all__ = ["add_arguments", "run", "MAX_STEPS", "config_candidate", "variant_config", "measurement_variants", "tune_worker",
            "verify_worker"]
 
 
@@ -85,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``pipecast tune``; returns the exit status."""
-    from ..runtime.spawn import Interrupted, RankError
+    from ..runtime.spawn import Interrupted, RankError, Terminated
     try:
         config, cands, own = _prepare(args)
     except (ConfigError, TypeError, ValueError, RuntimeError, OSError) as exc:
@@ -103,17 +109,78 @@ def run(args: argparse.Namespace) -> int:
             print(exc.traceback.rstrip(), file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except Terminated as exc:  # SIGTERM: nothing to save (a tune writes its result only at the end)
+        print(f"error: {exc}; no tune result was written", file=sys.stderr)
+        return 143
     except KeyboardInterrupt as exc:
         print(str(exc) if isinstance(exc, Interrupted) else "interrupted", file=sys.stderr)
         return 130
     if not coordinator:
         return 0
-    for path in filter(None, (tune_path(config), args.json)):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {tune_path(config)}" + (f" and {args.json}" if args.json else "") +
-          "; train with it: --parallel.schedule=tuned")
+    return _report(args, config, result)
+
+
+def _report(args, config: TrainConfig, result: dict) -> int:
+    """Write the result (``RUN_DIR/tune.json``, ``--json``) and say how to train with it: 0; 2 when a file cannot
+    be written or no candidate fits ``--memory-budget-gib`` (the measurements are written anyway, for
+    ``--measured`` with another budget)."""
+    from .files import WriteError, write_atomically
+    text = json.dumps(result, indent=1) + "\n"
+    try:
+        for path, option in ((tune_path(config), "logging.run_dir"), (args.json, "--json")):
+            if path is not None:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                write_atomically([(Path(path), lambda p: p.write_text(text))], option)
+    except (WriteError, OSError) as exc:  # OSError: the run folder cannot be created
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    wrote = f"wrote {tune_path(config)}" + (f" and {args.json}" if args.json else "")
+    if result["best"] is None:
+        need = min(result["candidates"], key=lambda c: max(c["peak_memory_bytes"]))
+        peak = max(need["peak_memory_bytes"])
+        print(f"{wrote}\nerror: no schedule fits --memory-budget-gib={args.memory_budget_gib:g}: the smallest "
+              f"predicted peak is {peak / 2**30:.4g} GiB ({peak / 2**20:.1f} MiB) per rank, {need['label']}; raise "
+              f"--memory-budget-gib to at least {math.ceil(peak / 2**30 * 1e4) / 1e4:g} (re-rank without measuring: "
+              f"--measured {tune_path(config)}) or make the model, micro_batch_size or seq_length smaller",
+              file=sys.stderr)
+        return 2
+    print(f"{wrote}; {train_hint(args, config, result['best'])}")
     return 0
+
+
+_TUNED_KEYS = tuple(f"parallel.{f}" for f in ("schedule", "virtual", "microbatch_group_size_per_vp_stage",
+                                              "max_in_flight"))
+
+
+def train_hint(args, config: TrainConfig, best: dict) -> str:
+    """A ``pipecast train`` command that trains with the recommendation ``best`` from where the run folder is:
+
+    * no checkpoint in ``checkpoint.dir``: ``--parallel.schedule=tuned`` (reads ``RUN_DIR/tune.json``);
+    * an unfinished run (latest checkpoint before ``training.steps``): the same with ``--resume`` -- a fresh run
+      there is refused (:func:`.config.check_fresh_run`), and checkpoints do not depend on the pipeline layout;
+    * a finished run: a new run folder (``RUN_DIR-tuned``, numbered if taken) with the recommendation's own
+      ``--parallel.*`` values, as that folder has no ``tune.json``.
+    """
+    import shlex
+
+    from .checkpoint import latest_checkpoint
+    overrides = [o for o in parse_override_args(list(getattr(args, "extra", []) or []))
+                 if not o.startswith(tuple(k + "=" for k in _TUNED_KEYS))]
+    base = ["pipecast", "train", str(args.config), *(f"--{o}" for o in overrides)]
+    latest = latest_checkpoint(config.checkpoint_dir)
+    if latest is None:
+        return "train with it: " + shlex.join(base + ["--parallel.schedule=tuned"])
+    step = int(latest.name.rpartition("_")[2])
+    if step < config.training.steps:
+        return (f"continue the run in {config.logging.run_dir} (checkpoint of step {step}) with it: "
+                + shlex.join(base + ["--parallel.schedule=tuned", "--resume"]))
+    run_dir = Path(config.logging.run_dir)
+    fresh = next(d for d in (run_dir.with_name(f"{run_dir.name}-tuned{i or ''}") for i in range(1000))
+                 if not d.exists())
+    moved = [f"--checkpoint.dir={fresh / 'checkpoints'}"] if config.checkpoint.dir else []
+    base = [a for a in base if not a.startswith(("--logging.run_dir=", "--checkpoint.dir="))]
+    return (f"{run_dir} holds a finished run (step {step} of training.steps={config.training.steps}); train a new "
+            f"run with it: " + shlex.join(base + [f"--logging.run_dir={fresh}", *moved, *best["arguments"]]))
 
 
 @contextlib.contextmanager
@@ -148,9 +215,15 @@ def _prepare(args) -> tuple[TrainConfig, list[Candidate], Candidate]:
     if args.min_gain is not None and not 0 <= args.min_gain < 100:
         raise ConfigError(f"--min-gain={args.min_gain} must be a percentage in [0, 100); 0 recommends the top of "
                           f"the table whatever its margin")
+    if args.steps + args.warmup > MAX_STEPS:  # checked here: the ranks would refuse training.steps after starting
+        raise ConfigError(f"--steps {args.steps} + --warmup {args.warmup} is more than {MAX_STEPS:,} steps per "
+                          f"measured layout; a few (the default 10 + 2) give the medians")
     if args.json is not None and (Path(args.json).is_dir() or not Path(args.json).parent.is_dir()):
         raise ConfigError(f"--json {args.json}: " + ("is a folder; give a file path" if Path(args.json).is_dir() else
                                                      "its folder does not exist; create it or give another path"))
+    if args.json is not None:  # a probe file, before measuring (not after): permissions, read-only disks, /proc
+        from .outputs import _writable_folder
+        _writable_folder(f"--json {args.json}: its folder", str(Path(args.json).parent))
     if args.measured is not None and not Path(args.measured).is_file():
         raise ConfigError(f"--measured {args.measured}: no such file; give a tune result (RUN_DIR/tune.json of an "
                           f"earlier `pipecast tune`)")
@@ -274,9 +347,6 @@ def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> 
     min_gain = measured.get("noise_gain", 0.0) if args.min_gain is None else args.min_gain / 100
     chosen = choose(ranked, own, budget, min_gain)
     print_table(ranked, own, budget, chosen, min_gain, "--min-gain" if args.min_gain is not None else "noise")
-    if chosen is None:
-        print(f"warning: no candidate fits --memory-budget-gib={args.memory_budget_gib}: nothing is recommended "
-              f"(parallel.schedule=tuned will refuse this result)", file=sys.stderr)
     entry = (lambda p: None if p is None else candidate_entry(p, budget))
     result = {"measured": measured, "candidates": [candidate_entry(p, budget) for p in ranked],
               "best": entry(chosen), "best_predicted": entry(chosen), "min_gain": min_gain,

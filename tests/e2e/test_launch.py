@@ -278,11 +278,19 @@ def test_stopped_rank_is_reported_as_the_peers_timeout(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_disk_full_during_a_save_is_one_line_with_the_cause(tmp_path):
+    """Issue 26: the disk fills up after the first checkpoint; the second save named only ``CheckpointException
+    ranks:dict_keys([0, 1])``.  One line with the cause and the file, the first checkpoint intact, no partial
+    folder left."""
+    from engine.training.checkpoint import checkpoint_keys, list_checkpoints
     overrides = tiny_overrides(write_corpus(tmp_path / "corpus.txt"), tmp_path / "run",
                                **{"parallel.pipeline": 2, "training.steps": 4, "checkpoint.interval": 2})
     proc = _job({"overrides": overrides, "record_dir": str(tmp_path), "patch": "enospc"})
     _, err = proc.communicate(timeout=100)
     assert proc.returncode == 1, err[-3000:]
     lines = _error_lines(err)
-    assert len(lines) == 1 and "No space left on device" in lines[0], err[-3000:]
-    assert "cannot save the checkpoint of step 2" in lines[0] and "no earlier checkpoint" in lines[0], lines[0]
+    assert len(lines) == 1 and "No space left on device: '" in lines[0] and ".distcp'" in lines[0], err[-3000:]
+    first = tmp_path / "run" / "checkpoints" / "step_00000002"
+    assert "cannot save the checkpoint of step 4" in lines[0], lines[0]
+    assert f"the previous checkpoint {str(first)!r} is intact" in lines[0], lines[0]
+    assert list_checkpoints(first.parent) == [first] and checkpoint_keys(first)
+    assert not list(first.parent.glob(".step_*.tmp"))

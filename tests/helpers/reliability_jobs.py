@@ -161,7 +161,8 @@ def patched_train_worker(config, resume: bool, record_dir: str, patch: str | Non
 
     * ``"slow_preempt_save"``: a checkpoint save that runs after SIGTERM writes its files, then marks
       ``<record_dir>/in_save`` and sleeps 60 s before the rename (a slow file system);
-    * ``"enospc"``: every checkpoint file write fails with ``OSError(ENOSPC)`` (a full disk) inside DCP.
+    * ``"enospc"``: the disk is full after the first checkpoint: later saves' tensor files fail with
+      ``OSError(ENOSPC)`` after 1000 bytes (:func:`_full_disk`).
     """
     from engine.training import launch
     rank = dist.get_rank()
@@ -190,12 +191,32 @@ def _slow_preempt_save(record_dir: Path) -> None:
 
 
 def _full_disk() -> None:
+    """The disk fills up after the first checkpoint: in every later save, each tensor file takes its first 1000
+    bytes, then ``write`` fails with ``OSError(ENOSPC)`` naming no file, as ``write(2)`` does -- inside
+    ``torch.save``, whose zip writer reports it as ``RuntimeError: ... unexpected pos`` unless the cause is kept."""
+    import contextlib
     import errno
+    import io
 
     from torch.distributed.checkpoint import filesystem
+    real, first_folder = filesystem.FileSystem.create_stream, []
 
+    class Full(io.FileIO):
+        def write(self, data):
+            if self.tell() + len(memoryview(data).cast("B")) > 1000:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+
+    @contextlib.contextmanager
     def create_stream(self, path, mode):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        folder = Path(path).parent.name
+        first_folder[:] = first_folder or [folder]
+        if "w" not in mode or not str(path).endswith(".distcp") or folder == first_folder[0]:
+            with real(self, path, mode) as stream:
+                yield stream
+            return
+        with Full(path, "wb") as stream:
+            yield stream
 
     filesystem.FileSystem.create_stream = create_stream
 

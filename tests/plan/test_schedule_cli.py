@@ -121,3 +121,73 @@ def test_large_plans_print_a_summary_unless_grid_is_given(capsys):
     rows = [line.split(": ", 1)[1].split() for line in out.splitlines() if line.startswith("rank ") and "(warmup" in line]
     assert rows == [plan.action_labels(rank) for rank in range(4)]
     assert "omitted" not in out and out.count("bubble ") >= 5
+
+
+def _one_error_line(err: str) -> str:
+    """The ``error:`` line of argparse's exit (usage lines above it), asserting there is exactly one and no
+    traceback."""
+    lines = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("name,message", [
+    ("chart.txt", "'.txt' is not an image format matplotlib writes; end the name in one of"),
+    ("chart", "the name has no file suffix"),
+])
+def test_plot_to_a_suffix_matplotlib_cannot_write_exits_2_before_any_work(name, message, tmp_path, capsys):
+    assert _exit_code(["schedule", "--pp", "2", "--plot", str(tmp_path / name)]) == 2
+    captured = capsys.readouterr()
+    line = _one_error_line(captured.err)
+    assert f"--plot {tmp_path / name}: {message}" in line and ".png" in line, line
+    assert captured.out == "" and not (tmp_path / name).exists()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("cells,message", [
+    ("0F99999999999999999999,0B99999999999999999999", "0F99999999999999999999 is microbatch 99999999999999999999, "
+                                                      "but stage 0 forwards no microbatch 0"),
+    ("0F0,0B0,0F99999999999999999999,0B99999999999999999999", "stage 0 forwards no microbatch 1"),
+    ("0B0", "no cell forwards stage 0"),
+])
+def test_csv_with_a_microbatch_number_too_large_for_an_int_exits_2(cells, message, tmp_path, capsys):
+    """A microbatch number past int64 (one cell) used to size the plan: OverflowError. Numbers must run 0..M-1."""
+    path = tmp_path / "s.csv"
+    path.write_text(cells + "\n")
+    assert _exit_code(["schedule", "--from-csv", str(path)]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"--from-csv {path}: " in line and message in line, line
+
+
+@pytest.mark.parametrize("option,name", [("--json", "p.json"), ("--csv", "p.csv"), ("--plot", "p.png")])
+def test_a_full_disk_while_writing_an_output_is_one_error_line(option, name, tmp_path, monkeypatch, capsys):
+    """The write itself fails (ENOSPC from the file system, after the folder checks passed): exit 2 naming the
+    option, the path and the operating system's reason; no partial file is left."""
+    import builtins
+    import errno
+    import io
+    import os
+    real_open = builtins.open
+
+    class Full(io.RawIOBase):  # a file on a full disk: opening works, every write fails
+        def __init__(self, path):
+            self.path = path
+            real_open(path, "wb").close()
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def full_open(file, mode="r", *args, **kwargs):
+        if str(file) == str(tmp_path / name) and "w" in mode:
+            raw = Full(file)
+            return io.TextIOWrapper(io.BufferedWriter(raw)) if "b" not in mode else io.BufferedWriter(raw)
+        return real_open(file, mode, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", full_open)
+    monkeypatch.setattr(io, "open", full_open)
+    assert _exit_code(["schedule", "--pp", "2", option, str(tmp_path / name)]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{option} {tmp_path / name}: cannot be written: No space left on device; free space" in line, line
+    assert not (tmp_path / name).exists()

@@ -42,9 +42,9 @@ def test_crash_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
     real_save = dcp.save
 
-    def dying_save(state, checkpoint_id):
+    def dying_save(state, checkpoint_id=None, storage_writer=None):
         # write part of the files, then "crash" (the rest of save_checkpoint never runs, as after a SIGKILL)
-        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"\x00" * 17)
+        (Path(checkpoint_id or storage_writer.path) / "__0_0.distcp").write_bytes(b"\x00" * 17)
         raise KeyboardInterrupt("simulated crash while writing")
 
     monkeypatch.setattr(dcp, "save", dying_save)
@@ -62,6 +62,47 @@ def test_crash_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     loaded = _empty()
     load_checkpoint(loaded, third)
     assert _equal(loaded, _state(3))
+
+
+def test_a_full_disk_on_a_later_save_names_the_cause_and_keeps_the_earlier_checkpoint(tmp_path, monkeypatch):
+    """Issue 26: a real full disk fails a write inside ``torch.save`` (DCP's file format), whose zip writer turns
+    the ``OSError`` into ``RuntimeError: ... unexpected pos``; the message showed ``CheckpointException
+    ranks:dict_keys([0])``.  It must name ``No space left on device`` and the file, keep the earlier checkpoint
+    loadable and remove the partial temporary folder."""
+    import errno
+    import io
+
+    from torch.distributed.checkpoint import filesystem
+    first = save_checkpoint(_state(1), tmp_path, step=1)
+    real_create_stream = filesystem.FileSystem.create_stream
+
+    class FullDisk(io.FileIO):  # a file on a full disk: the first 1000 bytes fit, then write(2) fails (no file name)
+        def write(self, data):
+            if self.tell() + len(memoryview(data).cast("B")) > 1000:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def full_disk(self, path, mode):
+        if not str(path).endswith(".distcp") or "w" not in mode:
+            with real_create_stream(self, path, mode) as stream:
+                yield stream
+            return
+        with FullDisk(path, "wb") as stream:
+            yield stream
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", full_disk)
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(_state(2), tmp_path, step=2)
+    message = str(info.value)
+    assert "\n" not in message and "cannot save the checkpoint of step 2" in message, message
+    assert "No space left on device: " in message and "__0_0.distcp" in message, message
+    assert f"the previous checkpoint {str(first)!r} is intact" in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]  # no partial .step_00000002.tmp
+    loaded = _empty()
+    load_checkpoint(loaded, latest_checkpoint(tmp_path))
+    assert _equal(loaded, _state(1))
 
 
 def test_keep_removes_only_old_complete_checkpoints(tmp_path):

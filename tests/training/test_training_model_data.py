@@ -118,3 +118,24 @@ def test_text_and_bin_sources(tmp_path):
         next(Batches(corpus, 32, 2, 1, 0, 1, 0, 10).train(0, True, True))
     with pytest.raises(ConfigError, match="train.bin"):
         load_corpus(DataConfig(source="bin", paths=[str(tmp_path / "docs")]), 32, 1000)
+
+
+@pytest.mark.parametrize("text", ["pipeline stage microbatch bubble.\n" * 400, "Straße, 東京 und Größe\n" * 300])
+def test_a_text_file_given_as_token_ids_names_what_it_is_and_the_fix(tmp_path, text):
+    """Issue 26: ``data.source: bin`` with a text file read ASCII pairs as uint16 ids and asked for
+    ``model.vocab_size >= 32116``; it must say the file is text and to use ``data.source=text``."""
+    from engine.training.data import read_bin
+    path = tmp_path / "corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_corpus(DataConfig(source="bin", paths=[str(path)]), vocab_size=256, seq_length=16)
+    message = str(info.value)
+    assert f"{path} is a text file (its first bytes read '{' '.join(text[:40].split())[:20]}" in message, message
+    assert "data.source=text" in message and "vocab_size" not in message, message
+    # real token files are not mistaken for text: ids below 8192 have a control byte as their high byte
+    ids = np.random.default_rng(0).integers(0, 50257, 4000).astype(np.uint16)
+    ids.tofile(tmp_path / "tokens.bin")
+    assert np.array_equal(read_bin(tmp_path / "tokens.bin"), ids)
+    small = np.arange(300, dtype=np.uint16) % 256
+    small.tofile(tmp_path / "bytes.bin")
+    assert np.array_equal(read_bin(tmp_path / "bytes.bin"), small)

@@ -177,6 +177,23 @@ def test_sampling_is_seeded(pp1):
     assert greedy == generate(loaded.model, prompt, 8, 0.0, None, seed=2)  # temperature 0: argmax, seed unused
 
 
+def test_sample_options_out_of_range_are_one_error_line(pp1, capsys):
+    """Issue 26 sweep: a seed past what torch takes raised a traceback (``Overflow when unpacking long long``), a
+    huge --threads an error naming no option, a tiny temperature ``probability tensor contains inf`` (logits / T
+    overflowed; shifted by the max first they give -inf, and the draw is the argmax)."""
+    from engine.cli import main
+    from engine.training.generate import generate, load_model
+    for option, value, message in (("--seed", str(2**64), "--seed=18446744073709551616 must be in -2**63..2**64-1"),
+                                   ("--threads", str(10**20), "--threads=100000000000000000000 must be in 1..1024"),
+                                   ("--max-new-tokens", str(10**20), "is more than 1,000,000")):
+        assert main(["sample", str(pp1[0]), option, value]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    loaded = load_model(pp1[0])
+    prompt = loaded.tokenizer.encode("def ")
+    assert generate(loaded.model, prompt, 8, 1e-300, None, seed=3) == generate(loaded.model, prompt, 8, 0.0, None)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_sampling_is_layout_independent(runs):
@@ -290,6 +307,34 @@ def test_export_of_an_unreadable_checkpoint_writes_nothing(pp1, tmp_path):
     out = _cli("export", str(broken), "--out", str(tmp_path / "m.safetensors"))
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and str(broken) in out.stderr, out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "hf"])
+def test_export_to_a_full_or_read_only_disk_is_one_error_line(pp1, tmp_path, monkeypatch, capsys, fmt):
+    """Issue 26: export to a full disk / read-only folder raised a traceback (the read-only one a second OSError
+    from removing the ``.tmp`` file).  Now: exit 2, one ``error:`` line with the reason, nothing left behind."""
+    import errno
+    from engine.cli import main
+    out = tmp_path / ("m.safetensors" if fmt == "safetensors" else "hf")
+    real_write = Path.write_text
+    for code, removal_fails in ((errno.ENOSPC, False), (errno.EROFS, True)):
+        def failing_write(self, *args, _code=code, **kwargs):  # the sidecar / config.json, after the weights
+            if self.name.endswith(".tmp"):
+                raise OSError(_code, os.strerror(_code))
+            return real_write(self, *args, **kwargs)
+
+        def failing_unlink(self, missing_ok=False, _code=code):
+            raise OSError(_code, os.strerror(_code), str(self))
+        with monkeypatch.context() as patch:
+            patch.setattr(Path, "write_text", failing_write)
+            if removal_fails:
+                patch.setattr(Path, "unlink", failing_unlink)
+            assert main(["export", str(pp1[0]), "--out", str(out), "--format", fmt]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: cannot write "), err
+        assert os.strerror(code) in err and f"{out.stem if fmt == 'hf' else 'm.config'}" in err, err
+        if not removal_fails:  # (the patched unlink cannot remove the temporaries it was asked to)
+            assert sorted(tmp_path.iterdir()) == [], sorted(tmp_path.iterdir())
 
 
 # ---- tokenizers and token files -------------------------------------------------------------------------------

@@ -251,3 +251,21 @@ def test_resume_with_other_model_settings_names_each_field(tmp_path):
     with Trainer(_config(tmp_path, **{"training.steps": 2, "optimizer.lr": 5e-4})) as resumed:
         assert resumed.load() is not None
     assert "optimizer.lr: 0.001 -> 0.0005" in (tmp_path / "train.log").read_text()
+
+
+def test_summary_after_a_sigterm_stop_makes_no_fake_comparison(tmp_path, monkeypatch):
+    """Issue 26: SIGTERM stopped the run after step 1, before any evaluation but the first; the summary said
+    ``val loss 5.3170 -> 5.3170 (0.0% lower)``.  It must give the one loss, its step and why there is no other."""
+    from engine.training import launch, preempt
+    monkeypatch.setattr(preempt, "stop_agreed", lambda: True)  # as if every rank got SIGTERM during step 1
+    config = _config(tmp_path, **{"training.steps": 6, "training.eval_interval": 3})
+    result = launch.train_worker(config)
+    assert result is not None and result["preempted"] and result["step"] == 1, result
+    lines = (tmp_path / "train.log").read_text().splitlines()
+    line = next(ln for ln in lines if "| val loss" in ln and ("done:" in ln or "stopped" in ln))
+    assert " -> " not in line and "% lower" not in line, line
+    assert "stopped (SIGTERM): step 1 in " in line and "at step 0 (stopped by SIGTERM before the next " \
+        "evaluation" in line, line
+    two = launch.summary_line(6, 1.0, [(0, 5.0), (3, 4.0), (6, 5.5)])
+    assert two == "done: step 6 in 1.0 s | val loss 5.0000 -> 5.5000 (10.0% higher)", two
+    assert launch.summary_line(4, 2.0, [(0, 4.0), (4, 3.0)]).endswith("val loss 4.0000 -> 3.0000 (25.0% lower)")

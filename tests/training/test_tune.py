@@ -122,6 +122,8 @@ def test_parallel_schedule_tuned_trains_with_the_best(tuned):
     (["--min-gain", "-5"], "--min-gain=-5.0 must be a percentage in [0, 100)"),
     (["--measured", "/nonexistent/tune.json"], "--measured /nonexistent/tune.json: no such file"),
     (["--parallel.pipeline=3"], "model.num_layers=4 cannot be split"),
+    (["--steps", "99999999999999999999"], "--steps 99999999999999999999 + --warmup 2 is more than 100,000 steps"),
+    (["--json", "/proc/pipecast-tune.json"], "--json /proc/pipecast-tune.json: its folder='/proc' cannot be written"),
 ])
 def test_bad_arguments_exit_2_before_any_rank_starts(tmp_path, capsys, args, message):
     path = tmp_path / "tiny.yaml"
@@ -251,3 +253,55 @@ def test_measured_records_that_are_incomplete_exit_2(tmp_path, capsys, tuned):
         bad.write_text(json.dumps(broken))
         assert main(["tune", str(path), "--measured", str(bad)]) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(240)
+def test_nothing_fitting_the_budget_exits_2_naming_the_budget_and_the_smallest_need(tuned, capsys, tmp_path):
+    """Issue 26: it exited 0 and still said "train with it"."""
+    path, result, root = tuned
+    smallest = min(max(c["peak_memory_bytes"]) for c in result["candidates"])
+    budget = smallest / 2 / 2**30
+    run_dir = tmp_path / "run"
+    status = main(["tune", str(path), "--measured", str(root / "out.json"), "--memory-budget-gib", str(budget),
+                   f"--logging.run_dir={run_dir}"])
+    captured = capsys.readouterr()
+    assert status == 2, captured.err
+    errors = [ln for ln in captured.err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "train with it" not in captured.out + captured.err, captured
+    assert f"no schedule fits --memory-budget-gib={budget:g}" in errors[0], errors[0]
+    assert f"the smallest predicted peak is {smallest / 2**30:.4g} GiB ({smallest / 2**20:.1f} MiB)" in errors[0]
+    assert json.loads((run_dir / "tune.json").read_text())["best"] is None  # the measurements are kept
+
+
+def _hint(out: str) -> list[str]:
+    import shlex
+    line = next(ln for ln in out.splitlines() if ln.startswith("wrote "))
+    command = shlex.split(line[line.index("pipecast train"):])
+    assert command[:2] == ["pipecast", "train"], line
+    return command[2:]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("checkpoint_step", [None, 2, 4])
+def test_the_train_hint_works_from_where_the_run_folder_is(tuned, capsys, tmp_path, checkpoint_step):
+    """Issue 26: after a finished run, "train with it: --parallel.schedule=tuned" exits 2 (the folder holds
+    checkpoints).  The printed command must pass every check ``pipecast train`` makes before starting ranks, and
+    train the recommended schedule."""
+    from engine.training.config import check_fresh_run, parse_override_args
+    path, result, root = tuned
+    run_dir = tmp_path / "run"
+    if checkpoint_step is not None:  # TINY trains 4 steps: 2 = an unfinished run, 4 = a finished one
+        (run_dir / "checkpoints" / f"step_{checkpoint_step:08d}").mkdir(parents=True)
+        (run_dir / "checkpoints" / f"step_{checkpoint_step:08d}" / ".metadata").write_bytes(b"")
+    assert main(["tune", str(path), "--measured", str(root / "out.json"), f"--logging.run_dir={run_dir}"]) == 0
+    best = json.loads((run_dir / "tune.json").read_text())["best"]
+    argv = _hint(capsys.readouterr().out)
+    assert argv[0] == str(path)
+    resume = "--resume" in argv
+    assert resume == (checkpoint_step == 2), argv
+    config = resolve_tuned(load_config(argv[0], parse_override_args([a for a in argv[1:] if a != "--resume"])))
+    check_fresh_run(config, resume)  # what made the old hint exit 2
+    assert {f"parallel.{k}": getattr(config.parallel, k) for k in ("schedule", "virtual")} == \
+        {k: best["settings"][k] for k in ("parallel.schedule", "parallel.virtual")}
+    if checkpoint_step == 4:
+        assert config.logging.run_dir == str(tmp_path / "run-tuned"), argv

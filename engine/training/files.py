@@ -1,0 +1,113 @@
+"""Files the commands write: all-or-nothing, and a failed write named by its operating-system cause.
+
+:func:`write_atomically` writes each file under a hidden temporary name beside it and renames them into place
+when all are written; whatever fails, the temporaries are removed (a removal that fails too -- a read-only folder
+-- never hides the error that stopped the write).  A write that fails for an operating-system reason (full or
+read-only disk, no permission, a folder where the file should be) is a :class:`WriteError`: one line naming the
+path and the reason (``strerror`` of the first ``OSError``, e.g. ``No space left on device``).  safetensors'
+writer reports such errors as ``SafetensorError: ... I/O error: ... (os error 28)``; :func:`os_error_of` reads the
+errno back from that text.  Any other exception propagates unchanged.
+
+Standard library only.
+"""
+from __future__ import annotations
+
+import errno as _errno
+import os
+import re
+from pathlib import Path
+
+__all__ = ["WriteError", "write_atomically", "make_folder", "os_error_of"]
+
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error prints an errno (safetensors)
+
+
+class WriteError(OSError):
+    """A file or folder could not be written; ``str()`` is one line naming the path and the operating system's
+    reason.  ``errno`` / ``strerror`` / ``filename`` are those of the first ``OSError``."""
+
+    def __init__(self, message: str, cause: OSError):
+        super().__init__(cause.errno, cause.strerror, cause.filename)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def os_error_of(exc: BaseException, path: str | os.PathLike | None = None, depth: int = 0) -> OSError | None:
+    """The operating-system error ``exc`` is or stands for -- itself, its ``__cause__`` / ``__context__`` chain,
+    or an ``(os error N)`` in a safetensors error's text -- with ``filename`` set to ``path`` when it names none;
+    None when there is none (a programming error, which the caller must let through)."""
+    if exc is None or depth > 8:
+        return None
+    if isinstance(exc, OSError) and exc.errno is not None:
+        if exc.filename is None and path is not None:
+            return OSError(exc.errno, exc.strerror, str(path))
+        return exc
+    found = _RUST_OS_ERROR.search(str(exc)) if type(exc).__name__ == "SafetensorError" else None
+    if found is not None:
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code), None if path is None else str(path))
+    return os_error_of(exc.__cause__ or exc.__context__, path, depth + 1)
+
+
+def _describe(cause: OSError, path: Path, option: str) -> str:
+    """``reason (the OS error's path, when another); the fix`` -- free space for a full disk, another path else."""
+    where = f" ({cause.filename})" if cause.filename and str(cause.filename) != str(path) else ""
+    full = cause.errno in (_errno.ENOSPC, getattr(_errno, "EDQUOT", _errno.ENOSPC))
+    fix = f"free space there or choose another {option}" if full else f"choose another {option} (a folder you can write)"
+    return f"{cause.strerror or _errno.errorcode.get(cause.errno, cause.errno)}{where}; {fix}"
+
+
+def make_folder(path: str | os.PathLike, option: str = "--out") -> Path:
+    """``mkdir(path, exist_ok=True)`` (its parent must exist).
+
+    Raises:
+        WriteError: the folder cannot be created (read-only disk, no permission, ...), naming it and the reason.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(exist_ok=True)
+    except OSError as exc:
+        cause = os_error_of(exc, path)
+        raise WriteError(f"cannot create folder {str(path)!r}: {_describe(cause, path, option)}", cause) from exc
+    return path
+
+
+def _remove_quietly(path: Path) -> None:
+    """Remove a temporary file; a failure here (a read-only or vanished folder: nothing to remove) must not hide
+    the error that stopped the write."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def write_atomically(writes: list, option: str = "--out") -> list[Path]:
+    """Write each ``(final_path, write_fn)`` -- ``write_fn(path)`` writes the file at ``path`` -- to a hidden
+    ``.NAME.tmp`` beside it, then rename them all into place (a reader never sees a half-written file); the
+    temporaries are removed whatever happens.  Returns the final paths.
+
+    Raises:
+        WriteError: a write or rename failed for an operating-system reason; the message names the file, the
+            first ``OSError``'s reason and the fix (free space, or another ``option``).  Other exceptions propagate unchanged.
+    """
+    tmps = [(Path(final), Path(final).with_name(f".{Path(final).name}.tmp")) for final, _ in writes]
+    current = tmps[0][0] if tmps else Path(".")
+    try:
+        for (_, write), (final, tmp) in zip(writes, tmps):
+            current = final
+            write(tmp)
+        for final, tmp in tmps:
+            current = final
+            os.replace(tmp, final)
+    except Exception as exc:
+        cause = os_error_of(exc, current.with_name(f".{current.name}.tmp"))
+        if cause is None:
+            raise
+        raise WriteError(f"cannot write {str(current)!r}: {_describe(cause, current, option)} (no file is "
+                         f"left half-written)", cause) from exc
+    finally:
+        for _, tmp in tmps:
+            _remove_quietly(tmp)
+    return [final for final, _ in tmps]
