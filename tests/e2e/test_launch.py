@@ -144,7 +144,7 @@ def test_second_run_into_a_running_folder_is_refused_and_the_first_finishes(tmp_
                                **{"parallel.pipeline": 2, "training.steps": 30, "checkpoint.interval": 0})
     first = _job({"overrides": overrides, "record_dir": str(tmp_path), "patch": None})
     try:
-        _wait_for(lambda: len(read_records(tmp_path)) == 2, 60, first)
+        _wait_for(lambda: len(read_records(tmp_path)) == 2, 120, first)
         second = _train("configs/default.yaml", *_flags(overrides), timeout=90)
         assert second.returncode == 2, second.stderr
         line = _error_lines(second.stderr)[0]
@@ -180,7 +180,7 @@ def test_sigterm_saves_on_every_rank_and_resume_continues_exactly(tmp_path):
     try:
         _wait_for(lambda: log.is_file() and len(_losses(log.read_text())) >= 3, 120, proc)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=100)
     finally:
         proc.kill()
     assert proc.returncode == launch.EXIT_PREEMPTED == 143, err[-3000:]
@@ -216,7 +216,7 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint(tmp_path):
         ranks = _rank_pids(proc.pid)
         assert len(ranks) == 2
         os.kill(ranks[0], signal.SIGTERM)  # pipeline rank 0, not the logging rank
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=100)
     finally:
         proc.kill()
     assert proc.returncode == 143, err[-3000:]
@@ -237,10 +237,10 @@ def test_second_sigterm_during_the_save_leaves_the_previous_checkpoint(tmp_path)
     try:
         _wait_for(lambda: any(ckpts.glob("step_*/.metadata")), 120, proc)
         proc.send_signal(signal.SIGTERM)
-        _wait_for(lambda: (tmp_path / "in_save").is_file(), 60, proc)
+        _wait_for(lambda: (tmp_path / "in_save").is_file(), 120, proc)
         before = sorted(p.name for p in ckpts.glob("step_*") if (p / ".metadata").is_file())
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=100)
     finally:
         proc.kill()
     assert proc.returncode == 143, err[-3000:]

@@ -112,14 +112,14 @@ def test_ranks_die_with_the_launcher(tmp_path):
                              json.dumps({"overrides": overrides, "record_dir": str(tmp_path), "sleep": True})],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 40
+        deadline = time.time() + 120
         while len(read_records(tmp_path)) < 2 and time.time() < deadline and proc.poll() is None:
             time.sleep(0.2)
         pids = [r["pid"] for r in read_records(tmp_path).values()]
         assert len(pids) == 2, "the ranks did not start"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        deadline = time.time() + 10
+        deadline = time.time() + 60
         while any(process_alive(p) for p in pids) and time.time() < deadline:
             time.sleep(0.1)
         assert not any(process_alive(p) for p in pids), "ranks outlived their launcher"
