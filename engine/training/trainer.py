@@ -38,6 +38,7 @@ from .checkpoint import (CheckpointError, checkpoint_keys, latest_checkpoint, li
 from .config import TrainConfig, check_fresh_run, dump_config, validate, validate_world_size
 from .data import Batches, load_corpus
 from .grads import GradSync, clip_grad_norm
+from .sharding import ShardedAdamW, ShardedGradSync
 from . import preempt
 from .metrics import MetricsLog, known_peak_tflops, model_flops_per_token
 from .model import build_model_chunks, canonical_module
@@ -106,7 +107,9 @@ class Trainer:
                                         config.training.seed, self.mp_config, self.device,
                                         stages=self.plan.stages_of(self.pp_rank))
         first, last = self.plan.stage_location(0)[0], self.plan.stage_location(self.plan.num_stages - 1)[0]
-        self.grad_sync = GradSync(self.model, self.pg, overlap=p.overlap_grad_reduce, tied_on_one_rank=first == last)
+        self.sharded = p.shard == "optimizer" and self.dp_size > 1  # ZeRO-1 (engine.training.sharding)
+        self.grad_sync = (ShardedGradSync(self.model, self.pg, tied_on_one_rank=first == last) if self.sharded else
+                          GradSync(self.model, self.pg, overlap=p.overlap_grad_reduce, tied_on_one_rank=first == last))
         self.mp_config.finalize_model_grads_func = self.grad_sync.finalize_model_grads
         self.mp_config.no_sync_func = self.grad_sync.no_sync
         self.canonical = canonical_module(self.model)
@@ -206,6 +209,8 @@ class Trainer:
         decay = [p for p in unique if p.dim() >= 2]
         no_decay = [p for p in unique if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if self.sharded:
+            return ShardedAdamW(groups, self.grad_sync, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
 
     def _lr_multiplier(self, step: int) -> float:
@@ -318,7 +323,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
         store = self._run_schedule(self._data(self.step), self.config.training.num_microbatches, False)
-        grad_norm = clip_grad_norm(self.model, self.config.optimizer.grad_clip, self.pg)
+        grad_norm = (self.optimizer.clip_grad_norm(self.config.optimizer.grad_clip) if self.sharded else
+                     clip_grad_norm(self.model, self.config.optimizer.grad_clip, self.pg))
         loss = self._reduce_loss(store)
         if self.config.optimizer.check_for_nan_in_loss_and_grad:
             self._check_finite(loss, grad_norm)
