@@ -107,9 +107,7 @@ class Trainer:
                                         config.training.seed, self.mp_config, self.device,
                                         stages=self.plan.stages_of(self.pp_rank))
         first, last = self.plan.stage_location(0)[0], self.plan.stage_location(self.plan.num_stages - 1)[0]
-        self.sharded = p.shard == "optimizer" and self.dp_size > 1  # ZeRO-1 (engine.training.sharding)
-        self.grad_sync = (ShardedGradSync(self.model, self.pg, tied_on_one_rank=first == last) if self.sharded else
-                          GradSync(self.model, self.pg, overlap=p.overlap_grad_reduce, tied_on_one_rank=first == last))
+        self.grad_sync = self._build_grad_sync(tied_on_one_rank=first == last)
         self.mp_config.finalize_model_grads_func = self.grad_sync.finalize_model_grads
         self.mp_config.no_sync_func = self.grad_sync.no_sync
         self.canonical = canonical_module(self.model)
@@ -201,6 +199,17 @@ class Trainer:
             deallocate_pipeline_outputs=p.deallocate_pipeline_outputs,
             enable_autocast=bf16, autocast_dtype=torch.bfloat16 if bf16 else None,
             deterministic_mode=c.training.deterministic)
+
+    def _build_grad_sync(self, tied_on_one_rank: bool) -> GradSync:
+        """GradSync, or with ``parallel.shard=optimizer`` and data > 1 its ZeRO-1 form (engine.training.sharding)."""
+        p = self.config.parallel
+        self.sharded = p.shard == "optimizer" and self.dp_size > 1
+        if p.shard == "optimizer":
+            log.info("parallel.shard=optimizer: %s", "AdamW state sharded over the data-parallel group" if
+                     self.sharded else "parallel.data=1, one shard is the whole state (runs as shard=none)")
+        if self.sharded:
+            return ShardedGradSync(self.model, self.pg, tied_on_one_rank=tied_on_one_rank)
+        return GradSync(self.model, self.pg, overlap=p.overlap_grad_reduce, tied_on_one_rank=tied_on_one_rank)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         o = self.config.optimizer

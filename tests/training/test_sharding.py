@@ -1,8 +1,8 @@
 """``parallel.shard: optimizer`` (ZeRO-1, engine.training.sharding) against plain data parallelism and pp1.
 
-One spawned 4-rank job (pp2 x dp2) runs: ``shard: none`` and ``shard: optimizer`` under 1F1B, ``shard: optimizer``
-under ZB-H1 (split backward: W passes deferred), 3 steps each with grad clipping on; a ``shard: optimizer`` run that
-saves at step 2; and a ``shard: optimizer`` run resumed from a pp1 checkpoint.  A single-process pp1 run (same
+One spawned 4-rank job (pp2 x dp2) runs ``shard: optimizer`` under 1F1B (saving at step 2) and under ZB-H1 (split
+backward: W passes deferred), 3 steps each with grad clipping and weight decay on, and a ``shard: optimizer`` run
+resumed from a pp1 checkpoint.  (``shard: none`` at pp2 x dp2 is checked against autograd in test_trainer_reference.)  A single-process pp1 run (same
 global batch) gives the reference losses and parameters, and resumes from the sharded checkpoint.
 
 Tolerance: the sharded runs reduce-scatter where ``none`` all-reduces and sum the tied embedding before the
@@ -51,11 +51,10 @@ def _run(config, steps: int, load=None, save_at=None) -> dict:
 
 
 def _job(rank: int, world: int, run_dir: str, pp1_checkpoint: str) -> dict:
-    cases = {"none": {}, "optimizer": {"shard": "optimizer"}, "zb_h1": {"shard": "optimizer", "schedule": "zb_h1"}}
-    out = {name: _run(load_config(None, overrides(f"{run_dir}/{name}", 2, 2, **p)), STEPS)
-           for name, p in cases.items()}
-    out["saved"] = _run(load_config(None, overrides(f"{run_dir}/saved", 2, 2, shard="optimizer")), CUT,
-                        save_at=CUT)
+    out = {"optimizer": _run(load_config(None, overrides(f"{run_dir}/optimizer", 2, 2, shard="optimizer")), STEPS,
+                             save_at=CUT),
+           "zb_h1": _run(load_config(None, overrides(f"{run_dir}/zb_h1", 2, 2, shard="optimizer",
+                                                     schedule="zb_h1")), STEPS)}
     out["from_pp1"] = _run(load_config(None, overrides(f"{run_dir}/from_pp1", 2, 2, shard="optimizer")), STEPS,
                            load=pp1_checkpoint)
     return out
@@ -75,10 +74,10 @@ def test_zero1_matches_pp1_and_resumes_across_layouts(tmp_path):
     results = run_ranks(_job, 4, str(tmp_path), pp1["saved"], timeout=110)
     params = {}  # canonical name -> values, from every pipeline rank of data-parallel rank 0 (ranks 0 and 2)
     for rank in (0, 2):
-        for case in ("none", "optimizer", "zb_h1", "from_pp1"):
+        for case in ("optimizer", "zb_h1", "from_pp1"):
             params.setdefault(case, {}).update(results[rank][case]["params"])
     assert set(params["optimizer"]) == set(pp1["params"])
-    for case in ("none", "optimizer", "zb_h1", "from_pp1"):
+    for case in ("optimizer", "zb_h1", "from_pp1"):
         assert _close(params[case], pp1["params"]) < TOL, case
         loss_rank = results[2][case]  # pp rank 1 holds the loss
         assert max(abs(x - y) for x, y in zip(loss_rank["losses"], pp1["losses"][-len(loss_rank["losses"]):])) \
@@ -94,7 +93,7 @@ def test_zero1_matches_pp1_and_resumes_across_layouts(tmp_path):
         assert 2 * 4 * n_params / 2 <= results[rank]["optimizer"]["state_bytes"] < 0.55 * 2 * 4 * n_params
     # the sharded checkpoint resumes in one process (pp1, shard none) with the straight run's last loss
     resumed = _run(load_config(None, overrides(str(tmp_path / "resumed"), 1, 1)), STEPS,
-                   load=results[0]["saved"]["saved"])
+                   load=results[0]["optimizer"]["saved"])
     assert abs(resumed["losses"][0] - pp1["losses"][-1]) < TOL
     assert _close(resumed["params"], pp1["params"]) < TOL
 
