@@ -166,7 +166,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._attach_grads()
         counted = [piece.grad for _s, p, _a, _l, _h, piece in self._pieces
                    if not getattr(p, "shared_embedding_copy", False)]
-        sq = torch.zeros((), dtype=torch.float32)
+        device = self.sync.shards[0].params[0].device if self.sync.shards else torch.device("cpu")
+        sq = torch.zeros((), dtype=torch.float32, device=device)  # on the parameters' device (NCCL needs it)
         for g in counted:
             sq = sq + torch.linalg.vector_norm(g, dtype=torch.float32).pow(2)
         for group in (self.sync.pg.dp, self.sync.pg.pp):
