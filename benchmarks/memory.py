@@ -23,7 +23,15 @@ Measured inside the ranks, without touching the engine:
   model: per rank, the peak over its order of forwards done minus, per chunk, ``B`` done (``W`` done for the
   first stage's chunk).
 
+* **Sharded data parallelism** (``--sharding``, issue 25).  A pp2 x dp2 trainer on 4 CPU ranks per
+  ``parallel.shard`` value: per rank the bytes of parameters, gradients (the full ``.grad`` tensors, plus the
+  reduce-scattered shard ``optimizer`` holds until the step) and AdamW state, against the theory (state of
+  ``optimizer`` = state of ``none`` / dp, within one shard's padding), and the median step time.  ``full`` is
+  refused by the config (not built yet); the tensor-parallel sizes T are the hook :data:`TENSOR` (T = 1 only
+  until ``parallel.tensor`` exists).
+
     python benchmarks/memory.py            # pp=2 and pp=4, 1F1B, interleaved, ZB-H1, ZB-V (about two minutes)
+    python benchmarks/memory.py --sharding # pp2 x dp2, shard none / optimizer (about a minute)
 """
 from __future__ import annotations
 
@@ -184,11 +192,84 @@ def live_saved(plan) -> list[int]:
     return out
 
 
+SHARDS = ("none", "optimizer")  # parallel.shard values measured ("full": refused by the config for now)
+TENSOR = (1,)  # tensor-parallel sizes T; add 2 here (parallel.tensor) once tensor parallelism is in the trainer
+SHARD_STEPS = 6
+
+
+def _shard_overrides(shard: str, run_dir: str) -> list[str]:
+    values = {"model.num_layers": 4, "model.hidden_size": 128, "model.num_attention_heads": 4,
+              "model.seq_length": 64, "data.max_bytes": 200_000, "parallel.pipeline": 2, "parallel.data": 2,
+              "parallel.shard": shard, "training.micro_batch_size": 4, "training.num_microbatches": 4,
+              "training.steps": SHARD_STEPS, "training.eval_interval": 0, "checkpoint.interval": 0,
+              "checkpoint.save_at_end": False, "logging.progress_bar": False, "logging.level": "WARNING",
+              "logging.run_dir": run_dir}
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+def shard_job(rank: int, world: int, shard: str, run_dir: str) -> dict:
+    """One rank of a pp2 x dp2 run: parameter, gradient and optimizer-state bytes after the last step."""
+    from engine import Trainer
+    from engine.training.config import load_config
+    with Trainer(load_config(None, _shard_overrides(shard, f"{run_dir}/{shard}"))) as tr:
+        times = [tr.train_step()["step_time_s"] for _ in range(SHARD_STEPS)]
+        params = list({id(p): p for c in tr.model for p in c.parameters() if p.requires_grad}.values())
+        if tr.sharded:
+            state = tr.optimizer.state_bytes()
+            grad_shard = sum(s.shard_size * 4 for s in tr.grad_sync.shards)
+            padding = sum((s.padded - sum(p.numel() for p in s.params)) * 4 for s in tr.grad_sync.shards)
+        else:
+            state = _nbytes(t for st in tr.optimizer.state.values() for t in st.values())
+            grad_shard = padding = 0
+        return {"rank": rank, "pp_rank": tr.pp_rank, "dp_rank": tr.dp_rank, "param_bytes": _nbytes(params),
+                "grad_bytes": _nbytes(p.grad for p in params), "grad_shard_bytes": grad_shard,
+                "state_bytes": state, "padding_bytes": padding, "step_time_s": times[1:]}
+
+
+def sharding_main(out: str | None) -> int:
+    """The ``--sharding`` table: bytes per rank and step time per ``parallel.shard`` value, against the theory."""
+    import statistics
+    import tempfile
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        measured = {s: launch(shard_job, 4, s, tmp) for s in SHARDS}
+    for t in TENSOR:
+        for shard in SHARDS:
+            for r, base in zip(measured[shard], measured["none"]):
+                expect = base["state_bytes"] / 2 if shard == "optimizer" else base["state_bytes"]
+                slack = 2 * r["padding_bytes"] + 4 * 64  # padding of one shard (two moments) + per-piece steps
+                rows.append({"T": t, "shard": shard, **{k: v for k, v in r.items() if k != "step_time_s"},
+                             "state_theory_bytes": expect, "state_ratio_to_none": r["state_bytes"] / base["state_bytes"],
+                             "within_theory": abs(r["state_bytes"] - expect) <= slack,
+                             "step_time_s": statistics.median(r["step_time_s"])})
+    print(f"{'T':>2} {'shard':>9} {'rank':>4} {'params B':>9} {'grads B':>9} {'grad shard B':>12} {'state B':>9} "
+          f"{'theory B':>9} {'ratio':>6} {'step s':>7}")
+    for r in rows:
+        print(f"{r['T']:>2} {r['shard']:>9} {r['rank']:>4} {r['param_bytes']:>9} {r['grad_bytes']:>9} "
+              f"{r['grad_shard_bytes']:>12} {r['state_bytes']:>9} {int(r['state_theory_bytes']):>9} "
+              f"{r['state_ratio_to_none']:>6.3f} {r['step_time_s']:>7.3f}")
+    met = all(r["within_theory"] for r in rows)
+    goals = [{"goal": "optimizer-state bytes with shard=optimizer = 1/dp of none (within one shard's padding)",
+              "value": max(r["state_ratio_to_none"] for r in rows if r["shard"] == "optimizer"), "met": met}]
+    path = write_json("memory_sharding", {"rows": rows, "goals": goals, "tensor_sizes": list(TENSOR),
+                                          "not_measured": {"full": "parallel.shard=full is refused (not built)"}},
+                      out)
+    print(f"wrote {path}")
+    return 0 if met else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--sharding", action="store_true", help="only the parallel.shard table (pp2 x dp2, 4 ranks)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.sharding:
+        return sharding_main(args.out)
     from engine.plan import build_plan
     from engine.plan.simulate import simulate
     rows = []

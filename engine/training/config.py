@@ -128,6 +128,10 @@ class ParallelConfig:
     overlap_p2p_comm: bool = False
     deallocate_pipeline_outputs: bool = True
     overlap_grad_reduce: bool = True  # start each chunk's data-parallel all-reduce when its last backward ends
+    # none: every data-parallel replica holds all optimizer state; optimizer: ZeRO-1 (engine.training.sharding:
+    # gradients reduce-scattered, AdamW state 1/dp per rank, parameters all-gathered after the step; a no-op at
+    # data = 1); full (FSDP2) is refused for now
+    shard: Literal["none", "optimizer", "full"] = "none"
 
 
 @dataclass
@@ -628,6 +632,7 @@ def _validate_schedule(config: TrainConfig) -> None:
         raise ConfigError(f"parallel.microbatch_group_size_per_vp_stage={p.microbatch_group_size_per_vp_stage} only "
                           f"applies to parallel.schedule={_takers('group_size')} (interleaved 1F1B), not "
                           f"{spec.name}; remove it or set parallel.virtual >= 2")
+    _validate_shard(config)
     if p.overlap_p2p_comm and not spec.overlap_p2p:
         raise ConfigError(f"parallel.overlap_p2p_comm=true is not supported by {spec.name} (as in Megatron-Core's "
                           "1F1B); set parallel.virtual >= 2 or parallel.overlap_p2p_comm=false")
@@ -746,6 +751,18 @@ def _validate_logging(config: TrainConfig) -> None:
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("logging.tensorboard=true needs the tensorboard package, which is not installed; "
                               "run pip install -e '.[tensorboard]' or set logging.tensorboard=false")
+
+
+def _validate_shard(config: TrainConfig) -> None:
+    """``parallel.shard``: ``full`` (FSDP2 per model chunk) is refused until it is built; ``optimizer`` with
+    ``parallel.data = 1`` runs as ``none`` (one shard is the whole state)."""
+    shard = config.parallel.shard
+    if shard not in ("none", "optimizer", "full"):
+        raise ConfigError(f"parallel.shard={shard!r} is not one of none, optimizer, full")
+    if shard == "full":
+        raise ConfigError("parallel.shard=full (FSDP2 fully_shard per model chunk) is not available in this "
+                          "version; use parallel.shard=optimizer (ZeRO-1: optimizer state sharded over the "
+                          "data-parallel group) or none")
 
 
 def validate_world_size(config: TrainConfig, world_size: int) -> TrainConfig:

@@ -40,6 +40,7 @@ from .resume_check import MODEL_MUST_MATCH, refusal_message, resume_differences,
 from .config import TrainConfig, check_fresh_run, dump_config, validate, validate_world_size
 from .data import Batches, load_corpus
 from .grads import GradSync, clip_grad_norm
+from .sharding import ShardedAdamW, ShardedGradSync
 from . import preempt
 from .metrics import MetricsLog, known_peak_tflops, model_flops_per_token
 from .model import build_model_chunks, canonical_module
@@ -108,7 +109,7 @@ class Trainer:
                                         config.training.seed, self.mp_config, self.device,
                                         stages=self.plan.stages_of(self.pp_rank))
         first, last = self.plan.stage_location(0)[0], self.plan.stage_location(self.plan.num_stages - 1)[0]
-        self.grad_sync = GradSync(self.model, self.pg, overlap=p.overlap_grad_reduce, tied_on_one_rank=first == last)
+        self.grad_sync = self._build_grad_sync(tied_on_one_rank=first == last)
         self.mp_config.finalize_model_grads_func = self.grad_sync.finalize_model_grads
         self.mp_config.no_sync_func = self.grad_sync.no_sync
         self.canonical = canonical_module(self.model)
@@ -201,6 +202,17 @@ class Trainer:
             enable_autocast=bf16, autocast_dtype=torch.bfloat16 if bf16 else None,
             deterministic_mode=c.training.deterministic)
 
+    def _build_grad_sync(self, tied_on_one_rank: bool) -> GradSync:
+        """GradSync, or with ``parallel.shard=optimizer`` and data > 1 its ZeRO-1 form (engine.training.sharding)."""
+        p = self.config.parallel
+        self.sharded = p.shard == "optimizer" and self.dp_size > 1
+        if p.shard == "optimizer":
+            log.info("parallel.shard=optimizer: %s", "AdamW state sharded over the data-parallel group" if
+                     self.sharded else "parallel.data=1, one shard is the whole state (runs as shard=none)")
+        if self.sharded:
+            return ShardedGradSync(self.model, self.pg, tied_on_one_rank=tied_on_one_rank)
+        return GradSync(self.model, self.pg, overlap=p.overlap_grad_reduce, tied_on_one_rank=tied_on_one_rank)
+
     def _build_optimizer(self) -> torch.optim.Optimizer:
         o = self.config.optimizer
         params = [p for c in self.model for p in c.parameters() if p.requires_grad]
@@ -208,6 +220,8 @@ class Trainer:
         decay = [p for p in unique if p.dim() >= 2]
         no_decay = [p for p in unique if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if self.sharded:
+            return ShardedAdamW(groups, self.grad_sync, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
 
     def _lr_multiplier(self, step: int) -> float:
@@ -320,7 +334,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
         store = self._run_schedule(self._data(self.step), self.config.training.num_microbatches, False)
-        grad_norm = clip_grad_norm(self.model, self.config.optimizer.grad_clip, self.pg)
+        grad_norm = (self.optimizer.clip_grad_norm(self.config.optimizer.grad_clip) if self.sharded else
+                     clip_grad_norm(self.model, self.config.optimizer.grad_clip, self.pg))
         loss = self._reduce_loss(store)
         if self.config.optimizer.check_for_nan_in_loss_and_grad:
             self._check_finite(loss, grad_norm)
