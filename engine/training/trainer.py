@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..model_parallel_config import ModelParallelConfig
 from ..plan.registry import virtual_or_none
@@ -86,13 +87,14 @@ class Trainer:
         backend = None if p.backend == "auto" else p.backend
         self.pg: ProcessGroupCollection = build_process_groups(
             p.pipeline, virtual_or_none(p.virtual), backend=backend,
-            timeout=datetime.timedelta(seconds=p.timeout_s))
+            timeout=datetime.timedelta(seconds=p.timeout_s), tensor_model_parallel_size=p.tensor)
         self.pp_rank, self.pp_size = self.pg.pipeline_model_parallel_rank, p.pipeline
         self.dp_rank, self.dp_size = self.pg.data_parallel_rank, self.pg.data_parallel_size
         self.schedule = config.resolve_schedule()  # the run's one resolution: it gives every plan of the run
         self.plan = self.schedule.plan(config.training.num_microbatches)  # its placement: the stages held here
         self.loss_rank = self.plan.stage_location(self.plan.num_stages - 1)[0]  # pipeline rank of the loss stage
-        self.is_log_rank = self.pp_rank == self.loss_rank and self.dp_rank == 0
+        self.is_log_rank = self.pp_rank == self.loss_rank and self.dp_rank == 0 and \
+            self.pg.tensor_model_parallel_rank == 0
         self.run_dir = Path(config.logging.run_dir)
         # a folder with checkpoints belongs to another run until load() resumes it: its train.log and config.yaml
         # are left alone (train() refuses a fresh start there, see check_fresh_run)
@@ -105,6 +107,10 @@ class Trainer:
         self.model = build_model_chunks(config.model, config.ffn_hidden_size, p.pipeline, self.pp_rank, p.virtual,
                                         config.training.seed, self.mp_config, self.device,
                                         stages=self.plan.stages_of(self.pp_rank))
+        if p.tensor > 1:  # column / row / vocabulary-parallel layers on the mesh's tp dimension
+            from ..runtime.process_groups import device_mesh
+            from .tensor_parallel import parallelize_chunks
+            parallelize_chunks(self.model, device_mesh(self.pg, self.device.type)["tp"])
         first, last = self.plan.stage_location(0)[0], self.plan.stage_location(self.plan.num_stages - 1)[0]
         self.grad_sync = GradSync(self.model, self.pg, overlap=p.overlap_grad_reduce, tied_on_one_rank=first == last)
         self.mp_config.finalize_model_grads_func = self.grad_sync.finalize_model_grads
@@ -162,6 +168,9 @@ class Trainer:
         tensors = load_hf_weights(self.config.model.init_from, self.config.model, params)
         for name, param in params.items():
             value = tensors[name]
+            if isinstance(param, DTensor):  # parallel.tensor > 1: this rank's shard of the full tensor
+                value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
+                                          src_data_rank=None)
             if tuple(value.shape) != tuple(param.shape):
                 raise ConfigError(f"model.init_from={self.config.model.init_from!r}: tensor for {name} has shape "
                                   f"{list(value.shape)}, the model expects {list(param.shape)}")
