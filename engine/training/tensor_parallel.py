@@ -31,9 +31,10 @@ Gradients of sharded parameters are DTensors; :func:`local` gives the local shar
 tied-embedding reductions, and :func:`grad_norm_squared` sums local squares with one all-reduce over the
 tensor-parallel group (replicated parameters counted once).
 
-Split backward (``zb_h1``, ``zbv``): the layer-level deferral only takes ``F.linear`` / norm calls whose weights are
-plain leaf tensors; a DTensor weight is left to the ordinary autograd graph, so ``"auto"`` falls back to the
-generic split (B retains the chunk's graph, W re-runs the weight edges; see :mod:`engine.runtime.split_backward`).
+Split backward (``zb_h1``, ``zbv``, any schedule with B / W passes) is refused with ``parallel.tensor > 1``: the
+generic split (the mechanism ``"auto"`` picks for DTensor layers, whose weights the layer-level deferral does not
+take) re-runs weight edges in W, and the tensor-parallel collectives inside them did not stay in one order on
+the two ranks (measured: a hang), so the refusal names ``parallel.schedule``.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..plan.registry import get_schedule
 from .config import ConfigError, TrainConfig
 
 __all__ = ["validate_tensor_parallel", "align_grads", "parallelize_chunks", "vocab_parallel_logits", "local", "grad_norm_squared",
@@ -71,6 +73,11 @@ def validate_tensor_parallel(config: TrainConfig) -> None:
                    f"choose parallel.tensor dividing {value}")
             raise ConfigError(f"parallel.tensor={t} does not divide {where}={value}: each tensor-parallel rank holds "
                               f"{where.split('.')[1]} / parallel.tensor of it; {fix}")
+    if config.parallel.schedule != "tuned" and get_schedule(config.schedule_name).splits_backward:
+        raise ConfigError(f"parallel.tensor={t} with parallel.schedule={config.parallel.schedule} (split backward): "
+                          "the split backward's W passes do not yet keep the tensor-parallel collectives of the two "
+                          "ranks in one order; use a schedule without split backward (1f1b, interleaved) or "
+                          "parallel.tensor=1")
     if config.cuda_graphs.enabled:
         raise ConfigError(f"parallel.tensor={t} with cuda_graphs.enabled=true: pipecast's capture records plain "
                           "tensors per layer and has no DTensor support; set cuda_graphs.enabled=false or "
@@ -127,11 +134,28 @@ def _shard_rows(embedding: nn.Embedding, mesh) -> None:
                                     requires_grad=w.requires_grad)
 
 
+def _clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions.  ``DeviceMesh`` equality ignores the process groups, so after a
+    previous run's groups were destroyed (a second :class:`~engine.training.trainer.Trainer` in one process) a
+    cached output spec would still carry the old mesh and its dead groups."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cache in (getattr(propagator, "propagate_op_sharding", None), getattr(_redistribute, "_gen_transform_infos",
+                                                                             None)):
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+
+
 def parallelize_chunks(chunks, tp_mesh) -> None:
     """Parallelise this rank's model chunks in place over ``tp_mesh`` (the ``tp`` sub-mesh; local, no collective:
     every rank holds the same full initial weights and keeps its slices).  Keeps the ``shared_embedding`` /
     ``shared_embedding_copy`` marks and the V placement's one shared tied ``Parameter``."""
     from torch.distributed.tensor.parallel import parallelize_module
+    _clear_dtensor_caches()
     _, _, row, replicate = _styles()
     first = next((c for c in chunks if c.embedding is not None), None)
     shared_heads = {id(c) for c in chunks if getattr(c, "head", None) is not None and first is not None

@@ -1,7 +1,7 @@
 """``parallel.tensor: 2`` against the single-process trainer: losses and full gradients, both model families.
 
-One spawned 4-rank gloo job runs every layout of :data:`LAYOUTS` (tp2 at pp1 = tp2 x dp2; pp2 x tp2 under 1F1B,
-interleaved 1F1B and ZB-V; the llama family with grouped-query attention under pp2 x tp2) for :data:`STEPS` steps
+One spawned 4-rank gloo job runs every layout of :data:`LAYOUTS` (tp2 at pp1 = tp2 x dp2; pp2 x tp2 under 1F1B and
+interleaved 1F1B; the llama family with grouped-query attention under pp2 x tp2) for :data:`STEPS` steps
 with grad clipping on (so the tensor-parallel grad norm is exercised); before every optimizer step each rank gathers
 every gradient to its full tensor (``DTensor.full_tensor``) under the canonical (layout-free) names.  The reference
 is the pp1 x tp1 trainer in this process on the same global batch.
@@ -9,6 +9,9 @@ is the pp1 x tp1 trainer in this process on the same global batch.
 Tolerance :data:`TOL` (max |diff| / max |ref|), not bitwise: the row-parallel layers sum the partial products of
 the two tensor-parallel ranks in an all-reduce, a different summation order than the single ``[h, h]`` matmul,
 and the vocabulary-parallel embedding's output is such a sum too; in fp32 that moves the last bits.
+
+:func:`test_bad_tensor_parallel_configs_are_refused` checks the refusals (pure, before any process group): each
+names ``parallel.tensor`` and the field it conflicts with.
 """
 from __future__ import annotations
 
@@ -27,7 +30,6 @@ LAYOUTS = {  # name -> (model, parallel overrides); every layout runs on 4 ranks
     "tp2_pp1": (GPT, dict(pipeline=1, tensor=2)),
     "pp2_tp2_1f1b": (GPT, dict(pipeline=2, tensor=2)),
     "pp2_tp2_interleaved": (GPT, dict(pipeline=2, virtual=2, tensor=2)),
-    "pp2_tp2_zbv": (GPT, dict(pipeline=2, virtual=2, tensor=2, schedule="zbv")),
     "llama_pp2_tp2_1f1b": (LLAMA, dict(pipeline=2, tensor=2)),
 }
 GLOBAL_MICROBATCHES = 4
@@ -105,3 +107,36 @@ def test_tensor_parallel_matches_single_process(runs):
                     err = max(err, e)
         worst[name] = err
     print("worst relative gradient error per layout:", {k: f"{v:.1e}" for k, v in worst.items()})
+
+
+BAD = [  # (overrides, words the message must contain)
+    ({"model.num_attention_heads": 2, "model.hidden_size": 18, "parallel.tensor": 4}, ["parallel.tensor=4",
+                                                                                       "model.num_attention_heads=2"]),
+    ({"model.ffn_hidden_size": 30, "parallel.tensor": 4}, ["parallel.tensor=4", "model.ffn_hidden_size=30"]),
+    ({"model.vocab_size": 257, "parallel.tensor": 2}, ["model.vocab_size=257", "258"]),
+    ({"model.family": "llama", "model.num_query_groups": 1, "parallel.tensor": 2},
+     ["model.num_query_groups=1"]),
+    ({"parallel.pipeline": 2, "parallel.virtual": 2, "parallel.schedule": "zbv", "parallel.tensor": 2},
+     ["parallel.schedule=zbv", "split backward"]),
+    ({"parallel.tensor": 2, "cuda_graphs.enabled": True}, ["cuda_graphs.enabled"]),
+    ({"parallel.tensor": 0}, ["parallel.tensor=0"]),
+]
+
+
+@pytest.mark.parametrize("bad, words", BAD)
+def test_bad_tensor_parallel_configs_are_refused(bad, words, tmp_path):
+    from engine.training.config import ConfigError, validate
+    base = overrides(GPT, dict(pipeline=1), tmp_path)
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(None, {**base, **bad}))
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_world_size_counts_tensor_ranks(tmp_path):
+    from engine.training.config import ConfigError, validate_world_size
+    config = load_config(None, overrides(GPT, dict(pipeline=2, tensor=2), tmp_path))
+    assert validate_world_size(config, 8).parallel.data == 2
+    assert validate_world_size(config, 8).world_size == 8
+    with pytest.raises(ConfigError, match="parallel.pipeline x parallel.tensor"):
+        validate_world_size(config, 6)
