@@ -22,7 +22,7 @@ from engine.training.config import load_config
 from tests.helpers.distributed import run_ranks
 
 STEPS = 2
-TOL = 1e-4  # fp32 with different reduction order; the measured worst case is printed by the test
+TOL = 5e-5  # fp32, other reduction order; measured worst case 8.4e-6 (llama), printed by the test
 GPT = dict(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=8, vocab_size=256)
 LLAMA = dict(GPT, family="llama", num_query_groups=2)
 
@@ -35,8 +35,8 @@ LAYOUTS = {  # name -> (model, parallel overrides); every layout runs on 4 ranks
 GLOBAL_MICROBATCHES = 4
 
 
-def overrides(model: dict, parallel: dict, run_dir) -> dict:
-    data = 4 // (parallel.get("pipeline", 1) * parallel.get("tensor", 1))
+def overrides(model: dict, parallel: dict, run_dir, world: int = 4) -> dict:
+    data = world // (parallel.get("pipeline", 1) * parallel.get("tensor", 1))
     return {**{f"model.{k}": v for k, v in model.items()}, "data.max_bytes": 50_000,
             "training.micro_batch_size": 2, "training.num_microbatches": GLOBAL_MICROBATCHES // data,
             "training.steps": STEPS, "training.eval_interval": 0, "optimizer.grad_clip": 0.05,
@@ -51,10 +51,10 @@ def _full(t):
     return t.detach().cpu().numpy().copy()
 
 
-def train(model: dict, parallel: dict, run_dir) -> dict:
+def train(model: dict, parallel: dict, run_dir, world: int = 4) -> dict:
     """Losses, grad norms and full gradients (per step, canonical names) of one layout on this rank."""
     from engine import Trainer
-    config = load_config(None, overrides(model, parallel, run_dir))
+    config = load_config(None, overrides(model, parallel, run_dir, world))
     grads: list = []
     with Trainer(config) as trainer:
         def hook(optimizer, args, kwargs):  # collective over tp (full_tensor), same order on every rank
@@ -76,8 +76,8 @@ def _job(rank, world, layouts: dict, run_dir) -> dict:
 def runs(tmp_path_factory) -> dict:
     run_dir = tmp_path_factory.mktemp("tp")
     per_rank = run_ranks(_job, 4, LAYOUTS, run_dir, timeout=110)
-    ref = {"gpt2": train(GPT, dict(pipeline=1), run_dir / "ref_gpt2"),
-           "llama": train(LLAMA, dict(pipeline=1), run_dir / "ref_llama")}
+    ref = {"gpt2": train(GPT, dict(pipeline=1), run_dir / "ref_gpt2", world=1),
+           "llama": train(LLAMA, dict(pipeline=1), run_dir / "ref_llama", world=1)}
     return {"ranks": per_rank, "ref": ref}
 
 
@@ -126,7 +126,7 @@ BAD = [  # (overrides, words the message must contain)
 @pytest.mark.parametrize("bad, words", BAD)
 def test_bad_tensor_parallel_configs_are_refused(bad, words, tmp_path):
     from engine.training.config import ConfigError, validate
-    base = overrides(GPT, dict(pipeline=1), tmp_path)
+    base = overrides(GPT, dict(pipeline=1), tmp_path, world=1)
     with pytest.raises(ConfigError) as info:
         validate(load_config(None, {**base, **bad}))
     for w in words:
