@@ -233,3 +233,30 @@ def clip_local_(grads, max_norm: float, total: torch.Tensor) -> None:
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         local(g).mul_(coef.to(g.device))
+
+
+def full_state(sd: dict) -> dict:
+    """``sd`` with every DTensor gathered to its full plain tensor (collective over the tensor-parallel group,
+    same key order on every rank).  Checkpoints are written in the ``T = 1`` layout: the same keys, shapes and
+    bytes whatever ``parallel.tensor`` (DCP de-duplicates the replicated copies), so they load at any ``T``."""
+    from torch.distributed.tensor import DTensor
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
+
+
+def full_templates(sd: dict) -> dict:
+    """Load targets for :func:`full_state` checkpoints: an empty full-shape plain tensor per DTensor (local)."""
+    from torch.distributed.tensor import DTensor
+    return {k: torch.empty(v.shape, dtype=v.dtype, device=local(v).device) if isinstance(v, DTensor) else v
+            for k, v in sd.items()}
+
+
+def reshard_like(loaded: dict, template: dict) -> dict:
+    """The full tensors of ``loaded`` cut to this rank's shards of ``template``'s DTensors (local slicing, no
+    communication: every rank loaded the same full tensors)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    out = {}
+    for k, v in loaded.items():
+        t = template.get(k)
+        out[k] = distribute_tensor(v, t.device_mesh, t.placements, src_data_rank=None) \
+            if isinstance(t, DTensor) and not isinstance(v, DTensor) else v
+    return out

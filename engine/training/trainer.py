@@ -577,6 +577,9 @@ class Trainer:
         """Everything a resume needs, as nested dicts of tensors: model and AdamW state under layout-independent
         names, the step (= data position and LR-schedule position) and this rank's RNG states."""
         model_sd, optim_sd, _ = self._dcp_state()
+        if self.config.parallel.tensor > 1:  # saved in the T = 1 layout (engine.training.tensor_parallel.full_state)
+            from .tensor_parallel import full_state
+            model_sd, optim_sd = full_state(model_sd), full_state(optim_sd)
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
@@ -647,6 +650,11 @@ class Trainer:
         keys = checkpoint_keys(path)
         self._check_checkpoint_meta(Path(path))
         model_sd, optim_sd, options = self._dcp_state()
+        sharded = self.config.parallel.tensor > 1  # full tensors on disk, this rank's shards in memory
+        if sharded:
+            from .tensor_parallel import full_templates, reshard_like
+            model_tp, optim_tp = model_sd, optim_sd
+            model_sd, optim_sd = full_templates(model_sd), full_templates(optim_sd)
         target = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
                   "trainer": {"step": torch.tensor(0, dtype=torch.int64)}}
         has_scheduler = "scheduler.last_epoch" in keys  # checkpoints of earlier versions hold the step only
@@ -657,6 +665,8 @@ class Trainer:
             target["rng"] = {f"rank{self.rank}": {"cpu": torch.get_rng_state()}}
         load_checkpoint(target, path)
         optim_sd.update(target["optim"])
+        if sharded:
+            target["model"], optim_sd = reshard_like(target["model"], model_tp), reshard_like(optim_sd, optim_tp)
         set_state_dict(self.canonical, self.optimizer, model_state_dict=target["model"], optim_state_dict=optim_sd,
                        options=options)
         self.step = int(target["trainer"]["step"])
