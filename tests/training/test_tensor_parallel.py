@@ -68,17 +68,52 @@ def train(model: dict, parallel: dict, run_dir, world: int = 4) -> dict:
             "grads": grads, "sent": sent}
 
 
+def resume_and_step(model: dict, parallel: dict, run_dir, checkpoint, world: int = 4,
+                    save_to=None) -> dict:
+    """Load ``checkpoint`` (written at another layout) into ``parallel``'s layout and train one step; with
+    ``save_to`` first train :data:`STEPS` steps from scratch, save there, then train the step."""
+    from engine import Trainer
+    config = load_config(None, {**overrides(model, parallel, run_dir, world), "training.steps": STEPS + 1})
+    with Trainer(config) as trainer:
+        if save_to is None:
+            trainer.load(checkpoint)
+        else:
+            for _ in range(STEPS):
+                trainer.train_step()
+            trainer.save(save_to)
+        return {"loss": trainer.train_step()["loss"]}
+
+
 def _job(rank, world, layouts: dict, run_dir) -> dict:
-    return {name: train(m, p, f"{run_dir}/{name}") for name, (m, p) in layouts.items()}
+    out = {name: train(m, p, f"{run_dir}/{name}") for name, (m, p) in layouts.items()}
+    tp = dict(pipeline=2, tensor=2)
+    out["from_pp1"] = resume_and_step(GPT, tp, f"{run_dir}/from_pp1", f"{run_dir}/ckpt_pp1/step_{STEPS:08d}")
+    out["to_pp1"] = resume_and_step(GPT, tp, f"{run_dir}/to_pp1", None, save_to=f"{run_dir}/ckpt_tp")
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     run_dir = tmp_path_factory.mktemp("tp")
-    per_rank = run_ranks(_job, 4, LAYOUTS, run_dir, timeout=110)
+    # the pp1 x tp1 reference, with one more step after a checkpoint at step STEPS (resumed at pp2 x tp2)
+    ref_step = resume_and_step(GPT, dict(pipeline=1), run_dir / "ref_ckpt", None, world=1,
+                               save_to=run_dir / "ckpt_pp1")
+    per_rank = run_ranks(_job, 4, LAYOUTS, run_dir, timeout=150)
+    to_pp1 = resume_and_step(GPT, dict(pipeline=1), run_dir / "to_pp1", run_dir / "ckpt_tp" / f"step_{STEPS:08d}",
+                             world=1)
     ref = {"gpt2": train(GPT, dict(pipeline=1), run_dir / "ref_gpt2", world=1),
            "llama": train(LLAMA, dict(pipeline=1), run_dir / "ref_llama", world=1)}
-    return {"ranks": per_rank, "ref": ref}
+    return {"ranks": per_rank, "ref": ref, "ref_step": ref_step, "to_pp1": to_pp1}
+
+
+@pytest.mark.timeout(170)
+def test_checkpoints_resume_across_tensor_layouts(runs):
+    """pp1 -> pp2 x tp2 and pp2 x tp2 -> pp1: the step after the resume has the loss of the uninterrupted run."""
+    want = runs["ref_step"]["loss"]
+    for rank, result in enumerate(runs["ranks"]):
+        assert result["from_pp1"]["loss"] == pytest.approx(want, rel=TOL), f"pp1 -> pp2 x tp2, rank {rank}"
+        assert result["to_pp1"]["loss"] == pytest.approx(want, rel=TOL), f"pp2 x tp2 uninterrupted, rank {rank}"
+    assert runs["to_pp1"]["loss"] == pytest.approx(want, rel=TOL), "pp2 x tp2 -> pp1"
 
 
 def _rel(got, want) -> float:
