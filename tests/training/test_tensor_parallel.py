@@ -70,10 +70,11 @@ def train(model: dict, parallel: dict, run_dir, world: int = 4) -> dict:
 
 def resume_and_step(model: dict, parallel: dict, run_dir, checkpoint, world: int = 4,
                     save_to=None) -> dict:
-    """Load ``checkpoint`` (written at another layout) into ``parallel``'s layout and train one step; with
-    ``save_to`` first train :data:`STEPS` steps from scratch, save there, then train the step."""
+    """Load ``checkpoint`` (written at another layout) into ``parallel``'s layout and train two steps (the second
+    one's loss depends on the restored AdamW state); with ``save_to`` first train :data:`STEPS` steps from scratch
+    and save there."""
     from engine import Trainer
-    config = load_config(None, {**overrides(model, parallel, run_dir, world), "training.steps": STEPS + 1})
+    config = load_config(None, {**overrides(model, parallel, run_dir, world), "training.steps": STEPS + 2})
     with Trainer(config) as trainer:
         if save_to is None:
             trainer.load(checkpoint)
@@ -81,7 +82,7 @@ def resume_and_step(model: dict, parallel: dict, run_dir, checkpoint, world: int
             for _ in range(STEPS):
                 trainer.train_step()
             trainer.save(save_to)
-        return {"loss": trainer.train_step()["loss"]}
+        return {"loss": [trainer.train_step()["loss"] for _ in range(2)]}
 
 
 def _job(rank, world, layouts: dict, run_dir) -> dict:
@@ -108,7 +109,8 @@ def runs(tmp_path_factory) -> dict:
 
 @pytest.mark.timeout(170)
 def test_checkpoints_resume_across_tensor_layouts(runs):
-    """pp1 -> pp2 x tp2 and pp2 x tp2 -> pp1: the step after the resume has the loss of the uninterrupted run."""
+    """pp1 -> pp2 x tp2 and pp2 x tp2 -> pp1: the two steps after the resume have the losses of the
+    uninterrupted run (model and optimizer state restored)."""
     want = runs["ref_step"]["loss"]
     for rank, result in enumerate(runs["ranks"]):
         assert result["from_pp1"]["loss"] == pytest.approx(want, rel=TOL), f"pp1 -> pp2 x tp2, rank {rank}"
