@@ -93,8 +93,7 @@ class Trainer:
         self.schedule = config.resolve_schedule()  # the run's one resolution: it gives every plan of the run
         self.plan = self.schedule.plan(config.training.num_microbatches)  # its placement: the stages held here
         self.loss_rank = self.plan.stage_location(self.plan.num_stages - 1)[0]  # pipeline rank of the loss stage
-        self.is_log_rank = self.pp_rank == self.loss_rank and self.dp_rank == 0 and \
-            self.pg.tensor_model_parallel_rank == 0
+        self.is_log_rank = self.pp_rank == self.loss_rank and self.dp_rank == 0 == self.pg.tensor_model_parallel_rank
         self.run_dir = Path(config.logging.run_dir)
         # a folder with checkpoints belongs to another run until load() resumes it: its train.log and config.yaml
         # are left alone (train() refuses a fresh start there, see check_fresh_run)
@@ -107,10 +106,7 @@ class Trainer:
         self.model = build_model_chunks(config.model, config.ffn_hidden_size, p.pipeline, self.pp_rank, p.virtual,
                                         config.training.seed, self.mp_config, self.device,
                                         stages=self.plan.stages_of(self.pp_rank))
-        if p.tensor > 1:  # column / row / vocabulary-parallel layers on the mesh's tp dimension
-            from ..runtime.process_groups import device_mesh
-            from .tensor_parallel import parallelize_chunks
-            parallelize_chunks(self.model, device_mesh(self.pg, self.device.type)["tp"])
+        self._apply_tensor_parallel()
         first, last = self.plan.stage_location(0)[0], self.plan.stage_location(self.plan.num_stages - 1)[0]
         self.grad_sync = GradSync(self.model, self.pg, overlap=p.overlap_grad_reduce, tied_on_one_rank=first == last)
         self.mp_config.finalize_model_grads_func = self.grad_sync.finalize_model_grads
@@ -177,6 +173,14 @@ class Trainer:
             param.copy_(value)
         if self.is_log_rank:
             log.info("model.init_from: %d tensors from %s", len(params), self.config.model.init_from)
+
+    def _apply_tensor_parallel(self) -> None:
+        """``parallel.tensor > 1``: column / row / vocabulary-parallel layers on the mesh's ``tp`` dimension
+        (:mod:`engine.training.tensor_parallel`); local, every rank slices the same full initial weights."""
+        if self.config.parallel.tensor > 1:
+            from ..runtime.process_groups import device_mesh
+            from .tensor_parallel import parallelize_chunks
+            parallelize_chunks(self.model, device_mesh(self.pg, self.device.type)["tp"])
 
     @staticmethod
     def _pick_device(config: TrainConfig) -> torch.device:
