@@ -42,7 +42,9 @@ FIELD_HELP = {
                          "(split backward, one chunk per rank), zbv (V placement, needs virtual: 2), zb (split "
                          "backward under max_in_flight) or tuned (the best of RUN_DIR/tune.json, `pipecast tune`)",
     "parallel.max_in_flight": "zb only: per-rank limit on in-flight activations (null: 1F1B's, virtual x (P - r))",
-    "parallel.data": "data-parallel replicas (null: world size / pipeline; 1 when spawning locally)",
+    "parallel.data": "data-parallel replicas (null: world size / (pipeline x tensor); 1 when spawning locally)",
+    "parallel.tensor": "tensor-parallel ranks per stage (column / row / vocabulary-parallel layers; divides heads, "
+                       "query groups, ffn_hidden_size and vocab_size); world = pipeline x data x tensor",
     "parallel.microbatch_group_size_per_vp_stage": "interleaved only (null: P); Megatron's rules P <= G <= M, "
                                                    "M mod G in {0} U [P, G)",
     "parallel.device": "auto: CUDA when available, else CPU",
