@@ -61,11 +61,7 @@ def train(model: dict, parallel: dict, run_dir, world: int = 4) -> dict:
             grads.append({n: _full(p.grad) for n, p in trainer.canonical.named_parameters()})
         trainer.optimizer.register_step_pre_hook(hook)
         metrics = [trainer.train_step() for _ in range(STEPS)]
-        sent = {}
-        if trainer._p2p is not None and hasattr(trainer._p2p, "sent_bytes"):
-            sent = dict(trainer._p2p.sent_bytes)
-    return {"loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics],
-            "grads": grads, "sent": sent}
+    return {"loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics], "grads": grads}
 
 
 def resume_and_step(model: dict, parallel: dict, run_dir, checkpoint, world: int = 4,
