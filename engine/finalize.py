@@ -53,6 +53,18 @@ def _grad_params(model_chunks: Iterable[nn.Module]) -> list[nn.Parameter]:
     return out
 
 
+def _local_grad(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad``, or for a DTensor parameter the local shard of its gradient laid out like ``p`` (autograd may
+    hand back another placement, e.g. a replicated embedding gradient; it is redistributed first)."""
+    from torch.distributed.tensor import DTensor
+    g = p.grad
+    if not isinstance(g, DTensor):
+        return g
+    if isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+        p.grad = g = g.redistribute(p.device_mesh, p.placements)
+    return g.to_local()
+
+
 def all_reduce_grads(params: Sequence[nn.Parameter], group, *, average: bool) -> None:
     """All-reduce the gradients of ``params`` over ``group`` (sum, or mean with ``average``), one flat tensor per
     (dtype, device).  No-op for a group of one rank (or ``None``)."""
@@ -63,14 +75,15 @@ def all_reduce_grads(params: Sequence[nn.Parameter], group, *, average: bool) ->
     for p in params:
         buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p)
     for bucket in buckets.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        flat = torch.cat([_local_grad(p).reshape(-1) for p in bucket])
         dist.all_reduce(flat, group=group)
         if average:
             flat.div_(size)
         offset = 0
         for p in bucket:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            g = _local_grad(p)
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
 
 

@@ -119,7 +119,8 @@ class ParallelConfig:
     # schedule of the last `pipecast tune` (RUN_DIR/tune.json), resolved by the entry points (tune_result)
     schedule: ScheduleName = "auto"
     max_in_flight: int | None = None  # schedules taking it (zb): per-rank in-flight limit (None: virtual*(P-r))
-    data: int | None = None  # None -> world size // pipeline (1 when the launcher spawns ranks)
+    data: int | None = None  # None -> world size // (pipeline x tensor) (1 when the launcher spawns ranks)
+    tensor: int = 1  # tensor-parallel ranks per stage (engine.training.tensor_parallel); world = pipeline x data x tensor
     microbatch_group_size_per_vp_stage: int | None = None  # None -> pipeline (Megatron's default)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
@@ -242,7 +243,7 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.parallel.pipeline * self.data_parallel_size
+        return self.parallel.pipeline * self.data_parallel_size * self.parallel.tensor
 
     @property
     def global_batch_size(self) -> int:
@@ -641,6 +642,8 @@ def _validate_schedule(config: TrainConfig) -> None:
 def validate_parallel(config: TrainConfig) -> None:
     """The ``parallel`` section against the model and schedule sizes (part of :func:`validate`)."""
     m, p, s = config.model, config.parallel, config.training
+    from .tensor_parallel import validate_tensor_parallel  # imports this module: late
+    validate_tensor_parallel(config)
     _validate_schedule(config)
     chunks = p.pipeline * p.virtual
     if m.num_layers % chunks:
@@ -774,6 +777,8 @@ def validate_world_size(config: TrainConfig, world_size: int) -> TrainConfig:
         ConfigError: the world size is not ``parallel.pipeline x parallel.data``.
     """
     p = config.parallel
+    if p.tensor > 1:
+        return _validate_world_size_tp(config, world_size)
     if world_size % p.pipeline:
         raise ConfigError(f"world size {world_size} is not divisible by parallel.pipeline={p.pipeline}; start "
                           f"a multiple of {p.pipeline} ranks or change parallel.pipeline")
@@ -782,4 +787,19 @@ def validate_world_size(config: TrainConfig, world_size: int) -> TrainConfig:
         raise ConfigError(f"world size {world_size} != parallel.pipeline x parallel.data = {p.pipeline} x {p.data}"
                           f" = {p.pipeline * p.data}; start {p.pipeline * p.data} ranks or set parallel.data="
                           f"{data}")
+    return dataclasses.replace(config, parallel=dataclasses.replace(p, data=data))
+
+
+def _validate_world_size_tp(config: TrainConfig, world_size: int) -> TrainConfig:
+    """:func:`validate_world_size` with ``parallel.tensor > 1``: ``world = pipeline x data x tensor``."""
+    p = config.parallel
+    mp = p.pipeline * p.tensor
+    if world_size % mp:
+        raise ConfigError(f"world size {world_size} is not divisible by parallel.pipeline x parallel.tensor = "
+                          f"{p.pipeline} x {p.tensor}; start a multiple of {mp} ranks or change the sizes")
+    data = world_size // mp
+    if p.data is not None and p.data != data:
+        raise ConfigError(f"world size {world_size} != parallel.pipeline x parallel.data x parallel.tensor = "
+                          f"{p.pipeline} x {p.data} x {p.tensor} = {mp * p.data}; start {mp * p.data} ranks or set "
+                          f"parallel.data={data}")
     return dataclasses.replace(config, parallel=dataclasses.replace(p, data=data))

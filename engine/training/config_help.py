@@ -43,7 +43,9 @@ FIELD_HELP = {
     "parallel.schedule": lambda: _schedule_help(),
     "parallel.max_in_flight": lambda: f"{_takers('max_in_flight')} only: per-rank limit on in-flight activations "
                                       "(null: 1F1B's, virtual x (P - r))",
-    "parallel.data": "data-parallel replicas (null: world size / pipeline; 1 when spawning locally)",
+    "parallel.data": "data-parallel replicas (null: world size / (pipeline x tensor); 1 when spawning locally)",
+    "parallel.tensor": "tensor-parallel ranks per stage (column / row / vocabulary-parallel layers; divides heads, "
+                       "query groups, ffn_hidden_size and vocab_size); world = pipeline x data x tensor",
     "parallel.microbatch_group_size_per_vp_stage": lambda: f"{_takers('group_size')} only (null: P); Megatron's "
                                                            "rules P <= G <= M, M mod G in {0} U [P, G)",
     "parallel.device": "auto: CUDA when available, else CPU",

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..finalize import sum_tied_grads, tied_weights
 from ..runtime.process_groups import ProcessGroupCollection, group_size
+from .tensor_parallel import align_grads, clip_local_, grad_norm_squared, has_dtensor, local
 
 __all__ = ["GradSync", "clip_grad_norm", "tied_embedding_weight"]
 
@@ -62,17 +63,19 @@ class _Bucket:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self.snapshot = [(p.grad, p.grad._version) for p in self.params]
-        return torch.cat([p.grad.reshape(-1) for p in self.params])
+        align_grads(self.params)
+        self.snapshot = [(p.grad, local(p.grad)._version) for p in self.params]
+        return torch.cat([local(p.grad).reshape(-1) for p in self.params])  # local shards of DTensor grads
 
     def changed_since_flatten(self) -> bool:
-        return any(p.grad is not g or g._version != v for p, (g, v) in zip(self.params, self.snapshot))
+        return any(p.grad is not g or local(g)._version != v for p, (g, v) in zip(self.params, self.snapshot))
 
     def unflatten(self, flat: torch.Tensor) -> None:
         offset = 0
         for p in self.params:
-            n = p.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            g = local(p.grad)
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
 
     def reset(self) -> None:
@@ -140,6 +143,7 @@ class GradSync:
         """
         span = self.tracer.span("sync", "finalize grads") if self.tracer else contextlib.nullcontext()
         with span:
+            align_grads(p for b in self.buckets for p in b.params)  # parallel.tensor > 1: grads laid out as params
             if self.dp_size > 1:
                 for bucket in self.buckets:
                     if bucket.handle is not None:
@@ -171,13 +175,17 @@ def clip_grad_norm(chunks: Sequence[nn.Module], max_norm: float, pg: ProcessGrou
     params = list({id(p): p for c in chunks for p in c.parameters() if p.grad is not None}.values())
     counted = [p.grad for p in params if not getattr(p, "shared_embedding_copy", False)]
     device = params[0].grad.device if params else torch.device("cpu")
-    if counted:
+    if has_dtensor(counted):  # parallel.tensor > 1: local squares, summed over the tensor-parallel group
+        sq = grad_norm_squared(counted, pg.tp, device)
+    elif counted:
         sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in counted]).pow(2).sum()
     else:
         sq = torch.zeros((), dtype=torch.float32, device=device)
     if group_size(pg.pp) > 1:
         dist.all_reduce(sq, group=pg.pp)
     total = sq.sqrt()
-    if max_norm > 0 and params:
+    if max_norm > 0 and params and has_dtensor(p.grad for p in params):
+        clip_local_([p.grad for p in params], max_norm, total)
+    elif max_norm > 0 and params:
         torch.nn.utils.clip_grads_with_norm_([p for p in params], max_norm, total)
     return float(total)

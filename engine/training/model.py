@@ -27,6 +27,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .config import ModelConfig
 from .models import family_of
@@ -172,7 +173,12 @@ class GPTChunk(nn.Module):
         if not self.is_last:
             dtype = getattr(self.config, "pipeline_dtype", None)
             return x if dtype is None else x.to(dtype)  # autocast (e.g. TE layers) may hand back bf16
-        logits = F.linear(self.final_norm(x), self.output_weight())  # [s, b, V]
+        weight = self.output_weight()
+        if isinstance(weight, DTensor):  # vocabulary-sharded (parallel.tensor > 1)
+            from .tensor_parallel import vocab_parallel_logits
+            logits = vocab_parallel_logits(self.final_norm(x), weight)
+        else:
+            logits = F.linear(self.final_norm(x), weight)  # [s, b, V]
         if labels is None:
             return logits
         s, b, v = logits.shape

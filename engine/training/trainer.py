@@ -30,6 +30,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..model_parallel_config import ModelParallelConfig
 from ..plan.registry import virtual_or_none
@@ -89,13 +90,13 @@ class Trainer:
         backend = None if p.backend == "auto" else p.backend
         self.pg: ProcessGroupCollection = build_process_groups(
             p.pipeline, virtual_or_none(p.virtual), backend=backend,
-            timeout=datetime.timedelta(seconds=p.timeout_s))
+            timeout=datetime.timedelta(seconds=p.timeout_s), tensor_model_parallel_size=p.tensor)
         self.pp_rank, self.pp_size = self.pg.pipeline_model_parallel_rank, p.pipeline
         self.dp_rank, self.dp_size = self.pg.data_parallel_rank, self.pg.data_parallel_size
         self.schedule = config.resolve_schedule()  # the run's one resolution: it gives every plan of the run
         self.plan = self.schedule.plan(config.training.num_microbatches)  # its placement: the stages held here
         self.loss_rank = self.plan.stage_location(self.plan.num_stages - 1)[0]  # pipeline rank of the loss stage
-        self.is_log_rank = self.pp_rank == self.loss_rank and self.dp_rank == 0
+        self.is_log_rank = self.pp_rank == self.loss_rank and self.dp_rank == 0 == self.pg.tensor_model_parallel_rank
         self.run_dir = Path(config.logging.run_dir)
         # a folder with checkpoints belongs to another run until load() resumes it: its train.log and config.yaml
         # are left alone (train() refuses a fresh start there, see check_fresh_run)
@@ -108,6 +109,7 @@ class Trainer:
         self.model = build_model_chunks(config.model, config.ffn_hidden_size, p.pipeline, self.pp_rank, p.virtual,
                                         config.training.seed, self.mp_config, self.device,
                                         stages=self.plan.stages_of(self.pp_rank))
+        self._apply_tensor_parallel()
         first, last = self.plan.stage_location(0)[0], self.plan.stage_location(self.plan.num_stages - 1)[0]
         self.grad_sync = self._build_grad_sync(tied_on_one_rank=first == last)
         self.mp_config.finalize_model_grads_func = self.grad_sync.finalize_model_grads
@@ -165,12 +167,23 @@ class Trainer:
         tensors = load_hf_weights(self.config.model.init_from, self.config.model, params)
         for name, param in params.items():
             value = tensors[name]
+            if isinstance(param, DTensor):  # parallel.tensor > 1: this rank's shard of the full tensor
+                value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
+                                          src_data_rank=None)
             if tuple(value.shape) != tuple(param.shape):
                 raise ConfigError(f"model.init_from={self.config.model.init_from!r}: tensor for {name} has shape "
                                   f"{list(value.shape)}, the model expects {list(param.shape)}")
             param.copy_(value)
         if self.is_log_rank:
             log.info("model.init_from: %d tensors from %s", len(params), self.config.model.init_from)
+
+    def _apply_tensor_parallel(self) -> None:
+        """``parallel.tensor > 1``: column / row / vocabulary-parallel layers on the mesh's ``tp`` dimension
+        (:mod:`engine.training.tensor_parallel`); local, every rank slices the same full initial weights."""
+        if self.config.parallel.tensor > 1:
+            from ..runtime.process_groups import device_mesh
+            from .tensor_parallel import parallelize_chunks
+            parallelize_chunks(self.model, device_mesh(self.pg, self.device.type)["tp"])
 
     @staticmethod
     def _pick_device(config: TrainConfig) -> torch.device:
@@ -585,6 +598,9 @@ class Trainer:
         """Everything a resume needs, as nested dicts of tensors: model and AdamW state under layout-independent
         names, the step (= data position and LR-schedule position) and this rank's RNG states."""
         model_sd, optim_sd, _ = self._dcp_state()
+        if self.config.parallel.tensor > 1:  # saved in the T = 1 layout (engine.training.tensor_parallel.full_state)
+            from .tensor_parallel import full_state
+            model_sd, optim_sd = full_state(model_sd), full_state(optim_sd)
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
@@ -647,6 +663,11 @@ class Trainer:
         keys = checkpoint_keys(path)
         warned = self._check_checkpoint_meta(Path(path))
         model_sd, optim_sd, options = self._dcp_state()
+        sharded = self.config.parallel.tensor > 1  # full tensors on disk, this rank's shards in memory
+        if sharded:
+            from .tensor_parallel import full_templates, reshard_like
+            model_tp, optim_tp = model_sd, optim_sd
+            model_sd, optim_sd = full_templates(model_sd), full_templates(optim_sd)
         target = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
                   "trainer": {"step": torch.tensor(0, dtype=torch.int64)}}
         has_scheduler = "scheduler.last_epoch" in keys  # checkpoints of earlier versions hold the step only
@@ -657,6 +678,8 @@ class Trainer:
             target["rng"] = {f"rank{self.rank}": {"cpu": torch.get_rng_state()}}
         load_checkpoint(target, path)
         optim_sd.update(target["optim"])
+        if sharded:
+            target["model"], optim_sd = reshard_like(target["model"], model_tp), reshard_like(optim_sd, optim_tp)
         set_state_dict(self.canonical, self.optimizer, model_state_dict=target["model"], optim_state_dict=optim_sd,
                        options=options)
         self.step = int(target["trainer"]["step"])

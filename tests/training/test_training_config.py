@@ -113,7 +113,8 @@ def test_yaml_is_loaded_safely(tmp_path):
 
 
 @pytest.mark.parametrize("name,world,schedule", [("default", 2, "interleaved"), ("pp2_dp2", 4, "1f1b"),
-                                                 ("pp4_1f1b", 4, "1f1b"), ("gpu_cuda_graphs", 4, "interleaved")])
+                                                 ("pp4_1f1b", 4, "1f1b"), ("gpu_cuda_graphs", 4, "interleaved"),
+                                                 ("pp2_tp2", 4, "1f1b")])
 def test_presets(name, world, schedule):
     import torch
     path = ROOT / "configs" / f"{name}.yaml"

@@ -53,11 +53,11 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
-        s, b, h = x.shape
-        q, k, v = self.qkv(x).view(s, b, 3, self.heads, h // self.heads).permute(2, 1, 3, 0, 4)  # [b, nh, s, d]
+        s, b, h = x.shape  # heads from the shape: heads / T of them under tensor parallelism (local qkv rows)
+        q, k, v = self.qkv(x).view(s, b, 3, -1, h // self.heads).permute(2, 1, 3, 0, 4)  # [b, nh, s, d]
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, h))
+        return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, -1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attention(self.ln1(x)))

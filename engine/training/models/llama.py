@@ -83,23 +83,25 @@ class Attention(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _heads(self, y: torch.Tensor, n: int) -> torch.Tensor:
+    def _heads(self, y: torch.Tensor) -> torch.Tensor:
         s, b, _ = y.shape
-        return y.view(s, b, n, self.head_dim).permute(1, 2, 0, 3)  # [b, n, s, d]
+        return y.view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)  # [b, n, s, d]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, _ = x.shape
         cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
-        q = apply_rotary(self._heads(self.q_proj(x), self.heads), cos, sin)
-        k = apply_rotary(self._heads(self.k_proj(x), self.groups), cos, sin)
-        v = self._heads(self.v_proj(x), self.groups)
-        if self.groups != self.heads:  # each key / value head serves heads / groups consecutive query heads
-            rep = self.heads // self.groups
-            k = k[:, :, None].expand(b, self.groups, rep, s, self.head_dim).reshape(b, self.heads, s, self.head_dim)
-            v = v[:, :, None].expand(b, self.groups, rep, s, self.head_dim).reshape(b, self.heads, s, self.head_dim)
+        # head counts from the shapes: heads / T and groups / T of them under tensor parallelism
+        q = apply_rotary(self._heads(self.q_proj(x)), cos, sin)
+        k = apply_rotary(self._heads(self.k_proj(x)), cos, sin)
+        v = self._heads(self.v_proj(x))
+        heads, groups, d = q.shape[1], k.shape[1], self.head_dim
+        if groups != heads:  # each key / value head serves heads / groups consecutive query heads
+            rep = heads // groups
+            k = k[:, :, None].expand(b, groups, rep, s, d).reshape(b, heads, s, d)
+            v = v[:, :, None].expand(b, groups, rep, s, d).reshape(b, heads, s, d)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.o_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
+        return self.o_proj(y.permute(2, 0, 1, 3).reshape(s, b, heads * d))
 
 
 class MLP(nn.Module):
