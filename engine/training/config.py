@@ -766,6 +766,10 @@ def _validate_shard(config: TrainConfig) -> None:
         raise ConfigError("parallel.shard=full (FSDP2 fully_shard per model chunk) is not available in this "
                           "version; use parallel.shard=optimizer (ZeRO-1: optimizer state sharded over the "
                           "data-parallel group) or none")
+    if shard != "none" and config.parallel.tensor > 1:
+        raise ConfigError(f"parallel.shard={shard} with parallel.tensor={config.parallel.tensor} is not available in "
+                          "this version (the sharded optimizer flattens plain tensors, not DTensor shards); use "
+                          "parallel.shard=none with tensor parallelism, or parallel.tensor=1")
 
 
 def validate_world_size(config: TrainConfig, world_size: int) -> TrainConfig:

@@ -64,6 +64,7 @@ RANGES: dict[str, Range] = {
     "parallel.virtual": Range(1, 1 << 10, "use a positive number of model chunks per rank"),
     "parallel.max_in_flight": Range(1, 1 << 24, "use the activations held per rank, or null for 1F1B's limit"),
     "parallel.data": Range(1, 1 << 20, "use a positive number of data-parallel replicas or null"),
+    "parallel.tensor": Range(1, 1 << 10, "use a positive number of tensor-parallel ranks per stage (1: none)"),
     "parallel.microbatch_group_size_per_vp_stage": Range(1, 1 << 24, "use a value in [pipeline, num_microbatches] "
                                                                         "or null"),
     "parallel.timeout_s": Range(0.0, 1e8, "use a communication timeout in seconds, e.g. 60", low_open=True),

@@ -104,3 +104,6 @@ def test_shard_full_and_unknown_values_refused_before_any_process_group():
         validate(load_config(None, ["parallel.shard=full"]))
     with pytest.raises((ConfigError, ValueError, TypeError), match="parallel.shard"):
         validate(load_config(None, ["parallel.shard=zero3"]))
+    with pytest.raises(ConfigError, match="parallel.shard=optimizer with parallel.tensor=2"):
+        validate(load_config(None, ["parallel.shard=optimizer", "parallel.tensor=2", "parallel.pipeline=1",
+                                    "model.num_layers=2"]))
