@@ -14,6 +14,11 @@ from graphs.local_rank import WeightQueue, make_rank_data
 from tests.graphs.test_graphs_emulate import B, H, S, bitwise_equal, make_chunks, run_steps, samples
 
 
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
 class FakeBackend:
     """A static-buffer backend of this module: the emulate slots under another name, recording its captures."""
 
