@@ -2,8 +2,9 @@
 
 * :mod:`graphs.order`: the rank's capture order (with the ``W`` actions of split-backward plans), TE's flat graph
   index, :func:`check_order`.
-* :func:`graphs.capture.capture`: one entry point for the ``te``, ``torch``, ``emulate`` and ``eager`` backends;
-  returns :class:`graphs.dispatch.GraphedLayers` (layers dispatch on ``current_microbatch``).
+* :func:`graphs.capture.capture`: one entry point for the ``te``, ``torch``, ``emulate`` and ``eager`` backends
+  and any added with :func:`register_backend` (the :class:`Backend` protocol, :mod:`graphs.backends`: one file
+  per backend); returns :class:`graphs.dispatch.GraphedLayers` (layers dispatch on ``current_microbatch``).
 * :class:`graphs.runtime.GraphRuntime`: the trainer's hook -- eager warmup steps, recording, collective capture,
   recapture when the microbatch count or shapes change.
 * :mod:`graphs.liveness`: a shared-pool model showing why the capture order must equal the runtime order.
@@ -16,6 +17,7 @@
 
 Dependencies run graphs -> ``engine.plan`` / ``engine.plan.table`` (the pure layer) only.
 """
+from .backends import Backend, register_backend
 from .capture import BACKENDS, CaptureReport, capture, make_sample_args, resolve_backend
 from .dispatch import GraphedLayers, GraphSet, Recording, ReplayGuard, layers_of_chunk
 from .order import (LayerEvent, check_order, flat_index, capture_order, layer_events, max_in_flight, order_events,
@@ -24,7 +26,7 @@ from .runtime import GraphRuntime
 from .specs import CallSpec, TensorSpec
 
 __all__ = [
-    "BACKENDS", "CaptureReport", "capture", "make_sample_args", "resolve_backend",
+    "Backend", "register_backend", "BACKENDS", "CaptureReport", "capture", "make_sample_args", "resolve_backend",
     "GraphedLayers", "GraphSet", "Recording", "ReplayGuard", "layers_of_chunk",
     "LayerEvent", "check_order", "flat_index", "capture_order", "layer_events", "max_in_flight", "order_events",
     "unflat_index", "CallSpec", "TensorSpec", "GraphRuntime",

@@ -7,7 +7,12 @@ One entry point for every backend; each captures in the order of the rank's plan
 * ``"emulate"``: CPU static-buffer emulation (tests);
 * ``"eager"``: no graphs;
 * ``"auto"``: ``te`` if CUDA and an ordered TE are available, else ``torch`` on CUDA, else eager; ``torch`` for
-  split-backward plans.
+  split-backward plans;
+* any backend added with :func:`graphs.backends.register_backend`.
+
+Each backend is one file behind the :class:`graphs.backends.Backend` protocol (why it is unavailable here, capture
+one job, whether it supports split backward); this module picks one by name through the registry and never names
+a backend itself.
 
 Split-backward plans (``zb_h1``, ``zbv``, ``zb``: ``W`` actions) get three graphs per ``(chunk, microbatch,
 layer)``: ``F``, ``B`` (input gradient only) and ``W`` (weight gradients), captured in the plan's order with the
@@ -26,6 +31,7 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Sequence
 
 import torch
@@ -33,18 +39,18 @@ import torch
 from engine.plan import Plan
 
 from . import decision
-from .backends import common, emulate as emulate_backend, te as te_backend, torch_cuda
+from . import backends
+from .backends import common, torch_cuda
 from .dispatch import GraphedLayers, GraphSet
 from .hazards import HazardError
-from .order import (LayerEvent, check_order, flat_index, capture_order, layer_events, max_in_flight, num_graphs,
-                    order_events)
+from .order import LayerEvent, check_order, flat_index, capture_order, layer_events, max_in_flight, num_graphs
 from .specs import AutocastState, CallSpec, autocast_context, current_autocast
 
 __all__ = ["BACKENDS", "CaptureReport", "DebugOptions", "capture", "resolve_backend", "make_sample_args",
            "describe_failure", "root_cause"]
 
 log = logging.getLogger("pipecast.graphs")
-BACKENDS = ("auto", "te", "torch", "pipecast", "emulate", "eager")
+BACKENDS = ("auto", "te", "torch", "pipecast", "emulate", "eager")  # the built-ins; all: backends.backend_names()
 CAPTURE_TIMEOUT_FRACTION = 0.8  # of the collective timeout: a longer projected capture stops (see capture)
 _clock = time.perf_counter  # replaced by a fake clock in CPU tests of the capture-time check
 
@@ -78,35 +84,22 @@ class CaptureReport:
 
 
 def resolve_backend_name(requested: str) -> str:
-    """The canonical backend name (``"pipecast"`` is ``"torch"``).
+    """The canonical backend name (``"pipecast"`` is ``"torch"``; :func:`graphs.backends.canonical_name`).
 
     Raises:
         ValueError: unknown backend name.
     """
-    if requested not in BACKENDS:
-        raise ValueError(f"cuda_graphs.backend={requested!r} is unknown; use one of {', '.join(BACKENDS)}")
-    return "torch" if requested == "pipecast" else requested
+    return backends.canonical_name(requested)
 
 
-def resolve_backend(requested: str) -> tuple[str, str | None]:
-    """``(backend, reason)``: the backend to use for ``requested`` here, or ``("eager", why)``.
+def resolve_backend(requested: str, splits: bool = False) -> tuple[str, str | None]:
+    """``(backend, reason)``: the backend to use for ``requested`` here, or ``("eager", why)``
+    (:func:`graphs.backends.resolve`; ``splits``: the plan has ``W`` actions).
 
     Raises:
         ValueError: unknown backend name.
     """
-    requested = resolve_backend_name(requested)
-    if requested == "eager":
-        return "eager", "cuda_graphs.backend='eager'"
-    if requested == "emulate":
-        return "emulate", None
-    if not decision.cuda_ready():
-        return "eager", "no CUDA device"
-    if requested == "torch":
-        return "torch", None
-    te_reason = te_backend.te_unavailable_reason()
-    if requested == "te":
-        return ("eager", te_reason) if te_reason else ("te", None)
-    return ("torch", None) if te_reason else ("te", None)
+    return backends.resolve(requested, splits)
 
 
 def make_sample_args(specs: dict[tuple[int, int], CallSpec], layers_per_chunk: Sequence[int],
@@ -260,31 +253,26 @@ def _install(job: _Job, chosen: str, graphs: GraphSet) -> GraphedLayers:
 
 def _local_verdict(job: _Job, backend: str, veto: str | None) -> tuple[str, str | None]:
     """``(backend, reason this rank cannot capture or None)`` before the first collective decision."""
-    chosen, reason = resolve_backend(backend)
+    chosen, reason = resolve_backend(backend, splits=job.splits)
     if veto is not None:
         return chosen, veto
     if job.splits and reason is None:
-        chosen, reason = _split_verdict(job, backend, chosen)
-    if chosen in ("torch", "te") and reason is None:
+        reason = _split_problem(job)
+    if reason is None and backends.get_backend(chosen).needs_cuda_tensors:
         reason = _local_problem(job.layers, job.sample_args)
-    return chosen, reason if reason is not None or chosen != "eager" else "cuda_graphs.backend='eager'"
+    return chosen, reason
 
 
-def _split_verdict(job: _Job, requested: str, chosen: str) -> tuple[str, str | None]:
-    """Split backward: ``auto`` takes pipecast's capture over TE; ``te`` cannot (the reason); every graphed layer
-    needs an input that requires grad (else its backward would only run inside a later ``W``, out of the captured
-    order)."""
-    if chosen == "te":
-        if resolve_backend_name(requested) == "te":
-            return chosen, te_backend.split_backward_reason()
-        chosen = "torch"
+def _split_problem(job: _Job) -> str | None:
+    """Split backward: every graphed layer needs an input that requires grad (else its backward would only run
+    inside a later ``W``, out of the captured order)."""
     for (c, l), spec in sorted(job.layer_specs.items()):
         if not any(t.requires_grad for t in spec.tensor_specs):
-            return chosen, (f"split backward: chunk {c} layer {l} is called on inputs that need no gradient, so "
-                            f"its backward would run in the W pass, not in B where the graphs are captured -- "
-                            f"put a layer with parameters (an embedding, an input projection) before the first "
-                            f"graphed layer, or graph only layers after it")
-    return chosen, None
+            return (f"split backward: chunk {c} layer {l} is called on inputs that need no gradient, so "
+                    f"its backward would run in the W pass, not in B where the graphs are captured -- "
+                    f"put a layer with parameters (an embedding, an input projection) before the first "
+                    f"graphed layer, or graph only layers after it")
+    return None
 
 
 def _fall_back(layers: GraphedLayers, backend: str, reason: str, group) -> GraphedLayers:
@@ -452,7 +440,7 @@ def _run_capture(chosen: str, job: _Job):
     start = _clock()
     try:
         with job.layers.suspend(), autocast_context(job.autocast):
-            return _CAPTURERS[chosen](job), None
+            return backends.get_backend(chosen).capture(job, partial(_slot_capture, job=job)), None
     except Exception as exc:  # noqa: BLE001 - any capture failure means eager, collectively
         job.report.traceback = traceback.format_exc()
         return None, describe_failure(exc)
@@ -501,6 +489,8 @@ def _make_slots(slot_cls, job: _Job, n_mb: int) -> list[common.ReplaySlot]:
 
 
 def _slot_capture(slot_cls, warmup_ctx, job: _Job, prepare=None) -> GraphSet:
+    """The slot-based capture walk (torch, emulate): one ``slot_cls`` per ``(chunk, microbatch, layer)``, warmup
+    under ``warmup_ctx``, then F / B / W captures in the job's order; ``prepare(slots)`` runs first."""
     n_mb = 1 if job.share else job.M
     slots = _make_slots(slot_cls, job, n_mb)
     events = layer_events(job.order, job.lpc)
@@ -582,68 +572,3 @@ def _storage_check(job: _Job):
                 raise HazardError(f"{name} was replaced (p.data = ..., load_state_dict(assign=True)): the graphs "
                                    f"read its old storage -- update parameters in place (p.copy_(new)) or recapture")
     return check
-
-
-def _capture_emulate(job: _Job) -> GraphSet:
-    gs = _slot_capture(emulate_backend.EmulatedSlot, emulate_backend.warmup_context, job)
-    gs.backend = "emulate"
-    return gs
-
-
-def _capture_torch(job: _Job) -> GraphSet:
-    cuda = torch_cuda.cuda
-
-    def prepare(slots):
-        cuda.synchronize()
-        gc.collect()  # before GC is disabled for the capture: no stale graph may die during it
-        cuda.empty_cache()
-        torch_cuda.capture_context(slots, job.pool)  # one shared pool for every graph of this rank
-
-    gs = _slot_capture(torch_cuda.CudaGraphSlot, torch_cuda.warmup_context, job, prepare=prepare)
-    gs.backend = "torch"
-    cuda.synchronize()
-    return gs
-
-def _te_inputs(job: _Job) -> tuple[list[int], int, Sequence[tuple], Sequence[dict] | None]:
-    """``(order, microbatches, sample_args, sample_kwargs)`` as TE gets them (one microbatch when shared)."""
-    if not job.share:
-        return job.order, job.M, job.sample_args, job.sample_kwargs
-    lpc, M = job.lpc, job.M
-    first = [flat_index(c, 0, l, lpc, M) for c, n in enumerate(lpc) for l in range(n)]
-    kwargs = None if job.sample_kwargs is None else [job.sample_kwargs[i] for i in first]
-    return _single_microbatch_order(job.order), 1, [job.sample_args[i] for i in first], kwargs
-
-
-def _capture_te(job: _Job) -> GraphSet:
-    order, n_mb, sample_args, sample_kwargs = _te_inputs(job)
-    fn = te_backend.load_make_graphed_callables()
-    modules = [m for chunk in job.layers.modules for m in chunk]
-    callables, features, kwargs = te_backend.te_capture(fn, modules, sample_args, sample_kwargs, order, job.lpc,
-                                                       n_mb, job.num_warmup_iters, job.pool)
-    job.report.te_kwargs = dict(kwargs)
-    job.report.te_features = str(features)
-    hooks = []
-    if "clone_param_grads_on_return" not in features and job.test.param_grads != "alias":
-        # TE <= 2.18 returns static buffers as parameter grads (TransformerEngine#2937): clone them before AccumulateGrad keeps them
-        for module in modules:
-            for p in common.module_params(module):
-                hooks.append(p.register_hook(lambda g: g.clone()))
-
-    def release():
-        for h in hooks:
-            _quietly(h.remove)
-        for f in callables:
-            reset = getattr(f, "reset", None)
-            if callable(reset):
-                _quietly(reset)
-
-    return GraphSet(backend="te", order=list(job.order), layers_per_chunk=list(job.lpc), num_microbatches=job.M,
-                    specs=job.layer_specs, callables=callables, shared=job.share, release=release)
-
-
-def _single_microbatch_order(order: Sequence[int]) -> list[int]:
-    """The order restricted to microbatch 0 of every chunk (shared graphs capture one microbatch)."""
-    return [entry for entry, (kind, c, m) in zip(order, order_events(order)) if m == 0]
-
-
-_CAPTURERS = {"emulate": _capture_emulate, "torch": _capture_torch, "te": _capture_te}

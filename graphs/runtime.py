@@ -28,7 +28,7 @@ import torch
 from engine.plan import Op
 from engine.plan.resolve import ResolvedSchedule, resolve_schedule
 
-from .capture import BACKENDS, capture
+from .capture import capture, resolve_backend_name
 from .dispatch import GraphedLayers, layers_of_chunk
 from .order import max_in_flight
 
@@ -49,7 +49,8 @@ class GraphRuntime:
         num_model_chunks: model chunks per rank.
         group_size: ``microbatch_group_size_per_vp_stage`` for a schedule named by ``schedule`` that takes it
             (interleaved; default ``pp_size``).
-        backend: ``auto``, ``te``, ``torch`` (= ``pipecast``), ``emulate`` or ``eager``.
+        backend: ``auto``, ``te``, ``torch`` (= ``pipecast``), ``emulate``, ``eager`` or a name added with
+            :func:`graphs.backends.register_backend`.
         warmup_steps: eager steps before capture (the last one records the passes; 0 counts as 1).
         num_warmup_iters: warmup rounds inside the capture.
         group: process group of the collective decision (default: the world).
@@ -77,8 +78,7 @@ class GraphRuntime:
                  layers_of: Callable[[torch.nn.Module], list] = layers_of_chunk, variable_seq_lengths: bool = False,
                  generators: Sequence[torch.Generator] = (), defer_weight_grad=None, plan=None,
                  timeout_s: float | None = None):
-        if backend not in BACKENDS:
-            raise ValueError(f"cuda_graphs.backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+        resolve_backend_name(backend)  # ValueError for an unknown name (graphs.backends' registry)
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"cuda_graphs.warmup_steps={warmup_steps!r}: use an int >= 1 (eager steps before "
                              f"capture; the last one records the passes and shapes the graphs are captured for)")

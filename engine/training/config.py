@@ -629,6 +629,7 @@ def _validate_schedule(config: TrainConfig) -> None:
         raise ConfigError(f"parallel.schedule={p.schedule} (split backward) with cuda_graphs.backend=te: Transformer "
                           "Engine's capture has no weight-gradient (W) graphs for these layers; set "
                           "cuda_graphs.backend=torch (pipecast's capture: F, B and W graphs) or auto")
+    _refuse_te_layers_with_split(config, spec)
     if p.microbatch_group_size_per_vp_stage is not None and "group_size" not in spec.options:
         raise ConfigError(f"parallel.microbatch_group_size_per_vp_stage={p.microbatch_group_size_per_vp_stage} only "
                           f"applies to parallel.schedule={_takers('group_size')} (interleaved 1F1B), not "
@@ -637,6 +638,27 @@ def _validate_schedule(config: TrainConfig) -> None:
     if p.overlap_p2p_comm and not spec.overlap_p2p:
         raise ConfigError(f"parallel.overlap_p2p_comm=true is not supported by {spec.name} (as in Megatron-Core's "
                           "1F1B); set parallel.virtual >= 2 or parallel.overlap_p2p_comm=false")
+
+
+def _refuse_te_layers_with_split(config: TrainConfig, spec) -> None:
+    """Transformer Engine layers under a split-backward schedule are refused (issue 24 item 2).
+
+    The split W re-runs a node's backward after B (``engine.runtime.split_backward``, ``graphs.backends.split``),
+    while TE's backward functions free the tensors they saved once they ran, so W would read cleared tensors.
+    TE's own deferral (modules built with ``delay_wgrad_compute=True`` and their ``backward_dw()``) is not wired
+    into pipecast's W pass, so the combination is refused here, before any rank starts.
+
+    Raises:
+        ConfigError: ``model.transformer_engine=true`` with a ``parallel.schedule`` whose registry entry splits the
+            backward (``zb_h1``, ``zbv``, ...).
+    """
+    if config.model.transformer_engine and spec.splits_backward:
+        raise ConfigError(
+            f"model.transformer_engine=true with parallel.schedule={config.parallel.schedule} (split backward, "
+            f"{spec.name}): the W pass re-runs a layer's backward after B, but Transformer Engine's backward frees "
+            f"the tensors it saved, so W would read cleared tensors -- set model.transformer_engine=false (torch "
+            f"layers, which split correctly) or use a schedule without split backward (parallel.schedule=1f1b, "
+            f"interleaved or auto)")
 
 
 def validate_parallel(config: TrainConfig) -> None:

@@ -36,7 +36,8 @@ FIELD_HELP = {
     "model.norm_epsilon": "LayerNorm (gpt2) / RMSNorm (llama) epsilon",
     "model.init_std": "standard deviation of the normal weight init (residual projections / sqrt(2 L))",
     "model.tie_embeddings": "output head = input embedding (the copies on first and last stage kept in sync)",
-    "model.transformer_engine": "Transformer Engine layers when importable and on CUDA",
+    "model.transformer_engine": "Transformer Engine layers when importable and on CUDA (not with a split-backward "
+                                "schedule such as zb_h1 / zbv: refused)",
     "model.precision": "bf16: autocast on CUDA (parameters and pipeline messages stay fp32)",
     "parallel.pipeline": "pipeline ranks P",
     "parallel.virtual": "model chunks per pipeline rank; > 1 selects interleaved 1F1B (schedule: auto)",

@@ -134,3 +134,22 @@ class EmulatedSlot(ReplaySlot):
 
 def warmup_context():
     return contextlib.nullcontext()
+
+
+class EmulateBackend:
+    """The ``emulate`` backend (:class:`graphs.backends.Backend`): always available, splits the backward."""
+
+    name = "emulate"
+    supports_split_backward = True
+    needs_cuda_tensors = False
+
+    def unavailable_reason(self) -> str | None:
+        return None
+
+    def split_backward_reason(self) -> str:
+        return ""
+
+    def capture(self, job, capture_slots):
+        graphs = capture_slots(EmulatedSlot, warmup_context)
+        graphs.backend = self.name
+        return graphs

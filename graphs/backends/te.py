@@ -27,7 +27,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["TEFeatures", "detect_features", "load_make_graphed_callables", "build_te_arguments", "te_capture",
+from .. import decision
+from ..dispatch import GraphSet
+from ..order import flat_index, order_events
+from .common import module_params
+
+__all__ = ["TEBackend", "TEFeatures", "detect_features", "load_make_graphed_callables", "build_te_arguments", "te_capture",
            "StateGuard", "te_unavailable_reason", "split_backward_reason"]
 
 _FEATURES = ("_order", "_num_layers_per_chunk", "sample_kwargs", "num_warmup_iters", "allow_unused_input",
@@ -244,3 +249,70 @@ def te_capture(make_graphed_callables: Callable, modules: Sequence[torch.nn.Modu
                            f"forward passes; the installed TE does not follow the flat (chunk, microbatch, layer) "
                            f"layout pipecast relies on")
     return callables, features, kwargs
+
+
+class TEBackend:
+    """The ``te`` backend (:class:`graphs.backends.Backend`): Transformer Engine's ordered capture on CUDA; no
+    split backward (:func:`split_backward_reason`)."""
+
+    name = "te"
+    supports_split_backward = False
+    needs_cuda_tensors = True
+
+    def unavailable_reason(self) -> str | None:
+        return "no CUDA device" if not decision.cuda_ready() else te_unavailable_reason()
+
+    def split_backward_reason(self) -> str:
+        return split_backward_reason()
+
+    def capture(self, job, capture_slots) -> GraphSet:
+        """TE's ``make_graphed_callables`` on the job's layers in its order (one microbatch when graphs are
+        shared); parameter-gradient clone hooks where the installed TE returns static aliases."""
+        order, n_mb, sample_args, sample_kwargs = _te_inputs(job)
+        fn = load_make_graphed_callables()
+        modules = [m for chunk in job.layers.modules for m in chunk]
+        callables, features, kwargs = te_capture(fn, modules, sample_args, sample_kwargs, order, job.lpc, n_mb,
+                                                 job.num_warmup_iters, job.pool)
+        job.report.te_kwargs = dict(kwargs)
+        job.report.te_features = str(features)
+        hooks = []
+        if "clone_param_grads_on_return" not in features and job.test.param_grads != "alias":
+            # TE <= 2.18 returns static buffers as parameter grads (TransformerEngine#2937): clone them before
+            # AccumulateGrad keeps them
+            for module in modules:
+                for p in module_params(module):
+                    hooks.append(p.register_hook(lambda g: g.clone()))
+
+        def release():
+            for h in hooks:
+                _quietly(h.remove)
+            for f in callables:
+                reset = getattr(f, "reset", None)
+                if callable(reset):
+                    _quietly(reset)
+
+        return GraphSet(backend=self.name, order=list(job.order), layers_per_chunk=list(job.lpc),
+                        num_microbatches=job.M, specs=job.layer_specs, callables=callables, shared=job.share,
+                        release=release)
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - cleanup steps must never raise
+        pass
+
+
+def _te_inputs(job) -> tuple[list[int], int, Sequence[tuple], Sequence[dict] | None]:
+    """``(order, microbatches, sample_args, sample_kwargs)`` as TE gets them (one microbatch when shared)."""
+    if not job.share:
+        return job.order, job.M, job.sample_args, job.sample_kwargs
+    lpc, M = job.lpc, job.M
+    first = [flat_index(c, 0, l, lpc, M) for c, n in enumerate(lpc) for l in range(n)]
+    kwargs = None if job.sample_kwargs is None else [job.sample_kwargs[i] for i in first]
+    return _single_microbatch_order(job.order), 1, [job.sample_args[i] for i in first], kwargs
+
+
+def _single_microbatch_order(order: Sequence[int]) -> list[int]:
+    """The order restricted to microbatch 0 of every chunk (shared graphs capture one microbatch)."""
+    return [entry for entry, (kind, c, m) in zip(order, order_events(order)) if m == 0]

@@ -25,13 +25,15 @@ it raises and would leave the thread on the capture stream for the rest of the p
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Sequence
 
 import torch
 
+from .. import decision
 from .common import ReplaySlot
 
-__all__ = ["CudaGraphSlot", "warmup_context", "capture_context", "graph_capture", "cuda"]
+__all__ = ["TorchBackend", "CudaGraphSlot", "warmup_context", "capture_context", "graph_capture", "cuda"]
 
 cuda = torch.cuda  # replaced by a fake in CPU tests of the failure paths
 
@@ -158,3 +160,32 @@ def capture_context(slots: Sequence[CudaGraphSlot], pool=None):
     for s in slots:
         s.pool = pool
     return pool
+
+
+class TorchBackend:
+    """The ``torch`` backend (alias ``pipecast``; :class:`graphs.backends.Backend`): on CUDA, splits the backward.
+
+    Before the capture: one device sync, a GC pass (no stale graph may die during capture, when GC is off) and
+    ``empty_cache``; every graph of the rank shares one memory pool (``job.pool`` or a fresh one)."""
+
+    name = "torch"
+    supports_split_backward = True
+    needs_cuda_tensors = True
+
+    def unavailable_reason(self) -> str | None:
+        return None if decision.cuda_ready() else "no CUDA device"
+
+    def split_backward_reason(self) -> str:
+        return ""
+
+    def capture(self, job, capture_slots):
+        def prepare(slots):
+            cuda.synchronize()
+            gc.collect()  # before GC is disabled for the capture: no stale graph may die during it
+            cuda.empty_cache()
+            capture_context(slots, job.pool)  # one shared pool for every graph of this rank
+
+        graphs = capture_slots(CudaGraphSlot, warmup_context, prepare=prepare)
+        graphs.backend = self.name
+        cuda.synchronize()
+        return graphs

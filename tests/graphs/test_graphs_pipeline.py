@@ -80,7 +80,7 @@ def _data(M: int, step: int):
 
 
 def _job(rank, world, cases):
-    import sys
+    from graphs.backends import get_backend
     from engine import schedules
     from engine.model_parallel_config import ModelParallelConfig
     from engine.plan import build_plan
@@ -103,15 +103,14 @@ def _job(rank, world, cases):
         copies = {name: [Chunk(cfg, c * world + rank, world * C, layers) for c in range(C)]
                   for name in ("eager", "graphed")}
         runtime = GraphRuntime(copies["graphed"], schedule, world, rank, C, G, backend="emulate", warmup_steps=1)
-        capture_mod = sys.modules["graphs.capture"]
-        real_capturer = capture_mod._CAPTURERS["emulate"]
+        emulate_backend = get_backend("emulate")
         if case.get("fail_rank") == rank:  # a capture error on one rank only: every rank must fall back
             def boom(*args, **kwargs):  # the root error, then the one a failed capture_end() raises over it
                 try:
                     raise RuntimeError("injected capture failure")
                 except RuntimeError:  # the implicit context is what a failed capture_end() leaves
                     raise RuntimeError("operation failed due to a previous error during capture")  # noqa: B904
-            capture_mod._CAPTURERS["emulate"] = boom
+            emulate_backend.capture = boom  # an instance attribute over the method, removed below
         res = {"rank": rank, "case": case, "steps": [], "recorded": None}
         for step, M in enumerate(Ms):
             data = _data(M, step)
@@ -150,7 +149,7 @@ def _job(rank, world, cases):
                     res["megatron_order"] = convert_schedule_table_to_order(w, C, get_schedule_table(M, C, G or world))
         res["backend"] = runtime.layers.report.backend
         res["reason"] = runtime.layers.report.reason
-        capture_mod._CAPTURERS["emulate"] = real_capturer
+        vars(emulate_backend).pop("capture", None)
         runtime.close()
         out.append(res)
     return out
