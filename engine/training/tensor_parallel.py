@@ -43,48 +43,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..plan.registry import get_schedule
-from .config import ConfigError, TrainConfig
 
-__all__ = ["validate_tensor_parallel", "align_grads", "parallelize_chunks", "vocab_parallel_logits", "local", "grad_norm_squared",
+__all__ = ["align_grads", "parallelize_chunks", "vocab_parallel_logits", "local", "grad_norm_squared",
            "has_dtensor"]
-
-
-def validate_tensor_parallel(config: TrainConfig) -> None:
-    """Pure checks of ``parallel.tensor`` (every rank, before any collective).
-
-    Raises:
-        ConfigError: ``T`` not dividing ``model.num_attention_heads``, ``model.num_query_groups`` (llama),
-            ``model.ffn_hidden_size`` or ``model.vocab_size``; ``T > 1`` with ``cuda_graphs.enabled`` or
-            ``model.transformer_engine``.
-    """
-    m, t = config.model, config.parallel.tensor
-    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-        raise ConfigError(f"parallel.tensor={t!r} must be an integer >= 1 (tensor-parallel ranks per stage)")
-    if t == 1:
-        return
-    sizes = [("model.num_attention_heads", m.num_attention_heads), ("model.ffn_hidden_size", config.ffn_hidden_size),
-             ("model.vocab_size", m.vocab_size)]
-    if getattr(m, "family", "gpt2") == "llama":
-        sizes.insert(1, ("model.num_query_groups", m.num_query_groups or m.num_attention_heads))
-    for where, value in sizes:
-        if value % t:
-            fix = (f"round it up to {-(-value // t) * t}" if where == "model.vocab_size" else
-                   f"choose parallel.tensor dividing {value}")
-            raise ConfigError(f"parallel.tensor={t} does not divide {where}={value}: each tensor-parallel rank holds "
-                              f"{where.split('.')[1]} / parallel.tensor of it; {fix}")
-    if config.parallel.schedule != "tuned" and get_schedule(config.schedule_name).splits_backward:
-        raise ConfigError(f"parallel.tensor={t} with parallel.schedule={config.parallel.schedule} (split backward): "
-                          "the split backward's W passes do not yet keep the tensor-parallel collectives of the two "
-                          "ranks in one order; use a schedule without split backward (1f1b, interleaved) or "
-                          "parallel.tensor=1")
-    if config.cuda_graphs.enabled:
-        raise ConfigError(f"parallel.tensor={t} with cuda_graphs.enabled=true: pipecast's capture records plain "
-                          "tensors per layer and has no DTensor support; set cuda_graphs.enabled=false or "
-                          "parallel.tensor=1")
-    if m.transformer_engine:
-        raise ConfigError(f"parallel.tensor={t} with model.transformer_engine=true: Transformer Engine layers "
-                          "bring their own tensor parallelism, not wired here; set model.transformer_engine=false")
 
 
 def _styles():
