@@ -169,7 +169,7 @@ def _run_args(tmp: Path, name: str, **extra) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # a hang guard: three trainer runs on a possibly busy machine
 def test_sigterm_saves_on_every_rank_and_resume_continues_exactly(tmp_path):
     """SIGTERM to the launcher mid-run: the ranks finish the step, save it, and ``pipecast train`` exits 143 naming
     the saved step; ``--resume`` then gives the same loss at every step as a run never stopped."""

@@ -44,7 +44,7 @@ def _error_line(stderr: str) -> str:
     return lines[0]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_sigkill_one_of_four_ranks_then_exact_resume(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.txt")
     layout = {"parallel.pipeline": 2, "parallel.data": 2, "checkpoint.interval": 10, "checkpoint.keep": 3}

@@ -68,7 +68,7 @@ def test_bad_config_exits_fast_with_the_field():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(400)
 def test_readme_example_runs_twice_in_a_row(tmp_path):
     """The README's Python example runs, and runs again into the same folder (it continues from its checkpoint);
     a rank's error reaches the user as one ``error:`` line, not a traceback."""
