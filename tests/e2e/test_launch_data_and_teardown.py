@@ -137,6 +137,12 @@ def test_fresh_run_into_a_used_run_folder_exits_2_before_spawning(tmp_path, monk
 
 
 # ---- SIGINT -----------------------------------------------------------------------------------------------------
+def _sigint_as_in_a_terminal() -> None:
+    """In the child before it runs Python: SIGINT's default action, as in a terminal.  A test run started in the
+    background of a non-interactive shell (``cmd &``) inherits SIGINT ignored, and Python then keeps ignoring it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("to_group", [False, True], ids=["launcher-only", "process-group"])
 def test_sigint_stops_every_rank_and_exits_130(tmp_path, to_group):
@@ -148,7 +154,7 @@ def test_sigint_stops_every_rank_and_exits_130(tmp_path, to_group):
     proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.reliability_jobs",
                              json.dumps({"overrides": overrides, "record_dir": str(tmp_path), "sleep": True})],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_sigint_as_in_a_terminal)
     try:
         deadline = time.time() + 120
         while len(read_records(tmp_path)) < 2 and time.time() < deadline and proc.poll() is None:

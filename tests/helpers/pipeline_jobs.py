@@ -423,6 +423,16 @@ _REGISTRY: dict = {}
 _RESULTS: dict = {}
 
 
+def check_ranks(where: str, per_rank: list, tol: float) -> None:
+    """Every rank of one case ran without error, matched the reference within ``tol`` and ran the plan's order."""
+    for r in per_rank:
+        assert r["error"] is None, f"{where}: rank {r['rank']} raised {r['error']}"
+        assert r["grad_err"] <= tol, f"{where}: rank {r['rank']} gradient error {r['grad_err']:.2e}"
+        assert r["loss_err"] <= tol, f"{where}: rank {r['rank']} loss error {r['loss_err']:.2e}"
+        for call in r["calls"]:
+            assert call["order"] == call["plan_order"], f"{where}: rank {r['rank']} order is not the plan's"
+
+
 def register(world: int, entries: list) -> slice:
     """Add entries to the session's job of ``world`` ranks (call at import time); returns their slice."""
     lst = _REGISTRY.setdefault(world, [])

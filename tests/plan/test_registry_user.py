@@ -108,7 +108,10 @@ def test_a_user_schedule_runs_on_ranks_and_trains(tmp_path):
         if r["rank"] == 1:   # the loss stage returns one entry per microbatch, in order
             assert train["store_mbs"] == [0, 1, 2, 3] and forward_only["store_len"] == 3
         # the trainer resolved the config to the user's entry and built its training plan with the user's builder
-        assert r["plans"]["test_gpipe"] == ("test_gpipe", [(2, M, False)]) and r["plans"]["1f1b"] == ("1f1b", [])
+        # (config validation builds the training and evaluation plans first, so the builder may run more often)
+        name, calls = r["plans"]["test_gpipe"]
+        assert name == "test_gpipe" and (2, M, False) in calls and set(calls) <= {(2, M, False), (2, M, True)}
+        assert r["plans"]["1f1b"] == ("1f1b", [])
         got, want = r["losses"]["test_gpipe"], r["losses"]["1f1b"]
         assert all(math.isfinite(x) for x in got), got
         # GPipe and 1F1B run each microbatch's F and B on the same values and accumulate the B passes in microbatch
