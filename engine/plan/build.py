@@ -27,8 +27,8 @@ def build_plan(schedule, pp_size: int, num_microbatches: int, num_model_chunks: 
 
     Args:
         schedule: a registered schedule's name (:func:`engine.plan.registry.schedule_names`; the built-ins:
-            ``"no_pipelining"``, ``"1f1b"``, ``"interleaved"``, ``"zb_h1"``, ``"zbv"``, ``"zb"``) or its
-            :class:`~engine.plan.registry.ScheduleSpec`.
+            ``"no_pipelining"``, ``"1f1b"``, ``"interleaved"``, ``"zb_h1"``, ``"zbv"``, ``"zb"``,
+            ``"dualpipev"``) or its :class:`~engine.plan.registry.ScheduleSpec`.
         pp_size: pipeline ranks ``P``.
         num_microbatches: ``M >= 1``.
         num_model_chunks: ``C``, as many as the schedule takes (:attr:`ScheduleSpec.chunks`).
