@@ -105,13 +105,21 @@ def dualpipev_plan(pp_size: int, num_microbatches: int, num_model_chunks: int = 
                    forward_only: bool = False) -> Plan:
     """The DualPipeV plan (module doc) for ``pp_size`` ranks, two model chunks each, ``num_microbatches``.
 
+    The forward-only plan (evaluation, sampling) takes any ``num_microbatches >= 1``: each rank runs the forwards
+    of its chunk 0 for every microbatch, then those of its chunk 1 (stage order, so no rank waits on a later one).
+
     Raises:
-        ValueError: ``num_model_chunks != 2`` or ``num_microbatches < 2 * pp_size`` (DualPipeV fills both chunks'
-            pipelines before its steady phase, as torch's ScheduleDualPipeV requires).
+        ValueError: ``num_model_chunks != 2`` or, for training, ``num_microbatches < 2 * pp_size`` (DualPipeV fills
+            both chunks' pipelines before its steady phase, as torch's ScheduleDualPipeV requires).
     """
     if num_model_chunks != 2:
         raise ValueError(f"dualpipev places two model chunks on each rank, got num_model_chunks={num_model_chunks}; "
                          "set parallel.virtual: 2")
+    if forward_only:
+        per_rank = tuple(tuple(Action(Op.FORWARD, c, mb) for c in (0, 1) for mb in range(num_microbatches))
+                         for _ in range(pp_size))
+        return Plan("dualpipev", pp_size, 2, num_microbatches, num_microbatches, True,
+                    tuple(len(a) for a in per_rank), per_rank, v_placement(pp_size))
     if num_microbatches < 2 * pp_size:
         raise ValueError(f"dualpipev needs num_microbatches >= 2 * pp_size = {2 * pp_size} (one per virtual stage), "
                          f"got num_microbatches={num_microbatches}; use more microbatches per step or schedule 'zbv'")
@@ -119,10 +127,8 @@ def dualpipev_plan(pp_size: int, num_microbatches: int, num_model_chunks: int = 
     per_rank, spans = [], []
     for r in range(pp_size):
         acts, mine = dualpipev_rank(pp_size, num_microbatches, r)
-        if forward_only:
-            acts, mine = [a for a in acts if a.op is Op.FORWARD], []
         per_rank.append(tuple(shared.setdefault(a, a) for a in acts))
         spans.append(tuple(mine))
     warmup = tuple(next((i for i, a in enumerate(acts) if a.op is not Op.FORWARD), len(acts)) for acts in per_rank)
-    return Plan("dualpipev", pp_size, 2, num_microbatches, num_microbatches, forward_only, warmup, tuple(per_rank),
+    return Plan("dualpipev", pp_size, 2, num_microbatches, num_microbatches, False, warmup, tuple(per_rank),
                 v_placement(pp_size), compounds=tuple(spans) if any(spans) else None)

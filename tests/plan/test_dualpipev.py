@@ -81,9 +81,11 @@ def test_plan_validates_simulates_and_keeps_its_invariants(P, M):
         for batched in (True, False):
             validate_programs(plan, prefetch=prefetch, batched=batched)
     assert plan_from_csv(plan_to_csv(plan), name="dualpipev") == plan
-    fwd = build_plan("dualpipev", P, M, 2, forward_only=True)
-    validate_plan(fwd)
-    assert all(a.op is Op.FORWARD for acts in fwd.actions for a in acts) and fwd.compounds is None
+    for m in (1, M):  # evaluation and sampling plans take any microbatch count
+        fwd = build_plan("dualpipev", P, m, 2, forward_only=True)
+        validate_plan(fwd)
+        assert all(a.op is Op.FORWARD for acts in fwd.actions for a in acts) and fwd.compounds is None
+        assert all(len(acts) == 2 * m for acts in fwd.actions)
 
 
 def test_sizes_dualpipev_does_not_take_are_refused():
@@ -94,3 +96,10 @@ def test_sizes_dualpipev_does_not_take_are_refused():
     names = {c.schedule for c in candidates(2, 4, 4)}
     assert "dualpipev" in names
     assert "dualpipev" not in {c.schedule for c in candidates(2, 4, 3)}
+
+
+def test_the_default_config_runs_dualpipev_with_sampling():
+    # evaluation and sampling build one-microbatch forward-only plans: they must not need M >= 2P
+    from engine.training.config import load_config
+    config = load_config("configs/default.yaml", ["parallel.schedule=dualpipev"])
+    assert config.logging.sample_every_eval > 0 and config.parallel.schedule == "dualpipev"
