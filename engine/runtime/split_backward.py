@@ -17,7 +17,9 @@ Two mechanisms (``mode``):
     ``F.linear(x, embedding.weight)`` head -- runs behind a bridge node.  ``F.linear`` on a contiguous ``[n, in]`` /
     ``[s, b, in]`` input (with bias for 3-D; no autocast) uses autograd's own formulas written out (B: ``grad @ W``;
     W: ``grad^T @ x`` and ``grad.sum(0)``); every other deferred op runs as its own small autograd graph, B taking
-    the op's input gradient from it and W the rest.  Everything else backpropagates in B as in
+    the op's input gradient from it and W the rest.  DTensor linears (``torch.distributed.tensor.parallel``
+    column- / row-parallel layouts on a 1-D mesh, 3-D input with or without bias) take the written-out formulas
+    too: B with DTensor ops, W on the local shards (:func:`_linear_weight_grads`), so W issues no collective.  Everything else backpropagates in B as in
     :func:`~engine.runtime.step.backward_step` (B *is* ``backward_step``, with the recorder on); W backpropagates
     the microbatch's records in few autograd calls restricted to the parameters.  Held until W: per deferred op
     its output gradient and the tensors its backward saved (the op's input; for layer norm also mean and rstd),

@@ -1,7 +1,8 @@
 """``parallel.tensor: 2`` against the single-process trainer: losses and full gradients, both model families.
 
 One spawned 4-rank gloo job runs every layout of :data:`LAYOUTS` (tp2 at pp1 = tp2 x dp2; pp2 x tp2 under 1F1B and
-interleaved 1F1B; the llama family with grouped-query attention under pp2 x tp2) for :data:`STEPS` steps
+interleaved 1F1B; the llama family with grouped-query attention under pp2 x tp2; split backward: gpt2 under ZB-V,
+llama under ZB-H1, their B and W passes' collectives counted, :data:`SPLIT`) for :data:`STEPS` steps
 with grad clipping on (so the tensor-parallel grad norm is exercised); before every optimizer step each rank gathers
 every gradient to its full tensor (``DTensor.full_tensor``) under the canonical (layout-free) names.  The reference
 is the pp1 x tp1 trainer in this process on the same global batch.
