@@ -188,6 +188,20 @@ def test_split_backward_w_passes_issue_no_collective(runs):
             assert counts.get("W", 0) == 0, f"{name} rank {rank}: W issued collectives {counts}"
 
 
+@pytest.mark.timeout(170)
+def test_zb_h1_gives_the_1f1b_gradients_bitwise(runs):
+    """llama at pp2 x tp2: ZB-H1 (split backward) and 1F1B give bitwise the same losses and gradients -- each W
+    runs the same kernels on the same local operands as the unsplit backward, per chunk in microbatch order
+    (engine.runtime.split_backward's exactness), and the B-side collectives see the same tensors."""
+    for rank, result in enumerate(runs["ranks"]):
+        split, plain = result["llama_pp2_tp2_zb_h1"], result["llama_pp2_tp2_1f1b"]
+        assert split["loss"] == plain["loss"], f"rank {rank}"
+        for step, (got, want) in enumerate(zip(split["grads"], plain["grads"])):
+            assert set(got) == set(want), f"rank {rank} step {step}"
+            for n in got:
+                assert (got[n] == want[n]).all(), f"rank {rank} step {step} {n}"
+
+
 BAD = [  # (overrides, words the message must contain)
     ({"model.num_attention_heads": 2, "model.hidden_size": 18, "parallel.tensor": 4}, ["parallel.tensor=4",
                                                                                        "model.num_attention_heads=2"]),
