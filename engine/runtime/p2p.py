@@ -33,7 +33,9 @@ Transport notes (what is and is not verified):
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,7 +44,8 @@ from ..plan.lowering import TAG_ACT, TAG_ACT_SHAPE, TAG_GRAD, TAG_GRAD_SHAPE  # 
 from .process_groups import group_rank, group_size
 
 __all__ = ["P2PCommunicator", "TAG_ACT", "TAG_GRAD", "TAG_ACT_SHAPE", "TAG_GRAD_SHAPE", "SHAPE_MESSAGE_LEN",
-           "encode_shape", "decode_shape", "is_single_shape", "check_sendable"]
+           "encode_shape", "decode_shape", "is_single_shape", "check_sendable", "MessageRecord", "record_messages",
+           "activation_bytes"]
 
 _MAX_DIMS = 8
 SHAPE_MESSAGE_LEN = 1 + _MAX_DIMS
@@ -66,6 +69,54 @@ def decode_shape(message: torch.Tensor) -> tuple[int, ...]:
     """Inverse of :func:`encode_shape`."""
     values = message.tolist()
     return tuple(values[1:1 + values[0]])
+
+
+@dataclass(frozen=True)
+class MessageRecord:
+    """One posted pipeline transfer seen by :func:`record_messages`: ``direction`` ``"send"`` or ``"recv"``,
+    ``tag`` (:data:`TAG_ACT` activations, :data:`TAG_GRAD` input gradients, or a shape tag), ``shape`` (e.g.
+    ``(s, b, h)``; ``(s / T, b, h)`` under ``sequence_parallel``), ``dtype`` and ``nbytes`` (bytes of the tensor)."""
+
+    direction: str
+    tag: int
+    shape: tuple
+    dtype: torch.dtype
+    nbytes: int
+
+
+_RECORDERS: list[list] = []
+
+
+@contextlib.contextmanager
+def record_messages() -> Iterator[list]:
+    """Record every transfer this process posts through a :class:`P2PCommunicator` (``isend``, ``irecv``,
+    ``post``; so every schedule and the executor) while the context is open.
+
+    Yields a list that fills with one :class:`MessageRecord` per transfer, in posting order; nested contexts each
+    get every record.  Local, no communication; the records are taken when a transfer is posted, not completed.
+    """
+    log: list = []
+    _RECORDERS.append(log)
+    try:
+        yield log
+    finally:
+        for i, entry in enumerate(_RECORDERS):
+            if entry is log:
+                del _RECORDERS[i]
+                break
+
+
+def activation_bytes(records: Sequence[MessageRecord], direction: str = "send") -> int:
+    """Bytes of the activation messages (:data:`TAG_ACT`) among ``records`` going ``direction``."""
+    return sum(r.nbytes for r in records if r.tag == TAG_ACT and r.direction == direction)
+
+
+def _record(direction: str, tensor: torch.Tensor, tag: int) -> None:
+    if _RECORDERS:
+        rec = MessageRecord(direction, tag, tuple(tensor.shape), tensor.dtype,
+                            tensor.numel() * tensor.element_size())
+        for log in _RECORDERS:
+            log.append(rec)
 
 
 _KIND_OF_TAG = {TAG_ACT: "activation", TAG_GRAD: "input gradient", TAG_ACT_SHAPE: "activation shape message",
@@ -106,7 +157,8 @@ class P2PCommunicator:
     pipeline group), ``next_rank`` / ``prev_rank`` (global ranks, wrap-around), ``next`` / ``prev`` (group ranks),
     ``device`` (where receive buffers live: the current CUDA device on NCCL, else CPU), ``sent_bytes`` (bytes
     posted for sending so far, by message tag -- :data:`TAG_ACT` activations, :data:`TAG_GRAD` gradients, shape
-    tags --; read by benchmarks, reset by assigning ``{}``).
+    tags --; read by benchmarks, reset by assigning ``{}``); :func:`record_messages` records each transfer's shape,
+    dtype and bytes.
     """
 
     def __init__(self, pp_group: Optional[dist.ProcessGroup], config):
@@ -131,6 +183,7 @@ class P2PCommunicator:
 
     def _count(self, tensor: torch.Tensor, tag: int) -> None:
         self.sent_bytes[tag] = self.sent_bytes.get(tag, 0) + tensor.numel() * tensor.element_size()
+        _record("send", tensor, tag)
 
     # -- stage predicates (HEAD names) -------------------------------------------------------------------------
     @property
@@ -161,6 +214,7 @@ class P2PCommunicator:
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
         """Post a non-blocking receive into ``tensor`` from pipeline rank ``peer``; returns the handle."""
+        _record("recv", tensor, tag)
         return self.pp_group.recv([tensor], peer, tag)
 
     def post(self, ops: Sequence[tuple[bool, torch.Tensor, int, int]], batched: bool) -> list:
@@ -175,6 +229,8 @@ class P2PCommunicator:
         for is_send, tensor, _, tag in ops:
             if is_send:
                 self._count(tensor, tag)
+            else:
+                _record("recv", tensor, tag)
         if self.grouped and len(ops) > 1:  # NCCL: always one group (see the module docstring)
             group = self.pp_group
             p2p = [dist.P2POp(dist.isend if s else dist.irecv, t, self.global_ranks[p], group, tag)

@@ -121,6 +121,8 @@ class ParallelConfig:
     max_in_flight: int | None = None  # schedules taking it (zb): per-rank in-flight limit (None: virtual*(P-r))
     data: int | None = None  # None -> world size // (pipeline x tensor) (1 when the launcher spawns ranks)
     tensor: int = 1  # tensor-parallel ranks per stage (engine.training.tensor_parallel); world = pipeline x data x tensor
+    # with tensor > 1: norms, residual stream and stage-boundary messages hold each rank's [s/T, b, h] sequence shard
+    sequence_parallel: bool = False
     microbatch_group_size_per_vp_stage: int | None = None  # None -> pipeline (Megatron's default)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
@@ -806,6 +808,7 @@ def validate_tensor_parallel(config: TrainConfig) -> None:
     m, t = config.model, config.parallel.tensor
     if isinstance(t, bool) or not isinstance(t, int) or t < 1:
         raise ConfigError(f"parallel.tensor={t!r} must be an integer >= 1 (tensor-parallel ranks per stage)")
+    _validate_sequence_parallel(config)
     if t == 1:
         return
     sizes = [("model.num_attention_heads", m.num_attention_heads), ("model.ffn_hidden_size", config.ffn_hidden_size),
@@ -825,6 +828,24 @@ def validate_tensor_parallel(config: TrainConfig) -> None:
     if m.transformer_engine:
         raise ConfigError(f"parallel.tensor={t} with model.transformer_engine=true: Transformer Engine layers "
                           "bring their own tensor parallelism, not wired here; set model.transformer_engine=false")
+
+
+def _validate_sequence_parallel(config: TrainConfig) -> None:
+    """``parallel.sequence_parallel`` needs ``parallel.tensor > 1`` dividing ``model.seq_length`` (each rank holds
+    ``seq_length / T`` positions of the residual stream)."""
+    sp, t, s = config.parallel.sequence_parallel, config.parallel.tensor, config.model.seq_length
+    if not isinstance(sp, bool):
+        raise ConfigError(f"parallel.sequence_parallel={sp!r} must be true or false")
+    if not sp:
+        return
+    if t == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor > 1 (it shards the sequence over "
+                          "the tensor-parallel ranks), got parallel.tensor=1; set parallel.tensor=2 or more, or "
+                          "parallel.sequence_parallel=false")
+    if s % t:
+        raise ConfigError(f"parallel.sequence_parallel=true with parallel.tensor={t} does not divide "
+                          f"model.seq_length={s}: each tensor-parallel rank holds seq_length / tensor positions; "
+                          f"choose a seq_length that is a multiple of {t}")
 
 
 def validate_world_size(config: TrainConfig, world_size: int) -> TrainConfig:

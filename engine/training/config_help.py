@@ -45,6 +45,8 @@ FIELD_HELP = {
     "parallel.max_in_flight": lambda: f"{_takers('max_in_flight')} only: per-rank limit on in-flight activations "
                                       "(null: 1F1B's, virtual x (P - r))",
     "parallel.data": "data-parallel replicas (null: world size / (pipeline x tensor); 1 when spawning locally)",
+    "parallel.sequence_parallel": "with parallel.tensor > 1: norms, dropout, residual stream and the activations "
+                                  "sent between stages are each rank's [s/T, b, h] sequence shard (1/T of the bytes)",
     "parallel.tensor": "tensor-parallel ranks per stage (column / row / vocabulary-parallel layers; divides heads, "
                        "query groups, ffn_hidden_size and vocab_size); world = pipeline x data x tensor",
     "parallel.microbatch_group_size_per_vp_stage": lambda: f"{_takers('group_size')} only (null: P); Megatron's "

@@ -24,8 +24,15 @@ stage are consecutive and adjacent stages pair the same tensor-parallel rank):
   to run inside its context, and the schedules run each backward long after the forward, outside it.
 * norms, the position embedding and the residual stream stay replicated plain tensors; their gradients are the
   same on every tensor-parallel rank (their inputs and output gradients are), so no extra reduction is needed.
-  Activations between stages are the replicated ``[s, b, h]`` plain tensors (no sequence parallelism in the
-  trainer: P2P is unchanged).
+  Activations between stages are the replicated ``[s, b, h]`` plain tensors.
+* ``parallel.sequence_parallel`` (Korthikanti et al. 2022, arXiv:2205.05198, section 4.2.2): the residual stream,
+  the block norms and the activations sent between stages are this rank's sequence shard ``[s/T, b, h]`` (dim 0 of
+  pipecast's ``[s, b, h]``).  Norms use torch's ``SequenceParallel(sequence_dim=0)`` (weights ``Replicate``
+  DTensors whose gradients come out ``Partial`` and are all-reduced by :func:`align_grads`), column-parallel
+  inputs ``Shard(0)`` (an all-gather along the sequence), row-parallel outputs ``Shard(0)`` (a reduce-scatter
+  replaces the all-reduce).  The embedding output is cut to the shard after the (replicated) embedding, the final
+  norm's input all-gathered before it; the schedules' P2P shapes are ``[s/T, b, h]`` (the trainer's
+  ``ModelParallelConfig`` carries ``sequence_parallel`` and ``tensor_model_parallel_size``), so 1/T of the bytes.
 
 Gradients of sharded parameters are DTensors; :func:`local` gives the local shard to the flat data-parallel and
 tied-embedding reductions, and :func:`grad_norm_squared` sums local squares with one all-reduce over the
@@ -65,8 +72,8 @@ def _styles():
         """Column-parallel ``[3h, h]`` linear whose ``q``, ``k`` and ``v`` row blocks are each sharded
         (``_StridedShard(0, split_factor=3)``); the output ``[s, b, 3h/T]`` is handed on as the local tensor."""
 
-        def __init__(self):
-            super().__init__(output_layouts=_StridedShard(2, split_factor=3))
+        def __init__(self, **kw):
+            super().__init__(output_layouts=_StridedShard(2, split_factor=3), **kw)
             self.src_data_rank = None
 
         def _partition_linear_fn(self, name, module, device_mesh):
@@ -75,8 +82,8 @@ def _styles():
                 dt = distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=3)], src_data_rank=None)
                 module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
 
-    def col():
-        style = ColwiseParallel()
+    def col(**kw):
+        style = ColwiseParallel(**kw)
         style.src_data_rank = None  # every rank built the same full weights: slice locally, no broadcast
         return style
 
@@ -88,12 +95,41 @@ def _styles():
     return FusedQKVColwise, col, row, Replicate
 
 
-def _block_plan(block: nn.Module) -> dict:
+def _block_plan(block: nn.Module, sequence_parallel: bool = False) -> dict:
+    """The ``parallelize_module`` plan of one block.  With ``sequence_parallel`` (the sequence is dim 0 of
+    ``[s, b, h]``) the norms get ``SequenceParallel(sequence_dim=0)`` (replicated weights, the local shard in,
+    a ``Shard(0)`` DTensor out), the column-parallel inputs are declared ``Shard(0)`` (an all-gather along the
+    sequence) and the row-parallel outputs ``Shard(0)`` (a reduce-scatter instead of the all-reduce), as in
+    torch's tensor-parallel tutorial."""
     fused, col, row, _ = _styles()
+    cin, rout, norms = {}, {}, {}
+    if sequence_parallel:
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import SequenceParallel
+        cin, rout = {"input_layouts": Shard(0)}, {"output_layouts": Shard(0)}
+        names = ("ln1", "ln2") if hasattr(block, "qkv") else ("input_layernorm", "post_attention_layernorm")
+        norms = {n: SequenceParallel(sequence_dim=0) for n in names}
     if hasattr(block, "qkv"):  # gpt2
-        return {"qkv": fused(), "proj": row(), "fc1": col(), "fc2": row()}
-    return {"self_attn.q_proj": col(), "self_attn.k_proj": col(), "self_attn.v_proj": col(),
-            "self_attn.o_proj": row(), "mlp.gate_proj": col(), "mlp.up_proj": col(), "mlp.down_proj": row()}
+        return {**norms, "qkv": fused(**cin), "proj": row(**rout), "fc1": col(**cin), "fc2": row(**rout)}
+    return {**norms, "self_attn.q_proj": col(**cin), "self_attn.k_proj": col(**cin), "self_attn.v_proj": col(**cin),
+            "self_attn.o_proj": row(**rout), "mlp.gate_proj": col(**cin), "mlp.up_proj": col(**cin),
+            "mlp.down_proj": row(**rout)}
+
+
+def _sequence_ends(chunk: nn.Module, tp_mesh) -> None:
+    """Sequence parallelism at a chunk's ends: the embedding's replicated output ``[s, b, h]`` is cut to this
+    rank's shard ``[s/T, b, h]`` (local; the backward all-gathers), and the final norm's input shard is
+    all-gathered to the replicated ``[s, b, h]`` the vocabulary-parallel head and the loss read (its backward
+    keeps this rank's slice of the replicated gradient)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
+    if chunk.embedding is not None:
+        parallelize_module(chunk.embedding, tp_mesh, PrepareModuleOutput(output_layouts=Replicate(),
+                                                                        desired_output_layouts=Shard(0)))
+    if getattr(chunk, "final_norm", None) is not None:
+        parallelize_module(chunk.final_norm, tp_mesh, PrepareModuleInput(input_layouts=Shard(0),
+                                                                        desired_input_layouts=Replicate(),
+                                                                        use_local_output=True))
 
 
 def _shard_rows(embedding: nn.Embedding, mesh) -> None:
@@ -119,10 +155,12 @@ def _clear_dtensor_caches() -> None:
             cache.cache_clear()
 
 
-def parallelize_chunks(chunks, tp_mesh) -> None:
+def parallelize_chunks(chunks, tp_mesh, sequence_parallel: bool = False) -> None:
     """Parallelise this rank's model chunks in place over ``tp_mesh`` (the ``tp`` sub-mesh; local, no collective:
     every rank holds the same full initial weights and keeps its slices).  Keeps the ``shared_embedding`` /
-    ``shared_embedding_copy`` marks and the V placement's one shared tied ``Parameter``."""
+    ``shared_embedding_copy`` marks and the V placement's one shared tied ``Parameter``.  ``sequence_parallel``:
+    blocks and stage boundaries hold the ``[s/T, b, h]`` sequence shard (:func:`_block_plan`,
+    :func:`_sequence_ends`)."""
     from torch.distributed.tensor.parallel import parallelize_module
     _clear_dtensor_caches()
     _, _, row, replicate = _styles()
@@ -135,9 +173,11 @@ def parallelize_chunks(chunks, tp_mesh) -> None:
         marks = {n: (getattr(p, "shared_embedding", False), getattr(p, "shared_embedding_copy", False))
                  for n, p in chunk.named_parameters(remove_duplicate=False)}
         for block in chunk.layers:
-            parallelize_module(block, tp_mesh, _block_plan(block))
+            parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
         if chunk.embedding is not None:
             parallelize_module(chunk.embedding, tp_mesh, {"word": row(input_layouts=replicate())})
+        if sequence_parallel:
+            _sequence_ends(chunk, tp_mesh)
         if shared:  # V placement: the head uses the (now sharded) embedding Parameter itself
             head.word.weight = first.embedding.word.weight
         elif head is not None:
@@ -157,8 +197,9 @@ def vocab_parallel_logits(x: torch.Tensor, weight) -> torch.Tensor:
 
 def align_grads(params) -> None:
     """Give every DTensor parameter's gradient the parameter's placements (autograd may produce another one, e.g.
-    ``Replicate`` for the vocabulary-parallel embedding); local redistributions only (a shard of a replicated
-    tensor), called before any gradient reduction."""
+    ``Replicate`` for the vocabulary-parallel embedding: a local slice; ``Partial`` for a sequence-parallel norm's
+    weight: an all-reduce over the tensor-parallel group, in parameter order on every rank), called before any
+    gradient reduction."""
     from torch.distributed.tensor import DTensor
     for p in params:
         g = p.grad

@@ -183,7 +183,8 @@ class Trainer:
         if self.config.parallel.tensor > 1:
             from ..runtime.process_groups import device_mesh
             from .tensor_parallel import parallelize_chunks
-            parallelize_chunks(self.model, device_mesh(self.pg, self.device.type)["tp"])
+            parallelize_chunks(self.model, device_mesh(self.pg, self.device.type)["tp"],
+                               sequence_parallel=self.config.parallel.sequence_parallel)
 
     @staticmethod
     def _pick_device(config: TrainConfig) -> torch.device:
@@ -206,7 +207,8 @@ class Trainer:
         c, p = self.config, self.config.parallel
         bf16 = c.model.precision == "bf16" and self.device.type == "cuda"
         return ModelParallelConfig(
-            pipeline_model_parallel_size=p.pipeline,
+            pipeline_model_parallel_size=p.pipeline, tensor_model_parallel_size=p.tensor,
+            sequence_parallel=p.sequence_parallel,  # the schedules then send [s / tensor, b, h]
             virtual_pipeline_model_parallel_size=virtual_or_none(p.virtual),
             microbatch_group_size_per_vp_stage=p.microbatch_group_size_per_vp_stage,
             pipeline_dtype=torch.float32, hidden_size=c.model.hidden_size,

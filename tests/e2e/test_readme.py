@@ -75,3 +75,48 @@ def test_api_example_runs_under_torchrun(tmp_path):
     assert "rank 0: []" in out.stdout
     # the two ranks print concurrently, so their lines may interleave: count over the whole output
     assert out.stdout.count("rank 1: [") == 1 and out.stdout.count("lm loss") == 4, out.stdout
+
+
+def _tp_example_reference() -> list[float]:
+    """The example's 4 losses from one process: two unsharded stages with the example's initialisation (seed 0
+    before each stage's layers, so both stages start equal) and its data (drawn after the layers)."""
+    import torch
+    from torch import nn
+
+    def stage():
+        torch.manual_seed(0)
+        return nn.LayerNorm(16), nn.Linear(16, 64), nn.Linear(64, 16)
+
+    stages = [stage(), stage()]
+    data = [(torch.randn(8, 4, 16), torch.randn(8, 4, 16)) for _ in range(4)]
+    losses = []
+    with torch.no_grad():
+        for x, target in data:
+            for norm, up, down in stages:
+                x = x + down(torch.relu(up(norm(x))))
+            losses.append(((x - target) ** 2).mean().item())
+    return losses
+
+
+@pytest.mark.timeout(240)
+def test_tensor_parallel_api_example_runs_under_torchrun():
+    """tests/examples/megatron_tp_example.py (README: pipeline 2 x tensor 2 with sequence_parallel) on 4 ranks:
+    stage 0 sends [s/2, b, h], both tensor-parallel ranks of the last stage report the single-process losses
+    (printed to 4 decimals, compared to 1e-4)."""
+    script = ROOT / "tests" / "examples" / "megatron_tp_example.py"
+    assert script.name in README, "README does not show the tensor-parallel example"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = {int(m.group(1)): m for m in re.finditer(
+        r"rank (\d) \(stage (\d), tp (\d)\): activation messages \[(.*?)\], losses \[(.*?)\]", out.stdout)}
+    assert sorted(lines) == [0, 1, 2, 3], out.stdout
+    want = _tp_example_reference()
+    for rank, m in lines.items():
+        if rank < 2:
+            assert m.group(4) == "(4, 4, 16)" and m.group(5) == "", m.group(0)
+        else:
+            got = [float(v) for v in m.group(5).split(", ")]
+            assert got == pytest.approx(want, abs=1e-4), (m.group(0), want)

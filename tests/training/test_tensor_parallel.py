@@ -1,8 +1,10 @@
 """``parallel.tensor: 2`` against the single-process trainer: losses and full gradients, both model families.
 
 One spawned 4-rank gloo job runs every layout of :data:`LAYOUTS` (tp2 at pp1 = tp2 x dp2; pp2 x tp2 under 1F1B and
-interleaved 1F1B; the llama family with grouped-query attention under pp2 x tp2; split backward: gpt2 under ZB-V,
-llama under ZB-H1, their B and W passes' collectives counted, :data:`SPLIT`) for :data:`STEPS` steps
+interleaved 1F1B; the llama family with grouped-query attention under pp2 x tp2; both families with
+``parallel.sequence_parallel`` under pp2 x tp2, whose P2P messages are also counted, and gpt2 with it at tp2 x dp2;
+split backward: gpt2 under ZB-V, llama under ZB-H1, their B and W passes' collectives counted, :data:`SPLIT`) for
+:data:`STEPS` steps
 with grad clipping on (so the tensor-parallel grad norm is exercised); before every optimizer step each rank gathers
 every gradient to its full tensor (``DTensor.full_tensor``) under the canonical (layout-free) names.  The reference
 is the pp1 x tp1 trainer in this process on the same global batch.
@@ -36,6 +38,9 @@ LAYOUTS = {  # name -> (model, parallel overrides); every layout runs on 4 ranks
     "llama_pp2_tp2_1f1b": (LLAMA, dict(pipeline=2, tensor=2)),
     "pp2_tp2_zbv": (GPT, dict(pipeline=2, virtual=2, tensor=2, schedule="zbv")),
     "llama_pp2_tp2_zb_h1": (LLAMA, dict(pipeline=2, tensor=2, schedule="zb_h1")),
+    "tp2_pp1_sp": (GPT, dict(pipeline=1, tensor=2, sequence_parallel=True)),  # dp 2: overlapped grad reduce
+    "pp2_tp2_sp_1f1b": (GPT, dict(pipeline=2, tensor=2, sequence_parallel=True)),
+    "llama_pp2_tp2_sp_1f1b": (LLAMA, dict(pipeline=2, tensor=2, sequence_parallel=True)),
 }
 SPLIT = ("pp2_tp2_zbv", "llama_pp2_tp2_zb_h1")  # split backward: the B and W passes' collectives are counted
 GLOBAL_MICROBATCHES = 4
@@ -52,22 +57,30 @@ def overrides(model: dict, parallel: dict, run_dir, world: int = 4) -> dict:
 
 
 def _full(t):
+    """The full gradient; a DTensor still ``Partial`` (a reduction the trainer missed, e.g. of a sequence-parallel
+    norm) is returned as this rank's unreduced local part, so the comparison catches it."""
     from torch.distributed.tensor import DTensor
-    t = t.full_tensor() if isinstance(t, DTensor) else t
+    if isinstance(t, DTensor):
+        t = t.to_local() if any(p.is_partial() for p in t.placements) else t.full_tensor()
     return t.detach().cpu().numpy().copy()
 
 
 def train(model: dict, parallel: dict, run_dir, world: int = 4) -> dict:
-    """Losses, grad norms and full gradients (per step, canonical names) of one layout on this rank."""
+    """Losses, grad norms and full gradients (per step, canonical names) of one layout on this rank, and the
+    activation messages it sent (``act_bytes``; ``shapes``: of every activation / gradient message posted)."""
     from engine import Trainer
+    from engine.runtime.p2p import TAG_ACT, TAG_GRAD, activation_bytes, record_messages
     config = load_config(None, overrides(model, parallel, run_dir, world))
     grads: list = []
     with Trainer(config) as trainer:
         def hook(optimizer, args, kwargs):  # collective over tp (full_tensor), same order on every rank
             grads.append({n: _full(p.grad) for n, p in trainer.canonical.named_parameters()})
         trainer.optimizer.register_step_pre_hook(hook)
-        metrics = [trainer.train_step() for _ in range(STEPS)]
-    return {"loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics], "grads": grads}
+        with record_messages() as records:
+            metrics = [trainer.train_step() for _ in range(STEPS)]
+    return {"loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics], "grads": grads,
+            "act_bytes": activation_bytes(records),
+            "shapes": sorted({r.shape for r in records if r.tag in (TAG_ACT, TAG_GRAD)})}
 
 
 def resume_and_step(model: dict, parallel: dict, run_dir, checkpoint, world: int = 4,
@@ -202,6 +215,23 @@ def test_zb_h1_gives_the_1f1b_gradients_bitwise(runs):
                 assert (got[n] == want[n]).all(), f"rank {rank} step {step} {n}"
 
 
+@pytest.mark.timeout(170)
+def test_sequence_parallel_sends_one_over_t_of_the_bytes(runs):
+    """pp2 x tp2: with sequence_parallel the stage boundary carries [s/2, b, h] (half the activation bytes of
+    the replicated [s, b, h] that tp2 without it, and tp1, send); first-stage ranks send, the others do not."""
+    s, b, h = GPT["seq_length"], 2, GPT["hidden_size"]
+    full = STEPS * GLOBAL_MICROBATCHES * s * b * h * 4  # fp32 bytes of the activations stage 0 sends (dp = 1)
+    for rank, result in enumerate(runs["ranks"]):
+        first = rank < 2  # Megatron's rank order: tensor-parallel ranks of a stage are consecutive
+        for name in ("pp2_tp2_1f1b", "llama_pp2_tp2_1f1b"):
+            plain, sp = result[name], result[name.replace("tp2_", "tp2_sp_")]
+            assert plain["shapes"] == [(s, b, h)] and sp["shapes"] == [(s // 2, b, h)], (name, rank)
+            assert plain["act_bytes"] == (full if first else 0), (name, rank, plain["act_bytes"])
+            assert 2 * sp["act_bytes"] == plain["act_bytes"], (name, rank, sp["act_bytes"])
+    print(f"activation bytes sent per first-stage rank over {STEPS} steps: tp2 {full}, tp2 + sequence_parallel "
+          f"{full // 2}")
+
+
 BAD = [  # (overrides, words the message must contain)
     ({"model.num_attention_heads": 2, "model.hidden_size": 18, "parallel.tensor": 4}, ["parallel.tensor=4",
                                                                                        "model.num_attention_heads=2"]),
@@ -211,6 +241,9 @@ BAD = [  # (overrides, words the message must contain)
      ["model.num_query_groups=1"]),
     ({"parallel.tensor": 2, "cuda_graphs.enabled": True}, ["cuda_graphs.enabled"]),
     ({"parallel.tensor": 0}, ["parallel.tensor=0"]),
+    ({"parallel.sequence_parallel": True}, ["parallel.sequence_parallel=true", "parallel.tensor=1"]),
+    ({"parallel.sequence_parallel": True, "parallel.tensor": 4, "model.seq_length": 6},
+     ["parallel.sequence_parallel=true", "model.seq_length=6"]),
 ]
 
 
