@@ -130,8 +130,9 @@ class ParallelConfig:
     deallocate_pipeline_outputs: bool = True
     overlap_grad_reduce: bool = True  # start each chunk's data-parallel all-reduce when its last backward ends
     # none: every data-parallel replica holds all optimizer state; optimizer: ZeRO-1 (engine.training.sharding:
-    # gradients reduce-scattered, AdamW state 1/dp per rank, parameters all-gathered after the step; a no-op at
-    # data = 1); full (FSDP2) is refused for now
+    # gradients reduce-scattered, AdamW state 1/dp per rank, parameters all-gathered after the step); full: FSDP2
+    # (engine.training.fsdp: fully_shard per model chunk, parameters / gradients / AdamW state 1/dp per rank between
+    # steps, gathered for the step, one reduce-scatter per chunk after its last W); both run as none at data = 1
     shard: Literal["none", "optimizer", "full"] = "none"
 
 

@@ -35,6 +35,7 @@ with tied embeddings (its first and last stage share one ``Parameter`` across tw
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Sequence
 
 import torch
@@ -75,8 +76,13 @@ def shard_chunks(chunks: Sequence[nn.Module], dp_mesh) -> None:
         ids = {id(p) for p in chunk.parameters()}
         if ids & seen:
             raise ConfigError("parallel.shard=full: two model chunks of this rank share a parameter (V placement with "
-                             "tied embeddings); fully_shard units cannot share parameters")
+                              "model.tie_embeddings=true); fully_shard units cannot share parameters -- use a looped "
+                              "schedule (1f1b, interleaved, zb_h1), model.tie_embeddings=false or "
+                              "parallel.shard=optimizer")
         seen |= ids
+    # the last stage returns its per-token losses [b, s] as a transposed view; the loss function only reads it
+    # (out of place), so FSDP's warning about in-place ops on a returned view does not apply
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
     for chunk in chunks:
         marks = {n: (getattr(p, "shared_embedding", False), getattr(p, "shared_embedding_copy", False))
                  for n, p in chunk.named_parameters()}
@@ -111,7 +117,6 @@ class FSDPGradSync(GradSync):
 
     def __init__(self, chunks: Sequence[nn.Module], pg: ProcessGroupCollection, tracer=None):
         super().__init__(chunks, pg, overlap=False, tracer=tracer, tied_on_one_rank=False)
-        self.reduced = 0  # chunks reduce-scattered by the last finalize (a check for tests)
 
     def finalize_model_grads(self, model_chunks=None, num_tokens=None, pg_collection=None,
                              force_all_reduce: bool = False) -> None:
@@ -120,7 +125,6 @@ class FSDPGradSync(GradSync):
         after every backward (B and W) of the step ran."""
         span = self.tracer.span("sync", "finalize grads") if self.tracer else contextlib.nullcontext()
         with span:
-            self.reduced = 0
             for chunk in self.chunks:
                 _accumulate_mode(chunk, False)
                 state, groups = _param_groups(chunk)
@@ -128,7 +132,6 @@ class FSDPGradSync(GradSync):
                     group.post_backward()
                 state._root_post_backward_final_callback()  # FSDP's end-of-backward bookkeeping (waits, idle)
                 _accumulate_mode(chunk, True)
-                self.reduced += 1
             sum_tied_grads(self.tied, self.pg)
 
 

@@ -37,7 +37,10 @@ def overrides(run_dir: str, pipeline: int, data: int, **parallel) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def _run(config, steps: int, load=None, save_at=None) -> dict:
+def _run(config, steps: int, load=None, save_at=None, evaluate=False) -> dict:
+    """Train to ``steps`` (optionally resuming from ``load``, saving at ``save_at``, evaluating once mid-run)."""
+    from torch.distributed.tensor import DTensor
+
     from engine import Trainer
     from engine.training.fsdp import full_parameters
     with Trainer(config) as trainer:
@@ -50,6 +53,9 @@ def _run(config, steps: int, load=None, save_at=None) -> dict:
             out["norms"].append(m["grad_norm"])
             if save_at == trainer.step:
                 out["saved"] = str(trainer.save())
+            if evaluate and trainer.step == 1:  # forward-only: shard full must reshard after it
+                out["val_loss"] = trainer.evaluate()
+                out["sharded_after_eval"] = [isinstance(p, DTensor) for p in trainer.canonical.parameters()]
         out["params"] = {n: p.numpy().copy() for n, p in full_parameters(trainer.canonical).items()}
         out["state_bytes"] = trainer.optimizer.state_bytes() if trainer.sharded else _local_bytes(
             t for s in trainer.optimizer.state.values() for t in s.values())
@@ -67,7 +73,7 @@ def _local_bytes(tensors) -> int:
 def _job(rank: int, world: int, run_dir: str, pp1_checkpoint: str) -> dict:
     def config(shard, case, **parallel):
         return load_config(None, overrides(f"{run_dir}/{shard}_{case}", 2, 2, shard=shard, **parallel))
-    out = {shard: {"1f1b": _run(config(shard, "1f1b"), STEPS, save_at=CUT),
+    out = {shard: {"1f1b": _run(config(shard, "1f1b"), STEPS, save_at=CUT, evaluate=True),
                    "zb_h1": _run(config(shard, "zb_h1", schedule="zb_h1"), STEPS),
                    "from_pp1": _run(config(shard, "from_pp1"), STEPS, load=pp1_checkpoint)}
            for shard in ("optimizer", "full")}
@@ -79,7 +85,7 @@ def _job(rank: int, world: int, run_dir: str, pp1_checkpoint: str) -> dict:
 def runs(tmp_path_factory):
     """The pp1 reference and the 4-rank job's per-rank results (one spawn for the module)."""
     tmp = tmp_path_factory.mktemp("sharding")
-    pp1 = _run(load_config(None, overrides(str(tmp / "pp1"), 1, 1)), STEPS, save_at=CUT)
+    pp1 = _run(load_config(None, overrides(str(tmp / "pp1"), 1, 1)), STEPS, save_at=CUT, evaluate=True)
     return tmp, pp1, run_ranks(_job, 4, str(tmp), pp1["saved"], timeout=200)
 
 
@@ -104,6 +110,7 @@ def _check_against_pp1(results: list, pp1: dict, shard: str, cases) -> None:
             worst = max(abs(x - y) for x, y in zip(loss_rank[key], pp1[key][-len(loss_rank[key]):]))
             print(f"{shard} {case}: {key} max |diff| = {worst:.2e}")
             assert worst < TOL, (shard, case, key)
+    assert abs(results[2][shard]["1f1b"]["val_loss"] - pp1["val_loss"]) < TOL  # evaluation mid-run
     for a, b in ((0, 1), (2, 3)):  # data-parallel replicas hold the same full weights after the step
         for name, value in results[a][shard]["1f1b"]["params"].items():
             assert (value == results[b][shard]["1f1b"]["params"][name]).all(), name
@@ -134,12 +141,21 @@ def test_fsdp_matches_pp1_split_backward_included_and_resumes_across_layouts(run
     parameters and of their AdamW moments; the checkpoint resumes at pp1, shard none."""
     tmp, pp1, results = runs
     _check_against_pp1(results, pp1, "full", ("1f1b", "zb_h1", "interleaved", "from_pp1"))
+    assert all(all(r["full"]["1f1b"]["sharded_after_eval"]) for r in results)  # resharded after the forward-only run
     for rank in range(4):
         r = results[rank]["full"]["1f1b"]
         full = r["full_param_bytes"]  # this pipeline rank's parameters, unsharded
         assert full / 2 <= r["param_bytes"] < 0.55 * full, rank  # dim-0 rows split in two (torch.chunk)
         assert full <= r["state_bytes"] < 1.1 * full, rank  # two moments of half the parameters, plus steps
     _check_resume_at_pp1(tmp, results, pp1, "full")
+    # `pipecast export` of the step-2 checkpoint writes the unsharded model: pp1's step-2 weights
+    from engine.training.export import export_checkpoint, load_exported
+    exported = {}
+    for name, path in (("full", results[0]["full"]["1f1b"]["saved"]), ("pp1", pp1["saved"])):
+        export_checkpoint(path, tmp / f"export_{name}.safetensors")
+        exported[name] = {k: v.numpy() for k, v in load_exported(tmp / f"export_{name}.safetensors")[0].items()}
+    assert set(exported["full"]) == set(exported["pp1"])
+    assert _close(exported["full"], exported["pp1"]) < TOL
 
 
 def test_shard_refusals_before_any_process_group():
@@ -156,5 +172,13 @@ def test_shard_refusals_before_any_process_group():
         validate(load_config(None, ["parallel.shard=full", "parallel.schedule=zbv", "parallel.virtual=2",
                                     "model.num_layers=4", "parallel.pipeline=2", "parallel.data=2"]))
     validate(load_config(None, ["parallel.shard=full", *base]))  # accepted
+    validate(load_config(None, ["parallel.shard=full"]))  # data = 1: runs as none (test_fsdp_at_data_1_runs_as_none)
     validate(load_config(None, ["parallel.shard=full", "parallel.schedule=zbv", "parallel.virtual=2",
                                 "model.tie_embeddings=false", "model.num_layers=4", "parallel.pipeline=2"]))
+
+
+def test_fsdp_at_data_1_runs_as_none(runs):
+    """``shard: full`` with ``parallel.data=1``: one shard is the whole model, the run is ``shard: none``'s."""
+    tmp, pp1, _ = runs
+    out = _run(load_config(None, overrides(str(tmp / "full_dp1"), 1, 1, shard="full")), STEPS)
+    assert out["losses"] == pp1["losses"] and _close(out["params"], pp1["params"]) == 0.0
