@@ -83,10 +83,11 @@ def _job(rank: int, world: int, run_dir: str, pp1_checkpoint: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The pp1 reference and the 4-rank job's per-rank results (one spawn for the module)."""
+    """The pp1 reference and the 4-rank job's per-rank results (one spawn for the module; its hang guard, 300 s,
+    stays below the tests' 400 s timeout, which also covers this setup)."""
     tmp = tmp_path_factory.mktemp("sharding")
     pp1 = _run(load_config(None, overrides(str(tmp / "pp1"), 1, 1)), STEPS, save_at=CUT, evaluate=True)
-    return tmp, pp1, run_ranks(_job, 4, str(tmp), pp1["saved"], timeout=200)
+    return tmp, pp1, run_ranks(_job, 4, str(tmp), pp1["saved"], timeout=300)
 
 
 def _close(a: dict, b: dict) -> float:
@@ -125,6 +126,7 @@ def _check_resume_at_pp1(tmp, results: list, pp1: dict, shard: str) -> None:
     assert _close(resumed["params"], pp1["params"]) < TOL
 
 
+@pytest.mark.timeout(400)  # the first test to run also spawns the module's 4-rank job
 def test_zero1_matches_pp1_and_resumes_across_layouts(runs):
     tmp, pp1, results = runs
     _check_against_pp1(results, pp1, "optimizer", ("1f1b", "zb_h1", "from_pp1"))
@@ -135,6 +137,7 @@ def test_zero1_matches_pp1_and_resumes_across_layouts(runs):
     _check_resume_at_pp1(tmp, results, pp1, "optimizer")
 
 
+@pytest.mark.timeout(400)  # the first test to run also spawns the module's 4-rank job
 def test_fsdp_matches_pp1_split_backward_included_and_resumes_across_layouts(runs):
     """``shard: full``: 1F1B, ZB-H1 (W passes after FSDP's own post-backward point: the reduce-scatter must wait
     for them), interleaved and a resume from pp1 give pp1's losses, norms and weights; each rank holds half of its
@@ -177,6 +180,7 @@ def test_shard_refusals_before_any_process_group():
                                 "model.tie_embeddings=false", "model.num_layers=4", "parallel.pipeline=2"]))
 
 
+@pytest.mark.timeout(400)  # the first test to run also spawns the module's 4-rank job
 def test_fsdp_at_data_1_runs_as_none(runs):
     """``shard: full`` with ``parallel.data=1``: one shard is the whole model, the run is ``shard: none``'s."""
     tmp, pp1, _ = runs
