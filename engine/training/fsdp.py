@@ -28,9 +28,10 @@ Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel" 
   slices the loaded full tensors back (:func:`engine.training.tensor_parallel.full_state` / ``reshard_like``), so a
   ``shard: full`` checkpoint resumes at any pipeline / data / shard layout and back; ``pipecast export`` reads it.
 
-Not supported (refused by ``engine.training.config``): ``parallel.tensor > 1``, CUDA graphs, and a V placement
-with tied embeddings (its first and last stage share one ``Parameter`` across two chunks, which two
-``fully_shard`` units cannot share).
+With ``parallel.data = 1`` the trainer runs ``shard: full`` as ``none`` (one shard is the whole model).  Not
+supported (refused by ``engine.training.config``): ``parallel.tensor > 1``, CUDA graphs, and a V placement with tied
+embeddings (its first and last stage share one ``Parameter`` across two chunks, which two ``fully_shard`` units
+cannot share).  Checked on CPU / gloo against a single-process run (``tests/training/test_sharding.py``).
 """
 from __future__ import annotations
 
