@@ -17,7 +17,9 @@ Two mechanisms (``mode``):
     ``F.linear(x, embedding.weight)`` head -- runs behind a bridge node.  ``F.linear`` on a contiguous ``[n, in]`` /
     ``[s, b, in]`` input (with bias for 3-D; no autocast) uses autograd's own formulas written out (B: ``grad @ W``;
     W: ``grad^T @ x`` and ``grad.sum(0)``); every other deferred op runs as its own small autograd graph, B taking
-    the op's input gradient from it and W the rest.  Everything else backpropagates in B as in
+    the op's input gradient from it and W the rest.  DTensor linears (``torch.distributed.tensor.parallel``
+    column- / row-parallel layouts on a 1-D mesh, 3-D input with or without bias) take the written-out formulas
+    too: B with DTensor ops, W on the local shards (:func:`_linear_weight_grads`), so W issues no collective.  Everything else backpropagates in B as in
     :func:`~engine.runtime.step.backward_step` (B *is* ``backward_step``, with the recorder on); W backpropagates
     the microbatch's records in few autograd calls restricted to the parameters.  Held until W: per deferred op
     its output gradient and the tensors its backward saved (the op's input; for layer norm also mean and rstd),
@@ -104,7 +106,8 @@ def _recording(records: Optional[list]):
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
-    storage = t.untyped_storage()
+    to_local = getattr(t, "to_local", None)  # a DTensor: its local shard's storage
+    storage = (to_local() if to_local is not None else t).untyped_storage()
     return storage.data_ptr(), storage.nbytes()
 
 
@@ -194,7 +197,7 @@ class _LinearBridge(torch.autograd.Function):
         grad_in = g2d.mm(weight)
         records = _recorder
         pairs = lambda: [(get_gradient_edge(p), g) for p, g in  # noqa: E731
-                         ((weight, g2d.t().mm(x2d)), (bias, None if bias is None else g2d.sum(0)))
+                         zip((weight, bias), _linear_weight_grads(x2d, g2d, weight, bias))
                          if p is not None and p.requires_grad]
         params = tuple(p for p in (weight, bias) if p is not None and p.requires_grad)
         record = _Record(pairs, params, (_storage_key(x), _storage_key(g2d)))
@@ -205,15 +208,65 @@ class _LinearBridge(torch.autograd.Function):
         return grad_in.view(x.shape) if x.dim() == 3 else grad_in, None
 
 
+def _linear_weight_grads(x2d, g2d, weight, bias) -> tuple:
+    """``(grad_W, grad_b)`` of ``F.linear`` from its input ``x2d`` ``[n, in]`` and output gradient ``g2d``
+    ``[n, out]``: ``g2d^T @ x2d`` and ``g2d.sum(0)`` (``grad_b`` None without a bias).  For DTensor operands in a
+    tensor-parallel layout (:func:`_local_linear_layout`) the same formulas run on the local shards, wrapped back
+    with the parameters' placements: no collective (a DTensor op could redistribute, and W would then
+    communicate)."""
+    if _local_linear_layout(x2d, g2d, weight, bias):
+        from torch.distributed.tensor import DTensor
+        gl, xl = g2d.to_local(), x2d.to_local()
+        wrap = lambda t, p: DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,  # noqa: E731
+                                               shape=p.shape, stride=p.stride())
+        return wrap(gl.t().mm(xl), weight), None if bias is None else wrap(gl.sum(0), bias)
+    return g2d.t().mm(x2d), None if bias is None else g2d.sum(0)
+
+
+def _local_linear_layout(x2d, g2d, weight, bias) -> bool:
+    """Whether ``F.linear``'s weight gradients are the local formulas on the local shards: all DTensors on one
+    1-D mesh, and either column-parallel (``x`` ``Replicate``, ``W`` sharded on rows -- ``Shard(0)`` or
+    ``_StridedShard(0)`` --, ``g`` sharded on its last dimension the same way, a bias sharded like ``W``) or
+    row-parallel (``x`` ``Shard(1)``, ``W`` ``Shard(1)``, ``g`` and a bias ``Replicate``): then each rank's
+    ``g_local^T @ x_local`` is its shard of ``g^T @ x`` (Shoeybi et al. 2019, arXiv:1909.08053, section 3)."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # torch without distributed
+        return False
+    if not all(isinstance(t, DTensor) for t in (x2d, g2d, weight)) or (bias is not None and not isinstance(bias,
+                                                                                                         DTensor)):
+        return False
+    if weight.device_mesh.ndim != 1 or any(t.device_mesh != weight.device_mesh for t in (x2d, g2d)):
+        return False
+    (px,), (pg,), (pw,) = x2d.placements, g2d.placements, weight.placements
+    pb = None if bias is None else bias.placements[0]
+    sharded = lambda p, d: isinstance(p, (Shard, _StridedShard)) and p.dim == d  # noqa: E731
+    same = lambda p, q: type(p) is type(q) and getattr(p, "split_factor", 1) == getattr(q, "split_factor", 1)  # noqa: E731
+    if isinstance(px, Replicate) and sharded(pw, 0) and sharded(pg, 1) and same(pw, pg):
+        return pb is None or (sharded(pb, 0) and same(pb, pw))
+    if sharded(px, 1) and isinstance(px, Shard) and pw == Shard(1) and isinstance(pg, Replicate):
+        return pb is None or isinstance(pb, Replicate)
+    return False
+
+
 def _fast_linear(input, weight, bias) -> bool:
     """The cases where :class:`_LinearBridge`'s formulas are autograd's for ``F.linear``: row-major operands with
     exactly row-major strides (autograd's ``mm`` backward picks its formula by the strides, and a size-1 dimension
-    can carry any stride), no autocast, one dtype, ``in_features > 1``; others take the generic bridge."""
+    can carry any stride), no autocast, one dtype, ``in_features > 1``; others take the generic bridge.  A 3-D
+    input without a bias (plain ``F.linear`` runs ``matmul`` there, whose backward is not these kernels) is taken
+    only for a DTensor weight (tensor parallelism), so that W runs on local shards (:func:`_linear_weight_grads`);
+    its gradients then equal the unsplit ones up to rounding, not bitwise."""
     return (input.requires_grad and input.dim() in (2, 3) and input.is_contiguous() and weight.dim() == 2
             and weight.stride() == (weight.shape[1], 1) and weight.shape[1] > 1 and input.dtype == weight.dtype
             and (input.dim() == 3 or input.stride() == (input.shape[1], 1))
             and (bias is None or (bias.dim() == 1 and bias.dtype == weight.dtype))
-            and (input.dim() == 2 or bias is not None) and not torch.is_autocast_enabled(input.device.type))
+            and (input.dim() == 2 or bias is not None or _is_dtensor(weight))
+            and not torch.is_autocast_enabled(input.device.type))
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
 def _leaves(*tensors) -> Optional[tuple]:

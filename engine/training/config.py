@@ -816,7 +816,8 @@ def validate_tensor_parallel(config: TrainConfig) -> None:
     Raises:
         ConfigError: ``T`` not dividing ``model.num_attention_heads``, ``model.num_query_groups`` (llama),
             ``model.ffn_hidden_size`` or ``model.vocab_size``; ``T > 1`` with ``cuda_graphs.enabled`` or
-            ``model.transformer_engine``.
+            ``model.transformer_engine``.  Split-backward schedules (``zb_h1``, ``zbv``, ``dualpipev``) are
+            accepted: their W passes issue no tensor-parallel collective (:mod:`engine.training.tensor_parallel`).
     """
     m, t = config.model, config.parallel.tensor
     if isinstance(t, bool) or not isinstance(t, int) or t < 1:
@@ -833,11 +834,6 @@ def validate_tensor_parallel(config: TrainConfig) -> None:
                    f"choose parallel.tensor dividing {value}")
             raise ConfigError(f"parallel.tensor={t} does not divide {where}={value}: each tensor-parallel rank holds "
                               f"{where.split('.')[1]} / parallel.tensor of it; {fix}")
-    if config.parallel.schedule != "tuned" and get_schedule(config.schedule_name).splits_backward:
-        raise ConfigError(f"parallel.tensor={t} with parallel.schedule={config.parallel.schedule} (split backward): "
-                          "the split backward's W passes do not yet keep the tensor-parallel collectives of the two "
-                          "ranks in one order; use a schedule without split backward (1f1b, interleaved) or "
-                          "parallel.tensor=1")
     if config.cuda_graphs.enabled:
         raise ConfigError(f"parallel.tensor={t} with cuda_graphs.enabled=true: pipecast's capture records plain "
                           "tensors per layer and has no DTensor support; set cuda_graphs.enabled=false or "

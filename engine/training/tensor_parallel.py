@@ -31,10 +31,18 @@ Gradients of sharded parameters are DTensors; :func:`local` gives the local shar
 tied-embedding reductions, and :func:`grad_norm_squared` sums local squares with one all-reduce over the
 tensor-parallel group (replicated parameters counted once).
 
-Split backward (``zb_h1``, ``zbv``, any schedule with B / W passes) is refused with ``parallel.tensor > 1``: the
-generic split (the mechanism ``"auto"`` picks for DTensor layers, whose weights the layer-level deferral does not
-take) re-runs weight edges in W, and the tensor-parallel collectives inside them did not stay in one order on
-the two ranks (measured: a hang), so the refusal names ``parallel.schedule``.
+Split backward (``zb_h1``, ``zbv``, ``dualpipev``, any schedule with B / W passes) runs the layer-level deferral of
+:mod:`engine.runtime.split_backward` (``"auto"`` picks it: every parameter sits in a deferred op).  Its linear bridge
+takes the DTensor projections and heads: B computes the input gradient with DTensor ops (``grad @ W``, then the
+input hooks' all-reduces: *every* tensor-parallel collective of the backward runs in B), W computes
+``grad^T @ x`` and ``grad.sum(0)`` on the local shards (``to_local``; column-parallel: ``x`` replicated, the
+gradient's and ``W``'s rows sharded alike; row-parallel: ``x`` and ``W`` sharded on ``in``, the gradient and
+bias replicated) and wraps them with the parameters' placements -- no collective in W
+(tests/training/test_tensor_parallel.py counts them).  The vocabulary-parallel embedding runs behind the
+deferral's generic bridge: its W is the DTensor embedding backward (a replicated ``[V, h]`` gradient, local).
+Held from B to W, per linear: the input (column-parallel: the replicated ``[s, b, h]``; row-parallel: the
+``[s, b, in/T]`` shard) and the output gradient (``[s, b, out/T]`` / the replicated ``[s, b, h]``); per norm and
+embedding as at ``T = 1``.  Each W runs in the plan's order, the same on every tensor-parallel rank of a stage.
 """
 from __future__ import annotations
 
