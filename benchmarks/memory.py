@@ -26,11 +26,10 @@ Measured inside the ranks, without touching the engine:
 * **Sharded data parallelism** (``--sharding``, issue 25).  A pp2 x dp2 trainer on 4 CPU ranks per
   ``parallel.shard`` value: per rank the bytes of parameters, gradients (the full ``.grad`` tensors, plus the
   reduce-scattered shard ``optimizer`` holds until the step) and AdamW state, against the theory (state of
-  ``optimizer`` = state of ``none`` / dp, within one shard's padding), and the median step time.  ``full`` is
-  refused by the config (not built yet); the tensor-parallel sizes T are the hook :data:`TENSOR` (T = 1 only
-  until ``parallel.tensor`` exists).
-
-    python benchmarks/memory.py            # pp=2 and pp=4, 1F1B, interleaved, ZB-H1, ZB-V (about two minutes)
+  ``optimizer`` = state of ``none`` / dp, within one shard's padding; ``full`` (FSDP2): parameters, gradients and
+  state each = ``none`` / dp, within one dim-0 row per parameter -- measured between steps, the parameters of a
+  chunk are gathered whole during a step), and the median step time.  The tensor-parallel sizes T are the hook
+  :data:`TENSOR`.
 * **Tensor parallelism** (``--tensor``).  A pp2 trainer (data 1) at ``parallel.tensor`` T = 1 (2 ranks), T = 2
   (4 ranks) and T = 2 with ``parallel.sequence_parallel``: per rank the local bytes of parameters, gradients and
   AdamW state (DTensors counted by their local shard), against the theory ``1/T`` of T = 1 and against the exact
@@ -38,7 +37,7 @@ Measured inside the ranks, without touching the engine:
   (every rank holds them whole), so the measured ratio is slightly above ``1/T``.
 
     python benchmarks/memory.py            # pp=2 and pp=4, 1F1B, interleaved, ZB-H1, ZB-V (about two minutes)
-    python benchmarks/memory.py --sharding # pp2 x dp2, shard none / optimizer (about a minute)
+    python benchmarks/memory.py --sharding # pp2 x dp2, shard none / optimizer / full (about two minutes)
     python benchmarks/memory.py --tensor   # pp2 x tp1 / tp2 / tp2 + sequence_parallel, bytes per rank
 """
 from __future__ import annotations
@@ -200,8 +199,8 @@ def live_saved(plan) -> list[int]:
     return out
 
 
-SHARDS = ("none", "optimizer")  # parallel.shard values measured ("full": refused by the config for now)
-TENSOR = (1,)  # tensor-parallel sizes T; add 2 here (parallel.tensor) once tensor parallelism is in the trainer
+SHARDS = ("none", "optimizer", "full")  # parallel.shard values measured
+TENSOR = (1,)  # T of --sharding: shard optimizer / full with parallel.tensor > 1 is refused (T = 2: --tensor)
 SHARD_STEPS = 6
 
 
@@ -216,7 +215,9 @@ def _shard_overrides(shard: str, run_dir: str) -> list[str]:
 
 
 def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+    """Bytes this rank holds (a DTensor -- ``shard: full`` -- counts its local shard)."""
+    from engine.training.tensor_parallel import local
+    return sum(local(t).numel() * local(t).element_size() for t in tensors if torch.is_tensor(t))
 
 
 def shard_job(rank: int, world: int, shard: str, run_dir: str) -> dict:
@@ -233,9 +234,26 @@ def shard_job(rank: int, world: int, shard: str, run_dir: str) -> dict:
         else:
             state = _nbytes(t for st in tr.optimizer.state.values() for t in st.values())
             grad_shard = padding = 0
+            if tr.fully_sharded:  # slack of torch.chunk's dim-0 split: one row per parameter
+                padding = sum(p.numel() // max(p.shape[0], 1) * 4 for p in params)
         return {"rank": rank, "pp_rank": tr.pp_rank, "dp_rank": tr.dp_rank, "param_bytes": _nbytes(params),
                 "grad_bytes": _nbytes(p.grad for p in params), "grad_shard_bytes": grad_shard,
                 "state_bytes": state, "padding_bytes": padding, "step_time_s": times[1:]}
+
+
+def _shard_row(t: int, shard: str, r: dict, base: dict, step_time: float) -> dict:
+    """One table row: ``r`` (a rank's bytes) against the theory from ``base`` (the same rank under ``none``)."""
+    dp = 2
+    expect = base["state_bytes"] / dp if shard != "none" else base["state_bytes"]
+    slack = 2 * r["padding_bytes"] + 4 * 64  # padding of one shard / row per parameter (two moments) + steps
+    within = abs(r["state_bytes"] - expect) <= slack
+    if shard == "full":  # parameters and gradients sharded too
+        within = within and all(abs(r[k] - base[k] / dp) <= r["padding_bytes"] for k in ("param_bytes", "grad_bytes"))
+    return {"T": t, "shard": shard, **{k: v for k, v in r.items() if k != "step_time_s"},
+            "state_theory_bytes": expect, "state_ratio_to_none": r["state_bytes"] / base["state_bytes"],
+            "param_ratio_to_none": r["param_bytes"] / base["param_bytes"],
+            "grad_ratio_to_none": r["grad_bytes"] / base["grad_bytes"], "within_theory": within,
+            "step_time_s": step_time}
 
 
 def sharding_main(out: str | None) -> int:
@@ -248,23 +266,24 @@ def sharding_main(out: str | None) -> int:
     for t in TENSOR:
         for shard in SHARDS:
             for r, base in zip(measured[shard], measured["none"]):
-                expect = base["state_bytes"] / 2 if shard == "optimizer" else base["state_bytes"]
-                slack = 2 * r["padding_bytes"] + 4 * 64  # padding of one shard (two moments) + per-piece steps
-                rows.append({"T": t, "shard": shard, **{k: v for k, v in r.items() if k != "step_time_s"},
-                             "state_theory_bytes": expect, "state_ratio_to_none": r["state_bytes"] / base["state_bytes"],
-                             "within_theory": abs(r["state_bytes"] - expect) <= slack,
-                             "step_time_s": statistics.median(r["step_time_s"])})
+                rows.append(_shard_row(t, shard, r, base, statistics.median(r["step_time_s"])))
     print(f"{'T':>2} {'shard':>9} {'rank':>4} {'params B':>9} {'grads B':>9} {'grad shard B':>12} {'state B':>9} "
-          f"{'theory B':>9} {'ratio':>6} {'step s':>7}")
+          f"{'theory B':>9} {'ratio':>6} {'p ratio':>7} {'step s':>7}")
     for r in rows:
         print(f"{r['T']:>2} {r['shard']:>9} {r['rank']:>4} {r['param_bytes']:>9} {r['grad_bytes']:>9} "
               f"{r['grad_shard_bytes']:>12} {r['state_bytes']:>9} {int(r['state_theory_bytes']):>9} "
-              f"{r['state_ratio_to_none']:>6.3f} {r['step_time_s']:>7.3f}")
-    met = all(r["within_theory"] for r in rows)
-    goals = [{"goal": "optimizer-state bytes with shard=optimizer = 1/dp of none (within one shard's padding)",
-              "value": max(r["state_ratio_to_none"] for r in rows if r["shard"] == "optimizer"), "met": met}]
+              f"{r['state_ratio_to_none']:>6.3f} {r['param_ratio_to_none']:>7.3f} {r['step_time_s']:>7.3f}")
+    def goal(text, shard, key):
+        mine = [r for r in rows if r["shard"] == shard]
+        return {"goal": text, "value": max(r[key] for r in mine), "met": all(r["within_theory"] for r in mine)}
+    goals = [goal("optimizer-state bytes with shard=optimizer = 1/dp of none (within one shard's padding)",
+                  "optimizer", "state_ratio_to_none"),
+             goal("parameter, gradient and optimizer-state bytes with shard=full = 1/dp of none (within one dim-0 "
+                  "row per parameter), between steps", "full", "param_ratio_to_none")]
+    met = all(g["met"] for g in goals) and all(r["within_theory"] for r in rows)
     path = write_json("memory_sharding", {"rows": rows, "goals": goals, "tensor_sizes": list(TENSOR),
-                                          "not_measured": {"full": "parallel.shard=full is refused (not built)"}},
+                                          "note": "shard=full: bytes between steps; during a step each chunk's "
+                                                  "parameters and gradients are gathered whole (reshard after it)"},
                       out)
     print(f"wrote {path}")
     return 0 if met else 1

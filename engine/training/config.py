@@ -132,8 +132,9 @@ class ParallelConfig:
     deallocate_pipeline_outputs: bool = True
     overlap_grad_reduce: bool = True  # start each chunk's data-parallel all-reduce when its last backward ends
     # none: every data-parallel replica holds all optimizer state; optimizer: ZeRO-1 (engine.training.sharding:
-    # gradients reduce-scattered, AdamW state 1/dp per rank, parameters all-gathered after the step; a no-op at
-    # data = 1); full (FSDP2) is refused for now
+    # gradients reduce-scattered, AdamW state 1/dp per rank, parameters all-gathered after the step); full: FSDP2
+    # (engine.training.fsdp: fully_shard per model chunk, parameters / gradients / AdamW state 1/dp per rank between
+    # steps, gathered for the step, one reduce-scatter per chunk after its last W); both run as none at data = 1
     shard: Literal["none", "optimizer", "full"] = "none"
 
 
@@ -614,6 +615,7 @@ def _validate_schedule(config: TrainConfig) -> None:
     (``tuned`` is checked when it is resolved, :func:`engine.training.tune_result.resolve_tuned`)."""
     p = config.parallel
     if p.schedule == "tuned":
+        _validate_shard(config)
         return
     spec = get_schedule(config.schedule_name)
     if p.max_in_flight is not None and "max_in_flight" not in spec.options:
@@ -636,7 +638,7 @@ def _validate_schedule(config: TrainConfig) -> None:
         raise ConfigError(f"parallel.microbatch_group_size_per_vp_stage={p.microbatch_group_size_per_vp_stage} only "
                           f"applies to parallel.schedule={_takers('group_size')} (interleaved 1F1B), not "
                           f"{spec.name}; remove it or set parallel.virtual >= 2")
-    _validate_shard(config)
+    _validate_shard(config, spec)
     if p.overlap_p2p_comm and not spec.overlap_p2p:
         raise ConfigError(f"parallel.overlap_p2p_comm=true is not supported by {spec.name} (as in Megatron-Core's "
                           "1F1B); set parallel.virtual >= 2 or parallel.overlap_p2p_comm=false")
@@ -779,20 +781,34 @@ def _validate_logging(config: TrainConfig) -> None:
                               "run pip install -e '.[tensorboard]' or set logging.tensorboard=false")
 
 
-def _validate_shard(config: TrainConfig) -> None:
-    """``parallel.shard``: ``full`` (FSDP2 per model chunk) is refused until it is built; ``optimizer`` with
-    ``parallel.data = 1`` runs as ``none`` (one shard is the whole state)."""
-    shard = config.parallel.shard
+def _validate_shard(config: TrainConfig, spec=None) -> None:
+    """``parallel.shard`` (every rank, before any collective).  ``optimizer`` (ZeRO-1) and ``full`` (FSDP2 per
+    model chunk) with ``parallel.data = 1`` run as ``none`` (one shard is the whole state).
+
+    Raises:
+        ConfigError: an unknown value; ``optimizer`` / ``full`` with ``parallel.tensor > 1``; ``full`` with
+            ``cuda_graphs.enabled`` or with tied embeddings under a V-placement schedule (``spec``: the schedule's
+            registry entry, None for ``tuned``: the trainer checks the resolved one).
+    """
+    shard, p = config.parallel.shard, config.parallel
     if shard not in ("none", "optimizer", "full"):
         raise ConfigError(f"parallel.shard={shard!r} is not one of none, optimizer, full")
-    if shard == "full":
-        raise ConfigError("parallel.shard=full (FSDP2 fully_shard per model chunk) is not available in this "
-                          "version; use parallel.shard=optimizer (ZeRO-1: optimizer state sharded over the "
-                          "data-parallel group) or none")
-    if shard != "none" and config.parallel.tensor > 1:
-        raise ConfigError(f"parallel.shard={shard} with parallel.tensor={config.parallel.tensor} is not available in "
-                          "this version (the sharded optimizer flattens plain tensors, not DTensor shards); use "
-                          "parallel.shard=none with tensor parallelism, or parallel.tensor=1")
+    if shard != "none" and p.tensor > 1:
+        why = ("the sharded optimizer flattens plain tensors, not DTensor shards" if shard == "optimizer" else
+               "fully_shard over the data-parallel dimension of tensor-parallel DTensors is not wired")
+        raise ConfigError(f"parallel.shard={shard} with parallel.tensor={p.tensor} is not available in this version "
+                          f"({why}); use parallel.shard=none with tensor parallelism, or parallel.tensor=1")
+    if shard != "full":
+        return
+    if config.cuda_graphs.enabled:
+        raise ConfigError("parallel.shard=full with cuda_graphs.enabled=true is not available: the captured graphs "
+                          "would hold the gathered parameters' storage, which FSDP frees after each step; set "
+                          "cuda_graphs.enabled=false or parallel.shard=optimizer")
+    if spec is not None and spec.placement == "v" and config.model.tie_embeddings and p.pipeline > 1:
+        raise ConfigError(f"parallel.shard=full with parallel.schedule={p.schedule} ({spec.name}, V placement) and "
+                          "model.tie_embeddings=true: the first and the last stage are two chunks of one rank sharing "
+                          "one Parameter, which two fully_shard units cannot share; use a looped schedule (1f1b, "
+                          "interleaved, zb_h1), model.tie_embeddings=false, or parallel.shard=optimizer")
 
 
 def validate_tensor_parallel(config: TrainConfig) -> None:

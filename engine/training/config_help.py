@@ -58,7 +58,8 @@ FIELD_HELP = {
     "parallel.overlap_p2p_comm": "overlap P2P with compute (interleaved only; needs batch_p2p_comm=false)",
     "parallel.deallocate_pipeline_outputs": "free a sent activation's data once sent (Megatron's option)",
     "parallel.overlap_grad_reduce": "start a chunk's data-parallel all-reduce when its last backward ends",
-    "parallel.shard": "none; optimizer: ZeRO-1, AdamW state 1/data per rank (a no-op at data=1); full: refused for now",
+    "parallel.shard": "none; optimizer: ZeRO-1, AdamW state 1/data per rank; full: FSDP2 per chunk, parameters, "
+                      "gradients and AdamW state 1/data per rank between steps (both a no-op at data=1)",
     "data.source": "stdlib (this Python's standard library .py files), text (data.paths) or bin (token files)",
     "data.paths": "files / folders for text; one folder with train.bin + val.bin or one .bin file for bin",
     "data.suffixes": "file suffixes read from folders of data.paths",

@@ -110,6 +110,7 @@ class Trainer:
                                         config.training.seed, self.mp_config, self.device,
                                         stages=self.plan.stages_of(self.pp_rank))
         self._apply_tensor_parallel()
+        self._apply_full_shard()
         first, last = self.plan.stage_location(0)[0], self.plan.stage_location(self.plan.num_stages - 1)[0]
         self.grad_sync = self._build_grad_sync(tied_on_one_rank=first == last)
         self.mp_config.finalize_model_grads_func = self.grad_sync.finalize_model_grads
@@ -186,6 +187,20 @@ class Trainer:
             parallelize_chunks(self.model, device_mesh(self.pg, self.device.type)["tp"],
                                sequence_parallel=self.config.parallel.sequence_parallel)
 
+    def _apply_full_shard(self) -> None:
+        """``parallel.shard=full`` with data > 1: ``fully_shard`` each chunk over the mesh's ``dp`` dimension
+        (:mod:`engine.training.fsdp`; local, every replica slices the same full initial weights).  At data = 1 one
+        shard is the whole model: it runs as ``shard=none``."""
+        p = self.config.parallel
+        self.fully_sharded = p.shard == "full" and self.dp_size > 1
+        if p.shard == "full":
+            log.info("parallel.shard=full: %s", "FSDP2 fully_shard per model chunk over the data-parallel group" if
+                     self.fully_sharded else "parallel.data=1, one shard is the whole model (runs as shard=none)")
+        if self.fully_sharded:
+            from ..runtime.process_groups import device_mesh
+            from .fsdp import shard_chunks
+            shard_chunks(self.model, device_mesh(self.pg, self.device.type)["dp"])
+
     @staticmethod
     def _pick_device(config: TrainConfig) -> torch.device:
         want = config.parallel.device
@@ -218,7 +233,8 @@ class Trainer:
             deterministic_mode=c.training.deterministic)
 
     def _build_grad_sync(self, tied_on_one_rank: bool) -> GradSync:
-        """GradSync, or with ``parallel.shard=optimizer`` and data > 1 its ZeRO-1 form (engine.training.sharding)."""
+        """GradSync, or with data > 1 its ZeRO-1 form (``parallel.shard=optimizer``, engine.training.sharding) or
+        its FSDP2 form (``parallel.shard=full``, engine.training.fsdp)."""
         p = self.config.parallel
         self.sharded = p.shard == "optimizer" and self.dp_size > 1
         if p.shard == "optimizer":
@@ -226,6 +242,9 @@ class Trainer:
                      self.sharded else "parallel.data=1, one shard is the whole state (runs as shard=none)")
         if self.sharded:
             return ShardedGradSync(self.model, self.pg, tied_on_one_rank=tied_on_one_rank)
+        if self.fully_sharded:
+            from .fsdp import FSDPGradSync
+            return FSDPGradSync(self.model, self.pg)
         return GradSync(self.model, self.pg, overlap=p.overlap_grad_reduce, tied_on_one_rank=tied_on_one_rank)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -302,7 +321,11 @@ class Trainer:
             pg_collection=self.pg, p2p_communicator=self._p2p)
         if collect_non_loss_data:
             kwargs["collect_non_loss_data"] = True
-        return self._forward_backward(**kwargs)
+        out = self._forward_backward(**kwargs)
+        if forward_only and self.fully_sharded:  # a training step reshards in finalize_model_grads
+            from .fsdp import reshard
+            reshard(self.model)
+        return out
 
     def _data(self, step: int):
         if self.batches is None:
@@ -349,8 +372,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
         store = self._run_schedule(self._data(self.step), self.config.training.num_microbatches, False)
-        grad_norm = (self.optimizer.clip_grad_norm(self.config.optimizer.grad_clip) if self.sharded else
-                     clip_grad_norm(self.model, self.config.optimizer.grad_clip, self.pg))
+        grad_norm = self._clip_grad_norm(self.config.optimizer.grad_clip)
         loss = self._reduce_loss(store)
         if self.config.optimizer.check_for_nan_in_loss_and_grad:
             self._check_finite(loss, grad_norm)
@@ -371,6 +393,14 @@ class Trainer:
                 metrics["mfu"] = metrics["tflops"] / (self.peak_tflops * self.config.world_size)
         self.history.append(metrics)
         return metrics
+
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        if self.sharded:
+            return self.optimizer.clip_grad_norm(max_norm)
+        if self.fully_sharded:
+            from . import fsdp
+            return fsdp.clip_grad_norm(self.model, max_norm, self.pg)
+        return clip_grad_norm(self.model, max_norm, self.pg)
 
     def _check_finite(self, loss: float, grad_norm: float) -> None:
         """Megatron's ``check_for_nan_in_loss_and_grad``: both values are global (the same on every rank), so every
@@ -600,7 +630,7 @@ class Trainer:
         """Everything a resume needs, as nested dicts of tensors: model and AdamW state under layout-independent
         names, the step (= data position and LR-schedule position) and this rank's RNG states."""
         model_sd, optim_sd, _ = self._dcp_state()
-        if self.config.parallel.tensor > 1:  # saved in the T = 1 layout (engine.training.tensor_parallel.full_state)
+        if self.config.parallel.tensor > 1 or self.fully_sharded:  # saved unsharded (tensor_parallel.full_state)
             from .tensor_parallel import full_state
             model_sd, optim_sd = full_state(model_sd), full_state(optim_sd)
         rng = {"cpu": torch.get_rng_state()}
@@ -665,7 +695,7 @@ class Trainer:
         keys = checkpoint_keys(path)
         warned = self._check_checkpoint_meta(Path(path))
         model_sd, optim_sd, options = self._dcp_state()
-        sharded = self.config.parallel.tensor > 1  # full tensors on disk, this rank's shards in memory
+        sharded = self.config.parallel.tensor > 1 or self.fully_sharded  # full on disk, this rank's shards in memory
         if sharded:
             from .tensor_parallel import full_templates, reshard_like
             model_tp, optim_tp = model_sd, optim_sd
