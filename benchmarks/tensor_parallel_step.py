@@ -1,12 +1,15 @@
-"""Step time of pipeline 2 x tensor parallel 2 against pipeline 2 x data parallel 2 on 4 CPU ranks, same global
-batch, with the share of the step spent in collectives (torch.profiler).
+"""Step time of pipeline 2 x data parallel 2 (``parallel.shard`` none, optimizer, full) against pipeline 2 x tensor
+parallel 2 (with and without ``sequence_parallel``) on 4 CPU ranks, same global batch, with the share of the step
+spent in collectives (torch.profiler).
 
 Each layout trains the YAML trainer's GPT (``configs/pp2_dp2.yaml``'s model unless overridden) on 4 gloo ranks:
 ``--warmup`` untimed steps, then ``--steps`` timed ones (a barrier before each, the maximum over ranks), then one
 profiled step.  The collective share is the CPU time of the profiler's ``c10d::`` / ``gloo:`` collective events
 other than send / recv (all-reduce, all-gather, broadcast) over the step's wall time, on rank 0 -- at pp2 x tp2 these
-are the tensor-parallel all-reduces and all-gathers (plus the small grad-norm / tied-embedding ones), at pp2 x dp2
-the data-parallel gradient all-reduce.
+are the tensor-parallel all-reduces and all-gathers (plus the small grad-norm / tied-embedding ones; with
+``sequence_parallel`` all-gathers and reduce-scatters), at pp2 x dp2 the data-parallel gradient all-reduce (ZeRO-1:
+reduce-scatter and the all-gather of the updated shards; FSDP2: the parameter all-gather and gradient
+reduce-scatter).
 
     python benchmarks/tensor_parallel_step.py [--steps 5] [--warmup 2] [--threads 1] [--out PATH]
 
@@ -22,7 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import launch, median, timed_steps, write_json  # noqa: E402
 
-LAYOUTS = {"pp2_dp2": dict(pipeline=2, data=2), "pp2_tp2": dict(pipeline=2, tensor=2, data=1)}
+LAYOUTS = {  # name -> parallel.* overrides; 4 ranks each
+    "pp2_dp2": dict(pipeline=2, data=2),
+    "pp2_dp2_zero1": dict(pipeline=2, data=2, shard="optimizer"),
+    "pp2_dp2_fsdp": dict(pipeline=2, data=2, shard="full"),
+    "pp2_tp2": dict(pipeline=2, tensor=2, data=1),
+    "pp2_tp2_sp": dict(pipeline=2, tensor=2, data=1, sequence_parallel=True),
+}
 MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128)
 MICRO_BATCH, GLOBAL_MICROBATCHES = 4, 8
 
@@ -35,7 +44,7 @@ def _collective_share(trainer) -> tuple[float, float]:
         t0 = time.perf_counter()
         trainer.train_step()
         wall = time.perf_counter() - t0
-    names = ("allreduce", "all_reduce", "allgather", "all_gather", "broadcast", "reduce_scatter")
+    names = ("allreduce", "all_reduce", "allgather", "all_gather", "broadcast", "reduce_scatter", "reducescatter")
     total = 0.0
     for e in prof.key_averages():
         n = e.key.lower()
@@ -75,7 +84,7 @@ def main(argv=None) -> int:
                           "collective_share_rank0": r0["collective_s"] / r0["profiled_wall_s"],
                           "collective_share_per_rank": [r["collective_s"] / r["profiled_wall_s"] for r in per_rank]}
             print(f"{name}: median step {rows[name]['median_step_s']:.3f} s over {args.steps} steps; collectives "
-                  f"(all-reduce / all-gather / broadcast) {100 * rows[name]['collective_share_rank0']:.1f}% of a "
+                  f"(all-reduce / all-gather / reduce-scatter / broadcast) {100 * rows[name]['collective_share_rank0']:.1f}% of a "
                   f"profiled step on rank 0 (per rank: "
                   f"{', '.join(f'{100 * s:.0f}%' for s in rows[name]['collective_share_per_rank'])})")
     path = write_json("tensor_parallel_step", {"model": MODEL, "micro_batch_size": MICRO_BATCH,
