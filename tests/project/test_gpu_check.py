@@ -1,10 +1,11 @@
 """``benchmarks/gpu_check.py``, the one command of the first GPU run, kept from rotting on CPU.
 
-* its ``--dry-run`` (emulate backend, tiny sizes) runs as a subprocess with the optional packages blocked (a
+* its ``--dry-run`` (emulate backend, tiny sizes) runs in a subprocess with the optional packages blocked (a
   ``sitecustomize`` on ``PYTHONPATH`` installs a meta-path finder raising ``ImportError`` for them, so the GPU
   machine's "torch, pytest, pyyaml, numpy and nothing else" is what it sees): exit 0 and every check in the JSON;
 * a planted fault -- one emulated forward replay writes a perturbed output -- makes it exit 1, with exactly the
-  perturbed check failing;
+  perturbed check failing.  Both runs execute the script as ``__main__`` (``runpy``) one after the other in that
+  one subprocess (one interpreter start and import of torch for both); the fault is planted between them;
 * in process: a capture that silently falls back to eager, and one that leaves the caller's GC disabled, are
   reported as failures by the check's capture wrapper.
 """
@@ -25,7 +26,7 @@ BLOCKED = ("nvtx", "tokenizers", "safetensors", "matplotlib", "tqdm", "transform
            "hypothesis")
 
 SITECUSTOMIZE = f'''
-import importlib.abc, importlib.machinery, os, sys
+import importlib.abc, importlib.machinery, sys
 
 BLOCKED = {BLOCKED!r}
 
@@ -49,33 +50,61 @@ class _Block(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 sys.meta_path.insert(0, _Block())
 
-if os.environ.get("GPU_CHECK_PLANT") == "replay":  # perturb the output of one emulated forward replay
-    from graphs.backends import emulate
-
-    original, calls = emulate.EmulatedSlot.replay_forward, [0]
-
-    def replay_forward(self):
-        original(self)
-        calls[0] += 1
-        if calls[0] == 3:
-            self.static_outputs[0].add_(1e-3)
-
-    emulate.EmulatedSlot.replay_forward = replay_forward
 '''
 
 
-def _run(tmp_path: Path, *args: str, plant: str | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+DRIVER = """
+import json, runpy, sys
+
+script, clean_out, planted_out, codes_out = sys.argv[1:5]
+
+
+def run(*args):
+    sys.argv = [script, "--dry-run", *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:  # the script ends with sys.exit(main())
+        return exc.code
+    return None
+
+
+codes = {"clean": run("--out", clean_out)}
+from graphs.backends import emulate  # the planted fault: perturb the output of one emulated forward replay
+
+original, calls = emulate.EmulatedSlot.replay_forward, [0]
+
+
+def replay_forward(self):
+    original(self)
+    calls[0] += 1
+    if calls[0] == 3:
+        self.static_outputs[0].add_(1e-3)
+
+
+emulate.EmulatedSlot.replay_forward = replay_forward
+codes["planted"] = run("--checks", "graphs", "--out", planted_out)
+with open(codes_out, "w") as f:
+    json.dump(codes, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory) -> dict:
+    """``{"clean": (exit code, report), "planted": (exit code, report)}`` and the output of the one subprocess."""
+    tmp_path = tmp_path_factory.mktemp("gpu_check")
     site = tmp_path / "site"
-    site.mkdir(exist_ok=True)
+    site.mkdir()
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {k: v for k, v in os.environ.items() if k not in ("GPU_CHECK_PLANT", "PYTHONPATH")}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]), CUDA_VISIBLE_DEVICES="")
-    if plant:
-        env["GPU_CHECK_PLANT"] = plant
-    out = tmp_path / f"gpu_check_{plant or 'clean'}.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(out),
-                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    return proc, json.loads(out.read_text()) if out.exists() else {}
+    outs = {name: tmp_path / f"gpu_check_{name}.json" for name in ("clean", "planted", "codes")}
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(ROOT / "benchmarks" / "gpu_check.py"),
+                           *(str(outs[n]) for n in ("clean", "planted", "codes"))], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=420)
+    codes = json.loads(outs["codes"].read_text()) if outs["codes"].exists() else {}
+    runs = {name: (codes.get(name), json.loads(outs[name].read_text()) if outs[name].exists() else {})
+            for name in ("clean", "planted")}
+    return {**runs, "output": proc.stdout[-3000:] + proc.stderr[-3000:], "returncode": proc.returncode}
 
 
 def _check_names() -> set[str]:
@@ -86,11 +115,11 @@ def _check_names() -> set[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(260)
-def test_dry_run_passes_with_optional_packages_blocked(tmp_path):
-    proc, report = _run(tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "is blocked" not in proc.stdout + proc.stderr
+@pytest.mark.timeout(440)
+def test_dry_run_passes_with_optional_packages_blocked(dry_runs):
+    code, report = dry_runs["clean"]
+    assert dry_runs["returncode"] == 0 and code == 0, dry_runs["output"]
+    assert "is blocked" not in dry_runs["output"]
     checks = report["checks"]
     assert set(checks) == _check_names(), sorted(checks)
     assert report["status"] == "PASS" and report["dry_run"] and report["backend"] == "emulate"
@@ -105,10 +134,10 @@ def test_dry_run_passes_with_optional_packages_blocked(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(200)
-def test_a_perturbed_replay_fails_the_check(tmp_path):
-    proc, report = _run(tmp_path, "--checks", "graphs", plant="replay")
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+@pytest.mark.timeout(440)
+def test_a_perturbed_replay_fails_the_check(dry_runs):
+    code, report = dry_runs["planted"]
+    assert code == 1, dry_runs["output"]
     failed = {n for n, c in report["checks"].items() if c["status"] == "fail"}
     assert failed == {"graphs_interleaved_fp32"}, failed  # the first case holds the third replay
     assert not report["checks"]["graphs_interleaved_fp32"]["graph_vs_eager"]["bitwise"]

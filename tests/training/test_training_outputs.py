@@ -6,8 +6,6 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -218,24 +216,28 @@ def test_sampling_is_layout_independent(runs):
                                                          (4, True), (4, False)]
 
 
-def _cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, env=env, timeout=timeout,
-                          capture_output=True, text=True)
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``pipecast ARGS`` in this process (``engine.cli.main``; the e2e tests run the CLI as a subprocess): exit
+    status, stdout, stderr."""
+    from engine.cli import main
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_sample_command(pp1, tmp_path):
+def test_sample_command(pp1, tmp_path, capsys):
     from engine.training.generate import generate, load_model
-    ok = _cli("sample", str(pp1[0]), "--prompt", "import ", "--max-new-tokens", "12", "--seed", "3")
-    assert ok.returncode == 0, ok.stderr
+    code, out, err = _cli(capsys, "sample", str(pp1[0]), "--prompt", "import ", "--max-new-tokens", "12", "--seed", "3")
+    assert code == 0, err
     loaded = load_model(pp1[0])
     expected = generate(loaded.model, loaded.tokenizer.encode("import "), 12, 0.8, 50, seed=3)
-    assert ok.stdout == "import " + loaded.tokenizer.decode(expected) + "\n" and "sampled 12 tokens" in ok.stderr
-    bad = _cli("sample", str(tmp_path), "--max-new-tokens", "2")
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("error: "), bad.stderr
-    assert str(tmp_path) in bad.stderr
+    assert out == "import " + loaded.tokenizer.decode(expected) + "\n" and "sampled 12 tokens" in err
+    code, _, err = _cli(capsys, "sample", str(tmp_path), "--max-new-tokens", "2")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert str(tmp_path) in err
 
 
 def test_prompt_the_tokenizer_cannot_encode(pp1):
@@ -298,14 +300,14 @@ def test_sample_and_export_read_the_folder_given_not_the_run_dir_in_its_config(p
 
 
 @pytest.mark.slow
-def test_export_of_an_unreadable_checkpoint_writes_nothing(pp1, tmp_path):
+def test_export_of_an_unreadable_checkpoint_writes_nothing(pp1, tmp_path, capsys):
     import shutil
     broken = tmp_path / "step_00000004"
     shutil.copytree(sorted((pp1[0] / "checkpoints").iterdir())[-1], broken)
     for f in broken.glob("*.distcp"):
         f.write_bytes(f.read_bytes()[:100])  # truncated tensors
-    out = _cli("export", str(broken), "--out", str(tmp_path / "m.safetensors"))
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and str(broken) in out.stderr, out.stderr
+    code, _, err = _cli(capsys, "export", str(broken), "--out", str(tmp_path / "m.safetensors"))
+    assert code == 2 and err.count("\n") == 1 and str(broken) in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]
 
 
