@@ -46,7 +46,9 @@ def test_the_result_ranks_every_candidate(tuned):
     if result["best_predicted"] != top:  # the config's own is kept when the top gains less than the measured noise
         assert result["best_predicted"] == own and own["predicted_ms"] <= top["predicted_ms"] * (1 + result["min_gain"])
     assert result["best"]["label"] in {r["label"] for r in result["verified"]}  # --verify: the measured choice
-    assert 0 <= result["min_gain"] < 0.5 and result["measured"]["step_noise"] >= 0
+    # the threshold is the measured noise (no bound on its size: a loaded machine is noisier)
+    assert result["min_gain"] == result["measured"].get("noise_gain", 0.0) >= 0
+    assert result["measured"]["step_noise"] >= 0
     assert result["config"]["label"] == "interleaved v=2"
     assert all(c["fits"] for c in result["candidates"])  # no budget given
     assert json.loads((root / "run" / "tune.json").read_text()) == result
