@@ -36,5 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     return int(args._run(args) or 0)
 
 
+def entry() -> None:
+    """The installed ``pipecast`` script: :func:`main`, then exit.  A process that joined a torchrun job ends with
+    ``engine.runtime.spawn.exit_process`` (no interpreter finalization, where a thread still inside torch would
+    abort a finished rank with SIGABRT); any other with ``sys.exit``."""
+    code = main()
+    if "torch.distributed" in sys.modules:
+        from .training.launch import under_torchrun
+        if under_torchrun():
+            from .runtime.spawn import exit_process
+            exit_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -25,7 +25,12 @@ After any failure the other ranks are stopped: SIGINT (each rank restores its de
 quietly; SIGCONT too, so a stopped rank receives it), then SIGKILL for those alive :data:`STOP_GRACE_S` seconds
 later; every process is reaped before the exception reaches the caller.  Ranks also die with the caller
 (``PR_SET_PDEATHSIG`` on Linux).  Teardown after ``fn`` returns: a barrier of the default group, then
-``destroy_process_group``, so no rank tears down while a peer still communicates.
+``destroy_process_group``, so no rank tears down while a peer still communicates.  Then the rank ends with
+:func:`exit_process`: its non-daemon threads joined and its ``atexit`` handlers run, but no interpreter
+finalization, where a thread still inside torch (a gloo worker that holds the last reference to a finished work's
+tensors while a Python object keeps the group alive past ``destroy_process_group``, a daemon thread mid-op) dies
+re-taking the GIL and aborts the process (``terminate called without an active exception``, SIGABRT) after its
+work is done (pytorch/pytorch#190489, #179291).
 """
 from __future__ import annotations
 
@@ -41,8 +46,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
-__all__ = ["spawn", "RankError", "JobTimeout", "Interrupted", "Terminated", "free_port", "describe_exception", "os_error_under",
-           "teardown", "STOP_GRACE_S", "REPORT_GRACE_S", "TERM_GRACE_S"]
+__all__ = ["spawn", "exit_process", "RankError", "JobTimeout", "Interrupted", "Terminated", "free_port",
+           "describe_exception", "os_error_under", "teardown", "STOP_GRACE_S", "REPORT_GRACE_S", "TERM_GRACE_S"]
 
 STOP_GRACE_S = 5.0  # seconds a stopped rank has to exit (after SIGINT) before SIGKILL
 REPORT_GRACE_S = 2.0  # seconds a rank that recorded a failure may take to exit before it is reported anyway
@@ -357,7 +362,34 @@ def _rank_main(rank: int, setup: _RankSetup, fn, args: tuple) -> None:
         _write(setup.record_dir, f"failed_{rank}", text.encode())
     finally:
         teardown(ok)
-    sys.exit(0 if ok else 1)
+    exit_process(0 if ok else 1)
+
+
+def exit_process(code: int) -> None:
+    """End this process with status ``code`` the way ``sys.exit`` would, minus interpreter finalization.
+
+    Joins the non-daemon threads, runs the ``atexit`` handlers, flushes ``logging`` and the standard streams,
+    then ``os._exit(code)``.  Finalization is skipped on purpose: a thread still inside torch when it starts (a
+    daemon thread mid-op, a gloo worker releasing a finished work) aborts the process while re-taking the GIL, so a
+    rank whose work succeeded would be reported killed by SIGABRT.  Used by every spawned rank and by ``pipecast
+    train`` / ``tune`` under torchrun (``engine.cli.entry``).  Does not return.
+    """
+    import atexit
+    import logging
+    import threading
+    try:
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+        logging.shutdown()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(code)
 
 
 def teardown(ok: bool) -> None:

@@ -84,3 +84,21 @@ def test_readme_example_runs_twice_in_a_row(tmp_path):
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("error: rank "), out.stderr
     assert "CheckpointError: cannot resume" in out.stderr and "model.hidden_size" in out.stderr, out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_pipecast_train_under_torchrun(tmp_path):
+    """The README's torchrun form (``torchrun ... -m engine.cli train``) on 2 CPU ranks: the ranks join torchrun's
+    job, train, checkpoint and exit 0 (the rank exit skips interpreter finalization: ``engine.cli.entry``)."""
+    from engine.runtime.spawn import free_port
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "engine.cli", "train",
+           "configs/default.yaml", *(f"--{o}" for o in TINY), f"--logging.run_dir={run_dir}", "--training.steps=2",
+           "--checkpoint.interval=2"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, timeout=150, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(_step_lines(out.stdout + out.stderr)) == [1, 2]
+    assert (run_dir / "checkpoints" / "step_00000002" / ".metadata").is_file()

@@ -61,6 +61,32 @@ def ends_with_exit(rank: int, world: int) -> None:
     os._exit(0)
 
 
+def busy_thread_at_exit(rank: int, world: int, out_dir: str) -> int:
+    """Return while a daemon thread is inside torch ops (it releases the GIL in each and re-takes it after) -- a
+    prefetcher or a gloo worker at exit -- with an ``atexit`` handler and a non-daemon thread that must still run."""
+    import atexit
+    import threading
+    a = torch.randn(128, 128)
+
+    def spin() -> None:
+        while True:
+            torch.mm(a, a)
+
+    def late_write() -> None:
+        time.sleep(0.2)
+        _touch(out_dir, f"thread_{rank}")
+
+    threading.Thread(target=spin, daemon=True).start()
+    threading.Thread(target=late_write).start()
+    atexit.register(_touch, out_dir, f"atexit_{rank}")
+    return rank
+
+
+def _touch(out_dir: str, name: str) -> None:
+    with open(os.path.join(out_dir, name), "w") as fh:
+        fh.write("done")
+
+
 def _pid(pid_dir: str, rank: int) -> None:
     path = os.path.join(pid_dir, f"{rank}.pid")
     with open(path + ".tmp", "w") as fh:

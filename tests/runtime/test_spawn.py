@@ -41,6 +41,15 @@ def test_results_come_back_in_rank_order():
 
 
 @pytest.mark.timeout(60)
+def test_a_finished_rank_with_a_thread_inside_torch_exits_cleanly(tmp_path):
+    """A daemon thread mid-op at interpreter finalization aborts the process (SIGABRT, ``terminate called without
+    an active exception``; seen in CI from a gloo worker): ranks end without finalization, yet still join their
+    non-daemon threads and run their ``atexit`` handlers."""
+    assert sp.spawn(jobs.busy_thread_at_exit, 2, args=(str(tmp_path),), timeout_s=50) == [0, 1]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["atexit_0", "atexit_1", "thread_0", "thread_1"]
+
+
+@pytest.mark.timeout(60)
 def test_a_raise_is_one_line_naming_the_rank_and_cause(tmp_path):
     with pytest.raises(sp.RankError) as info:
         sp.spawn(jobs.raise_on, 2, args=(1, str(tmp_path)), timeout_s=50)
