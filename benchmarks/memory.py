@@ -216,7 +216,7 @@ def _shard_overrides(shard: str, run_dir: str) -> list[str]:
 
 def _nbytes(tensors) -> int:
     """Bytes this rank holds (a DTensor -- ``shard: full`` -- counts its local shard)."""
-    from engine.training.tensor_parallel import local
+    from engine.training.parallel.tensor_parallel import local
     return sum(local(t).numel() * local(t).element_size() for t in tensors if torch.is_tensor(t))
 
 
@@ -293,7 +293,7 @@ TENSOR_LAYOUTS = ((1, False), (2, False), (2, True))  # (parallel.tensor, parall
 
 
 def _local_bytes(t) -> int:
-    from engine.training.tensor_parallel import local
+    from engine.training.parallel.tensor_parallel import local
     return _nbytes([local(t)]) if torch.is_tensor(t) else 0
 
 

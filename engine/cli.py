@@ -11,7 +11,7 @@ import sys
 COMMANDS = {
     "schedule": ("engine.plan.cli", "print a schedule's per-rank action grid and simulated bubble"),
     "train": ("engine.training.launch", "run a YAML-configured training job (spawns local ranks or joins torchrun)"),
-    "tune": ("engine.training.tune", "measure a config's costs, rank every valid schedule by predicted step time and "
+    "tune": ("engine.training.tune.tuner", "measure a config's costs, rank every valid schedule by predicted step time and "
                                      "memory, optionally verify the best"),
     "sample": ("engine.training.sample", "generate text from a run's checkpoint (any pipeline layout, one process)"),
     "export": ("engine.training.export", "write a checkpoint's model as one safetensors file (+ its config)"),

@@ -6,7 +6,7 @@ and the Megatron-API functions take that object (or a plan it gave) and ask it f
 ``resolved.plan(num_microbatches)`` for training, ``resolved.plan(num_microbatches, forward_only=True)`` for
 evaluation -- so "the same schedule for another microbatch count" is written here only.  ``tuned`` is not a
 schedule: it is resolved to one from ``pipecast tune``'s result at the entry points
-(:func:`engine.training.tune_result.resolve_tuned`).  Pure: no torch.
+(:func:`engine.training.tune.result.resolve_tuned`).  Pure: no torch.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def resolve_schedule(schedule: str, pp_size: int, num_model_chunks: int = 1, gro
     """
     if schedule == "tuned":
         raise ValueError("schedule='tuned' is resolved from `pipecast tune`'s result first "
-                         "(engine.training.tune_result.resolve_tuned)")
+                         "(engine.training.tune.result.resolve_tuned)")
     if schedule == "auto":
         schedule = auto_schedule(pp_size, virtual_or_none(num_model_chunks))
     spec = get_schedule(schedule)

@@ -10,7 +10,7 @@ name and renamed when complete, so a failed export leaves nothing half-written. 
 
 ``--format hf --out DIR``: a Hugging Face folder instead (``config.json``, ``model.safetensors`` and, for BPE runs,
 ``tokenizer.json`` + ``tokenizer_config.json``) that ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``
-loads as ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (:mod:`engine.training.hf`; ``transformers`` is not needed to
+loads as ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (:mod:`engine.training.checkpoint.hf`; ``transformers`` is not needed to
 write it).
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def export_hf(checkpoint, out, dtype: str = "fp32") -> list[Path]:
             file, or an unknown ``dtype``.  WriteError: as :func:`export_checkpoint`.
     """
     from .generate import load_model, model_state_dict
-    from .hf import write_hf_folder
+    from .checkpoint.hf import write_hf_folder
     if dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     if Path(out).exists() and not Path(out).is_dir():
@@ -115,7 +115,7 @@ def load_exported(path) -> tuple[dict, dict]:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``pipecast export``; 0 ok, 2 bad input (one ``error:`` line, nothing written)."""
-    from .checkpoint import CheckpointError
+    from .checkpoint.dcp import CheckpointError
     try:
         export = export_hf if getattr(args, "format", "safetensors") == "hf" else export_checkpoint
         written = export(args.checkpoint, args.out, args.dtype)

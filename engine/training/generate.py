@@ -1,6 +1,6 @@
 """A trained model in one process: load a checkpoint of any pipeline layout, sample text from it.
 
-Checkpoints store parameters under layout-independent names (:func:`engine.training.model.canonical_module`), so a
+Checkpoints store parameters under layout-independent names (:func:`engine.training.models.chunk.canonical_module`), so a
 checkpoint written by ``pp x vp`` ranks loads into the one model chunk of ``pp = vp = 1``.  The model settings and
 the tokenizer come from the checkpoint's ``pipecast.json`` (and its ``tokenizer.json`` for BPE runs).
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint_meta
+from .checkpoint.dcp import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint_meta
 from .config import ConfigError, ModelConfig
-from .model import GPTChunk, build_model_chunks, canonical_module
-from .tokenizer import TokenizerError, load_tokenizer
+from .models.chunk import GPTChunk, build_model_chunks, canonical_module
+from .data.tokenizer import TokenizerError, load_tokenizer
 
 __all__ = ["LoadedModel", "resolve_checkpoint", "load_model", "sample_token", "generate", "model_state_dict",
            "encode_prompt", "decode"]

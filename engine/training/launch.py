@@ -9,7 +9,7 @@ The config is loaded and validated before any process is started or group create
 so it takes well under a second): a bad config exits with status 2 and one ``error:`` line.  :func:`spawn` is the
 same launcher for Python code (the README example).
 
-The data is checked the same way before any rank starts (:func:`engine.training.data.check_data`: files exist,
+The data is checked the same way before any rank starts (:func:`engine.training.data.corpus.check_data`: files exist,
 not empty, each split long enough, ``.bin`` files whole uint16 tokens, token ids below ``model.vocab_size``);
 under torchrun every process checks it.
 
@@ -47,7 +47,7 @@ import time
 from ..runtime.spawn import STOP_GRACE_S, Interrupted, RankError, Terminated, teardown
 from .config import (ConfigError, TrainConfig, check_fresh_run, load_config, parse_override_args,
                      validate_world_size)
-from .tune_result import resolve_tuned
+from .tune.result import resolve_tuned
 
 __all__ = ["add_arguments", "run", "run_spawned", "spawn", "train_worker", "summary_line", "under_torchrun", "Interrupted",
            "EXIT_PREEMPTED", "STOP_GRACE_S"]
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvtx", action="store_true", help="NVTX ranges per action / P2P call (for nsys)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (file + overrides, validated) as YAML and exit")
-    from .config_help import help_text
+    from .config.help import help_text
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = _EPILOG + help_text()
     for container in (parser, parser._optionals):  # replace argparse's own -h / --help by _ConfigHelp
@@ -95,7 +95,7 @@ class _ConfigHelp(argparse.Action):
 def _print_help(args: argparse.Namespace) -> int:
     """``pipecast train CONFIG [--section.key=value ...] --help``: the help with the values a run would use (the
     file after the overrides, validated); exit status 0, or 2 with one ``error:`` line for a bad config."""
-    from .config_help import help_text
+    from .config.help import help_text
     try:
         config = load_config(args.config, parse_override_args(list(getattr(args, "extra", []) or [])))
     except (ConfigError, TypeError, ValueError, RuntimeError, OSError) as exc:
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                     config = validate_world_size(config, int(os.environ["WORLD_SIZE"]))
                 if getattr(args, "print_config", False):
                     return _print_config(config)
-                from .data import check_data
+                from .data.corpus import check_data
                 check_data(config)
                 from .outputs import check_outputs, run_lock
                 check_outputs(config, args.timeline)
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                     held.enter_context(run_lock(config))
                 check_fresh_run(config, bool(args.resume))
                 if args.resume:  # a resume that would continue another trajectory is refused here (warnings: ranks)
-                    from .resume_check import check_resume
+                    from .checkpoint.resume import check_resume
                     check_resume(config, ConfigError)
                 from ..runtime import gloo_io
                 gloo_io.check_environment()
@@ -167,7 +167,7 @@ def run_spawned(fn, config: TrainConfig, *args) -> int:
     saved checkpoint of step N ...`` when every rank saved (``fn`` returned :func:`preempted_result` dicts), else
     ``error: terminated: ...`` (the previous checkpoint stays intact: saves are atomic).
     """
-    from .checkpoint import CheckpointError
+    from .checkpoint.dcp import CheckpointError
     try:
         results = spawn(fn, config, *args)
     except RankError as exc:
@@ -203,7 +203,7 @@ def _preempted_status(results) -> int:
 
 
 def _previous_checkpoint(config: TrainConfig) -> str:
-    from .checkpoint import latest_checkpoint
+    from .checkpoint.dcp import latest_checkpoint
     last = latest_checkpoint(config.checkpoint_dir)
     return (f"the latest complete checkpoint is {last} (--resume continues from it)" if last is not None
             else f"no checkpoint in {config.checkpoint_dir}")

@@ -61,7 +61,7 @@ def _device(name: str):
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``pipecast sample``; returns the exit status (0 ok, 2 bad input)."""
-    from .checkpoint import CheckpointError
+    from .checkpoint.dcp import CheckpointError
     from .generate import decode, encode_prompt, generate, load_model
     try:
         _check_options(args)

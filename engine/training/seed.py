@@ -15,7 +15,7 @@ def set_seed_and_determinism(seed: int, pp_rank: int = 0, deterministic: bool = 
 
     The torch seed is ``seed + 100 * pp_rank`` (distinct per pipeline stage, shared by data-parallel replicas, as
     Megatron-Core's ``_set_random_seed``), used for dropout.  Parameters do not depend on it: the model is
-    initialised from generators seeded per layer (``engine.training.model``).  ``deterministic`` turns on
+    initialised from generators seeded per layer (``engine.training.models.chunk``).  ``deterministic`` turns on
     ``torch.use_deterministic_algorithms`` (warn-only), disables cuDNN autotuning and sets
     ``CUBLAS_WORKSPACE_CONFIG``, so a run on CPU is bitwise repeatable.
     """

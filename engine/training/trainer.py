@@ -35,16 +35,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..model_parallel_config import ModelParallelConfig
 from ..plan.registry import virtual_or_none
 from ..runtime.process_groups import ProcessGroupCollection, build_process_groups
-from .checkpoint import (CheckpointError, checkpoint_keys, latest_checkpoint, list_checkpoints, load_checkpoint,
+from .checkpoint.dcp import (CheckpointError, checkpoint_keys, latest_checkpoint, list_checkpoints, load_checkpoint,
                          read_checkpoint_meta, save_checkpoint)
-from .resume_check import MODEL_MUST_MATCH, refusal_message, resume_differences, run_settings
+from .checkpoint.resume import MODEL_MUST_MATCH, refusal_message, resume_differences, run_settings
 from .config import TrainConfig, check_fresh_run, dump_config, validate, validate_world_size
-from .data import Batches, load_corpus
-from .grads import GradSync, clip_grad_norm
-from .sharding import ShardedAdamW, ShardedGradSync
+from .data.corpus import Batches, load_corpus
+from .parallel.data_parallel import GradSync, clip_grad_norm
+from .parallel.zero1 import ShardedAdamW, ShardedGradSync
 from . import preempt
 from .metrics import MetricsLog, known_peak_tflops, model_flops_per_token
-from .model import build_model_chunks, canonical_module
+from .models.chunk import build_model_chunks, canonical_module
 from .seed import set_seed_and_determinism
 
 __all__ = ["Trainer", "lr_lambda", "NonFiniteLossError"]
@@ -163,7 +163,7 @@ class Trainer:
         Raises:
             ConfigError: missing or unexpected tensors, or a shape that differs (naming the tensor)."""
         from .config import ConfigError
-        from .hf import load_hf_weights
+        from .checkpoint.hf import load_hf_weights
         params = dict(self.canonical.named_parameters())
         tensors = load_hf_weights(self.config.model.init_from, self.config.model, params)
         for name, param in params.items():
@@ -180,16 +180,16 @@ class Trainer:
 
     def _apply_tensor_parallel(self) -> None:
         """``parallel.tensor > 1``: column / row / vocabulary-parallel layers on the mesh's ``tp`` dimension
-        (:mod:`engine.training.tensor_parallel`); local, every rank slices the same full initial weights."""
+        (:mod:`engine.training.parallel.tensor_parallel`); local, every rank slices the same full initial weights."""
         if self.config.parallel.tensor > 1:
             from ..runtime.process_groups import device_mesh
-            from .tensor_parallel import parallelize_chunks
+            from .parallel.tensor_parallel import parallelize_chunks
             parallelize_chunks(self.model, device_mesh(self.pg, self.device.type)["tp"],
                                sequence_parallel=self.config.parallel.sequence_parallel)
 
     def _apply_full_shard(self) -> None:
         """``parallel.shard=full`` with data > 1: ``fully_shard`` each chunk over the mesh's ``dp`` dimension
-        (:mod:`engine.training.fsdp`; local, every replica slices the same full initial weights).  At data = 1 one
+        (:mod:`engine.training.parallel.fsdp`; local, every replica slices the same full initial weights).  At data = 1 one
         shard is the whole model: it runs as ``shard=none``."""
         p = self.config.parallel
         self.fully_sharded = p.shard == "full" and self.dp_size > 1
@@ -198,7 +198,7 @@ class Trainer:
                      self.fully_sharded else "parallel.data=1, one shard is the whole model (runs as shard=none)")
         if self.fully_sharded:
             from ..runtime.process_groups import device_mesh
-            from .fsdp import shard_chunks
+            from .parallel.fsdp import shard_chunks
             shard_chunks(self.model, device_mesh(self.pg, self.device.type)["dp"])
 
     @staticmethod
@@ -233,8 +233,8 @@ class Trainer:
             deterministic_mode=c.training.deterministic)
 
     def _build_grad_sync(self, tied_on_one_rank: bool) -> GradSync:
-        """GradSync, or with data > 1 its ZeRO-1 form (``parallel.shard=optimizer``, engine.training.sharding) or
-        its FSDP2 form (``parallel.shard=full``, engine.training.fsdp)."""
+        """GradSync, or with data > 1 its ZeRO-1 form (``parallel.shard=optimizer``, engine.training.parallel.zero1) or
+        its FSDP2 form (``parallel.shard=full``, engine.training.parallel.fsdp)."""
         p = self.config.parallel
         self.sharded = p.shard == "optimizer" and self.dp_size > 1
         if p.shard == "optimizer":
@@ -243,7 +243,7 @@ class Trainer:
         if self.sharded:
             return ShardedGradSync(self.model, self.pg, tied_on_one_rank=tied_on_one_rank)
         if self.fully_sharded:
-            from .fsdp import FSDPGradSync
+            from .parallel.fsdp import FSDPGradSync
             return FSDPGradSync(self.model, self.pg)
         return GradSync(self.model, self.pg, overlap=p.overlap_grad_reduce, tied_on_one_rank=tied_on_one_rank)
 
@@ -323,7 +323,7 @@ class Trainer:
             kwargs["collect_non_loss_data"] = True
         out = self._forward_backward(**kwargs)
         if forward_only and self.fully_sharded:  # a training step reshards in finalize_model_grads
-            from .fsdp import reshard
+            from .parallel.fsdp import reshard
             reshard(self.model)
         return out
 
@@ -398,7 +398,7 @@ class Trainer:
         if self.sharded:
             return self.optimizer.clip_grad_norm(max_norm)
         if self.fully_sharded:
-            from . import fsdp
+            from .parallel import fsdp
             return fsdp.clip_grad_norm(self.model, max_norm, self.pg)
         return clip_grad_norm(self.model, max_norm, self.pg)
 
@@ -631,7 +631,7 @@ class Trainer:
         names, the step (= data position and LR-schedule position) and this rank's RNG states."""
         model_sd, optim_sd, _ = self._dcp_state()
         if self.config.parallel.tensor > 1 or self.fully_sharded:  # saved unsharded (tensor_parallel.full_state)
-            from .tensor_parallel import full_state
+            from .parallel.tensor_parallel import full_state
             model_sd, optim_sd = full_state(model_sd), full_state(optim_sd)
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
@@ -668,7 +668,7 @@ class Trainer:
 
     def _check_checkpoint_meta(self, path: Path) -> list[str]:
         """Compare the model and run settings saved with ``path`` to this config before loading any tensor
-        (:func:`engine.training.resume_check.resume_differences`: which changes are refused, which warned, and
+        (:func:`engine.training.checkpoint.resume.resume_differences`: which changes are refused, which warned, and
         why).  Returns the warned changes (``load`` logs them once, on the logging rank, into train.log).
 
         Raises:
@@ -697,7 +697,7 @@ class Trainer:
         model_sd, optim_sd, options = self._dcp_state()
         sharded = self.config.parallel.tensor > 1 or self.fully_sharded  # full on disk, this rank's shards in memory
         if sharded:
-            from .tensor_parallel import full_templates, reshard_like
+            from .parallel.tensor_parallel import full_templates, reshard_like
             model_tp, optim_tp = model_sd, optim_sd
             model_sd, optim_sd = full_templates(model_sd), full_templates(optim_sd)
         target = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},

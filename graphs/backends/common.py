@@ -169,7 +169,7 @@ def fire_post_accumulate_hooks(params: Sequence[torch.Tensor]) -> None:
     """Run each parameter's post-accumulate-grad hooks, as ``AccumulateGrad`` does after it wrote ``.grad``.
 
     A graph replay accumulates into the gradient buffers without autograd, so the hooks that data-parallel grad
-    sync relies on (``engine.training.grads.GradSync``, FSDP) would never run; the replay calls this instead.
+    sync relies on (``engine.training.parallel.data_parallel.GradSync``, FSDP) would never run; the replay calls this instead.
     The hooks live in ``Tensor._post_accumulate_grad_hooks`` (filled by the public
     ``Tensor.register_post_accumulate_grad_hook``); the buffers' version counters are bumped first
     (``torch.autograd.graph.increment_version``), since a replay's writes bypass the dispatcher that would.

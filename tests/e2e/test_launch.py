@@ -281,7 +281,7 @@ def test_disk_full_during_a_save_is_one_line_with_the_cause(tmp_path):
     """Issue 26: the disk fills up after the first checkpoint; the second save named only ``CheckpointException
     ranks:dict_keys([0, 1])``.  One line with the cause and the file, the first checkpoint intact, no partial
     folder left."""
-    from engine.training.checkpoint import checkpoint_keys, list_checkpoints
+    from engine.training.checkpoint.dcp import checkpoint_keys, list_checkpoints
     overrides = tiny_overrides(write_corpus(tmp_path / "corpus.txt"), tmp_path / "run",
                                **{"parallel.pipeline": 2, "training.steps": 4, "checkpoint.interval": 2})
     proc = _job({"overrides": overrides, "record_dir": str(tmp_path), "patch": "enospc"})

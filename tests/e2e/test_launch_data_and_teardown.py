@@ -1,6 +1,6 @@
 """The launcher with the data and the ranks: checked before any rank starts, Ctrl-C, teardown (``pipecast train``):
 
-* data problems are found before any rank starts (``engine.training.data.check_data``, called by the launcher):
+* data problems are found before any rank starts (``engine.training.data.corpus.check_data``, called by the launcher):
   exit 2 with one ``error:`` line naming the field, its value and the fix -- and the ranks' ``load_corpus`` gives
   the same errors (odd-sized / out-of-vocabulary ``.bin`` files included);
 * (the failure summary line is tested with the spawner, tests/runtime/test_spawn.py);
@@ -25,7 +25,7 @@ import pytest
 
 from engine.training import launch
 from engine.training.config import ConfigError, load_config
-from engine.training.data import check_data, load_corpus
+from engine.training.data.corpus import check_data, load_corpus
 from tests.helpers.distributed import process_alive
 from tests.helpers.reliability_jobs import read_records, tiny_overrides, write_corpus
 
@@ -97,7 +97,7 @@ def test_data_problems_name_the_field_value_and_fix(tmp_path):
 
 
 def test_max_token_is_scanned_in_chunks():
-    from engine.training.data import max_token_id
+    from engine.training.data.corpus import max_token_id
     tokens = np.arange(10_000, dtype=np.uint16)[::-1].copy()
     assert max_token_id(tokens, chunk=7) == 9_999 == max_token_id(tokens)
     assert max_token_id(np.zeros(0, np.uint16)) == -1

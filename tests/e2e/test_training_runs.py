@@ -92,7 +92,7 @@ def test_losses_equal_across_layouts(world, reference, tmp_path):
 
 def _resume(rank, world, overrides, run_dir):
     from engine import Trainer
-    from engine.training.checkpoint import CheckpointError
+    from engine.training.checkpoint.dcp import CheckpointError
     # dropout on: the resumed run must also restore each rank's RNG state to match bitwise
     config = load_config(None, {**overrides, "logging.run_dir": str(run_dir), "training.steps": 6,
                                 "model.dropout": 0.1})

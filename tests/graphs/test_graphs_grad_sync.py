@@ -1,7 +1,7 @@
 """Data-parallel grad sync with split-backward graphs (issue 24, item 3), dp = 2 on gloo, emulate backend.
 
 A ``W`` replay accumulates the parameter gradients into the graphs' buffers without autograd, so it must itself run
-the parameters' post-accumulate-grad hooks (what ``engine.training.grads.GradSync`` launches its overlapped
+the parameters' post-accumulate-grad hooks (what ``engine.training.parallel.data_parallel.GradSync`` launches its overlapped
 all-reduce from) and bump the buffers' version counters (what its late-change check compares):
 
 * sync enabled only for each chunk's last ``W`` (what the schedules do): the hooks fire for every graphed parameter
@@ -33,8 +33,8 @@ def _job(rank, world, enable_early: bool):
 
     from engine.plan import build_plan
     from engine.runtime.process_groups import ProcessGroupCollection
-    from engine.training import grads as grads_mod
-    from engine.training.grads import GradSync
+    from engine.training.parallel import data_parallel as grads_mod
+    from engine.training.parallel.data_parallel import GradSync
     from graphs import capture
     from graphs.local_rank import WeightQueue, make_rank_data, run_rank_step
     from tests.graphs.test_graphs_emulate import B, H, S, make_chunks, samples

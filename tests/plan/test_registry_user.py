@@ -54,7 +54,7 @@ def test_a_broken_user_builder_is_caught_by_the_validator():
 
 
 def test_the_help_lists_a_user_schedule():
-    from engine.training.config_help import field_rows
+    from engine.training.config.help import field_rows
     meaning = {name: text for name, _, _, text in field_rows()}["parallel.schedule"]
     assert "test_gpipe: GPipe: all F, then all B" in meaning and "zbv: " in meaning
 

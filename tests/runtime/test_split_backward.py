@@ -16,7 +16,7 @@ from engine.model_parallel_config import ModelParallelConfig
 from engine.runtime.split_backward import backward_input_step, enable_layer_deferral, weight_grad_deferral
 from engine.runtime.step import ScheduleContractError, backward_step, deallocate_output_tensor
 from engine.training.config import ModelConfig
-from engine.training.model import build_model_chunks
+from engine.training.models.chunk import build_model_chunks
 
 S, B, H = 5, 2, 8  # [s, b, h]
 M = 3

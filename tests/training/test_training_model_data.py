@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine.training.config import ConfigError, DataConfig, ModelConfig
-from engine.training.data import Batches, Corpus, load_corpus, stdlib_files
-from engine.training.model import build_model_chunks, canonical_module
+from engine.training.data.corpus import Batches, Corpus, load_corpus, stdlib_files
+from engine.training.models.chunk import build_model_chunks, canonical_module
 
 CFG = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16)
 
@@ -124,7 +124,7 @@ def test_text_and_bin_sources(tmp_path):
 def test_a_text_file_given_as_token_ids_names_what_it_is_and_the_fix(tmp_path, text):
     """Issue 26: ``data.source: bin`` with a text file read ASCII pairs as uint16 ids and asked for
     ``model.vocab_size >= 32116``; it must say the file is text and to use ``data.source=text``."""
-    from engine.training.data import read_bin
+    from engine.training.data.corpus import read_bin
     path = tmp_path / "corpus.txt"
     path.write_text(text, encoding="utf-8")
     with pytest.raises(ConfigError) as info:

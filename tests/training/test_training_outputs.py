@@ -139,7 +139,7 @@ def test_tensorboard_needs_the_package(monkeypatch):
 def test_flops_parameter_count_is_the_models_matmul_parameters(tied):
     from engine.training.config import ModelConfig
     from engine.training.metrics import flops_parameter_count, model_flops_per_token
-    from engine.training.model import build_model_chunks
+    from engine.training.models.chunk import build_model_chunks
     cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=300,
                       tie_embeddings=tied)
     (chunk,) = build_model_chunks(cfg, 64, 1, 0, 1, 0)
@@ -242,7 +242,7 @@ def test_sample_command(pp1, tmp_path, capsys):
 
 def test_prompt_the_tokenizer_cannot_encode(pp1):
     from engine.training.generate import encode_prompt, load_model
-    from engine.training.tokenizer import TokenizerError
+    from engine.training.data.tokenizer import TokenizerError
     loaded = load_model(pp1[0])
     with pytest.raises(TokenizerError, match=r"--prompt .* is not valid Unicode text"):
         encode_prompt(loaded.tokenizer, "abc\udcff", loaded.config.vocab_size)
@@ -341,7 +341,7 @@ def test_export_to_a_full_or_read_only_disk_is_one_error_line(pp1, tmp_path, mon
 
 # ---- tokenizers and token files -------------------------------------------------------------------------------
 def test_bpe_round_trips_and_is_cached(tmp_path):
-    from engine.training.data import bpe_cache, load_corpus
+    from engine.training.data.corpus import bpe_cache, load_corpus
     text = "".join(f"def function_{i}(x):\n    return x * {i} + 'héllo wörld ✓'\n\n" for i in range(3000))
     (tmp_path / "corpus.txt").write_text(text)
     config = load_config(None, {"data.source": "text", "data.paths": [str(tmp_path / "corpus.txt")],
@@ -377,7 +377,7 @@ def _llmc(path: Path, tokens, version: int, magic: int = 20240520, count: int | 
 
 
 def test_llmc_token_files(tmp_path):
-    from engine.training.data import check_data, load_corpus, read_bin
+    from engine.training.data.corpus import check_data, load_corpus, read_bin
     tokens16 = np.arange(5000) % 60000
     assert np.array_equal(read_bin(_llmc(tmp_path / "v1.bin", tokens16, 1)), tokens16)
     tokens32 = (np.arange(5000) * 17) % 100_000
@@ -396,7 +396,7 @@ def test_llmc_token_files(tmp_path):
 
 @pytest.mark.parametrize("kind", ["foreign magic", "unknown version", "wrong count"])
 def test_foreign_token_file_headers_are_refused(tmp_path, kind):
-    from engine.training.data import read_bin
+    from engine.training.data.corpus import read_bin
     path = tmp_path / "tokens.bin"
     if kind == "foreign magic":  # an llm.c model file, not tokens
         _llmc(path, np.arange(100), 3, magic=20240326)
@@ -415,7 +415,7 @@ def test_foreign_token_file_headers_are_refused(tmp_path, kind):
 # ---- discoverable config --------------------------------------------------------------------------------------
 def test_every_config_field_is_documented_in_train_help(capsys):
     from engine.cli import main
-    from engine.training.config_help import FIELD_HELP, field_rows
+    from engine.training.config.help import FIELD_HELP, field_rows
     rows = field_rows()
     assert {name for name, *_ in rows} == set(FIELD_HELP)  # every field has a meaning, no stale entry
     with pytest.raises(SystemExit) as exit_:

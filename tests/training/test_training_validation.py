@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from engine.training.checkpoint import CheckpointError, list_checkpoints, save_checkpoint
+from engine.training.checkpoint.dcp import CheckpointError, list_checkpoints, save_checkpoint
 from engine.training.config import (ConfigError, check_fresh_run, load_config, parse_override_args)
 from tests.helpers.distributed import run_ranks
 
@@ -242,7 +242,7 @@ def test_resume_with_other_model_settings_names_each_field(tmp_path):
         assert word in message, message
     # the run settings saved with it (issue 26.6): another trajectory is refused before any rank, naming each
     # field old -> new, by the launcher's pure check and by the trainer; an optimisation change is logged
-    from engine.training.resume_check import check_resume
+    from engine.training.checkpoint.resume import check_resume
     with pytest.raises(ConfigError, match=r"training.seed: 1234 -> 5; global_batch_size: 4 -> 8"):
         check_resume(_config(tmp_path, **{"training.seed": 5, "training.micro_batch_size": 4}), ConfigError)
     with Trainer(_config(tmp_path, **{"training.steps": 2, "data.max_bytes": 50_000})) as other:

@@ -1,6 +1,6 @@
 """Model families of the YAML trainer (``model.family``): each gives the first stage's embedding (a module with
 ``.word``, an ``nn.Embedding``, and optionally ``.pos``), the transformer block (``[s, b, h] -> [s, b, h]``, with
-``reset_parameters(std, num_layers, generator)``) and the final norm.  :class:`engine.training.model.GPTChunk`
+``reset_parameters(std, num_layers, generator)``) and the final norm.  :class:`engine.training.models.chunk.GPTChunk`
 assembles them into pipeline model chunks; the chunk protocol, the output head and tied embeddings are shared.
 
 ``gpt2``: :mod:`.gpt2`; ``llama``: :mod:`.llama`.

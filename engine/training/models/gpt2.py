@@ -3,7 +3,7 @@ causal softmax attention and a GELU MLP, biases everywhere (Radford et al. 2019,
 Multitask Learners"; nanoGPT's ``model.py`` has the same structure).
 
 Parameter names inside a block: ``ln1``, ``qkv`` (``[3h, h]``: rows ``q | k | v``, each head-major), ``proj``,
-``ln2``, ``fc1``, ``fc2`` (:mod:`engine.training.hf` maps them onto Hugging Face ``GPT2LMHeadModel``).
+``ln2``, ``fc1``, ``fc2`` (:mod:`engine.training.checkpoint.hf` maps them onto Hugging Face ``GPT2LMHeadModel``).
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ class RMSNorm(nn.RMSNorm):
     ``F.rms_norm`` decomposes into several ops reading ``x``; their input gradients would otherwise be summed into
     ``x``'s gradient one by one together with the residual branch's, while the split backward's deferral runs the
     norm as its own graph and hands back their sum.  With the view both paths add the same two partial sums in
-    the same order: the split-backward schedules stay bitwise equal to 1F1B (tests/training/test_llama_reference.py).
+    the same order: the split-backward schedules stay bitwise equal to 1F1B (tests/training/models/test_llama_reference.py).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Checkpoints: DCP save / load, resume rules, Hugging Face conversion."""

@@ -1,0 +1,1 @@
+"""Training data: corpora (text, the standard library, token files), tokenizers, batches."""

@@ -1,0 +1,191 @@
+"""Gradient synchronisation of one rank's model chunks: data-parallel all-reduce, tied-embedding sum, grad norm.
+
+:class:`GradSync` provides the two hooks the schedules call (Megatron's ``no_sync_func`` / ``grad_sync_func``):
+
+* ``no_sync()`` -- a context manager; inside it, backward passes only accumulate gradients.  The schedules run
+  every backward inside it except the last backward of each model chunk.
+* ``finalize_model_grads(model_chunks, num_tokens=None, pg_collection=None, force_all_reduce=False)`` -- called
+  once at the end of a training step.  Order as in Megatron-Core's ``finalize_model_grads``: first the
+  data-parallel all-reduce (average) of every gradient, then the sum of the tied word-embedding gradients over
+  the embedding group (first and last pipeline stage), so that both copies receive the same update
+  (:func:`engine.finalize.sum_tied_grads` on the weights marked ``shared_embedding``).
+
+With ``overlap=True`` the data-parallel all-reduce of a chunk starts (``async_op``) as soon as the last
+gradient of the chunk has been accumulated by a backward that ran with sync enabled (a post-accumulate-grad hook),
+overlapping communication with the remaining backward passes; ``finalize_model_grads`` waits for it.  If a
+gradient changed after its all-reduce was launched (a schedule that enabled sync too early) the chunk is reduced
+again synchronously, so the result never depends on the timing.  CUDA-graph replays (``graphs``) write
+gradients without autograd; they run these hooks and bump the gradient buffers' version counters themselves
+(``graphs.backends.common.fire_post_accumulate_hooks``), so overlap and the late-change check hold with graphs,
+split-backward ``W`` graphs included (issue 24).
+
+:func:`clip_grad_norm` computes the global L2 norm over the pipeline (each tied weight counted once: the last
+stage's copy carries ``shared_embedding_copy``) and clips with ``torch.nn.utils.clip_grads_with_norm_``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...finalize import sum_tied_grads, tied_weights
+from ...runtime.process_groups import ProcessGroupCollection, group_size
+from .tensor_parallel import align_grads, clip_local_, grad_norm_squared, has_dtensor, local
+
+__all__ = ["GradSync", "clip_grad_norm", "tied_embedding_weight"]
+
+
+def tied_embedding_weight(chunk: nn.Module) -> nn.Parameter | None:
+    """The tied word-embedding weight a chunk holds (first stage: the embedding; last stage: its copy)."""
+    if not getattr(chunk, "tied", False):
+        return None
+    if getattr(chunk, "embedding", None) is not None:
+        return chunk.embedding.word.weight
+    if getattr(chunk, "head", None) is not None:
+        return chunk.head.word.weight
+    return None
+
+
+class _Bucket:
+    """The parameters of one model chunk, reduced as one flat tensor."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.ready: set[int] = set()
+        self.handle = None
+        self.flat: torch.Tensor | None = None
+        self.snapshot: list[tuple[torch.Tensor, int]] = []
+
+    def flatten(self) -> torch.Tensor:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        align_grads(self.params)
+        self.snapshot = [(p.grad, local(p.grad)._version) for p in self.params]
+        return torch.cat([local(p.grad).reshape(-1) for p in self.params])  # local shards of DTensor grads
+
+    def changed_since_flatten(self) -> bool:
+        return any(p.grad is not g or local(g)._version != v for p, (g, v) in zip(self.params, self.snapshot))
+
+    def unflatten(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            g = local(p.grad)
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
+            offset += n
+
+    def reset(self) -> None:
+        self.ready.clear()
+        self.handle = self.flat = None
+        self.snapshot = []
+
+
+class GradSync:
+    """Data-parallel gradient reduction and tied-embedding synchronisation for one rank's model chunks.
+
+    Args:
+        chunks: this rank's model chunks.
+        pg: the process groups (``dp`` for the data-parallel average, ``embd`` for the tied embedding).
+        overlap: launch each chunk's data-parallel all-reduce when its gradients are complete.
+        tracer: optional ``engine.runtime.tracing.Tracer``; finalize reports a ``"sync"`` span.
+        tied_on_one_rank: the first and the last stage are on one rank (V placement): they share one tied
+            ``Parameter`` there, and no rank communicates over the embedding group.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], pg: ProcessGroupCollection, overlap: bool = True,
+                 tracer=None, tied_on_one_rank: bool = False):
+        self.chunks = list(chunks)
+        self.pg = pg
+        self.dp_size = group_size(pg.dp)
+        self.tracer = tracer
+        self.sync_enabled = True
+        seen: set = set()  # a Parameter two chunks share (V placement's tied ends) belongs to the first's bucket
+        self.buckets = [_Bucket([p for p in c.parameters() if p.requires_grad and not (id(p) in seen or
+                                                                                       seen.add(id(p)))])
+                        for c in self.chunks]
+        self.tied = tied_weights(self.chunks)  # marked shared_embedding (GPTChunk, engine.split_model)
+        self._tied_on_one_rank = tied_on_one_rank
+        self._hooks = []
+        if overlap and self.dp_size > 1:
+            for bucket in self.buckets:
+                for i, p in enumerate(bucket.params):
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(bucket, i)))
+
+    def _hook(self, bucket: _Bucket, index: int):
+        def on_grad(_param: torch.Tensor) -> None:
+            if not self.sync_enabled or bucket.handle is not None:
+                return
+            bucket.ready.add(index)
+            if len(bucket.ready) == len(bucket.params):
+                bucket.flat = bucket.flatten()
+                bucket.handle = dist.all_reduce(bucket.flat, group=self.pg.dp, async_op=True)
+        return on_grad
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Suppress the data-parallel reduction for the backward passes inside (gradients accumulate)."""
+        previous, self.sync_enabled = self.sync_enabled, False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+
+    def finalize_model_grads(self, model_chunks=None, num_tokens=None, pg_collection=None,
+                             force_all_reduce: bool = False) -> None:
+        """Finish the data-parallel average and sum the tied-embedding gradients (Megatron's order).
+
+        ``num_tokens`` is accepted for the schedule contract; the trainer's loss uses the 3-tuple pattern without
+        ``calculate_per_token_loss``, so it is always None here.
+        """
+        span = self.tracer.span("sync", "finalize grads") if self.tracer else contextlib.nullcontext()
+        with span:
+            align_grads(p for b in self.buckets for p in b.params)  # parallel.tensor > 1: grads laid out as params
+            if self.dp_size > 1:
+                for bucket in self.buckets:
+                    if bucket.handle is not None:
+                        bucket.handle.wait()
+                        if bucket.changed_since_flatten():  # gradients moved on after the launch: redo
+                            bucket.handle = None
+                    if bucket.handle is None:
+                        bucket.flat = bucket.flatten()
+                        dist.all_reduce(bucket.flat, group=self.pg.dp)
+                    bucket.unflatten(bucket.flat.div_(self.dp_size))
+                    bucket.reset()
+            if not self._tied_on_one_rank:  # V placement: one shared Parameter, no embedding-group communication
+                sum_tied_grads(self.tied, self.pg)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def clip_grad_norm(chunks: Sequence[nn.Module], max_norm: float, pg: ProcessGroupCollection) -> float:
+    """Global L2 norm of the gradients of the whole model (all pipeline stages), then clip to ``max_norm``.
+
+    Gradients must already be data-parallel averaged (identical across replicas), so the sum of squares is
+    all-reduced over the pipeline group only.  The last stage's tied-embedding copy is left out of the norm (its
+    gradient equals the first stage's).  ``max_norm <= 0`` computes the norm without clipping.  Returns the norm
+    before clipping (same value on every rank).
+    """
+    params = list({id(p): p for c in chunks for p in c.parameters() if p.grad is not None}.values())
+    counted = [p.grad for p in params if not getattr(p, "shared_embedding_copy", False)]
+    device = params[0].grad.device if params else torch.device("cpu")
+    if has_dtensor(counted):  # parallel.tensor > 1: local squares, summed over the tensor-parallel group
+        sq = grad_norm_squared(counted, pg.tp, device)
+    elif counted:
+        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in counted]).pow(2).sum()
+    else:
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+    if group_size(pg.pp) > 1:
+        dist.all_reduce(sq, group=pg.pp)
+    total = sq.sqrt()
+    if max_norm > 0 and params and has_dtensor(p.grad for p in params):
+        clip_local_([p.grad for p in params], max_norm, total)
+    elif max_norm > 0 and params:
+        torch.nn.utils.clip_grads_with_norm_([p for p in params], max_norm, total)
+    return float(total)

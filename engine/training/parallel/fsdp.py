@@ -1,0 +1,166 @@
+"""Fully sharded data parallelism, ``parallel.shard: full``: FSDP2 (``torch.distributed.fsdp.fully_shard``) per
+model chunk, composed with the pipeline schedules.
+
+Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel" (VLDB'23); Rajbhandari et al.,
+"ZeRO" (SC'20), stage 3.  The pipelined use follows torch's own reference, ``torch/distributed/pipelining/stage.py``
+(``backward_maybe_with_nosync`` and ``perform_reduce_grad``):
+
+* **Layout.**  Each model chunk is one ``fully_shard`` unit on the ``dp`` dimension of the job's ``DeviceMesh``
+  (:func:`engine.runtime.process_groups.device_mesh`): every parameter becomes a ``DTensor`` with ``Shard(0)``
+  over the data-parallel group (``torch.chunk`` rows, so rank ``r`` holds about ``1/dp`` of each parameter).
+  ``torch.optim.AdamW`` runs on these sharded parameters: its ``exp_avg`` / ``exp_avg_sq`` are sharded alike.
+* **One step.**  The chunk is built with ``reshard_after_forward=False`` and kept in the "accumulate" mode
+  (``set_requires_gradient_sync(False)``, ``set_reshard_after_backward(False)``, ``set_is_last_backward(False)``)
+  for the whole step: the first forward of the step all-gathers the chunk's parameters, they stay gathered for
+  every microbatch's F, B and W, and each backward only accumulates into the gathered (unsharded) ``.grad``.
+* **Gradients** (:meth:`FSDPGradSync.finalize_model_grads`, the schedules' ``finalize_model_grads_func``): FSDP's
+  own post-backward hook fires when a chunk's *input* gradient is complete, which in a split (B / W) schedule is
+  before its W passes ran.  So no reduction runs during the step at all; after the schedule (every W of every
+  chunk done) finalize switches each chunk to sync mode and runs FSDP's post-backward by hand, as
+  ``perform_reduce_grad`` does: one reduce-scatter (average over ``dp``) of each chunk's accumulated gradients into
+  the sharded ``.grad``, then the reshard (the gathered parameters are freed).  Then the tied word-embedding
+  gradient shards are summed over the embedding group (first and last stage hold the same rows of the same
+  ``[V, h]`` shard: Megatron's order, average first).  ``no_sync`` keeps its meaning (inside it backward passes
+  only accumulate -- here every backward does).
+* **Norm and clipping** (:func:`clip_grad_norm`): the squares of the local gradient shards (the last stage's tied
+  copy left out) summed over the data-parallel and the pipeline group.
+* **Checkpoints** stay layout-free: the trainer gathers every ``DTensor`` to its full tensor before the save and
+  slices the loaded full tensors back (:func:`engine.training.parallel.tensor_parallel.full_state` / ``reshard_like``), so a
+  ``shard: full`` checkpoint resumes at any pipeline / data / shard layout and back; ``pipecast export`` reads it.
+
+With ``parallel.data = 1`` the trainer runs ``shard: full`` as ``none`` (one shard is the whole model).  Not
+supported (refused by ``engine.training.config``): ``parallel.tensor > 1``, CUDA graphs, and a V placement with tied
+embeddings (its first and last stage share one ``Parameter`` across two chunks, which two ``fully_shard`` units
+cannot share).  Checked on CPU / gloo against a single-process run (``tests/training/parallel/test_sharding.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...finalize import sum_tied_grads
+from ...runtime.process_groups import ProcessGroupCollection, group_size
+from .data_parallel import GradSync
+from .tensor_parallel import clip_local_, local
+
+__all__ = ["shard_chunks", "FSDPGradSync", "clip_grad_norm", "reshard", "full_parameters"]
+
+
+def _accumulate_mode(chunk, on: bool) -> None:
+    """``on``: backward passes only accumulate into the gathered gradients and keep the parameters gathered."""
+    chunk.set_requires_gradient_sync(not on)
+    chunk.set_reshard_after_backward(not on)
+    chunk.set_is_last_backward(not on)
+
+
+def shard_chunks(chunks: Sequence[nn.Module], dp_mesh) -> None:
+    """``fully_shard`` each chunk in place over ``dp_mesh`` (the 1-D ``dp`` sub-mesh).  Local: every data-parallel
+    rank built the same full initial weights and keeps its rows.  Keeps the ``shared_embedding`` /
+    ``shared_embedding_copy`` marks (on the new ``DTensor`` parameters) and leaves each chunk in accumulate mode.
+
+    Raises:
+        ConfigError: two chunks share a ``Parameter`` (a V placement's tied ends; the config check refuses it
+            before any collective, this one covers ``parallel.schedule=tuned``).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    from ..config import ConfigError
+    from .tensor_parallel import _clear_dtensor_caches
+    _clear_dtensor_caches()  # a previous Trainer's mesh (its groups destroyed) must not come back from a cache
+    seen: set[int] = set()
+    for chunk in chunks:
+        ids = {id(p) for p in chunk.parameters()}
+        if ids & seen:
+            raise ConfigError("parallel.shard=full: two model chunks of this rank share a parameter (V placement with "
+                              "model.tie_embeddings=true); fully_shard units cannot share parameters -- use a looped "
+                              "schedule (1f1b, interleaved, zb_h1), model.tie_embeddings=false or "
+                              "parallel.shard=optimizer")
+        seen |= ids
+    # the last stage returns its per-token losses [b, s] as a transposed view; the loss function only reads it
+    # (out of place), so FSDP's warning about in-place ops on a returned view does not apply
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
+    for chunk in chunks:
+        marks = {n: (getattr(p, "shared_embedding", False), getattr(p, "shared_embedding_copy", False))
+                 for n, p in chunk.named_parameters()}
+        fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=False)
+        for n, p in chunk.named_parameters():
+            p.shared_embedding, p.shared_embedding_copy = marks.get(n, (False, False))
+        _accumulate_mode(chunk, True)
+
+
+def _param_groups(chunk) -> tuple:
+    """The chunk's FSDP state and its parameter groups (FSDP2 internals, as torch's pipelining stage reads them)."""
+    from torch.distributed.fsdp import fully_shard
+    state = fully_shard.state(chunk)
+    return state, [g for s in state._state_ctx.all_states for g in s._fsdp_param_groups]
+
+
+def reshard(chunks: Sequence[nn.Module]) -> None:
+    """Free the gathered parameters of every chunk (after a forward-only call: evaluation, sampling).  Local."""
+    for chunk in chunks:
+        chunk.reshard()
+
+
+class FSDPGradSync(GradSync):
+    """:class:`~engine.training.parallel.data_parallel.GradSync` for ``fully_shard`` chunks: no reduction during the step, one
+    reduce-scatter per chunk in :meth:`finalize_model_grads` (see the module docstring).
+
+    Args:
+        chunks: this rank's model chunks, already passed through :func:`shard_chunks`.
+        pg: the process groups (``dp``, ``embd``).
+        tracer: optional ``engine.runtime.tracing.Tracer``; finalize reports a ``"sync"`` span.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], pg: ProcessGroupCollection, tracer=None):
+        super().__init__(chunks, pg, overlap=False, tracer=tracer, tied_on_one_rank=False)
+
+    def finalize_model_grads(self, model_chunks=None, num_tokens=None, pg_collection=None,
+                             force_all_reduce: bool = False) -> None:
+        """Reduce-scatter (average) each chunk's accumulated gradients, reshard, then sum the tied-embedding
+        gradient shards over the embedding group.  Collective over ``dp`` (and ``embd``); call once per step,
+        after every backward (B and W) of the step ran."""
+        span = self.tracer.span("sync", "finalize grads") if self.tracer else contextlib.nullcontext()
+        with span:
+            for chunk in self.chunks:
+                _accumulate_mode(chunk, False)
+                state, groups = _param_groups(chunk)
+                for group in groups:
+                    group.post_backward()
+                state._root_post_backward_final_callback()  # FSDP's end-of-backward bookkeeping (waits, idle)
+                _accumulate_mode(chunk, True)
+            sum_tied_grads(self.tied, self.pg)
+
+
+def clip_grad_norm(chunks: Sequence[nn.Module], max_norm: float, pg: ProcessGroupCollection) -> float:
+    """Global L2 norm of the sharded gradients of the whole model, then clip to ``max_norm``.
+
+    Each rank squares its local shards (the last stage's tied copy left out: its gradient equals the first
+    stage's), the sums are all-reduced over the data-parallel and the pipeline group.  ``max_norm <= 0`` only
+    computes the norm.  Returns the norm before clipping (same on every rank).
+    """
+    params = list({id(p): p for c in chunks for p in c.parameters() if p.grad is not None}.values())
+    device = local(params[0].grad).device if params else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if not getattr(p, "shared_embedding_copy", False):
+            sq = sq + torch.linalg.vector_norm(local(p.grad), dtype=torch.float32).pow(2)
+    for group in (pg.dp, pg.pp):
+        if group_size(group) > 1:
+            dist.all_reduce(sq, group=group)
+    total = sq.sqrt()
+    if max_norm > 0 and params:
+        clip_local_([p.grad for p in params], max_norm, total)
+    return float(total)
+
+
+def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``{name: full tensor}`` of ``module``'s parameters (DTensors gathered: collective over their mesh, same
+    order on every rank)."""
+    from torch.distributed.tensor import DTensor
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            for n, p in module.named_parameters()}

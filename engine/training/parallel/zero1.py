@@ -1,0 +1,275 @@
+"""Sharded data parallelism, ``parallel.shard: optimizer``: ZeRO-1 (Megatron-Core's distributed optimizer).
+
+Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (SC'20), stage 1;
+Megatron-Core ``megatron/core/optimizer/distrib_optimizer.py``.  Built on torch's collectives only:
+
+* **Layout.**  The trainable parameters of each model chunk form one flat buffer (chunk order, parameter order;
+  a ``Parameter`` two chunks of one rank share belongs to the first), zero-padded to a multiple of the
+  data-parallel size ``dp``.  Data-parallel rank ``r`` owns the contiguous shard ``[r*S, (r+1)*S)``,
+  ``S = padded / dp``.  Each parameter's part of the shard is one 1-D leaf tensor (a *piece*); AdamW
+  (``torch.optim.AdamW``, ``foreach=False``) runs on the pieces only, so its ``exp_avg`` / ``exp_avg_sq`` take
+  ``1/dp`` of the bytes of ``parallel.shard: none`` (within the padding of one shard).  A piece is a view of its
+  parameter's storage (fp32 training: no separate master copy).  AdamW is elementwise, so a piece's update is the
+  one the whole parameter would get.
+* **Gradients** (:class:`ShardedGradSync.finalize_model_grads`, the schedules' ``finalize_model_grads_func``):
+  the tied word-embedding gradients are summed over the embedding group first (a sum, so it commutes with the
+  data-parallel average; Megatron averages first -- the result differs by float rounding only), then each chunk's
+  flat gradient is reduce-scattered (``dist.reduce_scatter_tensor`` / ``reduce_scatter_single``, sum) over the
+  data-parallel group and divided by ``dp``.  The full ``.grad`` tensors keep this rank's local (unreduced)
+  sums: ZeRO-1 shards optimizer state, not gradients.  ``no_sync`` keeps its meaning (backward passes inside only accumulate); no reduction starts
+  before ``finalize_model_grads``, so a split schedule's deferred ``W`` passes have all run by then.
+* **Step** (:class:`ShardedAdamW.step`): AdamW on the pieces, then each chunk's updated shard is all-gathered
+  (``dist.all_gather_into_tensor`` / ``all_gather_single``) back into the parameters, so every replica holds the
+  same full weights.
+* **Norm and clipping** (:meth:`ShardedAdamW.clip_grad_norm`): the squared norm of this rank's shard (the tied
+  copy of the last stage left out) summed over the data-parallel and the pipeline group.
+* **Checkpoints.**  ``state_dict()`` all-gathers the shards into full per-parameter ``exp_avg`` / ``exp_avg_sq``
+  (the format and names of ``torch.optim.AdamW``); ``load_state_dict`` keeps this rank's slice.  DCP's
+  ``get_state_dict`` / ``set_state_dict`` see a plain AdamW over the model's parameters, so a checkpoint of
+  ``shard: optimizer`` resumes under ``shard: none`` and any pipeline layout, and back.
+
+torch's ``ZeroRedundancyOptimizer`` is not used: it all-reduces full gradients and broadcasts each rank's
+parameters, where this layer reduce-scatters and all-gathers (half the gradient traffic per rank).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .data_parallel import GradSync
+
+__all__ = ["ShardedAdamW", "ShardedGradSync", "ChunkShard"]
+
+# torch 2.13 names reduce_scatter_tensor / all_gather_into_tensor *_single (same semantics); older torch has only
+# the former
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")  # torch.optim.AdamW's per-parameter state (amsgrad off)
+
+
+class ChunkShard:
+    """One model chunk's flat layout and this data-parallel rank's shard of it.
+
+    Args:
+        params: the chunk's trainable parameters, in bucket order.
+        dp_size, dp_rank: the data-parallel group's size and this rank's index in it.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], dp_size: int, dp_rank: int):
+        self.params = list(params)
+        self.dp_size, self.dp_rank = dp_size, dp_rank
+        numel = sum(p.numel() for p in self.params)
+        self.padded = -(-numel // dp_size) * dp_size if numel else 0
+        self.shard_size = self.padded // dp_size
+        lo, hi = dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
+        self.ranges: list[tuple[nn.Parameter, int, int, int]] = []  # (param, its offset, shard lo, shard hi)
+        offset = 0
+        for p in self.params:
+            a, b = max(offset, lo), min(offset + p.numel(), hi)
+            if a < b:
+                self.ranges.append((p, offset, a - lo, b - lo))
+            offset += p.numel()
+        self.grad_shard: torch.Tensor | None = None  # [S], set by ShardedGradSync.finalize_model_grads
+
+    def flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``[padded]``: the tensors (one per parameter) concatenated, zero-padded."""
+        ref = self.params[0]
+        out = torch.zeros(self.padded, dtype=ref.dtype, device=ref.device)
+        offset = 0
+        for t in tensors:
+            out[offset:offset + t.numel()].copy_(t.reshape(-1))
+            offset += t.numel()
+        return out
+
+    def local_grad_shard(self) -> torch.Tensor:
+        """This rank's slice of the local ``.grad`` (zeros where a gradient is missing), no communication."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        lo = self.dp_rank * self.shard_size
+        return self.flat(grads)[lo:lo + self.shard_size]
+
+
+class ShardedGradSync(GradSync):
+    """:class:`~engine.training.parallel.data_parallel.GradSync` whose data-parallel reduction is a reduce-scatter per chunk.
+
+    Same hooks and meaning (``no_sync``, ``finalize_model_grads``); the reduction runs in
+    ``finalize_model_grads`` (no overlap).  :attr:`shards` gives each chunk's layout (for :class:`ShardedAdamW`).
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], pg, tracer=None, tied_on_one_rank: bool = False):
+        super().__init__(chunks, pg, overlap=False, tracer=tracer, tied_on_one_rank=tied_on_one_rank)
+        rank = dist.get_rank(pg.dp) if self.dp_size > 1 else 0
+        self.shards = [ChunkShard(b.params, self.dp_size, rank) for b in self.buckets if b.params]
+
+    def finalize_model_grads(self, model_chunks=None, num_tokens=None, pg_collection=None,
+                             force_all_reduce: bool = False) -> None:
+        """Sum the tied-embedding gradients, then reduce-scatter (average) each chunk's flat gradient."""
+        from ...finalize import sum_tied_grads
+        if not self._tied_on_one_rank:
+            sum_tied_grads(self.tied, self.pg)
+        for shard in self.shards:
+            flat = shard.flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in shard.params])
+            out = torch.empty(shard.shard_size, dtype=flat.dtype, device=flat.device)
+            if self.dp_size > 1:
+                _reduce_scatter(out, flat, group=self.pg.dp)
+                out.div_(self.dp_size)
+            else:
+                out.copy_(flat)
+            shard.grad_shard = out
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """AdamW whose state lives on the pieces of this rank's shards (see the module docstring).
+
+    ``param_groups`` hold the model's parameters (LR schedulers and DCP see a plain AdamW); the inner
+    ``torch.optim.AdamW`` holds the pieces.  ``step()`` takes the reduce-scattered gradient shards of the last
+    ``finalize_model_grads`` (or, when none ran -- DCP's zero-gradient state initialisation -- this rank's slice of
+    the local ``.grad``) and ends with the parameter all-gather; it is collective over the data-parallel group.
+
+    Args:
+        groups: AdamW parameter groups over the model's parameters (``params``, ``weight_decay``).
+        sync: the run's :class:`ShardedGradSync` (layout, data-parallel and pipeline groups).
+        lr, betas, eps: AdamW's hyperparameters.
+    """
+
+    def __init__(self, groups, sync: ShardedGradSync, lr: float, betas, eps: float):
+        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
+        self.sync = sync
+        group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        self._pieces: list[tuple[ChunkShard, nn.Parameter, int, int, int, torch.Tensor]] = []
+        inner_groups = [{"params": [], "weight_decay": g["weight_decay"]} for g in self.param_groups]
+        self._inner_of: list[int] = []
+        for shard in sync.shards:
+            for p, off, lo, hi in shard.ranges:
+                start = lo + shard.dp_rank * shard.shard_size - off  # first element of p in this piece
+                piece = p.detach().view(-1)[start:start + hi - lo].requires_grad_(True)  # a view: no master copy
+                self._pieces.append((shard, p, start, lo, hi, piece))
+                inner_groups[group_of[id(p)]]["params"].append(piece)
+        self.inner = torch.optim.AdamW([g for g in inner_groups if g["params"]] or [{"params": []}], lr=lr,
+                                       betas=betas, eps=eps, foreach=False)
+        self._inner_group = [i for i, g in enumerate(inner_groups) if g["params"]]
+
+    def _attach_grads(self) -> None:
+        for shard, _p, _start, lo, hi, piece in self._pieces:
+            if shard.grad_shard is None:
+                shard.grad_shard = shard.local_grad_shard()
+            piece.grad = shard.grad_shard[lo:hi]
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 norm of the reduced gradients (the shards of every rank), then clip to ``max_norm``.
+
+        Collective over the data-parallel and the pipeline group; ``max_norm <= 0`` only computes the norm.
+        Returns the norm before clipping (the same on every rank).
+        """
+        self._attach_grads()
+        counted = [piece.grad for _s, p, _a, _l, _h, piece in self._pieces
+                   if not getattr(p, "shared_embedding_copy", False)]
+        device = self.sync.shards[0].params[0].device if self.sync.shards else torch.device("cpu")
+        sq = torch.zeros((), dtype=torch.float32, device=device)  # on the parameters' device (NCCL needs it)
+        for g in counted:
+            sq = sq + torch.linalg.vector_norm(g, dtype=torch.float32).pow(2)
+        for group in (self.sync.pg.dp, self.sync.pg.pp):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(sq, group=group)
+        total = sq.sqrt()
+        if max_norm > 0 and self._pieces:
+            torch.nn.utils.clip_grads_with_norm_([piece for *_, piece in self._pieces], max_norm, total)
+        return float(total)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """AdamW on this rank's pieces, then all-gather every chunk's updated shard into the parameters."""
+        if closure is not None:
+            raise ValueError("ShardedAdamW.step takes no closure")
+        self._attach_grads()
+        for inner, outer in zip(self.inner.param_groups, self._inner_group):
+            inner["lr"] = self.param_groups[outer]["lr"]
+        self.inner.step()
+        for shard in self.sync.shards:
+            mine = torch.zeros(shard.shard_size, dtype=shard.params[0].dtype, device=shard.params[0].device)
+            for s, _p, _start, lo, hi, piece in self._pieces:
+                if s is shard:
+                    mine[lo:hi].copy_(piece)
+            full = torch.empty(shard.padded, dtype=mine.dtype, device=mine.device)
+            if shard.dp_size > 1:
+                _all_gather(full, mine, group=self.sync.pg.dp)
+            else:
+                full.copy_(mine)
+            offset = 0
+            for p in shard.params:
+                p.copy_(full[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+            shard.grad_shard = None
+        self._mark_state()
+
+    def _mark_state(self) -> None:
+        """``self.state[p]`` names AdamW's keys with no tensors (the tensors live on the pieces): DCP's
+        ``_init_optim_state`` checks that the state exists and its flattened load reads which keys a parameter has."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                self.state[p] = dict.fromkeys(_STATE_KEYS)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.inner.zero_grad(set_to_none)
+        for shard in self.sync.shards:
+            shard.grad_shard = None
+
+    def _full_state(self) -> dict:
+        """Per model parameter: ``step``, full ``exp_avg`` / ``exp_avg_sq`` (all-gathered; collective)."""
+        out: dict = {}
+        for shard in self.sync.shards:
+            flats = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                mine = torch.zeros(shard.shard_size, dtype=shard.params[0].dtype, device=shard.params[0].device)
+                for s, _p, _start, lo, hi, piece in self._pieces:
+                    if s is shard and key in self.inner.state[piece]:
+                        mine[lo:hi].copy_(self.inner.state[piece][key])
+                full = torch.empty(shard.padded, dtype=mine.dtype, device=mine.device)
+                _all_gather(full, mine, group=self.sync.pg.dp) if shard.dp_size > 1 else \
+                    full.copy_(mine)
+                flats[key] = full
+            step = self._step_tensor()
+            offset = 0
+            for p in shard.params:
+                out[id(p)] = {"step": step.clone()} | {k: f[offset:offset + p.numel()].view_as(p).clone()
+                                                       for k, f in flats.items()}
+                offset += p.numel()
+        return out
+
+    def _step_tensor(self) -> torch.Tensor:
+        for piece_state in self.inner.state.values():
+            return piece_state["step"].detach().clone()
+        return torch.tensor(0.0)
+
+    def state_dict(self) -> dict:
+        """``torch.optim.AdamW``'s format over the model's parameters, the state gathered whole (collective)."""
+        full = self._full_state()
+        sd = super().state_dict()
+        index = 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                sd["state"][index] = full[id(p)]
+                index += 1
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a full AdamW state dict (any layout's); keep this rank's slice of each tensor."""
+        super().load_state_dict(state_dict)
+        for _shard, p, start, lo, hi, piece in self._pieces:
+            saved = self.state[p]
+            if "exp_avg" not in saved:
+                continue
+            n = hi - lo
+            self.inner.state[piece] = {
+                "step": saved["step"].detach().clone().to(torch.float32).reshape(()),
+                "exp_avg": saved["exp_avg"].reshape(-1)[start:start + n].clone(),
+                "exp_avg_sq": saved["exp_avg_sq"].reshape(-1)[start:start + n].clone()}
+        self._mark_state()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (the pieces' AdamW moments and steps)."""
+        return sum(t.numel() * t.element_size() for s in self.inner.state.values() for t in s.values()
+                   if torch.is_tensor(t))

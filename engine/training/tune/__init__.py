@@ -1,0 +1,1 @@
+"""``pipecast tune``: measure a config's costs, rank the schedules, recommend one."""

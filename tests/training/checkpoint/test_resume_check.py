@@ -1,0 +1,84 @@
+"""Resuming with changed settings (issue 26, item 6): changes that continue another trajectory (model shape, data
+identity, seed, global batch) are refused before any rank starts, naming every changed field old -> new;
+optimisation changes are warned; layout changes and a longer run pass silently."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.training import launch
+from engine.training.config import load_config
+from engine.training.checkpoint.resume import MODEL_MUST_MATCH, resume_differences, run_settings
+
+ROOT = Path(__file__).resolve().parents[3]
+DEFAULT = ROOT / "configs" / "default.yaml"
+
+
+def _meta(config) -> dict:
+    """What the trainer saves (Trainer._checkpoint_meta's model / tokenizer / run entries)."""
+    return {"model": {k: getattr(config.model, k) for k in MODEL_MUST_MATCH} |
+            {"ffn_hidden_size": config.ffn_hidden_size}, "tokenizer": {"kind": config.data.tokenizer},
+            "run": json.loads(json.dumps(run_settings(config)))}
+
+
+SAVED = load_config(DEFAULT)
+
+
+@pytest.mark.parametrize("overrides,refused,warned", [
+    ([], [], []),
+    (["parallel.pipeline=1", "parallel.virtual=1", "training.steps=400"], [], []),  # layout, a longer run
+    (["training.micro_batch_size=4", "training.num_microbatches=8"], [], []),  # the same global batch (32)
+    (["training.micro_batch_size=4"], ["global_batch_size: 32 -> 16 (data 1 x 4 microbatches x 8 -> data 1 x 4 "
+                                       "microbatches x 4)"],
+     ["eval_sequences: 64 -> 32 (sequences per evaluation: data x eval microbatches x micro_batch_size x "
+      "eval_iters)"]),
+    (["training.seed=7"], ["training.seed: 1234 -> 7"], []),
+    (["data.max_bytes=100000", "optimizer.lr=1e-3"], ["data.max_bytes: None -> 100000"],
+     ["optimizer.lr: 0.003 -> 0.001"]),
+    (["optimizer.warmup_steps=5", "training.eval_iters=3"], [],
+     ["optimizer.warmup_steps: 20 -> 5", "eval_sequences: 64 -> 96 (sequences per evaluation: data x eval "
+                                         "microbatches x micro_batch_size x eval_iters)"]),
+    (["model.hidden_size=64"], ["checkpoint has model.hidden_size=128, the config has 64",
+                                "checkpoint has model.ffn_hidden_size=512, the config has 256"], []),
+])
+def test_each_change_is_refused_warned_or_allowed(overrides, refused, warned):
+    assert resume_differences(_meta(SAVED), load_config(DEFAULT, overrides)) == (refused, warned)
+
+
+def test_changed_data_paths_are_refused(tmp_path):
+    (tmp_path / "a.txt").write_text("a" * 5000)
+    (tmp_path / "b.txt").write_text("b" * 5000)
+    saved = load_config(DEFAULT, ["data.source=text", f"data.paths=[{tmp_path / 'a.txt'}]"])
+    ours = load_config(DEFAULT, ["data.source=text", f"data.paths=[{tmp_path / 'b.txt'}]"])
+    refused, _ = resume_differences(_meta(saved), ours)
+    assert refused == [f"data.paths: [{str(tmp_path / 'a.txt')!r}] -> [{str(tmp_path / 'b.txt')!r}]"]
+
+
+def test_old_checkpoints_are_compared_on_the_model_only():
+    meta = _meta(SAVED)
+    del meta["run"]
+    assert resume_differences(meta, load_config(DEFAULT, ["training.seed=7"])) == ([], [])
+
+
+def test_the_cli_refuses_a_changed_trajectory_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    step = tmp_path / "checkpoints" / "step_00000050"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    (step / "pipecast.json").write_text(json.dumps(_meta(load_config(DEFAULT, [f"logging.run_dir={tmp_path}"]))))
+    monkeypatch.setattr(launch, "run_spawned", lambda *a, **k: "spawned")
+    parser = argparse.ArgumentParser()
+    launch.add_arguments(parser)
+
+    def run(*flags):
+        args, extra = parser.parse_known_args([str(DEFAULT), f"--logging.run_dir={tmp_path}", "--resume", *flags])
+        args.extra = extra
+        return launch.run(args)
+
+    assert run("--training.seed=7", "--training.micro_batch_size=2") == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot resume from '{step}'"), lines
+    assert "training.seed: 1234 -> 7" in lines[0] and "global_batch_size: 32 -> 8" in lines[0], lines
+    assert run("--optimizer.lr=1e-3", "--parallel.pipeline=1", "--parallel.virtual=1") == "spawned"
