@@ -406,8 +406,9 @@ def _raise_shared(comm, error, rejected: list) -> None:
 def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_microbatches, seq_length,
                   micro_batch_size, decoder_seq_length=None, forward_only=False, collect_non_loss_data=False,
                   first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
-                  force_all_reduce=False, plan: Optional[Plan] = None):
-    """Validate (locally, then agreed across the pipeline), build the plan, run the executor."""
+                  force_all_reduce=False, plan: Optional[Plan] = None, agreement=None):
+    """Validate (locally, then agreed across the pipeline), build the plan, run the executor.  ``agreement``: a
+    :class:`PipelineSchedule` whose last agreed fingerprint lets an unchanged call skip the agreement."""
     comm, pgc = _resolve_groups(schedule, p2p_communicator, pg_collection)
     error, call = None, None
     try:
@@ -424,9 +425,12 @@ def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_micr
         if error is not None:
             raise error
     else:
-        agree_comm = comm or (call.comm if call is not None else _communicator(pgc.pp, None))
-        _agree(agree_comm, error, None if error is not None else
-               _fingerprint(call, schedule, num_microbatches, forward_only))
+        fingerprint = None if error is not None else _fingerprint(call, schedule, num_microbatches, forward_only)
+        if agreement is None or fingerprint is None or fingerprint != agreement.agreed:
+            agree_comm = comm or (call.comm if call is not None else _communicator(pgc.pp, None))
+            _agree(agree_comm, error, fingerprint)
+            if agreement is not None:
+                agreement.agreed = fingerprint
     if not forward_only and call.config.finalize_model_grads_func is None:
         warn_unsynced_tied_weights(call.models)
     return execute(_program(call, schedule, num_microbatches, forward_only, plan),
@@ -658,6 +662,86 @@ def _plan_for_call(plan: Plan, num_microbatches, forward_only):
     return plan, resolution.spec
 
 
+class PipelineSchedule:
+    """A schedule bound once to a run's model chunks and groups, called every step like
+    :func:`forward_backward_pipelining_with_schedule` (torchtitan's "build one schedule object, then only step it").
+
+    Args:
+        schedule: a :class:`~engine.plan.resolve.ResolvedSchedule` (a run's one resolution: each call runs its plan
+            for the call's ``num_microbatches`` and ``forward_only``), a registered schedule's name (resolved here
+            for this pipeline and ``len(model)`` chunks), or a :class:`~engine.plan.types.Plan` (one of a
+            registered schedule stands for its resolution; any other must fit every call).
+        model, pg_collection, p2p_communicator: as for :func:`forward_backward_pipelining_with_schedule`, fixed for
+            every call.
+
+    :meth:`forward_backward` runs every local check of the call each time (argument types, model list, data
+    iterators, P2P modes, shapes, the plan that fits: no communication, no host synchronisation), but the
+    all-gather by which the pipeline ranks agree on the call and share a rejection runs only when the call's
+    fingerprint (schedule, ``num_microbatches``, ``forward_only``, model chunks, group size, variable sequence
+    lengths, activation and gradient shapes, ``pipeline_dtype``) differs from the last one they agreed on: at the
+    first call and at each change of sizes (an evaluation with another microbatch count, sampling with
+    ``micro_batch_size=1``, training again), not at every step.  :attr:`agreed` is that fingerprint (None before
+    the first agreement).
+
+    Contract, as for any collective: every pipeline rank makes the same sequence of calls, so a change of sizes
+    reaches all ranks at the same call.  A rejection raised on some ranks is still raised on every rank when the
+    call changes the fingerprint on all of them; a rank whose call alone changed (or alone was rejected) is not
+    seen by peers that skip the agreement, and both sides stop at the communication timeout instead.
+
+    Raises (construction): ``ValueError`` for an unknown schedule or sizes it does not take.
+    """
+
+    def __init__(self, schedule, *, model, pg_collection=None, p2p_communicator=None):
+        self.model, self.pg_collection, self.p2p_communicator = model, pg_collection, p2p_communicator
+        self.resolution, self._fixed_plan = _bind_schedule(schedule, model, p2p_communicator)
+        self.agreed: Optional[list[int]] = None
+
+    def plan(self, num_microbatches: int, forward_only: bool = False) -> Plan:
+        """The plan a call with these sizes runs (built once per sizes by the resolution)."""
+        if self.resolution is None:
+            return self._fixed_plan
+        try:
+            return self.resolution.plan(num_microbatches, bool(forward_only))
+        except ValueError as exc:
+            raise ValueError(f"{_WITH_SCHEDULE_FN}: {exc}") from None
+
+    def forward_backward(self, *, forward_step_func, data_iterator, num_microbatches: int, seq_length: int,
+                         micro_batch_size: int, decoder_seq_length=None, forward_only: bool = False,
+                         collect_non_loss_data: bool = False, first_val_step=None, adjust_tensor_shapes_fn=None,
+                         force_all_reduce: bool = False) -> list:
+        """One schedule call (the keyword arguments and result of
+        :func:`forward_backward_pipelining_with_schedule`); see the class docstring for when ranks agree."""
+        _check_microbatches(num_microbatches)
+        plan = self.plan(num_microbatches, forward_only)
+        spec = self.resolution.spec if self.resolution is not None else _IMPORTED
+        return _run_schedule(spec, forward_step_func=forward_step_func, data_iterator=data_iterator,
+                             model=self.model, num_microbatches=num_microbatches, seq_length=seq_length,
+                             micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+                             forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+                             first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+                             p2p_communicator=self.p2p_communicator, pg_collection=self.pg_collection,
+                             force_all_reduce=force_all_reduce, plan=plan, agreement=self)
+
+
+def _bind_schedule(schedule, model, p2p_communicator) -> tuple[Optional[ResolvedSchedule], Optional[Plan]]:
+    """``(resolution, None)``, or ``(None, plan)`` for a plan of no registered schedule."""
+    if isinstance(schedule, ResolvedSchedule):
+        return schedule, None
+    if isinstance(schedule, Plan):
+        resolution = ResolvedSchedule.of_plan(schedule)
+        return (resolution, None) if resolution is not None else (None, schedule)
+    try:
+        spec = get_schedule(schedule)
+        models = model if isinstance(model, list) else [model]
+        chunks = spec.chunks or len(models)
+        group = get_model_config(models[0]).microbatch_group_size_per_vp_stage \
+            if "group_size" in spec.options else None
+        spec.check(_pipeline_size(p2p_communicator), chunks)
+        return _resolved(spec, _pipeline_size(p2p_communicator), chunks, group), None
+    except ValueError as exc:
+        raise ValueError(f"PipelineSchedule: {exc}") from None
+
+
 _BY_NAME = {
     "forward_backward_no_pipelining": forward_backward_no_pipelining,
     "forward_backward_pipelining_without_interleaving": forward_backward_pipelining_without_interleaving,
@@ -693,6 +777,7 @@ def select_schedule_name(pp_size: Optional[int] = None, vp_size: Optional[int] =
 
 
 __all__ = ["get_forward_backward_func", "forward_backward_no_pipelining", "forward_backward_pipelining_with_schedule",
+           "PipelineSchedule",
            "forward_backward_pipelining_without_interleaving", "forward_backward_pipelining_with_interleaving",
            "P2PCommunicator", "get_pp_rank_microbatches", "get_schedule_table", "convert_schedule_table_to_order",
            # per-microbatch functions (engine/microbatch.py, engine/runtime/step.py)
