@@ -23,7 +23,7 @@ Measured inside the ranks, without touching the engine:
   model: per rank, the peak over its order of forwards done minus, per chunk, ``B`` done (``W`` done for the
   first stage's chunk).
 
-* **Sharded data parallelism** (``--sharding``, issue 25).  A pp2 x dp2 trainer on 4 CPU ranks per
+* **Sharded data parallelism** (``--sharding``).  A pp2 x dp2 trainer on 4 CPU ranks per
   ``parallel.shard`` value: per rank the bytes of parameters, gradients (the full ``.grad`` tensors, plus the
   reduce-scattered shard ``optimizer`` holds until the step) and AdamW state, against the theory (state of
   ``optimizer`` = state of ``none`` / dp, within one shard's padding; ``full`` (FSDP2): parameters, gradients and
@@ -43,6 +43,7 @@ Measured inside the ranks, without touching the engine:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import weakref
 from pathlib import Path
@@ -129,15 +130,7 @@ class Meter:
         return _NULL
 
 
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
-
-
-_NULL = _Null()
+_NULL = contextlib.nullcontext()
 
 
 def job(rank: int, world: int, chunks: int, deallocate: bool, w: Workload, schedule=None):
@@ -216,7 +209,7 @@ def _shard_overrides(shard: str, run_dir: str) -> list[str]:
 
 def _nbytes(tensors) -> int:
     """Bytes this rank holds (a DTensor -- ``shard: full`` -- counts its local shard)."""
-    from engine.training.parallel.tensor_parallel import local
+    from engine.training.parallel.dtensor import local
     return sum(local(t).numel() * local(t).element_size() for t in tensors if torch.is_tensor(t))
 
 
@@ -227,14 +220,15 @@ def shard_job(rank: int, world: int, shard: str, run_dir: str) -> dict:
     with Trainer(load_config(None, _shard_overrides(shard, f"{run_dir}/{shard}"))) as tr:
         times = [tr.train_step()["step_time_s"] for _ in range(SHARD_STEPS)]
         params = list({id(p): p for c in tr.model for p in c.parameters() if p.requires_grad}.values())
-        if tr.sharded:
+        if tr.parallelism.shard == "optimizer":
             state = tr.optimizer.state_bytes()
-            grad_shard = sum(s.shard_size * 4 for s in tr.grad_sync.shards)
-            padding = sum((s.padded - sum(p.numel() for p in s.params)) * 4 for s in tr.grad_sync.shards)
+            shards = tr.parallelism.grad_sync.shards
+            grad_shard = sum(s.shard_size * 4 for s in shards)
+            padding = sum((s.padded - sum(p.numel() for p in s.params)) * 4 for s in shards)
         else:
             state = _nbytes(t for st in tr.optimizer.state.values() for t in st.values())
             grad_shard = padding = 0
-            if tr.fully_sharded:  # slack of torch.chunk's dim-0 split: one row per parameter
+            if tr.parallelism.shard == "full":  # slack of torch.chunk's dim-0 split: one row per parameter
                 padding = sum(p.numel() // max(p.shape[0], 1) * 4 for p in params)
         return {"rank": rank, "pp_rank": tr.pp_rank, "dp_rank": tr.dp_rank, "param_bytes": _nbytes(params),
                 "grad_bytes": _nbytes(p.grad for p in params), "grad_shard_bytes": grad_shard,
@@ -293,7 +287,7 @@ TENSOR_LAYOUTS = ((1, False), (2, False), (2, True))  # (parallel.tensor, parall
 
 
 def _local_bytes(t) -> int:
-    from engine.training.parallel.tensor_parallel import local
+    from engine.training.parallel.dtensor import local
     return _nbytes([local(t)]) if torch.is_tensor(t) else 0
 
 

@@ -1,4 +1,4 @@
-"""Gradient synchronisation of one rank's model chunks: data-parallel all-reduce, tied-embedding sum, grad norm.
+"""Gradient synchronisation of one rank's model chunks: data-parallel all-reduce and tied-embedding sum.
 
 :class:`GradSync` provides the two hooks the schedules call (Megatron's ``no_sync_func`` / ``grad_sync_func``):
 
@@ -17,10 +17,10 @@ gradient changed after its all-reduce was launched (a schedule that enabled sync
 again synchronously, so the result never depends on the timing.  CUDA-graph replays (``graphs``) write
 gradients without autograd; they run these hooks and bump the gradient buffers' version counters themselves
 (``graphs.backends.common.fire_post_accumulate_hooks``), so overlap and the late-change check hold with graphs,
-split-backward ``W`` graphs included (issue 24).
+split-backward ``W`` graphs included.
 
-:func:`clip_grad_norm` computes the global L2 norm over the pipeline (each tied weight counted once: the last
-stage's copy carries ``shared_embedding_copy``) and clips with ``torch.nn.utils.clip_grads_with_norm_``.
+The global-norm clip of the gradients is :func:`engine.training.parallel.grad_norm.clip_grad_norm_` (every
+layout's); :class:`engine.training.parallel.Parallelism` picks this class or its ZeRO-1 / FSDP2 forms.
 """
 from __future__ import annotations
 
@@ -33,20 +33,9 @@ from torch import nn
 
 from ...finalize import sum_tied_grads, tied_weights
 from ...runtime.process_groups import ProcessGroupCollection, group_size
-from .tensor_parallel import align_grads, clip_local_, grad_norm_squared, has_dtensor, local
+from .dtensor import align_grads, local
 
-__all__ = ["GradSync", "clip_grad_norm", "tied_embedding_weight"]
-
-
-def tied_embedding_weight(chunk: nn.Module) -> nn.Parameter | None:
-    """The tied word-embedding weight a chunk holds (first stage: the embedding; last stage: its copy)."""
-    if not getattr(chunk, "tied", False):
-        return None
-    if getattr(chunk, "embedding", None) is not None:
-        return chunk.embedding.word.weight
-    if getattr(chunk, "head", None) is not None:
-        return chunk.head.word.weight
-    return None
+__all__ = ["GradSync"]
 
 
 class _Bucket:
@@ -163,29 +152,3 @@ class GradSync:
             h.remove()
         self._hooks.clear()
 
-
-def clip_grad_norm(chunks: Sequence[nn.Module], max_norm: float, pg: ProcessGroupCollection) -> float:
-    """Global L2 norm of the gradients of the whole model (all pipeline stages), then clip to ``max_norm``.
-
-    Gradients must already be data-parallel averaged (identical across replicas), so the sum of squares is
-    all-reduced over the pipeline group only.  The last stage's tied-embedding copy is left out of the norm (its
-    gradient equals the first stage's).  ``max_norm <= 0`` computes the norm without clipping.  Returns the norm
-    before clipping (same value on every rank).
-    """
-    params = list({id(p): p for c in chunks for p in c.parameters() if p.grad is not None}.values())
-    counted = [p.grad for p in params if not getattr(p, "shared_embedding_copy", False)]
-    device = params[0].grad.device if params else torch.device("cpu")
-    if has_dtensor(counted):  # parallel.tensor > 1: local squares, summed over the tensor-parallel group
-        sq = grad_norm_squared(counted, pg.tp, device)
-    elif counted:
-        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in counted]).pow(2).sum()
-    else:
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-    if group_size(pg.pp) > 1:
-        dist.all_reduce(sq, group=pg.pp)
-    total = sq.sqrt()
-    if max_norm > 0 and params and has_dtensor(p.grad for p in params):
-        clip_local_([p.grad for p in params], max_norm, total)
-    elif max_norm > 0 and params:
-        torch.nn.utils.clip_grads_with_norm_([p for p in params], max_norm, total)
-    return float(total)

@@ -22,13 +22,14 @@ Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel" 
   gradient shards are summed over the embedding group (first and last stage hold the same rows of the same
   ``[V, h]`` shard: Megatron's order, average first).  ``no_sync`` keeps its meaning (inside it backward passes
   only accumulate -- here every backward does).
-* **Norm and clipping** (:func:`clip_grad_norm`): the squares of the local gradient shards (the last stage's tied
-  copy left out) summed over the data-parallel and the pipeline group.
-* **Checkpoints** stay layout-free: the trainer gathers every ``DTensor`` to its full tensor before the save and
-  slices the loaded full tensors back (:func:`engine.training.parallel.tensor_parallel.full_state` / ``reshard_like``), so a
-  ``shard: full`` checkpoint resumes at any pipeline / data / shard layout and back; ``pipecast export`` reads it.
+* **Norm and clipping** (:func:`engine.training.parallel.grad_norm.clip_grad_norm_`): the squares of the local
+  gradient shards (the last stage's tied copy left out) summed over the data-parallel and the pipeline group.
+* **Checkpoints** stay layout-free: every ``DTensor`` is gathered to its full tensor before the save and the loaded
+  full tensors are sliced back (:class:`engine.training.parallel.Parallelism`'s ``full_state`` /
+  ``load_targets`` / ``reshard_like``), so a ``shard: full`` checkpoint resumes at any pipeline / data / shard
+  layout and back; ``pipecast export`` reads it.
 
-With ``parallel.data = 1`` the trainer runs ``shard: full`` as ``none`` (one shard is the whole model).  Not
+With ``parallel.data = 1`` the run takes ``shard: full`` as ``none`` (one shard is the whole model).  Not
 supported (refused by ``engine.training.config``): ``parallel.tensor > 1``, CUDA graphs, and a V placement with tied
 embeddings (its first and last stage share one ``Parameter`` across two chunks, which two ``fully_shard`` units
 cannot share).  Checked on CPU / gloo against a single-process run (``tests/training/parallel/test_sharding.py``).
@@ -40,15 +41,13 @@ import warnings
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ...finalize import sum_tied_grads
-from ...runtime.process_groups import ProcessGroupCollection, group_size
+from ...runtime.process_groups import ProcessGroupCollection
 from .data_parallel import GradSync
-from .tensor_parallel import clip_local_, local
 
-__all__ = ["shard_chunks", "FSDPGradSync", "clip_grad_norm", "reshard", "full_parameters"]
+__all__ = ["shard_chunks", "FSDPGradSync", "reshard", "full_parameters"]
 
 
 def _accumulate_mode(chunk, on: bool) -> None:
@@ -70,8 +69,6 @@ def shard_chunks(chunks: Sequence[nn.Module], dp_mesh) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from ..config import ConfigError
-    from .tensor_parallel import _clear_dtensor_caches
-    _clear_dtensor_caches()  # a previous Trainer's mesh (its groups destroyed) must not come back from a cache
     seen: set[int] = set()
     for chunk in chunks:
         ids = {id(p) for p in chunk.parameters()}
@@ -134,28 +131,6 @@ class FSDPGradSync(GradSync):
                 state._root_post_backward_final_callback()  # FSDP's end-of-backward bookkeeping (waits, idle)
                 _accumulate_mode(chunk, True)
             sum_tied_grads(self.tied, self.pg)
-
-
-def clip_grad_norm(chunks: Sequence[nn.Module], max_norm: float, pg: ProcessGroupCollection) -> float:
-    """Global L2 norm of the sharded gradients of the whole model, then clip to ``max_norm``.
-
-    Each rank squares its local shards (the last stage's tied copy left out: its gradient equals the first
-    stage's), the sums are all-reduced over the data-parallel and the pipeline group.  ``max_norm <= 0`` only
-    computes the norm.  Returns the norm before clipping (same on every rank).
-    """
-    params = list({id(p): p for c in chunks for p in c.parameters() if p.grad is not None}.values())
-    device = local(params[0].grad).device if params else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        if not getattr(p, "shared_embedding_copy", False):
-            sq = sq + torch.linalg.vector_norm(local(p.grad), dtype=torch.float32).pow(2)
-    for group in (pg.dp, pg.pp):
-        if group_size(group) > 1:
-            dist.all_reduce(sq, group=group)
-    total = sq.sqrt()
-    if max_norm > 0 and params:
-        clip_local_([p.grad for p in params], max_norm, total)
-    return float(total)
 
 
 def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -28,14 +28,16 @@ stage are consecutive and adjacent stages pair the same tensor-parallel rank):
 * ``parallel.sequence_parallel`` (Korthikanti et al. 2022, arXiv:2205.05198, section 4.2.2): the residual stream,
   the block norms and the activations sent between stages are this rank's sequence shard ``[s/T, b, h]`` (dim 0 of
   pipecast's ``[s, b, h]``).  Norms use torch's ``SequenceParallel(sequence_dim=0)`` (weights ``Replicate``
-  DTensors whose gradients come out ``Partial`` and are all-reduced by :func:`align_grads`), column-parallel
+  DTensors whose gradients come out ``Partial`` and are all-reduced by
+  :func:`engine.training.parallel.dtensor.align_grads`), column-parallel
   inputs ``Shard(0)`` (an all-gather along the sequence), row-parallel outputs ``Shard(0)`` (a reduce-scatter
   replaces the all-reduce).  The embedding output is cut to the shard after the (replicated) embedding, the final
   norm's input all-gathered before it; the schedules' P2P shapes are ``[s/T, b, h]`` (the trainer's
   ``ModelParallelConfig`` carries ``sequence_parallel`` and ``tensor_model_parallel_size``), so 1/T of the bytes.
 
-Gradients of sharded parameters are DTensors; :func:`local` gives the local shard to the flat data-parallel and
-tied-embedding reductions, and :func:`grad_norm_squared` sums local squares with one all-reduce over the
+Gradients of sharded parameters are DTensors; :func:`engine.training.parallel.dtensor.local` gives the local shard
+to the flat data-parallel and tied-embedding reductions, and the norm clip
+(:func:`engine.training.parallel.grad_norm.clip_grad_norm_`) sums local squares with one all-reduce over the
 tensor-parallel group (replicated parameters counted once).
 
 Split backward (``zb_h1``, ``zbv``, ``dualpipev``, any schedule with B / W passes) runs the layer-level deferral of
@@ -54,13 +56,11 @@ embedding as at ``T = 1``.  Each W runs in the plan's order, the same on every t
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 
-__all__ = ["align_grads", "parallelize_chunks", "vocab_parallel_logits", "local", "grad_norm_squared",
-           "has_dtensor"]
+__all__ = ["parallelize_chunks", "vocab_parallel_logits"]
 
 
 def _styles():
@@ -139,22 +139,6 @@ def _shard_rows(embedding: nn.Embedding, mesh) -> None:
                                     requires_grad=w.requires_grad)
 
 
-def _clear_dtensor_caches() -> None:
-    """Forget DTensor's cached sharding decisions.  ``DeviceMesh`` equality ignores the process groups, so after a
-    previous run's groups were destroyed (a second :class:`~engine.training.trainer.Trainer` in one process) a
-    cached output spec would still carry the old mesh and its dead groups."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_native is not None:
-        clear_native()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    for cache in (getattr(propagator, "propagate_op_sharding", None), getattr(_redistribute, "_gen_transform_infos",
-                                                                             None)):
-        if hasattr(cache, "cache_clear"):
-            cache.cache_clear()
-
-
 def parallelize_chunks(chunks, tp_mesh, sequence_parallel: bool = False) -> None:
     """Parallelise this rank's model chunks in place over ``tp_mesh`` (the ``tp`` sub-mesh; local, no collective:
     every rank holds the same full initial weights and keeps its slices).  Keeps the ``shared_embedding`` /
@@ -162,7 +146,6 @@ def parallelize_chunks(chunks, tp_mesh, sequence_parallel: bool = False) -> None
     blocks and stage boundaries hold the ``[s/T, b, h]`` sequence shard (:func:`_block_plan`,
     :func:`_sequence_ends`)."""
     from torch.distributed.tensor.parallel import parallelize_module
-    _clear_dtensor_caches()
     _, _, row, replicate = _styles()
     first = next((c for c in chunks if c.embedding is not None), None)
     shared_heads = {id(c) for c in chunks if getattr(c, "head", None) is not None and first is not None
@@ -193,80 +176,3 @@ def vocab_parallel_logits(x: torch.Tensor, weight) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Replicate
     xd = DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
     return F.linear(xd, weight).full_tensor()
-
-
-def align_grads(params) -> None:
-    """Give every DTensor parameter's gradient the parameter's placements (autograd may produce another one, e.g.
-    ``Replicate`` for the vocabulary-parallel embedding: a local slice; ``Partial`` for a sequence-parallel norm's
-    weight: an all-reduce over the tensor-parallel group, in parameter order on every rank), called before any
-    gradient reduction."""
-    from torch.distributed.tensor import DTensor
-    for p in params:
-        g = p.grad
-        if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
-            p.grad = g.redistribute(p.device_mesh, p.placements)
-
-
-def has_dtensor(tensors) -> bool:
-    from torch.distributed.tensor import DTensor
-    return any(isinstance(t, DTensor) for t in tensors)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (the tensor itself otherwise); writes to it change the DTensor."""
-    from torch.distributed.tensor import DTensor
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def grad_norm_squared(grads, tp_group, device) -> torch.Tensor:
-    """Sum of squares (fp32) of ``grads`` over the whole tensor-parallel model: sharded DTensors contribute
-    their local squares summed over ``tp_group`` (one all-reduce), replicated ones (plain tensors or
-    ``Replicate`` DTensors) once.  Collective over ``tp_group`` when any gradient is sharded."""
-    from torch.distributed.tensor import DTensor, Replicate
-    sharded = torch.zeros((), dtype=torch.float32, device=device)
-    replicated = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        sq = torch.linalg.vector_norm(local(g), dtype=torch.float32).pow(2)
-        if isinstance(g, DTensor) and not all(isinstance(p, Replicate) for p in g.placements):
-            sharded = sharded + sq
-        else:
-            replicated = replicated + sq
-    if tp_group is not None and tp_group.size() > 1:
-        dist.all_reduce(sharded, group=tp_group)
-    return sharded + replicated
-
-
-@torch.no_grad()
-def clip_local_(grads, max_norm: float, total: torch.Tensor) -> None:
-    """``torch.nn.utils.clip_grads_with_norm_``'s rule (``g *= min(1, max_norm / (total + 1e-6))``) on the local
-    shards (DTensor gradients cannot be multiplied by a plain scalar tensor)."""
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        local(g).mul_(coef.to(g.device))
-
-
-def full_state(sd: dict) -> dict:
-    """``sd`` with every DTensor gathered to its full plain tensor (collective over the tensor-parallel group,
-    same key order on every rank).  Checkpoints are written in the ``T = 1`` layout: the same keys, shapes and
-    bytes whatever ``parallel.tensor`` (DCP de-duplicates the replicated copies), so they load at any ``T``."""
-    from torch.distributed.tensor import DTensor
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
-
-
-def full_templates(sd: dict) -> dict:
-    """Load targets for :func:`full_state` checkpoints: an empty full-shape plain tensor per DTensor (local)."""
-    from torch.distributed.tensor import DTensor
-    return {k: torch.empty(v.shape, dtype=v.dtype, device=local(v).device) if isinstance(v, DTensor) else v
-            for k, v in sd.items()}
-
-
-def reshard_like(loaded: dict, template: dict) -> dict:
-    """The full tensors of ``loaded`` cut to this rank's shards of ``template``'s DTensors (local slicing, no
-    communication: every rank loaded the same full tensors)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-    out = {}
-    for k, v in loaded.items():
-        t = template.get(k)
-        out[k] = distribute_tensor(v, t.device_mesh, t.placements, src_data_rank=None) \
-            if isinstance(t, DTensor) and not isinstance(v, DTensor) else v
-    return out

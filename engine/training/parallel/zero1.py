@@ -21,7 +21,8 @@ Megatron-Core ``megatron/core/optimizer/distrib_optimizer.py``.  Built on torch'
 * **Step** (:class:`ShardedAdamW.step`): AdamW on the pieces, then each chunk's updated shard is all-gathered
   (``dist.all_gather_into_tensor`` / ``all_gather_single``) back into the parameters, so every replica holds the
   same full weights.
-* **Norm and clipping** (:meth:`ShardedAdamW.clip_grad_norm`): the squared norm of this rank's shard (the tied
+* **Norm and clipping** (:meth:`ShardedAdamW.shard_grads` handed to
+  :func:`engine.training.parallel.grad_norm.clip_grad_norm_`): the squared norm of this rank's shard (the tied
   copy of the last stage left out) summed over the data-parallel and the pipeline group.
 * **Checkpoints.**  ``state_dict()`` all-gathers the shards into full per-parameter ``exp_avg`` / ``exp_avg_sq``
   (the format and names of ``torch.optim.AdamW``); ``load_state_dict`` keeps this rank's slice.  DCP's
@@ -157,26 +158,13 @@ class ShardedAdamW(torch.optim.Optimizer):
                 shard.grad_shard = shard.local_grad_shard()
             piece.grad = shard.grad_shard[lo:hi]
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global L2 norm of the reduced gradients (the shards of every rank), then clip to ``max_norm``.
-
-        Collective over the data-parallel and the pipeline group; ``max_norm <= 0`` only computes the norm.
-        Returns the norm before clipping (the same on every rank).
-        """
+    def shard_grads(self) -> tuple[list[torch.Tensor], list[bool]]:
+        """This rank's pieces of the reduced gradients (``[hi - lo]`` each, views of the reduce-scattered shards,
+        the clip scales them in place) and, per piece, whether it counts in the global norm (not for the last
+        stage's tied-embedding copy, whose gradient equals the first stage's).  Local."""
         self._attach_grads()
-        counted = [piece.grad for _s, p, _a, _l, _h, piece in self._pieces
-                   if not getattr(p, "shared_embedding_copy", False)]
-        device = self.sync.shards[0].params[0].device if self.sync.shards else torch.device("cpu")
-        sq = torch.zeros((), dtype=torch.float32, device=device)  # on the parameters' device (NCCL needs it)
-        for g in counted:
-            sq = sq + torch.linalg.vector_norm(g, dtype=torch.float32).pow(2)
-        for group in (self.sync.pg.dp, self.sync.pg.pp):
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(sq, group=group)
-        total = sq.sqrt()
-        if max_norm > 0 and self._pieces:
-            torch.nn.utils.clip_grads_with_norm_([piece for *_, piece in self._pieces], max_norm, total)
-        return float(total)
+        return ([piece.grad for *_, piece in self._pieces],
+                [not getattr(p, "shared_embedding_copy", False) for _s, p, *_ in self._pieces])
 
     @torch.no_grad()
     def step(self, closure=None):

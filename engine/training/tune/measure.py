@@ -113,7 +113,7 @@ def probe_memory(tr) -> list[dict]:
         static = _static_bytes(tr, chunk.parameters())
         tied = _static_bytes(tr, [chunk.embedding.word.weight]) if (
             chunk.is_first and tr.config.model.tie_embeddings) else 0
-        with tr.grad_sync.no_sync():
+        with tr.parallelism.grad_sync.no_sync():
             act, held = _probe_chunk(tr, chunk, batch)
         out.append({"stage": tr.plan.stage(tr.pp_rank, index), "activation_bytes": act, "pending_w_bytes": held,
                     "static_bytes": static, "tied_bytes": tied})

@@ -57,7 +57,7 @@ def _run(config, steps: int, load=None, save_at=None, evaluate=False) -> dict:
                 out["val_loss"] = trainer.evaluate()
                 out["sharded_after_eval"] = [isinstance(p, DTensor) for p in trainer.canonical.parameters()]
         out["params"] = {n: p.numpy().copy() for n, p in full_parameters(trainer.canonical).items()}
-        out["state_bytes"] = trainer.optimizer.state_bytes() if trainer.sharded else _local_bytes(
+        out["state_bytes"] = trainer.optimizer.state_bytes() if trainer.parallelism.shard == "optimizer" else _local_bytes(
             t for s in trainer.optimizer.state.values() for t in s.values())
         out["param_bytes"] = _local_bytes({id(p): p for c in trainer.model for p in c.parameters()}.values())
         out["full_param_bytes"] = sum(v.nbytes for v in out["params"].values())
@@ -66,7 +66,7 @@ def _run(config, steps: int, load=None, save_at=None, evaluate=False) -> dict:
 
 def _local_bytes(tensors) -> int:
     """Bytes this rank holds of ``tensors`` (a DTensor counts its local shard only)."""
-    from engine.training.parallel.tensor_parallel import local
+    from engine.training.parallel.dtensor import local
     return sum(local(t).numel() * local(t).element_size() for t in tensors if torch.is_tensor(t))
 
 

@@ -1,0 +1,82 @@
+"""The one global-norm gradient clip of the recipe, for every layout's gradients.
+
+Each rank holds a part of the model's gradients, in one of three forms, all handled by :func:`clip_grad_norm_`:
+
+* a plain tensor, whole: the same on its data-parallel and tensor-parallel peers (``shard: none``; norms and
+  biases that tensor parallelism leaves replicated) -- its square counts once;
+* a ``DTensor`` (tensor parallelism, FSDP2): the squares of its local shard are summed over the process group of
+  every mesh dimension it is sharded on (``Shard`` / ``_StridedShard``; a ``Replicate`` dimension adds nothing);
+* a plain tensor that is this rank's piece of a flat buffer split over ``shard_group`` (ZeRO-1's reduced gradient
+  shards): its squares are summed over that group.
+
+The sums are then summed over the pipeline group (each stage holds other parameters).  The clip is
+``torch.nn.utils.clip_grads_with_norm_``'s rule, ``g *= min(1, max_norm / (norm + 1e-6))``, applied to the local
+shards (a DTensor gradient cannot be multiplied by a plain scalar tensor).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ...runtime.process_groups import group_size
+from .dtensor import local
+
+__all__ = ["clip_grad_norm_"]
+
+
+def _sharded_over(grad: torch.Tensor, shard_group) -> tuple:
+    """The process groups over which ``grad``'s local squares are summed (see the module docstring)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(grad, DTensor):
+        mesh = grad.device_mesh
+        return tuple(mesh.get_group(dim) for dim, placement in enumerate(grad.placements)
+                     if not placement.is_replicate())
+    return () if shard_group is None else (shard_group,)
+
+
+@torch.no_grad()
+def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, pipeline_group=None,
+                    counted: Sequence[bool] | None = None, shard_group=None) -> torch.Tensor:
+    """Global L2 norm of the whole model's gradients, then scale ``grads`` in place so it is at most ``max_norm``.
+
+    Args:
+        grads: this rank's gradients (plain tensors or DTensors; see the module docstring for what each form
+            means); all of them are clipped.
+        max_norm: the clip threshold (``optimizer.grad_clip``); ``<= 0`` only computes the norm.
+        pipeline_group: the pipeline group (None: one stage).
+        counted: per gradient, False to leave it out of the norm while still clipping it: a copy whose value
+            another counted gradient holds (the last stage's tied word-embedding copy).  Default: all counted.
+        shard_group: the group over which plain ``grads`` are pieces of one flat buffer (ZeRO-1), or None.
+
+    Returns:
+        The norm before clipping: an fp32 scalar tensor on the gradients' device, the same on every rank (no host
+        synchronisation here; read it with ``float()`` where it is logged).
+
+    Collective over ``pipeline_group`` and every group a gradient is sharded over (each all-reduce issued in
+    gradient order, the same on the members of a group: they hold the same stage).
+    """
+    grads = list(grads)
+    counted = [True] * len(grads) if counted is None else list(counted)
+    device = local(grads[0]).device if grads else torch.device("cpu")
+    parts: dict[tuple, list[torch.Tensor]] = {}
+    for g, c in zip(grads, counted):
+        if c:
+            parts.setdefault(_sharded_over(g, shard_group), []).append(local(g))
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for groups, tensors in parts.items():
+        sq = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]).pow(2).sum()
+        for group in groups:
+            if group_size(group) > 1:
+                dist.all_reduce(sq, group=group)
+        total = total + sq
+    if group_size(pipeline_group) > 1:
+        dist.all_reduce(total, group=pipeline_group)
+    norm = total.sqrt()
+    if max_norm > 0 and grads:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            shard = local(g)
+            shard.mul_(coef.to(shard.device))
+    return norm

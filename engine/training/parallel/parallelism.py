@@ -1,0 +1,186 @@
+"""One parallelism object per run: :class:`Parallelism`, built once from ``parallel.*``, the process groups and the
+device.  The trainer hands it the model chunks and then only calls it; every decision that depends on
+``parallel.tensor`` / ``parallel.shard`` is made here:
+
+* :func:`parallelize` -- tensor parallelism, then (its slot) activation recomputation, then FSDP2, on the chunks;
+* the gradient sync the schedules call (``finalize_model_grads`` / ``no_sync``: data-parallel all-reduce, ZeRO-1's
+  reduce-scatter or FSDP2's, then the tied-embedding sum);
+* the optimizer: ``torch.optim.AdamW``, ZeRO-1's :class:`~engine.training.parallel.zero1.ShardedAdamW`, or AdamW
+  on FSDP2's sharded parameters;
+* the one global-norm clip (:func:`engine.training.parallel.grad_norm.clip_grad_norm_`) over this layout's
+  gradients;
+* the checkpoint state: gathered to full tensors for the save, the loaded full tensors cut back to this rank's
+  shards (:mod:`engine.training.parallel.dtensor`).
+
+A new parallelism is a module in this package and a step in :func:`parallelize` (plus, if it changes how
+gradients are reduced or the optimizer state is held, a branch in :meth:`Parallelism._grad_sync` /
+:meth:`Parallelism.build_optimizer`); the trainer does not change.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ...runtime.process_groups import ProcessGroupCollection
+from . import dtensor
+from .data_parallel import GradSync
+from .grad_norm import clip_grad_norm_
+
+__all__ = ["Parallelism", "parallelize"]
+
+log = logging.getLogger("pipecast.train")
+
+
+def parallelize(chunks: Sequence[nn.Module], *, tp_mesh=None, sequence_parallel: bool = False,
+                dp_mesh=None) -> None:
+    """Apply the run's parallelisms to this rank's model chunks, in place (local: every rank built the same full
+    initial weights and keeps its part; no collective), in torchtitan's order (``parallelize_llama``):
+
+    1. tensor parallelism over ``tp_mesh`` (None: off), ``sequence_parallel`` as configured
+       (:func:`engine.training.parallel.tensor_parallel.parallelize_chunks`);
+    2. activation recomputation: not offered yet; it goes here, wrapping each block;
+    3. FSDP2 over ``dp_mesh`` (None: off; :func:`engine.training.parallel.fsdp.shard_chunks`).
+
+    Why this order: tensor parallelism replaces each projection's weight by a ``DTensor`` on the ``tp`` mesh and
+    installs the redistributions around its module, so a recomputed block must wrap the block as it then runs
+    (its second forward repeats those collectives); FSDP2 comes last because it shards the parameters as they are
+    by then (a tensor-parallel ``DTensor`` would become a 2-D one) and its all-gather before the forward and
+    reduce-scatter after the backward must enclose everything the chunk runs, recomputed forwards included.
+
+    Raises:
+        ConfigError: FSDP2 over chunks that share a ``Parameter`` (a V placement's tied ends).
+    """
+    dtensor.clear_caches()  # a previous run's mesh (its groups destroyed) must not come back from a cache
+    if tp_mesh is not None:
+        from .tensor_parallel import parallelize_chunks
+        parallelize_chunks(chunks, tp_mesh, sequence_parallel=sequence_parallel)
+    if dp_mesh is not None:
+        from .fsdp import shard_chunks
+        shard_chunks(chunks, dp_mesh)
+
+
+class Parallelism:
+    """The parallel layout of one run on this rank (see the module docstring).
+
+    Args:
+        parallel: the run's ``parallel`` section (``tensor``, ``sequence_parallel``, ``shard``,
+            ``overlap_grad_reduce``).
+        pg: the run's process groups (``parallel.data`` is their data-parallel size).
+        device: this rank's device.
+        tied_on_one_rank: the plan puts the first and the last stage on one rank (V placement): the tied word
+            embedding is one ``Parameter`` there, and no rank communicates over the embedding group.
+
+    ``shard`` is the data-parallel form that runs: ``parallel.shard``, or ``"none"`` with one data-parallel rank
+    (one shard is the whole model).  Use in this order: :meth:`apply` (once), :meth:`build_optimizer` (once), then
+    per step the schedule (which calls the gradient sync), :meth:`clip_grad_norm_` and the optimizer step.
+    """
+
+    def __init__(self, parallel, pg: ProcessGroupCollection, device: torch.device, *, tied_on_one_rank: bool = False):
+        self.pg, self.device = pg, device
+        self.tensor, self.sequence_parallel = parallel.tensor, parallel.sequence_parallel
+        self.data = pg.data_parallel_size
+        self.shard = parallel.shard if self.data > 1 else "none"
+        self.overlap_grad_reduce = parallel.overlap_grad_reduce
+        self.tied_on_one_rank = tied_on_one_rank
+        self.chunks: list[nn.Module] = []
+        self.grad_sync: GradSync | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        if parallel.shard != self.shard:
+            log.info("parallel.shard=%s with parallel.data=1: one shard is the whole model (runs as shard=none)",
+                     parallel.shard)
+
+    def describe(self) -> str:
+        """``tensor=T [sequence parallel] data=D shard=S``, for the start-up line."""
+        sp = " (sequence parallel)" if self.sequence_parallel and self.tensor > 1 else ""
+        return f"data={self.data} tensor={self.tensor}{sp} shard={self.shard}"
+
+    def apply(self, chunks: Sequence[nn.Module], config) -> None:
+        """:func:`parallelize` ``chunks`` (in place) and build their gradient sync, installed as ``config``'s
+        ``finalize_model_grads_func`` / ``no_sync_func`` (a :class:`~engine.model_parallel_config.ModelParallelConfig`,
+        the chunks' ``.config``).  Local."""
+        tp_mesh = dp_mesh = None
+        if self.tensor > 1 or self.shard == "full":
+            from ...runtime.process_groups import device_mesh
+            mesh = device_mesh(self.pg, self.device.type)
+            tp_mesh = mesh["tp"] if self.tensor > 1 else None
+            dp_mesh = mesh["dp"] if self.shard == "full" else None
+        parallelize(chunks, tp_mesh=tp_mesh, sequence_parallel=self.sequence_parallel, dp_mesh=dp_mesh)
+        self.chunks = list(chunks)
+        self.grad_sync = self._grad_sync()
+        config.finalize_model_grads_func = self.grad_sync.finalize_model_grads
+        config.no_sync_func = self.grad_sync.no_sync
+
+    def _grad_sync(self) -> GradSync:
+        if self.shard == "optimizer":
+            from .zero1 import ShardedGradSync
+            return ShardedGradSync(self.chunks, self.pg, tied_on_one_rank=self.tied_on_one_rank)
+        if self.shard == "full":
+            from .fsdp import FSDPGradSync
+            return FSDPGradSync(self.chunks, self.pg)
+        return GradSync(self.chunks, self.pg, overlap=self.overlap_grad_reduce, tied_on_one_rank=self.tied_on_one_rank)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's trainable parameters, each once (the V placement's tied ends share one)."""
+        return list({id(p): p for c in self.chunks for p in c.parameters() if p.requires_grad}.values())
+
+    def local_parameter_count(self) -> int:
+        """Elements of the parameters this rank holds (a ``DTensor`` counts its local shard)."""
+        return sum(dtensor.local(p).numel() for p in self.parameters())
+
+    def build_optimizer(self, *, lr: float, betas: tuple[float, float], eps: float,
+                        weight_decay: float) -> torch.optim.Optimizer:
+        """AdamW over :meth:`parameters` (weight decay on matrices, none on vectors), in the run's shard form:
+        ZeRO-1's :class:`~engine.training.parallel.zero1.ShardedAdamW` for ``shard=optimizer``, else
+        ``torch.optim.AdamW`` (on FSDP2's sharded parameters for ``shard=full``).  Call after :meth:`apply`."""
+        params = self.parameters()
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        if self.shard == "optimizer":
+            from .zero1 import ShardedAdamW
+            self.optimizer = ShardedAdamW(groups, self.grad_sync, lr=lr, betas=betas, eps=eps)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
+        return self.optimizer
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The global L2 norm of the gradients of the whole model, then clip them to ``max_norm`` (``<= 0``: no
+        clip); the gradients must be reduced (after the schedule's ``finalize_model_grads``).  Returns the norm
+        before clipping as an fp32 scalar tensor on the device, the same on every rank.  Collective."""
+        if self.shard == "optimizer":
+            grads, counted = self.optimizer.shard_grads()
+            return clip_grad_norm_(grads, max_norm, counted=counted, pipeline_group=self.pg.pp,
+                                   shard_group=self.pg.dp)
+        params = [p for p in self.parameters() if p.grad is not None]
+        return clip_grad_norm_([p.grad for p in params], max_norm, pipeline_group=self.pg.pp,
+                               counted=[not getattr(p, "shared_embedding_copy", False) for p in params])
+
+    def after_forward_only(self) -> None:
+        """After a forward-only schedule call (evaluation, sampling): FSDP2 frees the parameters it gathered (a
+        training step does so in ``finalize_model_grads``).  Local."""
+        if self.shard == "full":
+            from .fsdp import reshard
+            reshard(self.chunks)
+
+    # ---- checkpoint state: saved unsharded, so a checkpoint resumes at any layout ----------------------------
+    @staticmethod
+    def full_state(sd: dict) -> dict:
+        """A state dict to save: every ``DTensor`` gathered to its full tensor (collective over its mesh)."""
+        return dtensor.full_state(sd)
+
+    @staticmethod
+    def load_targets(sd: dict) -> dict:
+        """What a load reads into: a full-shape empty tensor per ``DTensor`` of ``sd`` (local)."""
+        return dtensor.full_templates(sd)
+
+    @staticmethod
+    def reshard_like(loaded: dict, template: dict) -> dict:
+        """Full tensors ``loaded`` cut to this rank's shards of ``template``'s ``DTensor`` entries (local)."""
+        return dtensor.reshard_like(loaded, template)
+
+    def close(self) -> None:
+        """Remove the gradient sync's hooks."""
+        if self.grad_sync is not None:
+            self.grad_sync.close()
