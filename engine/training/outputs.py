@@ -5,11 +5,12 @@
   path component is over the file system's name limit, and the optional packages the run needs are installed
   (matplotlib for ``--timeline``, Transformer Engine for ``cuda_graphs.backend=te``).  Each problem is a
   :class:`~engine.training.config.ConfigError` naming the field, its value, the cause and the fix.
+* :func:`setup_logging` -- the run's log lines (stderr, ``train.log`` on the logging rank).
 * :func:`run_lock` -- an advisory lock (``fcntl.flock``, exclusive) on ``<folder>/.pipecast.lock`` for the run
   folder and the checkpoint folder, held by the launcher for the whole run.  The kernel releases it when the
   process ends, however it ends, so a crashed run never blocks the next; a second run into a locked folder is
   refused naming the holder's pid (written into the lock file).  Nested use in one process is allowed (the
-  launcher locks before it imports torch, so a second run is refused within a second, and ``spawn`` locks again).  Advisory locks work between processes of one
+  launcher locks before it imports torch, so a second run is refused within a second, and ``launch_ranks`` locks again).  Advisory locks work between processes of one
   machine; on a network file system they are as good as its ``flock`` support.
 
 Standard library only (no torch), so the checks take milliseconds.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import socket
 import time
@@ -128,7 +130,7 @@ def run_lock(config: TrainConfig):
         yield
 
 
-_HELD: dict[Path, int] = {}  # folders this process holds the lock of -> nesting depth (run() and spawn() both lock)
+_HELD: dict[Path, int] = {}  # folders this process holds the lock of -> nesting depth (run() and launch_ranks() both lock)
 
 
 @contextlib.contextmanager
@@ -163,3 +165,28 @@ def _locked(folder: Path, field: str, value: str):
         if _HELD.get(folder) == 1:
             del _HELD[folder]
         fh.close()  # releases the lock
+
+
+def setup_logging(config: TrainConfig, is_log_rank: bool, run_dir: Path,
+                  to_file: bool = True) -> logging.Handler | None:
+    """stdlib logging of a run (the ``pipecast`` logger): INFO lines on the logging rank (stderr and, when
+    ``to_file``, ``<run_dir>/train.log``), warnings elsewhere.  Returns the file handler this call added (the
+    trainer removes it when it closes)."""
+    logger = logging.getLogger("pipecast")
+    logger.setLevel(getattr(logging, config.logging.level) if is_log_rank else logging.WARNING)
+    if not any(getattr(h, "_pipecast", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler._pipecast = True
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    if not (is_log_rank and to_file):
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = str((run_dir / "train.log").resolve())
+    if any(getattr(h, "baseFilename", None) == target for h in logger.handlers):
+        return None
+    fh = logging.FileHandler(target)
+    fh.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    logger.addHandler(fh)
+    return fh

@@ -1,24 +1,29 @@
 """The training loop: a :class:`Trainer` that owns init, ``train_step``, ``train``, ``evaluate``, checkpoints and
-``close`` (torchtitan's shape).  It drives the pipeline only through the public Megatron-style API:
-``engine.schedules.forward_backward_pipelining_with_schedule`` handed the plan of the run's one resolution
-(:class:`engine.plan.resolve.ResolvedSchedule`), with a ``forward_step_func`` / ``loss_func`` pair, model chunks
-that implement ``set_input_tensor`` and carry ``.config``, and the ``finalize_model_grads_func`` / ``no_sync_func``
-hooks on that config.
+``close`` (torchtitan's shape).  It resolves the run once and then only steps:
+
+* the config is validated once (:func:`engine.training.config.validate`, which ``load_config`` runs; a config built
+  or changed by hand is validated here), before any communication;
+* the schedule is resolved once (:class:`engine.plan.resolve.ResolvedSchedule`) and bound once to the model
+  chunks and groups (:class:`engine.schedules.PipelineSchedule`, the public API): each call runs the resolution's
+  plan for its microbatch count, and the pipeline ranks agree on a call only when its sizes change;
+* the parallel layout is one :class:`engine.training.parallel.Parallelism` built from ``parallel.*``: it
+  parallelises the chunks, owns the gradient sync the schedule calls (``finalize_model_grads_func`` /
+  ``no_sync_func`` on the chunks' ``ModelParallelConfig``), the optimizer, the global-norm clip and the
+  checkpoint state's gather / scatter; the trainer never asks which layout runs.
 
 One training step (every rank)::
 
     zero grads -> schedule(forward_step_func, data iterators, chunks, M microbatches)   # the run's plan
-               -> finalize_model_grads (data-parallel average, tied-embedding sum)      # called by the schedule
+               -> finalize_model_grads (data-parallel reduction, tied-embedding sum)    # called by the schedule
                -> global grad-norm clip -> AdamW step -> LR schedule step
 
 The loss is owned by the last pipeline stage (on the last rank, or rank 0 under the V placement); it is averaged
 over data-parallel replicas and broadcast over the pipeline so every rank returns the same metrics.  The log line
-is written by the last stage of data-parallel replica 0.
+is written by the last stage of data-parallel replica 0 (tensor-parallel rank 0).
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import logging
 import math
@@ -26,25 +31,25 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..model_parallel_config import ModelParallelConfig
 from ..plan.registry import virtual_or_none
-from ..runtime.process_groups import ProcessGroupCollection, build_process_groups
+from ..runtime.process_groups import ProcessGroupCollection, build_process_groups, group_size
 from .checkpoint.dcp import (CheckpointError, checkpoint_keys, latest_checkpoint, list_checkpoints, load_checkpoint,
-                         read_checkpoint_meta, save_checkpoint)
-from .checkpoint.resume import MODEL_MUST_MATCH, refusal_message, resume_differences, run_settings
+                             read_checkpoint_meta, save_checkpoint)
+from .checkpoint.resume import checkpoint_meta, refusal_message, resume_differences
 from .config import TrainConfig, check_fresh_run, dump_config, validate, validate_world_size
+from .config.validated import is_validated
 from .data.corpus import Batches, load_corpus
-from .parallel.data_parallel import GradSync, clip_grad_norm
-from .parallel.zero1 import ShardedAdamW, ShardedGradSync
+from .parallel.parallelism import Parallelism
 from . import preempt
 from .metrics import MetricsLog, known_peak_tflops, model_flops_per_token
 from .models.chunk import build_model_chunks, canonical_module
+from .outputs import setup_logging
 from .seed import set_seed_and_determinism
 
 __all__ = ["Trainer", "lr_lambda", "NonFiniteLossError"]
@@ -70,28 +75,26 @@ class Trainer:
     """A pipeline-parallel GPT training run on this rank.
 
     Args:
-        config: a validated :class:`~engine.training.config.TrainConfig` (``load_config``).
+        config: a :class:`~engine.training.config.TrainConfig` (``load_config`` validates it; one built or changed
+            by hand is validated here, on every rank, before any process group is created).
 
-    ``torch.distributed`` must be initialised with ``parallel.pipeline x parallel.data`` ranks (``pipecast train``
-    and ``engine.training.launch.spawn`` do it; torchrun plus ``init_process_group`` works too); a one-rank config
-    initialises a one-process gloo group itself.  Use as a context manager or call :meth:`close`.
+    ``torch.distributed`` must be initialised with ``parallel.pipeline x parallel.data x parallel.tensor`` ranks
+    (``pipecast train`` and ``engine.training.launch_ranks`` do it; torchrun plus ``init_process_group`` works too);
+    a one-rank config initialises a one-process gloo group itself.  Use as a context manager or call :meth:`close`.
 
     Raises:
         ConfigError / RuntimeError: invalid config or world size (before any process group is created).
     """
 
     def __init__(self, config: TrainConfig):
-        validate(config)
+        if not is_validated(config):  # load_config / validate() stamped it: not checked twice
+            validate(config)
         self._owns_default_group = self._init_distributed(config)
         self.config = config = validate_world_size(config, dist.get_world_size())
         self.rank = dist.get_rank()
         self.device = self._pick_device(config)
-        p = config.parallel
-        backend = None if p.backend == "auto" else p.backend
-        self.pg: ProcessGroupCollection = build_process_groups(
-            p.pipeline, virtual_or_none(p.virtual), backend=backend,
-            timeout=datetime.timedelta(seconds=p.timeout_s), tensor_model_parallel_size=p.tensor)
-        self.pp_rank, self.pp_size = self.pg.pipeline_model_parallel_rank, p.pipeline
+        self.pg: ProcessGroupCollection = _process_groups(config.parallel)
+        self.pp_rank, self.pp_size = self.pg.pipeline_model_parallel_rank, config.parallel.pipeline
         self.dp_rank, self.dp_size = self.pg.data_parallel_rank, self.pg.data_parallel_size
         self.schedule = config.resolve_schedule()  # the run's one resolution: it gives every plan of the run
         self.plan = self.schedule.plan(config.training.num_microbatches)  # its placement: the stages held here
@@ -101,25 +104,10 @@ class Trainer:
         # a folder with checkpoints belongs to another run until load() resumes it: its train.log and config.yaml
         # are left alone (train() refuses a fresh start there, see check_fresh_run)
         self._run_files_open = not list_checkpoints(config.checkpoint_dir)
-        self._log_file = _setup_logging(config, self.is_log_rank, self.run_dir, to_file=self._run_files_open)
+        self._log_file = setup_logging(config, self.is_log_rank, self.run_dir, to_file=self._run_files_open)
         set_seed_and_determinism(config.training.seed, self.pp_rank, config.training.deterministic)
-
         self.tracer = None  # an engine.runtime.tracing.Tracer; the profiling tools set it
-        self.mp_config = self._model_parallel_config()
-        self.model = build_model_chunks(config.model, config.ffn_hidden_size, p.pipeline, self.pp_rank, p.virtual,
-                                        config.training.seed, self.mp_config, self.device,
-                                        stages=self.plan.stages_of(self.pp_rank))
-        self._apply_tensor_parallel()
-        self._apply_full_shard()
-        first, last = self.plan.stage_location(0)[0], self.plan.stage_location(self.plan.num_stages - 1)[0]
-        self.grad_sync = self._build_grad_sync(tied_on_one_rank=first == last)
-        self.mp_config.finalize_model_grads_func = self.grad_sync.finalize_model_grads
-        self.mp_config.no_sync_func = self.grad_sync.no_sync
-        self.canonical = canonical_module(self.model)
-        if config.model.init_from:
-            self._init_from_hf()
-        self.optimizer = self._build_optimizer()
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_multiplier)
+        self._build_model()
         self.batches = self._build_batches()
         self.step = 0
         self.history: list[dict] = []
@@ -130,16 +118,11 @@ class Trainer:
         self._metrics: MetricsLog | None = None  # opened by train() on the logging rank
         self.flops_per_token = model_flops_per_token(config.model, config.ffn_hidden_size)
         self.peak_tflops = self._peak_tflops()
-        self._forward_backward, self._p2p = self._schedule()
+        self._pipeline = self._bind_schedule()
         if self.rank == 0 and self._run_files_open:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(config, self.run_dir / "config.yaml")
-        n_params = sum(p.numel() for c in self.model for p in c.parameters())
-        log.info("pipecast: %s schedule, pipeline=%d virtual=%d data=%d, %d layers, %.2fM parameters on this "
-                 "rank, device %s, simulated bubble %.1f%%, data: %s", config.schedule_name + (
-                     f" (max_in_flight {p.max_in_flight})" if p.max_in_flight else ""), p.pipeline, p.virtual,
-                 self.dp_size, config.model.num_layers, n_params / 1e6, self.device, 100 * self.simulated_bubble(),
-                 self.batches.corpus.description if self.batches else "(not read on this stage)")
+        self._log_start()
 
     # ---- setup ------------------------------------------------------------------------------------------------
     @staticmethod
@@ -147,59 +130,70 @@ class Trainer:
         if dist.is_initialized():
             return False
         if config.world_size != 1:
+            p = config.parallel
             raise RuntimeError(
-                f"the config needs {config.world_size} ranks (parallel.pipeline x parallel.data = "
-                f"{config.parallel.pipeline} x {config.data_parallel_size}) but torch.distributed is not initialised;"
-                f" launch with `pipecast train CONFIG`, torchrun, or engine.training.launch.spawn")
+                f"the config needs {config.world_size} ranks (parallel.pipeline x parallel.data x parallel.tensor = "
+                f"{p.pipeline} x {config.data_parallel_size} x {p.tensor}) but torch.distributed is not "
+                f"initialised; launch with `pipecast train CONFIG`, torchrun, or engine.training.launch_ranks")
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         return True
+
+    def _build_model(self) -> None:
+        """This rank's model chunks, laid out by the run's :class:`Parallelism` (which also installs the gradient
+        sync on their config), the canonical view for checkpoints, the optimizer and the LR schedule."""
+        c, p = self.config, self.config.parallel
+        first, last = (self.plan.stage_location(s)[0] for s in (0, self.plan.num_stages - 1))
+        self.mp_config = self._model_parallel_config()
+        self.parallelism = Parallelism(p, self.pg, self.device, tied_on_one_rank=first == last)
+        self.model = build_model_chunks(c.model, c.ffn_hidden_size, p.pipeline, self.pp_rank, p.virtual,
+                                        c.training.seed, self.mp_config, self.device,
+                                        stages=self.plan.stages_of(self.pp_rank))
+        self.parallelism.apply(self.model, self.mp_config)
+        self.canonical = canonical_module(self.model)
+        if c.model.init_from:
+            self._init_from_hf()
+        o = c.optimizer
+        self.optimizer = self.parallelism.build_optimizer(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                                          weight_decay=o.weight_decay)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_multiplier)
+
+    def _bind_schedule(self):
+        """The public API's schedule object, bound once to this rank's chunks and groups."""
+        from ..runtime.p2p import P2PCommunicator
+        from ..schedules import PipelineSchedule  # the public API; imported late: `engine` never imports the trainer
+        return PipelineSchedule(self.schedule, model=self.model, pg_collection=self.pg,
+                                p2p_communicator=P2PCommunicator(self.pg.pp, self.mp_config))
+
+    def _log_start(self) -> None:
+        c, p = self.config, self.config.parallel
+        log.info("pipecast: %s schedule, pipeline=%d virtual=%d %s (world size %d), %d layers, %.2fM parameters held "
+                 "on this rank, device %s, simulated bubble %.1f%%, data: %s", c.schedule_name + (
+                     f" (max_in_flight {p.max_in_flight})" if p.max_in_flight else ""), p.pipeline, p.virtual,
+                 self.parallelism.describe(), c.world_size, c.model.num_layers,
+                 self.parallelism.local_parameter_count() / 1e6, self.device, 100 * self.simulated_bubble(),
+                 self.batches.corpus.description if self.batches else "(not read on this stage)")
 
     @torch.no_grad()
     def _init_from_hf(self) -> None:
         """``model.init_from``: copy the Hugging Face folder's tensors into this rank's parameters (each rank reads
-        only what its model chunks hold; a tied copy on the last stage reads the word embedding).  A later
-        ``load()`` (resume) overwrites them.
+        only what its model chunks hold; a tied copy on the last stage reads the word embedding; a sharded
+        parameter takes its shard).  A later ``load()`` (resume) overwrites them.
 
         Raises:
             ConfigError: missing or unexpected tensors, or a shape that differs (naming the tensor)."""
         from .config import ConfigError
         from .checkpoint.hf import load_hf_weights
         params = dict(self.canonical.named_parameters())
-        tensors = load_hf_weights(self.config.model.init_from, self.config.model, params)
+        full = load_hf_weights(self.config.model.init_from, self.config.model, params)
+        tensors = self.parallelism.reshard_like({n: full[n].to(p.dtype) for n, p in params.items()}, params)
         for name, param in params.items():
             value = tensors[name]
-            if isinstance(param, DTensor):  # parallel.tensor > 1: this rank's shard of the full tensor
-                value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
-                                          src_data_rank=None)
             if tuple(value.shape) != tuple(param.shape):
                 raise ConfigError(f"model.init_from={self.config.model.init_from!r}: tensor for {name} has shape "
                                   f"{list(value.shape)}, the model expects {list(param.shape)}")
             param.copy_(value)
         if self.is_log_rank:
             log.info("model.init_from: %d tensors from %s", len(params), self.config.model.init_from)
-
-    def _apply_tensor_parallel(self) -> None:
-        """``parallel.tensor > 1``: column / row / vocabulary-parallel layers on the mesh's ``tp`` dimension
-        (:mod:`engine.training.parallel.tensor_parallel`); local, every rank slices the same full initial weights."""
-        if self.config.parallel.tensor > 1:
-            from ..runtime.process_groups import device_mesh
-            from .parallel.tensor_parallel import parallelize_chunks
-            parallelize_chunks(self.model, device_mesh(self.pg, self.device.type)["tp"],
-                               sequence_parallel=self.config.parallel.sequence_parallel)
-
-    def _apply_full_shard(self) -> None:
-        """``parallel.shard=full`` with data > 1: ``fully_shard`` each chunk over the mesh's ``dp`` dimension
-        (:mod:`engine.training.parallel.fsdp`; local, every replica slices the same full initial weights).  At data = 1 one
-        shard is the whole model: it runs as ``shard=none``."""
-        p = self.config.parallel
-        self.fully_sharded = p.shard == "full" and self.dp_size > 1
-        if p.shard == "full":
-            log.info("parallel.shard=full: %s", "FSDP2 fully_shard per model chunk over the data-parallel group" if
-                     self.fully_sharded else "parallel.data=1, one shard is the whole model (runs as shard=none)")
-        if self.fully_sharded:
-            from ..runtime.process_groups import device_mesh
-            from .parallel.fsdp import shard_chunks
-            shard_chunks(self.model, device_mesh(self.pg, self.device.type)["dp"])
 
     @staticmethod
     def _pick_device(config: TrainConfig) -> torch.device:
@@ -232,32 +226,6 @@ class Trainer:
             enable_autocast=bf16, autocast_dtype=torch.bfloat16 if bf16 else None,
             deterministic_mode=c.training.deterministic)
 
-    def _build_grad_sync(self, tied_on_one_rank: bool) -> GradSync:
-        """GradSync, or with data > 1 its ZeRO-1 form (``parallel.shard=optimizer``, engine.training.parallel.zero1) or
-        its FSDP2 form (``parallel.shard=full``, engine.training.parallel.fsdp)."""
-        p = self.config.parallel
-        self.sharded = p.shard == "optimizer" and self.dp_size > 1
-        if p.shard == "optimizer":
-            log.info("parallel.shard=optimizer: %s", "AdamW state sharded over the data-parallel group" if
-                     self.sharded else "parallel.data=1, one shard is the whole state (runs as shard=none)")
-        if self.sharded:
-            return ShardedGradSync(self.model, self.pg, tied_on_one_rank=tied_on_one_rank)
-        if self.fully_sharded:
-            from .parallel.fsdp import FSDPGradSync
-            return FSDPGradSync(self.model, self.pg)
-        return GradSync(self.model, self.pg, overlap=p.overlap_grad_reduce, tied_on_one_rank=tied_on_one_rank)
-
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        o = self.config.optimizer
-        params = [p for c in self.model for p in c.parameters() if p.requires_grad]
-        unique = list({id(p): p for p in params}.values())
-        decay = [p for p in unique if p.dim() >= 2]
-        no_decay = [p for p in unique if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        if self.sharded:
-            return ShardedAdamW(groups, self.grad_sync, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
-
     def _lr_multiplier(self, step: int) -> float:
         o = self.config.optimizer
         return lr_lambda(step, o.lr, o.min_lr, o.warmup_steps, self.config.training.steps)
@@ -287,13 +255,6 @@ class Trainer:
         return Batches(corpus, c.model.seq_length, c.training.micro_batch_size, c.training.num_microbatches,
                        self.dp_rank, self.dp_size, c.training.seed, c.model.vocab_size, self.device)
 
-    def _schedule(self):
-        """The schedule call (the public API, which runs the plan it is handed) and the pipeline communicator."""
-        from .. import schedules  # the public API; imported late so that `engine` never imports the trainer eagerly
-        from ..runtime.p2p import P2PCommunicator
-        # no pipelining ignores it (Megatron's contract); pipelined schedules need it next to pg_collection
-        return schedules.forward_backward_pipelining_with_schedule, P2PCommunicator(self.pg.pp, self.mp_config)
-
     # ---- one step ---------------------------------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
         """``forward_step_func(data_iterator, model) -> (output, loss_func)``: only the first stage reads tokens,
@@ -312,19 +273,16 @@ class Trainer:
 
     def _run_schedule(self, microbatches, num_microbatches: int, forward_only: bool, forward_step_func=None,
                       micro_batch_size: int | None = None, collect_non_loss_data: bool = False) -> list:
+        """One call of the run's schedule (its plan for ``num_microbatches``); ``_forward_step`` is looked up per
+        call."""
         c = self.config
-        kwargs: dict[str, Any] = dict(
-            schedule=self.schedule.plan(num_microbatches, forward_only),  # the run's plan for this call
+        out = self._pipeline.forward_backward(
             forward_step_func=forward_step_func or self._forward_step, data_iterator=self._iterators(microbatches),
-            model=self.model, num_microbatches=num_microbatches, seq_length=c.model.seq_length,
+            num_microbatches=num_microbatches, seq_length=c.model.seq_length,
             micro_batch_size=micro_batch_size or c.training.micro_batch_size, forward_only=forward_only,
-            pg_collection=self.pg, p2p_communicator=self._p2p)
-        if collect_non_loss_data:
-            kwargs["collect_non_loss_data"] = True
-        out = self._forward_backward(**kwargs)
-        if forward_only and self.fully_sharded:  # a training step reshards in finalize_model_grads
-            from .parallel.fsdp import reshard
-            reshard(self.model)
+            collect_non_loss_data=collect_non_loss_data)
+        if forward_only:  # a training step's finalize_model_grads does the parallelism's end-of-step work
+            self.parallelism.after_forward_only()
         return out
 
     def _data(self, step: int):
@@ -343,7 +301,7 @@ class Trainer:
         cg = self.config.cuda_graphs
         if not cg.enabled:
             return
-        if getattr(self, "_graphs", None) is None:
+        if self._graphs is None:
             from engine.runtime.split_backward import defer_weight_grad  # W graphs join the split backward's W
             from graphs.runtime import GraphRuntime  # the one engine -> graphs call site
             p = self.config.parallel
@@ -372,16 +330,21 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
         store = self._run_schedule(self._data(self.step), self.config.training.num_microbatches, False)
-        grad_norm = self._clip_grad_norm(self.config.optimizer.grad_clip)
-        loss = self._reduce_loss(store)
+        grad_norm = float(self.parallelism.clip_grad_norm_(self.config.optimizer.grad_clip))  # read for the log
+        loss = self._global_mean(_loss_sums(store))
         if self.config.optimizer.check_for_nan_in_loss_and_grad:
             self._check_finite(loss, grad_norm)
         self.optimizer.step()
         self.lr_scheduler.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
         self.step += 1
+        metrics = self._step_metrics(loss, grad_norm, lr, time.perf_counter() - t0)
+        self.history.append(metrics)
+        return metrics
+
+    def _step_metrics(self, loss: float, grad_norm: float, lr: float, dt: float) -> dict:
+        """The metrics :meth:`train_step` returns, for a step of ``dt`` seconds."""
         tokens = self.config.global_batch_size * self.config.model.seq_length
         metrics = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / dt,
                    "tokens_seen": self.step * tokens, "step_time_s": dt,
@@ -391,16 +354,7 @@ class Trainer:
             metrics["reserved_memory_gib"] = torch.cuda.memory_reserved(self.device) / 2**30
             if self.peak_tflops:
                 metrics["mfu"] = metrics["tflops"] / (self.peak_tflops * self.config.world_size)
-        self.history.append(metrics)
         return metrics
-
-    def _clip_grad_norm(self, max_norm: float) -> float:
-        if self.sharded:
-            return self.optimizer.clip_grad_norm(max_norm)
-        if self.fully_sharded:
-            from .parallel import fsdp
-            return fsdp.clip_grad_norm(self.model, max_norm, self.pg)
-        return clip_grad_norm(self.model, max_norm, self.pg)
 
     def _check_finite(self, loss: float, grad_norm: float) -> None:
         """Megatron's ``check_for_nan_in_loss_and_grad``: both values are global (the same on every rank), so every
@@ -418,17 +372,13 @@ class Trainer:
             f"optimizer.warmup_steps={o.warmup_steps}) and {clip}; resume from the last checkpoint with --resume, "
             f"or set optimizer.check_for_nan_in_loss_and_grad=false to continue anyway")
 
-    def _reduce_loss(self, store: list) -> float:
-        """Sum the ``[loss sum, tokens]`` pairs of the loss stage, average over data-parallel replicas and broadcast
-        the mean over the pipeline group (so every rank returns it)."""
-        total = torch.zeros(2, dtype=torch.float64)
+    def _global_mean(self, total: torch.Tensor) -> float:
+        """The loss per token of the global batch from this rank's ``[loss sum, tokens]`` (float64, CPU; nonzero
+        on the loss stage only): summed over data-parallel replicas on the loss stage, broadcast over the
+        pipeline group, so every rank returns it."""
         if self.pp_rank == self.loss_rank:
-            for entry in store:
-                total += entry["lm loss"].detach().to("cpu", torch.float64)
-            if self.dp_size > 1:
-                total = _all_reduce_cpu(total, self.pg.dp)
-        if self.pp_size > 1:
-            total = _broadcast_cpu(total, self.pg.pp_ranks[self.loss_rank], self.pg.pp)
+            total = _all_reduce_cpu(total, self.pg.dp)
+        total = _broadcast_cpu(total, self.pg.pp_ranks[self.loss_rank], self.pg.pp)
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
     @torch.no_grad()
@@ -442,15 +392,10 @@ class Trainer:
         for i in range(c.training.eval_iters):
             data = (self.batches.val(i, c.training.eval_iters, m, self._reads_tokens, self._reads_labels)
                     if self.batches is not None else None)
-            for entry in self._run_schedule(data, m, True):
-                total += entry["lm loss"].detach().to("cpu", torch.float64)
+            total += _loss_sums(self._run_schedule(data, m, True))
         for chunk in self.model:
             chunk.train()
-        if self.pp_rank == self.loss_rank and self.dp_size > 1:
-            total = _all_reduce_cpu(total, self.pg.dp)
-        if self.pp_size > 1:
-            total = _broadcast_cpu(total, self.pg.pp_ranks[self.loss_rank], self.pg.pp)
-        loss = float(total[0] / total[1])
+        loss = self._global_mean(total)
         self.val_history.append((self.step, loss))
         return loss
 
@@ -502,8 +447,7 @@ class Trainer:
                 logits = self._next_token_logits(ids)
                 token = torch.tensor([-1 if logits is None else sample_token(logits, temperature, top_k, generator)],
                                      dtype=torch.int64)
-                if self.pp_size > 1:
-                    token = _broadcast_cpu(token, self.pg.pp_ranks[self.loss_rank], self.pg.pp)
+                token = _broadcast_cpu(token, self.pg.pp_ranks[self.loss_rank], self.pg.pp)
                 ids.append(int(token))
                 new.append(int(token))
         for chunk in self.model:
@@ -628,11 +572,10 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """Everything a resume needs, as nested dicts of tensors: model and AdamW state under layout-independent
-        names, the step (= data position and LR-schedule position) and this rank's RNG states."""
+        names and unsharded (gathered by the parallelism: collective), the step (= data position and LR-schedule
+        position) and this rank's RNG states."""
         model_sd, optim_sd, _ = self._dcp_state()
-        if self.config.parallel.tensor > 1 or self.fully_sharded:  # saved unsharded (tensor_parallel.full_state)
-            from .parallel.tensor_parallel import full_state
-            model_sd, optim_sd = full_state(model_sd), full_state(optim_sd)
+        model_sd, optim_sd = self.parallelism.full_state(model_sd), self.parallelism.full_state(optim_sd)
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
@@ -648,23 +591,10 @@ class Trainer:
         tok = getattr(self.batches.corpus, "tokenizer", None) if self.batches is not None else None
         extra = {"tokenizer.json": tok.to_str()} if getattr(tok, "kind", None) == "bpe" else None
         path = save_checkpoint(self.state_dict(), directory or self.config.checkpoint_dir, self.step,
-                               self.config.checkpoint.keep, meta=self._checkpoint_meta(), extra_files=extra)
+                               self.config.checkpoint.keep, meta=checkpoint_meta(self.config, self.step), extra_files=extra)
         if self.is_log_rank:
             log.info("step %d | saved checkpoint %s", self.step, path)
         return path
-
-    def _checkpoint_meta(self) -> dict:
-        """Saved beside the tensors: what a resume must match (``model``: the settings that fix parameter names
-        and shapes, ``ffn_hidden_size`` resolved), and what ``pipecast sample`` / ``export`` need to rebuild the
-        model in one process (``model_config``: every model field; ``tokenizer``: ``bytes``, ``bpe`` with its
-        ``tokenizer.json`` in the checkpoint folder, or ``none`` for ``.bin`` token files)."""
-        c = self.config
-        kind = "none" if c.data.source == "bin" else c.data.tokenizer
-        return {"step": self.step, "model": {k: getattr(c.model, k) for k in MODEL_MUST_MATCH} |
-                {"ffn_hidden_size": c.ffn_hidden_size},
-                "model_config": dataclasses.asdict(c.model) | {"ffn_hidden_size": c.ffn_hidden_size},
-                "tokenizer": {"kind": kind} | ({"file": "tokenizer.json"} if kind == "bpe" else {}),
-                "seed": c.training.seed, "run": run_settings(c)}
 
     def _check_checkpoint_meta(self, path: Path) -> list[str]:
         """Compare the model and run settings saved with ``path`` to this config before loading any tensor
@@ -692,30 +622,16 @@ class Trainer:
             path = latest_checkpoint(self.config.checkpoint_dir)
             if path is None:
                 return None
-        keys = checkpoint_keys(path)
         warned = self._check_checkpoint_meta(Path(path))
         model_sd, optim_sd, options = self._dcp_state()
-        sharded = self.config.parallel.tensor > 1 or self.fully_sharded  # full on disk, this rank's shards in memory
-        if sharded:
-            from .parallel.tensor_parallel import full_templates, reshard_like
-            model_tp, optim_tp = model_sd, optim_sd
-            model_sd, optim_sd = full_templates(model_sd), full_templates(optim_sd)
-        target = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
-                  "trainer": {"step": torch.tensor(0, dtype=torch.int64)}}
-        has_scheduler = "scheduler.last_epoch" in keys  # checkpoints of earlier versions hold the step only
-        if has_scheduler:
-            target["scheduler"] = _scheduler_tensors(self.lr_scheduler.state_dict())
-        rng_key = f"rng.rank{self.rank}.cpu"
-        if rng_key in keys:
-            target["rng"] = {f"rank{self.rank}": {"cpu": torch.get_rng_state()}}
+        target, optim_full = self._load_target(checkpoint_keys(path), model_sd, optim_sd)
         load_checkpoint(target, path)
-        optim_sd.update(target["optim"])
-        if sharded:
-            target["model"], optim_sd = reshard_like(target["model"], model_tp), reshard_like(optim_sd, optim_tp)
-        set_state_dict(self.canonical, self.optimizer, model_state_dict=target["model"], optim_state_dict=optim_sd,
-                       options=options)
+        optim_full.update(target["optim"])
+        set_state_dict(self.canonical, self.optimizer, options=options,  # full tensors cut to this rank's shards
+                       model_state_dict=self.parallelism.reshard_like(target["model"], model_sd),
+                       optim_state_dict=self.parallelism.reshard_like(optim_full, optim_sd))
         self.step = int(target["trainer"]["step"])
-        self._load_scheduler(target["scheduler"] if has_scheduler else None)
+        self._load_scheduler(target.get("scheduler"))
         if "rng" in target:
             torch.set_rng_state(target["rng"][f"rank{self.rank}"]["cpu"])
         self._resumed = True
@@ -727,11 +643,26 @@ class Trainer:
                             "; ".join(warned))
         return Path(path)
 
+    def _load_target(self, keys, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+        """What :meth:`load` reads the checkpoint (``keys``: the ones it holds) into: full-shape tensors
+        (checkpoints are unsharded), the LR schedule and this rank's CPU RNG where the checkpoint has them
+        (checkpoints of earlier versions hold the step only).  Also returns the full optimizer state dict that
+        the loaded ``optim`` entries complete."""
+        optim_full = self.parallelism.load_targets(optim_sd)
+        target = {"model": self.parallelism.load_targets(model_sd),
+                  "optim": {k: v for k, v in optim_full.items() if k.startswith("state.")},
+                  "trainer": {"step": torch.tensor(0, dtype=torch.int64)}}
+        if "scheduler.last_epoch" in keys:
+            target["scheduler"] = _scheduler_tensors(self.lr_scheduler.state_dict())
+        if f"rng.rank{self.rank}.cpu" in keys:
+            target["rng"] = {f"rank{self.rank}": {"cpu": torch.get_rng_state()}}
+        return target, optim_full
+
     def _open_run_files(self) -> None:
         if self._run_files_open:
             return
         self._run_files_open = True
-        self._log_file = _setup_logging(self.config, self.is_log_rank, self.run_dir)
+        self._log_file = setup_logging(self.config, self.is_log_rank, self.run_dir)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(self.config, self.run_dir / "config.yaml")
@@ -758,7 +689,7 @@ class Trainer:
         """
         if not failed and dist.is_initialized():
             dist.barrier()
-        self.grad_sync.close()
+        self.parallelism.close()
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
@@ -777,8 +708,6 @@ class Trainer:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(failed=exc_type is not None)
 
-
-# model settings that fix the parameter names and shapes (ffn_hidden_size is saved resolved)
 
 _SCHEDULER_FIELDS = {"last_epoch": int, "_step_count": int, "base_lrs": list, "_last_lr": list}
 
@@ -802,16 +731,36 @@ def _loss_func(output: torch.Tensor):
     return total, count, {"lm loss": torch.stack([total.detach().double(), count.double()])}
 
 
+def _loss_sums(store: list) -> torch.Tensor:
+    """``[loss sum, tokens]`` (float64, CPU) of a schedule call's ``forward_data_store`` (empty off the loss
+    stage: zeros)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for entry in store:
+        total += entry["lm loss"].detach().to("cpu", torch.float64)
+    return total
+
+
+def _process_groups(p) -> ProcessGroupCollection:
+    """The run's process groups from the ``parallel`` section (collective: every rank creates every group)."""
+    return build_process_groups(p.pipeline, virtual_or_none(p.virtual),
+                                backend=None if p.backend == "auto" else p.backend,
+                                timeout=datetime.timedelta(seconds=p.timeout_s), tensor_model_parallel_size=p.tensor)
+
+
 def _all_reduce_cpu(t: torch.Tensor, group) -> torch.Tensor:
-    dev = _collective_device(group)
-    out = t.to(dev)
+    """Sum of the CPU tensor ``t`` over ``group`` (unchanged for a group of one)."""
+    if group_size(group) == 1:
+        return t
+    out = t.to(_collective_device(group))
     dist.all_reduce(out, group=group)
     return out.cpu()
 
 
 def _broadcast_cpu(t: torch.Tensor, src: int, group) -> torch.Tensor:
-    dev = _collective_device(group)
-    out = t.to(dev)
+    """The CPU tensor ``t`` of global rank ``src`` on every rank of ``group`` (unchanged for a group of one)."""
+    if group_size(group) == 1:
+        return t
+    out = t.to(_collective_device(group))
     dist.broadcast(out, src=src, group=group)
     return out.cpu()
 
@@ -819,27 +768,3 @@ def _broadcast_cpu(t: torch.Tensor, src: int, group) -> torch.Tensor:
 def _collective_device(group) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
         else torch.device("cpu")
-
-
-def _setup_logging(config: TrainConfig, is_log_rank: bool, run_dir: Path,
-                   to_file: bool = True) -> logging.Handler | None:
-    """stdlib logging: INFO lines on the logging rank (stderr and, when ``to_file``, ``<run_dir>/train.log``),
-    warnings elsewhere.  Returns the file handler this call added (removed by :meth:`Trainer.close`)."""
-    logger = logging.getLogger("pipecast")
-    logger.setLevel(getattr(logging, config.logging.level) if is_log_rank else logging.WARNING)
-    if not any(getattr(h, "_pipecast", False) for h in logger.handlers):
-        handler = logging.StreamHandler()
-        handler._pipecast = True
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    if not (is_log_rank and to_file):
-        return None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    target = str((run_dir / "train.log").resolve())
-    if any(getattr(h, "baseFilename", None) == target for h in logger.handlers):
-        return None
-    fh = logging.FileHandler(target)
-    fh.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    logger.addHandler(fh)
-    return fh

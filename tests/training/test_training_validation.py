@@ -5,6 +5,8 @@
   first; CUDA settings rejected in validation on a machine without CUDA (pure checks first, torch imported only then);
 * a fresh run refuses a folder that holds checkpoints (before touching its ``train.log`` / ``config.yaml``); the
   keep-newest rotation never deletes the checkpoint just written;
+* a config is validated once: the trainer does not check again what ``load_config`` validated, but checks a config
+  built or changed by hand after its validation, refusing a bad one before any process group exists;
 * NaN / inf loss or grad norm stops the run on every rank with the step, the value and the fix, saving nothing;
 * resuming with other model settings names each differing field; a resumed run evaluates at its start (honest
   ``val loss A -> B``); resuming at or past ``training.steps`` logs ``nothing to do``.
@@ -159,6 +161,27 @@ def _config(run_dir, **overrides):
 def _poison(trainer) -> None:
     with torch.no_grad():
         next(trainer.model[0].parameters()).fill_(float("nan"))
+
+
+def test_the_trainer_validates_only_what_was_not_validated(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from engine.training import trainer as trainer_module
+    from engine.training.config import OptimizerConfig, TrainConfig
+    calls = []
+    real = trainer_module.validate
+    monkeypatch.setattr(trainer_module, "validate", lambda c: (calls.append(c), real(c))[1])
+    config = _config(tmp_path, **{"training.steps": 1})
+    with trainer_module.Trainer(config) as trainer:  # load_config validated it
+        assert trainer.config.parallel.data == 1
+    assert calls == []
+    config.model.num_attention_heads = 3  # changed by hand after its validation: checked again, refused
+    with pytest.raises(ConfigError, match="model.num_attention_heads=3"):
+        trainer_module.Trainer(config)
+    hand = TrainConfig(optimizer=OptimizerConfig(lr=-1.0))  # built by hand, never validated
+    with pytest.raises(ConfigError, match="optimizer.lr"):
+        trainer_module.Trainer(hand)
+    assert calls == [config, hand] and not dist.is_initialized()  # refused before any process group
 
 
 def test_nan_loss_stops_the_run_and_saves_nothing(tmp_path):

@@ -31,13 +31,14 @@ torch): :func:`check_resume` runs before any rank starts.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 from pathlib import Path
 
-__all__ = ["MODEL_MUST_MATCH", "REFUSED", "WARNED", "run_settings", "resume_differences", "refusal_message",
-           "check_resume"]
+__all__ = ["MODEL_MUST_MATCH", "REFUSED", "WARNED", "run_settings", "checkpoint_meta", "resume_differences",
+           "refusal_message", "check_resume"]
 
 MODEL_MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                     "tie_embeddings", "family", "num_query_groups", "max_position_embeddings")
@@ -71,6 +72,20 @@ def run_settings(config) -> dict:
     s = config.training
     out["batch"] = f"data {config.data_parallel_size} x {s.num_microbatches} microbatches x {s.micro_batch_size}"
     return out
+
+
+def checkpoint_meta(config, step: int) -> dict:
+    """The meta saved beside a checkpoint's tensors (``pipecast.json``): what a resume must match (``model``: the
+    settings that fix parameter names and shapes, ``ffn_hidden_size`` resolved; ``run``: :func:`run_settings`),
+    and what ``pipecast sample`` / ``export`` need to rebuild the model in one process (``model_config``: every
+    model field; ``tokenizer``: ``bytes``, ``bpe`` with its ``tokenizer.json`` in the checkpoint folder, or
+    ``none`` for ``.bin`` token files)."""
+    kind = "none" if config.data.source == "bin" else config.data.tokenizer
+    model = {"ffn_hidden_size": config.ffn_hidden_size}
+    return {"step": step, "model": {k: getattr(config.model, k) for k in MODEL_MUST_MATCH} | model,
+            "model_config": dataclasses.asdict(config.model) | model,
+            "tokenizer": {"kind": kind} | ({"file": "tokenizer.json"} if kind == "bpe" else {}),
+            "seed": config.training.seed, "run": run_settings(config)}
 
 
 def resume_differences(meta: dict | None, config) -> tuple[list[str], list[str]]:

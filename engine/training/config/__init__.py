@@ -29,6 +29,7 @@ from ...plan.resolve import ResolvedSchedule, resolve_schedule
 from ...plan.table import validate_interleaved_microbatches
 from .ranges import MAX_STEPS, RANGES, check_ranges  # noqa: F401 - MAX_STEPS, RANGES re-exported
 from .errors import ConfigError
+from .validated import mark_validated
 
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "TrainingConfig",
            "CheckpointConfig", "LoggingConfig", "CudaGraphsConfig", "ProfileConfig", "TrainConfig",
@@ -534,6 +535,7 @@ def validate(config: TrainConfig) -> None:
     _validate_data(config)
     _validate_logging(config)
     _validate_device(config)  # last: the only check that may import torch
+    mark_validated(config)  # the trainer does not check it again (config/validated.py)
 
 
 def validate_model_family(m: ModelConfig) -> None:

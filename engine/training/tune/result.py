@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from ...plan.registry import schedule_names
-from ..config import ConfigError, validate_parallel
+from ..config import ConfigError, validate
 
 __all__ = ["TUNE_FILE", "tune_path", "tuned_for", "check_tuned_for", "read_result", "resolve_tuned"]
 
@@ -109,7 +109,7 @@ def resolve_tuned(config):
     fields = _best_fields(result["best"], where)
     tuned = dataclasses.replace(config, parallel=dataclasses.replace(p, **fields))
     try:
-        validate_parallel(tuned)
+        validate(tuned)  # the whole run again (cheap): the trainer then takes it as validated
     except (ConfigError, ValueError, RuntimeError) as exc:
         raise ConfigError(f"{where}: its best ({fields}) is not valid for this config: {exc}") from None
     return tuned
