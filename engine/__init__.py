@@ -19,7 +19,8 @@ _LAZY_EXPORTS = {
     "looped_stages": ".model_split",
     "v_stages": ".model_split",
     "finalize_model_grads": ".finalize",
-    # local ranks for any function (the plain launcher; ``engine.training.spawn`` runs a training config)
+    # local ranks for any function ``fn(rank, world_size, ...)`` (``engine.training.launch_ranks`` runs
+    # ``fn(config, ...)`` on the ranks of a training config)
     "spawn": ".runtime.spawn",
     "RankError": ".runtime.spawn",
     # training recipe (never imported by the API modules above)

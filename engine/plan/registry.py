@@ -6,7 +6,7 @@ and ``tuned``), ``pipecast schedule --schedule``, :func:`engine.plan.build_plan`
 points (:mod:`engine.plan.hooks`) and the trainer.  A schedule defined outside the package is added with
 :func:`register_schedule`; from then on it works everywhere in that process (build, validation, simulation,
 plots, CSV export, ``forward_backward_pipelining_with_schedule``, the trainer).  Ranks started by
-:func:`engine.spawn` import the module of the function they run, so a module that registers its schedule at import
+:func:`engine.spawn` (and ``engine.training.launch_ranks``) import the module of the function they run, so a module that registers its schedule at import
 time has it registered on every rank.
 
 A builder is ``build(pp_size, num_microbatches, num_model_chunks, forward_only, **options) -> Plan``; it gets sizes

@@ -17,6 +17,7 @@ Usage inside a training loop (the trainer does this when ``--timeline`` is given
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -130,7 +131,7 @@ class TrainerProfiling:
     def _train_step(self) -> dict:
         from ..runtime.tracing import use_tracer
         step = self.trainer.step
-        scope = self.session.step(step) if self.session is not None else _NULL_SCOPE
+        scope = self.session.step(step) if self.session is not None else contextlib.nullcontext()
         with scope, use_tracer(self.tracer):
             metrics = self._inner()
         self.profiler.step()
@@ -162,13 +163,3 @@ class TrainerProfiling:
 def _pct(values) -> str:
     return "-" if not values else "/".join(f"{100 * v:.1f}%" for v in values)
 
-
-class _NullScope:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
-
-
-_NULL_SCOPE = _NullScope()

@@ -4,6 +4,10 @@
 * :mod:`engine.runtime.gloo_io`: the gloo I/O thread priority of the pipeline groups.
 * :mod:`engine.runtime.p2p`: the P2P communicator (activations and gradients between stages).
 * :mod:`engine.runtime.step`: the per-microbatch mechanics (forward with the loss contract, backward, deallocation).
+* :mod:`engine.runtime.split_backward`: the split of a backward into its input-gradient (B) and weight-gradient (W)
+  passes (layer-level deferral, or a split over any chunk's autograd graph).
 * :mod:`engine.runtime.executor`: one executor for every plan.
 * :mod:`engine.runtime.tracing`: the span hook the executor reports to.
+* :mod:`engine.runtime.spawn`: the one spawner of local ranks (``spawn(fn, world_size)``: the launcher, the tests,
+  the benchmarks).
 """

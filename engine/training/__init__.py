@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from .config import ConfigError, TrainConfig, load_config
 
-__all__ = ["Trainer", "TrainConfig", "ConfigError", "load_config", "spawn"]
+__all__ = ["Trainer", "TrainConfig", "ConfigError", "load_config", "launch_ranks"]
 
 
 def __getattr__(name: str):
     if name == "Trainer":
         from .trainer import Trainer
         return Trainer
-    if name == "spawn":
-        from .launch import spawn
-        return spawn
+    if name == "launch_ranks":
+        from .launch import launch_ranks
+        return launch_ranks
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,12 +2,13 @@
 
 * Under ``torchrun`` (``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` set, any number of nodes) every process joins the
   job: ``init_process_group`` (NCCL on CUDA, gloo on CPU) and trains.
-* Otherwise it spawns ``parallel.pipeline x parallel.data`` local ranks itself (:func:`engine.runtime.spawn.spawn`,
-  rendezvous on 127.0.0.1), each with ``cpu_count // ranks`` threads; a one-rank config runs in this process.
+* Otherwise it spawns ``parallel.pipeline x parallel.data x parallel.tensor`` local ranks itself
+  (:func:`engine.runtime.spawn.spawn`, rendezvous on 127.0.0.1), each with ``cpu_count // ranks`` threads; a
+  one-rank config runs in this process.
 
 The config is loaded and validated before any process is started or group created (and before torch is imported,
-so it takes well under a second): a bad config exits with status 2 and one ``error:`` line.  :func:`spawn` is the
-same launcher for Python code (the README example).
+so it takes well under a second): a bad config exits with status 2 and one ``error:`` line.  :func:`launch_ranks` is
+the same launcher for Python code (the README example).
 
 The data is checked the same way before any rank starts (:func:`engine.training.data.corpus.check_data`: files exist,
 not empty, each split long enough, ``.bin`` files whole uint16 tokens, token ids below ``model.vocab_size``);
@@ -45,11 +46,11 @@ import sys
 import time
 
 from ..runtime.spawn import STOP_GRACE_S, Interrupted, RankError, Terminated, teardown
-from .config import (ConfigError, TrainConfig, check_fresh_run, load_config, parse_override_args,
+from .config import (ConfigError, TrainConfig, check_fresh_run, load_config, parse_override_args, validate,
                      validate_world_size)
 from .tune.result import resolve_tuned
 
-__all__ = ["add_arguments", "run", "run_spawned", "spawn", "train_worker", "summary_line", "under_torchrun", "Interrupted",
+__all__ = ["add_arguments", "run", "run_spawned", "launch_ranks", "train_worker", "summary_line", "under_torchrun", "Interrupted",
            "EXIT_PREEMPTED", "STOP_GRACE_S"]
 
 log = logging.getLogger("pipecast.train")
@@ -122,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
             try:
                 config = resolve_tuned(load_config(args.config,
                                                    parse_override_args(list(getattr(args, "extra", []) or []))))
-                if under_torchrun():
+                if under_torchrun():  # parallel.data from the job's world size: validate the config that runs
                     config = validate_world_size(config, int(os.environ["WORLD_SIZE"]))
+                    validate(config)
                 if getattr(args, "print_config", False):
                     return _print_config(config)
                 from .data.corpus import check_data
@@ -159,7 +161,7 @@ def _print_config(config: TrainConfig) -> int:
 
 
 def run_spawned(fn, config: TrainConfig, *args) -> int:
-    """:func:`spawn` ``fn(config, *args)`` and turn the outcome into an exit status and one line on stderr.
+    """:func:`launch_ranks` ``fn(config, *args)`` and turn the outcome into an exit status and one line on stderr.
 
     0: done.  1: a rank raised or died (``error: rank R failed: Type: message; ...``, after the rank's traceback).
     2: bad config / checkpoint in a one-rank run, or the run folder is locked by another run.  130: interrupted
@@ -169,7 +171,7 @@ def run_spawned(fn, config: TrainConfig, *args) -> int:
     """
     from .checkpoint.dcp import CheckpointError
     try:
-        results = spawn(fn, config, *args)
+        results = launch_ranks(fn, config, *args)
     except RankError as exc:
         if exc.traceback:
             print(exc.traceback.rstrip(), file=sys.stderr)
@@ -271,11 +273,11 @@ def summary_line(step: int, seconds: float, val_history: list[tuple[int, float]]
 
 
 def _train_rank(rank: int, world_size: int, fn, config: TrainConfig, *args):
-    """What :func:`spawn` runs in each rank: ``fn(config, *args)`` (the rank is in ``torch.distributed``)."""
+    """What :func:`launch_ranks` runs in each rank: ``fn(config, *args)`` (the rank is in ``torch.distributed``)."""
     return fn(config, *args)
 
 
-def spawn(fn, config: TrainConfig, *args):
+def launch_ranks(fn, config: TrainConfig, *args):
     """Run ``fn(config, *args)`` on ``config.world_size`` local ranks with torch.distributed initialised; returns
     the per-rank return values.
 

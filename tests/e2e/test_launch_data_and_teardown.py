@@ -181,11 +181,11 @@ def test_rank0_exits_after_a_late_peer(tmp_path):
     """Rank 1 ends its work 1.5 s after rank 0 (the log rank's final evaluation and 'done' line): rank 0 must
     neither tear down nor exit before it (before the fix it exited ~1.5 s earlier; a peer tearing down under a
     departed store host was the suspected cause of the SIGABRT after 'done')."""
-    from engine.training.launch import spawn
+    from engine.training.launch import launch_ranks
     from tests.helpers.reliability_jobs import late_finisher
     cfg = load_config(None, tiny_overrides(write_corpus(tmp_path / "corpus.txt"), tmp_path / "run",
                                            **{"parallel.pipeline": 2}))
-    spawn(late_finisher, cfg, str(tmp_path), 1, 1.5)
+    launch_ranks(late_finisher, cfg, str(tmp_path), 1, 1.5)
     records = read_records(tmp_path)
     assert all("exit" in r for r in records.values()), records
     assert records[0]["exit"] >= records[1]["fn_end"], records

@@ -5,7 +5,7 @@ Run from the repository root: ``python tests/examples/readme_example.py [section
 import sys
 
 from engine import RankError, Trainer, load_config
-from engine.training import ConfigError, spawn
+from engine.training import ConfigError, launch_ranks
 
 
 def main(config):
@@ -22,6 +22,6 @@ def main(config):
 if __name__ == "__main__":
     config = load_config("configs/default.yaml", ["training.steps=30", "logging.run_dir=runs/readme", *sys.argv[1:]])
     try:
-        spawn(main, config)                # starts parallel.pipeline x parallel.data local ranks (gloo on CPU)
+        launch_ranks(main, config)         # starts pipeline x data x tensor local ranks (gloo on CPU)
     except (RankError, ConfigError) as exc:  # one line: the rank that failed first and its cause, or the bad field
         sys.exit(f"error: {exc}")

@@ -1,6 +1,6 @@
 """Worker functions for the reliability tests: training runs with an injected fault, and tiny pipeline jobs.
 
-They live in an importable module (not in a test file) because ``engine.training.launch.spawn`` and
+They live in an importable module (not in a test file) because ``engine.training.launch.launch_ranks`` and
 ``tests.helpers.distributed.run_ranks`` start ranks with the ``spawn`` method, which imports the function by name.
 
 Faults (``Fault``): a rank SIGKILLs itself, or raises in its forward step, at the start of a given training step

@@ -1,7 +1,7 @@
 """A schedule defined outside the package (here: GPipe, all forwards then all backwards, Huang et al. 2019) joins
 the registry and then works everywhere: build, validation, simulation, CSV export, config choices and
 ``pipecast train --help``, ``forward_backward_pipelining_with_schedule`` on 2 gloo ranks, and a training run started
-by ``engine.training.spawn`` (the ranks import this module to find the rank function, and so register the schedule
+by ``engine.training.launch_ranks`` (the ranks import this module to find the rank function, and so register the schedule
 too)."""
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ STEPS, M = 3, 4   # M >= 3: a sum of gradients in another order could differ in 
 
 
 def _user_job(config, other_config) -> dict:
-    """One rank of the job (:func:`engine.training.spawn` runs it): test_gpipe through
+    """One rank of the job (:func:`engine.training.launch_ranks` runs it): test_gpipe through
     ``forward_backward_pipelining_with_schedule`` against the single-process reference (a training call and a
     forward-only call, by name), then ``STEPS`` training steps under ``config`` (test_gpipe) and ``other_config``
     (1F1B)."""
@@ -93,12 +93,12 @@ def _user_job(config, other_config) -> dict:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(100)
 def test_a_user_schedule_runs_on_ranks_and_trains(tmp_path):
-    from engine.training import load_config, spawn
+    from engine.training import launch_ranks, load_config
     from tests.helpers.quick_jobs import resume_overrides
     gpipe, ofob = (load_config(None, resume_overrides(str(tmp_path / name), STEPS)
                                + [f"parallel.schedule={name}", f"training.num_microbatches={M}"])
                    for name in ("test_gpipe", "1f1b"))
-    for r in spawn(_user_job, gpipe, ofob):
+    for r in launch_ranks(_user_job, gpipe, ofob):
         ex = r["executor"]
         assert ex["error"] is None, ex["error"]
         train, forward_only = ex["calls"]

@@ -320,10 +320,10 @@ def measurement_variants(cands: list[Candidate], own: Candidate) -> list[Candida
 
 def _everywhere(fn, config: TrainConfig, *args) -> list:
     """``fn(config, *args)`` on every rank; the per-rank results (in global rank order) on every rank.  Spawns the
-    local ranks (:func:`.launch.spawn`), or under torchrun runs here and gathers (every process runs the tune)."""
-    from ..launch import spawn, under_torchrun
+    local ranks (:func:`.launch.launch_ranks`), or under torchrun runs here and gathers (every process runs the tune)."""
+    from ..launch import launch_ranks, under_torchrun
     if not under_torchrun():
-        return spawn(fn, config, *args)
+        return launch_ranks(fn, config, *args)
     import torch.distributed as dist
     mine = fn(config, *args)
     out = [None] * dist.get_world_size()
