@@ -480,37 +480,13 @@ class Trainer:
             NonFiniteLossError: the loss or grad norm is NaN / inf (``optimizer.check_for_nan_in_loss_and_grad``).
         """
         c = self.config
-        if self.step == 0 and not self._resumed:
-            check_fresh_run(c, resume=False)  # every rank raises the same error (the folder is shared)
-        end = c.training.steps if steps is None else min(c.training.steps, self.step + steps)
-        start = self.step
-        if self.step >= c.training.steps:
-            if self.is_log_rank:
-                log.info("nothing to do: %s step %d >= training.steps=%d; raise training.steps to train further",
-                         "checkpoint" if self._resumed else "trainer", self.step, c.training.steps)
+        start, end = self.step, c.training.steps if steps is None else min(c.training.steps, self.step + steps)
+        if not self._begin_run():
             return []
-        if self.is_log_rank and self._metrics is None:
-            self._metrics = MetricsLog(self.run_dir, self.step if self._resumed else None, c.logging.tensorboard,
-                                       title=f"{self.run_dir.name}: {c.schedule_name}, pipeline={c.parallel.pipeline}"
-                                             f" virtual={c.parallel.virtual} data={self.dp_size}")
-        if not self.val_history:  # also at the start of a resumed run: "val loss A -> B" covers this run
-            self._log_eval(self.evaluate())
-            self._log_sample()
         with self._progress(start, end) as bar, preempt.sigterm_requests():
             while self.step < end:
                 metrics = self.train_step()
-                if self.step % c.logging.log_interval == 0 or self.step == end:
-                    self._log_step(metrics)
-                if (c.training.eval_interval and self.step % c.training.eval_interval == 0) or \
-                        self.step == c.training.steps:
-                    metrics["val_loss"] = self.evaluate()
-                    self._log_eval(metrics["val_loss"])
-                    self._log_sample()
-                if c.checkpoint.interval and self.step % c.checkpoint.interval == 0:
-                    self.save()
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+                self._after_step(metrics, end, bar)
                 if self.step < end and preempt.stop_agreed():  # collective: every rank stops after this step
                     self.preempted = self._save_for_stop()
                     break
@@ -520,6 +496,42 @@ class Trainer:
                 not (c.checkpoint.interval and self.step % c.checkpoint.interval == 0):
             self.save()
         return self.history[len(self.history) - (self.step - start):]
+
+    def _begin_run(self) -> bool:
+        """Before the first step of :meth:`train`: refuse a fresh start in another run's folder, open the metrics
+        log, evaluate (also at the start of a resumed run: "val loss A -> B" covers this run).  False when the
+        run is already at ``training.steps`` (said in one line)."""
+        c = self.config
+        if self.step == 0 and not self._resumed:
+            check_fresh_run(c, resume=False)  # every rank raises the same error (the folder is shared)
+        if self.step >= c.training.steps:
+            if self.is_log_rank:
+                log.info("nothing to do: %s step %d >= training.steps=%d; raise training.steps to train further",
+                         "checkpoint" if self._resumed else "trainer", self.step, c.training.steps)
+            return False
+        if self.is_log_rank and self._metrics is None:
+            self._metrics = MetricsLog(self.run_dir, self.step if self._resumed else None, c.logging.tensorboard,
+                                       title=f"{self.run_dir.name}: {c.schedule_name}, pipeline={c.parallel.pipeline}"
+                                             f" virtual={c.parallel.virtual} {self.parallelism.describe()}")
+        if not self.val_history:
+            self._log_eval(self.evaluate())
+            self._log_sample()
+        return True
+
+    def _after_step(self, metrics: dict, end: int, bar) -> None:
+        """The log line, evaluation, checkpoint and progress bar after a step of :meth:`train` (up to ``end``)."""
+        c = self.config
+        if self.step % c.logging.log_interval == 0 or self.step == end:
+            self._log_step(metrics)
+        if (c.training.eval_interval and self.step % c.training.eval_interval == 0) or self.step == c.training.steps:
+            metrics["val_loss"] = self.evaluate()
+            self._log_eval(metrics["val_loss"])
+            self._log_sample()
+        if c.checkpoint.interval and self.step % c.checkpoint.interval == 0:
+            self.save()
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}")
 
     def _save_for_stop(self) -> Path:
         """SIGTERM reached a rank: save this step (unless ``checkpoint.interval`` just did) and say so."""

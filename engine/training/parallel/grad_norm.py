@@ -38,7 +38,7 @@ def _sharded_over(grad: torch.Tensor, shard_group) -> tuple:
 
 @torch.no_grad()
 def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, pipeline_group=None,
-                    counted: Sequence[bool] | None = None, shard_group=None) -> torch.Tensor:
+                    counted: Sequence[bool] | None = None, shard_group=None, device=None) -> torch.Tensor:
     """Global L2 norm of the whole model's gradients, then scale ``grads`` in place so it is at most ``max_norm``.
 
     Args:
@@ -49,6 +49,8 @@ def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, pipeline_
         counted: per gradient, False to leave it out of the norm while still clipping it: a copy whose value
             another counted gradient holds (the last stage's tied word-embedding copy).  Default: all counted.
         shard_group: the group over which plain ``grads`` are pieces of one flat buffer (ZeRO-1), or None.
+        device: where the norm is computed and reduced (NCCL needs the GPU); default the first gradient's device
+            (CPU when this rank holds none).
 
     Returns:
         The norm before clipping: an fp32 scalar tensor on the gradients' device, the same on every rank (no host
@@ -59,7 +61,8 @@ def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, pipeline_
     """
     grads = list(grads)
     counted = [True] * len(grads) if counted is None else list(counted)
-    device = local(grads[0]).device if grads else torch.device("cpu")
+    if device is None:
+        device = local(grads[0]).device if grads else torch.device("cpu")
     parts: dict[tuple, list[torch.Tensor]] = {}
     for g, c in zip(grads, counted):
         if c:

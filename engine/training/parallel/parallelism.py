@@ -152,9 +152,9 @@ class Parallelism:
         if self.shard == "optimizer":
             grads, counted = self.optimizer.shard_grads()
             return clip_grad_norm_(grads, max_norm, counted=counted, pipeline_group=self.pg.pp,
-                                   shard_group=self.pg.dp)
+                                   shard_group=self.pg.dp, device=self.device)
         params = [p for p in self.parameters() if p.grad is not None]
-        return clip_grad_norm_([p.grad for p in params], max_norm, pipeline_group=self.pg.pp,
+        return clip_grad_norm_([p.grad for p in params], max_norm, pipeline_group=self.pg.pp, device=self.device,
                                counted=[not getattr(p, "shared_embedding_copy", False) for p in params])
 
     def after_forward_only(self) -> None:
