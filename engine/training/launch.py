@@ -50,8 +50,8 @@ from .config import (ConfigError, TrainConfig, check_fresh_run, load_config, par
                      validate_world_size)
 from .tune.result import resolve_tuned
 
-__all__ = ["add_arguments", "run", "run_spawned", "launch_ranks", "train_worker", "summary_line", "under_torchrun", "Interrupted",
-           "EXIT_PREEMPTED", "STOP_GRACE_S"]
+__all__ = ["add_arguments", "run", "run_spawned", "launch_ranks", "train_worker", "summary_line", "under_torchrun",
+           "Interrupted", "EXIT_PREEMPTED", "STOP_GRACE_S"]
 
 log = logging.getLogger("pipecast.train")
 
