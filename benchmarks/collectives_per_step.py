@@ -13,7 +13,6 @@ overrides; the figures of rank 0 and 1 are printed (they are the same calls on b
 from __future__ import annotations
 
 import collections
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -83,9 +82,11 @@ def _rank(rank: int, world: int, run_dir: str) -> dict:
 
 
 def main() -> None:
+    from benchmarks.common import write_json
     from engine.runtime.spawn import spawn
     with tempfile.TemporaryDirectory() as tmp:
         results = spawn(_rank, 2, args=(tmp,), timeout_s=600, threads=1)
+    rows = []
     for name in LAYOUTS:
         print(f"\n{name}")
         for rank, per_rank in enumerate(results):
@@ -93,9 +94,12 @@ def main() -> None:
                 total = sum(p["collectives"].values())
                 print(f"  rank {rank} {p['phase']:<36} collectives {total:3d} {p['collectives']}  "
                       f"p2p messages {p['p2p_messages']}")
-    path = ROOT / "benchmarks" / "results" / "collectives_per_step.json"
-    path.write_text(json.dumps({"steps": STEPS, "layouts": {n: [r[n] for r in results] for n in LAYOUTS}},
-                               indent=1) + "\n")
+                if rank == 0:
+                    rows.append({"layout": name, "phase": p["phase"], "collectives": total,
+                                 **{k: p["collectives"].get(k, 0) for k in ("all_gather", "all_reduce", "broadcast")},
+                                 "p2p_messages": p["p2p_messages"], "by_name": p["collectives"]})
+    path = write_json("collectives_per_step", {"steps": STEPS, "rows": rows,
+                                               "per_rank": {n: [r[n] for r in results] for n in LAYOUTS}})
     print(f"\nwrote {path.relative_to(ROOT)}")
 
 
