@@ -44,8 +44,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoint folder (``.metadata`` inside), or the latest complete checkpoint of a run folder.
 
     A run folder is read where it is, never through the ``logging.run_dir`` written in its ``config.yaml`` (that
-    path is relative to where ``pipecast train`` ran, so for a copied or moved folder it names another run --
-    issue 26): its ``checkpoints/``, else the config's ``checkpoint.dir`` taken relative to this folder when it lay
+    path is relative to where ``pipecast train`` ran, so for a copied or moved folder it names another
+    run): its ``checkpoints/``, else the config's ``checkpoint.dir`` taken relative to this folder when it lay
     inside the run folder, else that ``checkpoint.dir`` as written when it lay outside (the only copy of that run's
     checkpoints), else the folder itself.
 

@@ -101,8 +101,9 @@ class ModelConfig:
     max_position_embeddings: int | None = setting(None, "rows of a learned position table, or the context length "
                                                   "recorded in exports (null: seq_length; >= seq_length)",
                                                   Range(2, 1 << 24, "use >= model.seq_length or null (= seq_length)"))
-    activation: Literal["gelu", "gelu_tanh"] = setting("gelu", "GELU of a GELU MLP: gelu (exact) or gelu_tanh (the "
-                                                       "tanh approximation, Hendrycks & Gimpel arXiv:1606.08415)")
+    activation: Literal["gelu", "gelu_tanh"] = setting("gelu", "the MLP's GELU (families with one): gelu (exact) or "
+                                                       "gelu_tanh (the tanh approximation, Hendrycks & Gimpel "
+                                                       "arXiv:1606.08415)")
     init_from: str | None = setting(None, "a Hugging Face folder (config.json + model.safetensors) of a registered "
                                     "family to start from: its config sets the architecture fields, its weights the "
                                     "first step")

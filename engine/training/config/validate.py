@@ -67,7 +67,10 @@ def validate_model_family(m: ModelConfig) -> None:
     if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
         raise ConfigError(f"model.max_position_embeddings={m.max_position_embeddings} is below model.seq_length="
                           f"{m.seq_length}; use >= {m.seq_length} or null (= seq_length)")
-    family = get_family(m.family)
+    try:
+        family = get_family(m.family)
+    except ValueError as exc:  # a config built in Python, not loaded (load_config checks the name first)
+        raise ConfigError(str(exc)) from None
     why = family.check(m) if family.check is not None else None
     if why is not None:
         raise ConfigError(why)
