@@ -21,17 +21,15 @@ the last stage returns the per-token loss ``[b, s]`` (fp32, nats) when given lab
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..config import ModelConfig
 from .registry import FamilySpec, get_family
-
-if TYPE_CHECKING:  # annotations only: the config reads the family registry
-    from ..config import ModelConfig
 
 __all__ = ["ModelChunk", "stage_layers", "build_model_chunks", "chunk_stage", "canonical_module", "family_parts",
            "canonical_names"]
