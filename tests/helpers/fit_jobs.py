@@ -113,12 +113,12 @@ def reference_grads(model: TinyLM, *, per_microbatch: bool) -> dict:
     return total
 
 
-SCHEDULES = {  # name -> (chunks per rank, a layout with uneven stages over 2 ranks)
-    "1f1b": (1, "Et*2|t*4L"),
-    "interleaved": (2, "Et|t*2|t*2|tL"),
-    "zb_h1": (1, "Et*4|t*2L"),
-    "zbv": (2, "E|t*2|t*3|tL"),
-    "dualpipev": (2, "Et*2|t|t*2|tL"),
+SCHEDULES = {  # name -> (chunks per rank, a layout with uneven stages over 2 ranks, its layers per stage)
+    "1f1b": (1, "Et*2|t*4L", [2, 4]),
+    "interleaved": (2, "Et|t*2|t*2|tL", [1, 2, 2, 1]),
+    "zb_h1": (1, "Et*4|t*2L", [4, 2]),
+    "zbv": (2, "E|t*2|t*3|tL", [0, 2, 3, 1]),
+    "dualpipev": (2, "Et*2|t|t*2|tL", [2, 1, 2, 1]),
 }
 RECOMPUTE = {"none": None, "full": "full", "selective": "selective", "partial": "full"}
 
@@ -132,7 +132,7 @@ def _run(rank: int, pgc, schedule: str, recompute: str, *, gate: bool = False, b
     from engine import schedules
     from engine.plan import build_plan
     from engine.runtime.p2p import P2PCommunicator
-    chunks_per_rank, layout = SCHEDULES[schedule]
+    chunks_per_rank, layout, _ = SCHEDULES[schedule]
     dtype = torch.bfloat16 if bf16 else torch.float32
     config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=dtype, hidden_size=H,
                                  deallocate_pipeline_outputs=True, params_dtype=dtype,
@@ -142,7 +142,7 @@ def _run(rank: int, pgc, schedule: str, recompute: str, *, gate: bool = False, b
     model = TinyLM(dropout=dropout, gate=gate, dtype=dtype)
     chunks = chunks_of(model, config, build_plan(schedule, 2, M, chunks_per_rank).stages_of(rank), layout)
     handle = attach_main_grad(chunks) if bf16 else None
-    seen = {"received": [], "calls": []}
+    seen = {"received": [], "calls": [], "layers": {c.stage: len(c.body_layers) for c in chunks}}
     flag = _trace_calls(_mark(chunks, RECOMPUTE[recompute]), seen["calls"])
     torch.manual_seed(7 + rank)
 

@@ -84,7 +84,10 @@ def test_uneven_stages_equal_the_unsplit_model(schedule, one_thread):
     """Bitwise: each chunk accumulates its microbatches' gradients in microbatch order, as the reference's
     backward passes do (the reference on one thread, as the ranks)."""
     ref = fj.reference_grads(fj.TinyLM(dropout=0.0), per_microbatch=False)
-    got = _merged(_results(), (schedule, "none", False, False, 0.0))
+    ranks = _results()
+    layers = {s: n for r in ranks for s, n in r[(schedule, "none", False, False, 0.0)]["layers"].items()}
+    assert [layers[s] for s in sorted(layers)] == fj.SCHEDULES[schedule][2]  # the layout's stages, placed
+    got = _merged(ranks, (schedule, "none", False, False, 0.0))
     assert set(got) == set(ref)
     differ = [n for n in ref if not torch.equal(got[n], ref[n])]
     assert differ == [], f"{schedule}: gradients differ from the unsplit model's in {differ[:4]}"
