@@ -27,6 +27,7 @@ from engine.runtime.split_backward import backward_input_step, weight_grad_defer
 from engine.runtime.step import recompute_microbatch
 from tests.helpers import fit_jobs as fj
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: no intra-op threads spinning on 2 shared cores
 S, B, H = fj.S, fj.B, fj.H
 CONFIG = ModelParallelConfig()
 GRANULARITIES = ("none", "full", "selective")
