@@ -31,7 +31,7 @@ from .graph import PlanGraph, deadlock_free_segments, memory_levels, plan_graph
 from .plotting import Bar
 from .types import Plan
 
-__all__ = ["Cost", "Simulation", "simulate", "max_buffered_messages"]
+__all__ = ["Cost", "Simulation", "simulate", "max_buffered_messages", "placed_costs"]
 
 Cost = Union[float, Mapping[tuple[int, int], float], Sequence[Sequence[float]]]
 """A compute cost in time units: one number for every ``(rank, chunk)``, a mapping ``{(rank, chunk): cost}`` (every
@@ -143,6 +143,21 @@ def simulate(plan: Plan, forward_time: Cost = 1.0, backward_time: Cost = 2.0, tr
     levels = memory_levels(plan)
     return Simulation(plan, makespan, busy, tuple(x for x, _ in levels), tuple(w for _, w in levels),
                       float(transfer_time), start, end, graph.base)
+
+
+def placed_costs(plan: Plan, per_stage: Sequence[float], overhead: float = 0.0) -> list[list[float]]:
+    """``[rank][chunk]`` costs (a :data:`Cost` for :func:`simulate`) from per-stage costs (one per virtual stage, in
+    stage order: e.g. :func:`engine.plan.layout.stage_costs` of an uneven layout) through the plan's placement, each
+    plus ``overhead``.
+
+    Raises:
+        ValueError: ``per_stage`` does not have one entry per stage of the plan.
+    """
+    if len(per_stage) != plan.num_stages:
+        raise ValueError(f"{len(per_stage)} per-stage costs for a plan of {plan.num_stages} stages "
+                         f"({plan.pp_size} ranks x {plan.num_model_chunks} chunks); give one per stage")
+    return [[per_stage[plan.stage(r, c)] + overhead for c in range(plan.num_model_chunks)]
+            for r in range(plan.pp_size)]
 
 
 def _check_time(name: str, value) -> None:

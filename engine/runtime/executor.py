@@ -23,7 +23,8 @@ executor derives everything else from the plan's actions:
 * ``deallocate_pipeline_outputs``: a sent output is shrunk right after its send is posted (the send holds an alias
   of its storage until it is waited), and its backward runs through ``custom_backward``.
 * Partial activation checkpointing by microbatch (``checkpoint_activations_microbatch = (k mod (W+1)) >= K`` for
-  forward step ``k``, as Megatron's interleaved schedule), ``is_first_microbatch`` (microbatch 0 of each model chunk, through
+  forward step ``k``, as Megatron's interleaved schedule; modules marked by ``engine.runtime.recompute`` follow it),
+  ``is_first_microbatch`` (microbatch 0 of each model chunk, through
   ``check_first_val_step``), ``current_microbatch`` (-> ``set_current_microbatch``).
 * Grad / param sync hooks at Megatron-Core's points (``megatron/core/pipeline_parallel/schedules.py``): ``no_sync_func`` entered at the
   start; left before the last forward (no pipelining), before the last backward (1F1B; with ``grad_sync_func`` only
