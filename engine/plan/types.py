@@ -319,9 +319,9 @@ class Plan:
             w = [i for i, a in enumerate(parts) if a.op is Op.WEIGHT]
             if len(f) != 1 or len(b) != 1 or len(w) > 1:
                 continue
-            fa, ba = parts[f[0]], parts[b[0]]
-            same = lambda a: (a.chunk, a.microbatch) == (ba.chunk, ba.microbatch)  # noqa: E731
-            if same(fa) or (w and (not same(parts[w[0]]) or w[0] < b[0])):
+            key = (parts[b[0]].chunk, parts[b[0]].microbatch)
+            if (parts[f[0]].chunk, parts[f[0]].microbatch) == key or (
+                    w and ((parts[w[0]].chunk, parts[w[0]].microbatch) != key or w[0] < b[0])):
                 continue
             out.append((start, stop))
         return tuple(out)
