@@ -9,73 +9,15 @@ bad settings are refused.
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.model_parallel_config import ModelParallelConfig
 from engine.moe import MoELayer
 from engine.schedules import forward_backward_no_pipelining
+from tests.helpers.moe_reference import reference
 
 TOL = 2e-6
-
-
-def _route_token(logits, k, score, normalize, bias):
-    """(slots [(expert, prob)], full distribution) of one token, by hand."""
-    if score == "softmax":
-        m = max(logits.tolist())
-        ex = [torch.exp(v - m) for v in logits]
-        total = sum(ex)
-        scores = [e / total for e in ex]
-        chooser = [s.item() for s in scores]
-        balance = scores
-    else:
-        scores = [1 / (1 + torch.exp(-v)) for v in logits]
-        chooser = [s.item() + (0.0 if bias is None else bias[i].item()) for i, s in enumerate(scores)]
-        total = sum(scores)
-        balance = [s / total for s in scores]
-    chosen = sorted(range(len(scores)), key=lambda e: (-chooser[e], e))[:k]
-    probs = [scores[e] for e in chosen]
-    if (score == "sigmoid" or normalize) and k > 1:
-        z = sum(probs)
-        probs = [p / z for p in probs]
-    return list(zip(chosen, probs)), balance
-
-
-def _expert(x, e):
-    return e.down_proj.weight @ (F.silu(e.gate_proj.weight @ x) * (e.up_proj.weight @ x))
-
-
-def reference(layer: MoELayer, x: torch.Tensor, *, k, score="softmax", normalize=True, coeff=0.0, capacity=None):
-    """Naive forward of ``layer`` on ``x`` ``[n, h]``: ``(out [n, h], aux loss, tokens per expert)``."""
-    E = layer.num_experts
-    W = layer.router.linear.weight
-    bias = layer.router.expert_bias
-    routed, balances = [], []
-    for t in range(x.shape[0]):
-        logits = torch.stack([torch.dot(W[e], x[t]) for e in range(E)])
-        slots, balance = _route_token(logits, k, score, normalize, bias)
-        routed.append(slots)
-        balances.append(balance)
-    counts = [sum(1 for slots in routed for e, _ in slots if e == i) for i in range(E)]
-    limit = math.ceil(capacity * x.shape[0] * k / E) if capacity is not None else None
-    seen, kept = [0] * E, [0] * E
-    outs = []
-    for t, slots in enumerate(routed):
-        y = torch.zeros_like(x[t])
-        for e, p in slots:
-            seen[e] += 1
-            if limit is None or seen[e] <= limit:
-                kept[e] += 1
-                y = y + p * _expert(x[t], layer.experts.local[e])
-        if layer.shared_experts is not None:
-            y = y + _expert(x[t], layer.shared_experts)
-        outs.append(y)
-    T = x.shape[0]
-    aux = coeff * E / (k * T * T) * sum(sum(b[e] for b in balances) * counts[e] for e in range(E))
-    return torch.stack(outs), aux, kept
 
 
 def _grads(module, x):
