@@ -133,16 +133,11 @@ def dispatch(x: torch.Tensor, experts: torch.Tensor, num_experts: int, group, la
 
 def _regroup(per_source: list, device) -> torch.Tensor:
     """Indices that take rows received in (source, local expert) order to (local expert, source) order."""
-    starts, at = [], 0
-    for counts in per_source:
-        row = []
-        for c in counts:
-            row.append(at)
-            at += c
-        starts.append(row)
-    index = [i for e in range(len(per_source[0])) for s, counts in enumerate(per_source)
-             for i in range(starts[s][e], starts[s][e] + counts[e])]
-    return torch.tensor(index, dtype=torch.int64, device=device)
+    counts = torch.tensor(per_source, dtype=torch.int64)  # [P, E/P]
+    starts = (counts.reshape(-1).cumsum(0) - counts.reshape(-1)).view_as(counts)  # of each block, received order
+    c, s = counts.t().reshape(-1), starts.t().reshape(-1)  # blocks in (expert, source) order
+    within = torch.arange(int(c.sum())) - torch.repeat_interleave(c.cumsum(0) - c, c)
+    return (torch.repeat_interleave(s, c) + within).to(device)
 
 
 def combine(y: torch.Tensor, probs: torch.Tensor, state: Dispatch) -> torch.Tensor:
@@ -150,7 +145,7 @@ def combine(y: torch.Tensor, probs: torch.Tensor, state: Dispatch) -> torch.Tens
     and sum them per token: ``out[t] = sum_j probs[t, j] * y(t, j)`` in slot order, dropped slots adding nothing.
     Returns ``[n, h]``."""
     if state.regroup is not None:
-        back = torch.empty_like(state.regroup)
+        back = torch.empty_like(state.regroup)  # the inverse regrouping: local-expert order -> received order
         back[state.regroup] = torch.arange(state.regroup.numel(), device=back.device)
         y = all_to_all(y.index_select(0, back), state.send_splits, state.recv_splits, state.group,
                        f"{state.label} a2a combine")

@@ -13,6 +13,10 @@ Every local expert runs on every forward, also on zero rows, so each expert para
 an expert without tokens) on every rank and step, whatever the routing.  Expert parameters carry
 ``param.expert_parallel = True`` (:func:`is_expert_parameter`): their gradients are summed over the
 expert-data-parallel group, not the data-parallel one (Megatron marks them ``allreduce = False``).
+
+Not covered: expert tensor parallelism (each expert is whole on its rank: ``expert_tensor_parallel_size`` 1 for
+these layers) and tokens replicated over a tensor-parallel group (with ``tensor_model_parallel_size > 1`` give the
+layer distinct tokens per rank, e.g. sequence parallelism's ``[s/T, b, h]`` shards).
 """
 from __future__ import annotations
 
