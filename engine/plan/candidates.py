@@ -13,11 +13,12 @@ validator.
 backward) and stage the measured cost of ``F``, ``B`` and ``W`` in ms, the runtime's overhead per action, the
 latency of one message, the step's work outside the schedule (optimizer, gradient clipping), and per stage the
 bytes of one in-flight activation, of one pending ``W``, and of its parameters with their gradients and optimizer
-state.  Costs are keyed by *stage* (``P*v`` stages of ``L/(P*v)`` layers each), so one measurement of a layout
-serves every placement of it (looped and V); a candidate whose layout was not measured cannot be predicted.  A
-candidate with an uneven pipeline layout (``model.pipeline_layout``, :mod:`engine.plan.layout`) takes the even
-measurement of its ``(v, split)`` split into per-kind costs (embedding, decoder layer, head and loss) and summed
-over its own stages (:func:`relayout`).
+state; for a mixture-of-experts model also each stage's expert all-to-all time (``a2a_ms``), which the overlapped
+cells of DualPipeV hide when the cost model says the run overlaps them.  Costs are keyed by *stage* (``P*v``
+stages of ``L/(P*v)`` layers each), so one measurement of a layout serves every placement of it (looped and V); a
+candidate whose layout was not measured cannot be predicted.  A candidate with an uneven pipeline layout
+(``model.pipeline_layout``, :mod:`engine.plan.layout`) takes the even measurement of its ``(v, split)`` split into
+per-kind costs (embedding, decoder layer, head and loss) and summed over its own stages (:func:`relayout`).
 
 Memory per rank (bytes): the static bytes of its stages (a tied embedding shared by the first and last stage
 counted once when both are on the rank, as under the V placement), plus the peak over its action order of
@@ -164,16 +165,20 @@ class LayoutCosts:
     action_overhead_ms: float = 0.0
     step_overhead_ms: float = 0.0
     calibration: float = 1.0
+    a2a_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
 class CostModel:
     """What :func:`predict` needs: ``layouts[(v, splits_backward)]``, the message latency (ms) and the bytes of a
-    tied embedding the first and last stage both count (0 when untied)."""
+    tied embedding the first and last stage both count (0 when untied); for a mixture-of-experts model, whether
+    forward-backward cells run overlapped (``overlap_moe_expert_parallel_comm``; the layouts' ``a2a_ms`` give
+    each stage's expert all-to-all time per forward, :func:`engine.plan.simulate.simulate`)."""
 
     layouts: Mapping[tuple[int, bool], LayoutCosts]
     transfer_ms: float = 0.0
     tied_bytes: int = 0
+    overlap_moe_expert_parallel_comm: bool = False
 
 
 @dataclass(frozen=True)
@@ -215,8 +220,10 @@ def predict(candidate: Candidate, model: CostModel, pp_size: int, num_microbatch
         lc = relayout(lc, parse_layout(candidate.pipeline_layout))
 
     o = lc.action_overhead_ms
+    a2a = placed_costs(plan, lc.a2a_ms, 0.0) if lc.a2a_ms else 0.0
     sim = simulate(plan, placed_costs(plan, lc.forward_ms, o), placed_costs(plan, lc.backward_ms, o),
-                   model.transfer_ms, placed_costs(plan, lc.weight_ms, o if split else 0.0))
+                   model.transfer_ms, placed_costs(plan, lc.weight_ms, o if split else 0.0), a2a,
+                   model.overlap_moe_expert_parallel_comm)
     step = sim.makespan + lc.step_overhead_ms
     return Prediction(candidate, step * lc.calibration, step, sim.makespan, sim.bubble_overall, sim.busy,
                       peak_memory_bytes(plan, lc, model.tied_bytes), sim.peak_in_flight, sim.peak_pending_w)
@@ -243,8 +250,8 @@ def relayout(lc: LayoutCosts, layout: PipelineLayout) -> LayoutCosts:
 
 
 def _check_stages(lc: LayoutCosts, stages: int) -> None:
-    for name in _STAGE_FIELDS:
-        if len(getattr(lc, name)) != stages:
+    for name in _STAGE_FIELDS + ("a2a_ms",):
+        if len(getattr(lc, name)) != stages and (name != "a2a_ms" or lc.a2a_ms):
             raise ValueError(f"LayoutCosts.{name} has {len(getattr(lc, name))} entries for {stages} stages")
 
 

@@ -35,7 +35,7 @@ MAX_FUNCTION_LINES = 60
 def layer_of(module: str) -> str | None:
     if module == "engine.cli":
         return "cli"
-    if module in API:
+    if module in API or module == "engine.moe" or module.startswith("engine.moe."):
         return "api"
     for prefix, layer in (("engine.plan", "plan"), ("engine.runtime", "runtime"), ("engine.profiling", "profiling"),
                           ("engine.training", "training"), ("graphs", "graphs")):
