@@ -7,6 +7,9 @@
 * :mod:`engine.runtime.split_backward`: the split of a backward into its input-gradient (B) and weight-gradient (W)
   passes (layer-level deferral, or a split over any chunk's autograd graph).
 * :mod:`engine.runtime.executor`: one executor for every plan.
+* :mod:`engine.runtime.recompute`: activation recomputation (full, selective, by microbatch), exact under split
+  backward.
+* :mod:`engine.runtime.main_grad`: fp32 ``main_grad`` accumulation beside bf16 parameters.
 * :mod:`engine.runtime.tracing`: the span hook the executor reports to.
 * :mod:`engine.runtime.spawn`: the one spawner of local ranks (``spawn(fn, world_size)``: the launcher, the tests,
   the benchmarks).

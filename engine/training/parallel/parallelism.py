@@ -41,7 +41,8 @@ def parallelize(chunks: Sequence[nn.Module], *, tp_mesh=None, sequence_parallel:
 
     1. tensor parallelism over ``tp_mesh`` (None: off), ``sequence_parallel`` as configured
        (:func:`engine.training.parallel.tensor_parallel.parallelize_chunks`);
-    2. activation recomputation: not offered yet; it goes here, wrapping each block;
+    2. activation recomputation: the recipe does not offer it yet; it goes here, marking each block with
+       :func:`engine.runtime.recompute.apply_recompute`;
     3. FSDP2 over ``dp_mesh`` (None: off; :func:`engine.training.parallel.fsdp.shard_chunks`).
 
     Why this order: tensor parallelism replaces each projection's weight by a ``DTensor`` on the ``tp`` mesh and

@@ -1,4 +1,4 @@
-"""Resuming with changed settings (issue 26, item 6): changes that continue another trajectory (model shape, data
+"""Resuming with changed settings: changes that continue another trajectory (model shape, data
 identity, seed, global batch) are refused before any rank starts, naming every changed field old -> new;
 optimisation changes are warned; layout changes and a longer run pass silently."""
 from __future__ import annotations
@@ -18,7 +18,8 @@ DEFAULT = ROOT / "configs" / "default.yaml"
 
 
 def _meta(config) -> dict:
-    """What the trainer saves (Trainer._checkpoint_meta's model / tokenizer / run entries)."""
+    """What the trainer saves (the model / tokenizer / run entries of
+    ``engine.training.checkpoint.resume.checkpoint_meta``)."""
     return {"model": {k: getattr(config.model, k) for k in MODEL_MUST_MATCH} |
             {"ffn_hidden_size": config.ffn_hidden_size}, "tokenizer": {"kind": config.data.tokenizer},
             "run": json.loads(json.dumps(run_settings(config)))}
