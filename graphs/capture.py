@@ -162,6 +162,8 @@ class _Job:
     defer_weight_grad: Any = None
     splits: bool = False
     timeout_s: float | None = None
+    eager_microbatches: int = 0
+    pp_size: int = 1
 
     @property
     def lpc(self) -> list[int]:
@@ -174,7 +176,7 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
             order: Sequence[int] | None = None, share_graphs: bool = False, chain_layers: bool = True, pool=None,
             generators: Sequence[torch.Generator] = (), group=None, tracer=None, veto: str | None = None,
             autocast: AutocastState | None = None, defer_weight_grad=None, timeout_s: float | None = None,
-            _debug: DebugOptions | None = None) -> GraphedLayers:
+            eager_microbatches: int = 0, _debug: DebugOptions | None = None) -> GraphedLayers:
     """Capture the graphs of pipeline rank ``rank`` of ``plan`` and install them on its layers.
 
     Args:
@@ -205,6 +207,8 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
             empties the cache, so a capture of many graphs can take long: once a few graphs are captured, a capture
             projected to take more than :data:`CAPTURE_TIMEOUT_FRACTION` of it stops with the reason (all ranks
             then run eagerly), and one that took more than half of it logs a warning.  ``None``: no check.
+        eager_microbatches: microbatches this rank ran eagerly before the capture (the runtime's warmup steps);
+            the ``te`` backend counts them in Megatron's warmup rule (``graphs.backends.te.megatron_warmup_iters``).
         _debug: :class:`DebugOptions` for negative-control tests.
 
     Returns:
@@ -222,7 +226,8 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
                    share_graphs, chain_layers, pool, tuple(generators), tracer,
                    current_autocast() if autocast is None else autocast, _debug or DebugOptions(),
                    defer_weight_grad=defer_weight_grad, splits=plan.splits_backward and not plan.forward_only,
-                   timeout_s=timeout_s)
+                   timeout_s=timeout_s, eager_microbatches=eager_microbatches,
+                   pp_size=plan.pp_size)
         _validate(job, backend, plan, rank, specs, order, veto)
     except BaseException:
         if created:
