@@ -40,6 +40,7 @@ from engine.plan import Plan
 
 from . import decision
 from . import backends
+from .accounting import LiveBytes
 from .backends import common, torch_cuda
 from .dispatch import GraphedLayers, GraphSet
 from .hazards import HazardError
@@ -514,19 +515,22 @@ def _slot_capture(slot_cls, warmup_ctx, job: _Job, prepare=None) -> GraphSet:
             _quietly(s.release)
 
     timer = _CaptureTimer(job.timeout_s, len(events))
+    tracker = LiveBytes(per_op=False) if getattr(slot_cls, "models_pool", False) else None
     try:
         if prepare is not None:
             prepare(slots)
         gc.disable()  # a GC pass freeing an old graph during another capture is a CUDA error (TE PR #2092)
         common.walk_capture(events, slot_of, job.num_warmup_iters, warmup_ctx,
                             timer.timed(lambda s: s.capture_forward()), timer.timed(lambda s: s.capture_backward()),
-                            timer.timed(lambda s: s.capture_weight()))
+                            timer.timed(lambda s: s.capture_weight()), tracker=tracker)
     except BaseException:
         release()  # drops every graph and static tensor: the pool's blocks become free
         raise
     gs = GraphSet(backend="", order=list(job.order), layers_per_chunk=list(job.lpc), num_microbatches=job.M,
                   specs=job.layer_specs, callables=slots, shared=job.share, release=release)
     gs.extra["grad_buffers"] = slots[0].grads if slots else None
+    if tracker is not None:
+        gs.extra["pool_model"] = {"peak": tracker.peak, "held": tracker.final}
     gs.check_step = _storage_check(job)
     return gs
 

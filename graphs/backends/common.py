@@ -465,7 +465,7 @@ def _backward_results(slot: ReplaySlot) -> list[torch.Tensor | None]:
 def walk_capture(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], ReplaySlot],
                  num_warmup_iters: int, warmup_ctx: Callable[[], Any], capture_fwd: Callable[[ReplaySlot], None],
                  capture_bwd: Callable[[ReplaySlot], None],
-                 capture_wgt: Callable[[ReplaySlot], None] | None = None) -> None:
+                 capture_wgt: Callable[[ReplaySlot], None] | None = None, tracker=None) -> None:
     """Warm up, then capture, every slot by walking ``events`` (the rank's per-layer order).
 
     Warmup runs each forward eagerly on the slot's static inputs under a :class:`graphs.hazards.HazardCheck` (a
@@ -474,6 +474,8 @@ def walk_capture(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], R
     ``.grad``), ``max(1, num_warmup_iters)`` times, inside ``warmup_ctx()`` (a side stream on CUDA).  Capture then
     calls ``capture_fwd`` / ``capture_bwd`` / ``capture_wgt`` (split backward's ``W`` events) in exactly the order
     of ``events``, so every slot's buffers are allocated where the runtime will need them (the pool's liveness rule, :mod:`graphs.liveness`).
+    ``tracker`` (a :class:`graphs.accounting.LiveBytes`, ``per_op=False``), if given, follows the capture (not the
+    warmup) and is sampled after every event: the emulate backend's model of the graph pool.
     """
     with warmup_ctx():
         for _ in range(max(1, num_warmup_iters)):
@@ -482,8 +484,11 @@ def walk_capture(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], R
         if ev.kind == "F":
             slot_of(ev).allocate_grad_buffers()
     capturers = {"F": capture_fwd, "B": capture_bwd, "W": capture_wgt}
-    for ev in events:
-        capturers[ev.kind](slot_of(ev))
+    with tracker if tracker is not None else _NULL:
+        for ev in events:
+            capturers[ev.kind](slot_of(ev))
+            if tracker is not None:
+                tracker.sample()
 
 
 def _warmup_round(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], ReplaySlot]) -> None:

@@ -188,13 +188,16 @@ class TorchBackend:
         return ""
 
     def capture(self, job, capture_slots):
+        pool = []
+
         def prepare(slots):
             cuda.synchronize()
             gc.collect()  # before GC is disabled for the capture: no stale graph may die during it
             cuda.empty_cache()
-            capture_context(slots, job.pool)  # one shared pool for every graph of this rank
+            pool.append(capture_context(slots, job.pool))  # one shared pool for every graph of this rank
 
         graphs = capture_slots(CudaGraphSlot, warmup_context, prepare=prepare)
         graphs.backend = self.name
+        graphs.extra["pool_id"] = pool[0] if pool else None  # graphs.accounting.pool_bytes reads its segments
         cuda.synchronize()
         return graphs
