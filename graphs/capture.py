@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -367,6 +368,20 @@ def _local_problem(layers: GraphedLayers, sample_args) -> str | None:
                 return f"chunk {c} layer {l} has parameters off the GPU"
     if any(t.device.type != "cuda" for entry in sample_args for t in entry):
         return "sample arguments are not on the GPU"
+    return _nccl_register_problem(layers)
+
+
+def _nccl_register_problem(layers: GraphedLayers) -> str | None:
+    """Tensor-parallel layers (DTensor parameters) capture NCCL collectives; NCCL registers a graph's buffers
+    assuming contiguous allocations, which expandable segments break (illegal memory access or hangs:
+    NVIDIA/Megatron-LM#5474, pytorch#158029) unless ``NCCL_GRAPH_REGISTER=0``."""
+    expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    if not expandable or os.environ.get("NCCL_GRAPH_REGISTER") == "0":
+        return None
+    if any(hasattr(p, "device_mesh") for chunk in layers.modules for m in chunk for p in m.parameters()):
+        return ("tensor-parallel collectives inside CUDA graphs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                "need NCCL_GRAPH_REGISTER=0 (NCCL registers graph buffers as contiguous allocations; "
+                "NVIDIA/Megatron-LM#5474) -- set NCCL_GRAPH_REGISTER=0 or drop expandable_segments")
     return None
 
 

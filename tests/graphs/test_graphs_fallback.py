@@ -262,3 +262,19 @@ def test_a_capture_projected_to_outlast_the_collective_timeout_stops_and_falls_b
         layers = capture(graphed, plan, 0, samples(graphed, 4), backend="torch", timeout_s=50.0)
     assert layers.active and layers.report.seconds == 32.0
     assert any("more than half of the collective timeout" in r.getMessage() for r in caplog.records)
+
+
+def test_tensor_parallel_capture_with_expandable_segments_needs_nccl_graph_register_off(monkeypatch):
+    """NCCL registers graph buffers as contiguous allocations, which expandable segments break: a rank whose graphed
+    layers hold DTensor parameters (tensor-parallel collectives in the graphs) refuses to capture then, with the fix
+    in the reason (NVIDIA/Megatron-LM#5474)."""
+    from graphs import GraphedLayers
+    layers = GraphedLayers([[Block()]])
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    assert capture_mod._nccl_register_problem(layers) is None  # plain parameters: no collective captured
+    layers.modules[0][0].fc1.weight.device_mesh = object()  # what a DTensor parameter carries
+    assert "NCCL_GRAPH_REGISTER=0" in capture_mod._nccl_register_problem(layers)
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")
+    assert capture_mod._nccl_register_problem(layers) is None
+    layers.remove()
