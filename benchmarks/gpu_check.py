@@ -509,8 +509,9 @@ def split_memory_at(sz: dict, m: int, device, backend: str) -> dict:
     out = {"active": layers.active, "backend": layers.report.backend, "reason": layers.report.reason,
            "capture_s": round(layers.report.seconds, 3), "graphs": 3 * layers.report.num_graphs,
            "held_bytes": held_bytes(layers.graphs) if layers.active else None}
-    if cuda:
+    if cuda:  # the warmup's freed blocks are cached in the default pool: released first, the graph pool stays
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         out["reserved_by_capture"] = torch.cuda.memory_reserved() - base
     out["pool"] = pool_bytes(layers.graphs) if layers.active else None
     layers.remove()

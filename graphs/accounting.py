@@ -78,11 +78,10 @@ def pool_bytes(graphs) -> dict[str, int | None] | None:
     pool_id = graphs.extra.get("pool_id")
     if pool_id is None or not torch.cuda.is_available():
         return None
-    snapshot_fn = torch.cuda.memory_snapshot
-    try:
-        snapshot = snapshot_fn(mempool_id=pool_id, include_traces=False)
-    except TypeError:  # a torch without the filter arguments
-        snapshot = snapshot_fn()
+    try:  # torch >= 2.10 filters by pool itself; pool_segments filters again either way
+        snapshot = torch.cuda.memory_snapshot(mempool_id=pool_id, include_traces=False)
+    except Exception:  # noqa: BLE001 - an older signature, or a pool id it does not take: the whole snapshot
+        snapshot = torch.cuda.memory_snapshot()
     return pool_segments(snapshot, pool_id)
 
 
