@@ -790,7 +790,7 @@ def run_checks(rep: Report, selected: set[str], device, backend: str, sz: dict, 
     """Run the selected steps in order: each skipped when the budget has less left than its estimate, each error
     recorded (with its traceback) without stopping the run."""
     for group, names, step in plan_steps(rep, device, backend, sz, out_dir, budget):
-        if group not in selected:
+        if group not in selected and names[0] not in selected:
             continue
         if not budget.allows(ESTIMATE_S[group]):
             for name in names:
@@ -822,14 +822,16 @@ def _arguments(argv):
                     "benchmarks/results/gpu/), or the report's path ending in .json")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, emulate backend, tiny sizes; what needs CUDA is recorded as skipped")
-    ap.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {', '.join(CHECKS)}")
+    ap.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {', '.join(CHECKS)}, "
+                    f"or single cases by name (graphs_zbv_fp32, trainer_1f1b_bf16, ...)")
     ap.add_argument("--budget-s", type=float, default=BUDGET_S,
                     help=f"seconds for all checks (default {BUDGET_S:g}); a check whose estimate exceeds what is "
                          f"left is skipped, one still running {WATCHDOG_GRACE_S:g} s after it is spent ends the run")
     args = ap.parse_args(argv)
     selected = {c.strip() for c in args.checks.split(",") if c.strip()}
-    if selected - set(CHECKS):
-        ap.error(f"--checks: unknown {sorted(selected - set(CHECKS))}; use {', '.join(CHECKS)}")
+    cases = {f"graphs_{s}_{d}" for s, _ in SCHEDULES for d in ("fp32", "bf16")} | {c[0] for c in TRAINER_CASES}
+    if selected - set(CHECKS) - cases:
+        ap.error(f"--checks: unknown {sorted(selected - set(CHECKS) - cases)}; use {', '.join(CHECKS)} or a case")
     return args, selected
 
 

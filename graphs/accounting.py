@@ -78,7 +78,7 @@ def pool_bytes(graphs) -> dict[str, int | None] | None:
     pool_id = graphs.extra.get("pool_id")
     if pool_id is None or not torch.cuda.is_available():
         return None
-    try:  # torch >= 2.10 filters by pool itself; pool_segments filters again either way
+    try:  # the installed torch (2.13) filters by pool itself; pool_segments filters again either way
         snapshot = torch.cuda.memory_snapshot(mempool_id=pool_id, include_traces=False)
     except Exception:  # noqa: BLE001 - an older signature, or a pool id it does not take: the whole snapshot
         snapshot = torch.cuda.memory_snapshot()

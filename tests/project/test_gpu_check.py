@@ -99,7 +99,7 @@ def leaking_capture_weight(self):  # (3) the W capture keeps the activations of 
 
 
 emulate.EmulatedSlot.replay_forward, emulate.EmulatedSlot.capture_weight = perturbed_frozen_replay, leaking_capture_weight
-codes["planted"] = run("--checks", "graphs,dropout,split_memory", "--out", planted_out)
+codes["planted"] = run("--checks", "graphs_interleaved_fp32,dropout,split_memory", "--out", planted_out)
 emulate.EmulatedSlot.replay_forward, emulate.EmulatedSlot.capture_weight = replay_forward, capture_weight
 with open(codes_out, "w") as f:
     json.dump(codes, f)
@@ -176,6 +176,7 @@ def test_planted_faults_fail_exactly_their_checks(dry_runs):
     code, report = dry_runs["planted"]
     assert code == 1, dry_runs["output"]
     checks = report["checks"]
+    assert set(checks) == {"graphs_interleaved_fp32", "dropout_rng", "split_memory"}  # --checks takes a case
     failed = {n for n, c in checks.items() if c["status"] == "fail"}
     assert failed == {"graphs_interleaved_fp32", "dropout_rng", "split_memory"}, failed
     assert not checks["graphs_interleaved_fp32"]["graph_vs_eager"]["bitwise"]
