@@ -747,7 +747,8 @@ def check_bench(rep: Report, out_dir: Path) -> None:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(True, warn_only=True)
     configs = json.loads(path.read_text())["configs"]
-    rep.check("bench_bitwise", rc == 0, returncode=rc, configs=sorted(configs), json=str(path),
+    shown = path.relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path
+    rep.check("bench_bitwise", rc == 0, returncode=rc, configs=sorted(configs), json=str(shown),
               graph_vs_eager={k: v.get("graph_vs_eager") for k, v in configs.items()},
               te={k: v["te"] for k, v in configs.items() if "te" in v})
     launch, compute = configs.get("launch", {}), configs.get("compute", {})
