@@ -29,7 +29,7 @@ Speed and memory are measured here, not in the tests.  Each script prints its fi
 | `profile_step.py` | a timeline of pipecast steps, each against its floor (the plan simulated with measured costs) |
 | `plan_scale.py` | build + validate + simulate for p=64, v=8, m=1024 |
 | `cuda_graphs_bench.py` | one GPU: eager vs graph replay (bitwise equality, step time, memory); `--memory-only` on CPU |
-| `gpu_check.py [--dry-run]` | the first-GPU-run check: cuda tests, GPT-block F/B/W graphs vs eager (interleaved, zb_h1, zbv; fp32 bitwise, bf16 tolerance), caller state, split-graph memory at M = 4 / 16, capture seconds, trainer graphs on/off, bench goals; one JSON in `results/gpu/` |
+| `gpu_check.py [--dry-run] [--out DIR]` | the first-GPU-run check: GPT-block F/B/W graphs vs eager (interleaved, zb_h1, zbv; fp32 bitwise, bf16 tolerance), caller state, dropout under replay, graph-pool bytes at M = 4 / 16, capture seconds, trainer graphs on/off (zbv, 1f1b, bf16, interleaved pp2), host syncs, cuda tests, bench goals; one JSON rewritten around every check, within a time budget |
 | `collectives_per_step.py` | torch.distributed collectives and P2P messages per trainer phase on 2 gloo ranks (train steps, an evaluation with another microbatch count, the step after it) |
 | `investigations/p2p_stalls.py`, `investigations/gloo_post_stalls.py` | one-off studies of gloo receive posting and send stalls |
 
