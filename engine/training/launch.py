@@ -60,7 +60,9 @@ EXIT_PREEMPTED = 143  # 128 + SIGTERM: the run was stopped by SIGTERM (after sav
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config file (e.g. configs/default.yaml)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest complete checkpoint in checkpoint.dir (fresh start if none)")
+                        help="continue from the newest intact checkpoint in checkpoint.dir (fresh start if none; "
+                             "newer broken ones -- a file missing, truncated or failing its checksum -- are named "
+                             "and skipped), or from the step --checkpoint.load_step=N names")
     parser.add_argument("--timeline", metavar="DIR", default=None,
                         help="record every rank's timeline; write a Chrome/Perfetto trace, a Gantt chart and the "
                              "measured vs simulated bubble to DIR")
@@ -171,7 +173,7 @@ def run_spawned(fn, config: TrainConfig, *args) -> int:
     try:
         results = spawn(fn, config, *args)
     except RankError as exc:
-        if exc.traceback:
+        if exc.traceback and not exc.cause.startswith(f"{CheckpointError.__name__}: "):  # its line says it all
             print(exc.traceback.rstrip(), file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         return 1

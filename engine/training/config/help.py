@@ -90,8 +90,10 @@ FIELD_HELP = {
     "training.deterministic": "deterministic kernels",
     "checkpoint.dir": "checkpoint folder (null: logging.run_dir/checkpoints)",
     "checkpoint.interval": "save every N steps (0: at the end only)",
-    "checkpoint.keep": "complete checkpoints kept (the oldest removed)",
+    "checkpoint.keep": "checkpoints kept (the oldest removed; a broken one counts like any other)",
     "checkpoint.save_at_end": "save after the last step",
+    "checkpoint.load_step": "with --resume: resume from the checkpoint of this step, refused if it is broken "
+                            "(null: the newest intact checkpoint, warning about each newer broken one)",
     "logging.run_dir": "run folder: config.yaml, train.log, metrics.jsonl, loss.png, checkpoints",
     "logging.log_interval": "log (and write metrics.jsonl) every N steps",
     "logging.progress_bar": "tqdm bar: true / false / auto (when stderr is a terminal)",

@@ -88,6 +88,7 @@ RANGES: dict[str, Range] = {
     "training.seed": Range(0, (1 << 32) - 1, "use a seed in [0, 2**32 - 1]"),
     "checkpoint.interval": Range(0, MAX_STEPS, "use 0 (at the end only) or a number of steps"),
     "checkpoint.keep": Range(1, 1 << 20, "keep at least one checkpoint"),
+    "checkpoint.load_step": Range(1, MAX_STEPS, "use the step of a checkpoint in checkpoint.dir, or null"),
     "logging.log_interval": Range(1, MAX_STEPS, "use a positive number of steps"),
     "logging.peak_tflops": Range(0.0, 1e9, "use one GPU's TFLOP/s or null", low_open=True),
     "logging.sample_every_eval": Range(0, 1 << 20, "use 0 (off) or a number of tokens"),
