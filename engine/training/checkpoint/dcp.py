@@ -149,8 +149,34 @@ def _recording_writer(path: Path):
     a failed ``write_data`` / ``finish`` raises that ``OSError`` (the RuntimeError as its cause), which DCP then
     reports in its per-rank failures on every rank."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.filesystem import FileSystem
     errors: list[OSError] = []
+    written: set[Path] = set()
+
+    class _Writer(dcp.FileSystemWriter):
+        def _cause(self, call, *args):
+            try:
+                return call(*args)
+            except Exception as exc:
+                if errors and errors[0] is not exc:
+                    raise errors[0] from exc
+                raise
+
+        def write_data(self, plan, planner):
+            return self._cause(super().write_data, plan, planner)
+
+        def finish(self, metadata, results):
+            return self._cause(super().finish, metadata, results)
+
+    writer = _Writer(str(path))
+    writer.fs = _recording_file_system(errors, written)
+    writer.written = written
+    return writer
+
+
+def _recording_file_system(errors: list[OSError], written: set[Path]):
+    """DCP's ``FileSystem`` whose streams append the first ``OSError`` of a write to ``errors`` (named after the
+    file when it names none) and which adds every file opened for writing to ``written`` (following renames)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
 
     def record(exc: OSError, where) -> None:
         if exc.errno is not None and not any(e is exc or e.__cause__ is exc for e in errors):
@@ -178,8 +204,6 @@ def _recording_writer(path: Path):
                     raise
             return recorded
 
-    written: set[Path] = set()
-
     class _FileSystem(FileSystem):
         @contextlib.contextmanager
         def create_stream(self, where, mode):
@@ -198,25 +222,7 @@ def _recording_writer(path: Path):
                 written.discard(Path(where))
                 written.add(Path(new_path))
 
-    class _Writer(dcp.FileSystemWriter):
-        def _cause(self, call, *args):
-            try:
-                return call(*args)
-            except Exception as exc:
-                if errors and errors[0] is not exc:
-                    raise errors[0] from exc
-                raise
-
-        def write_data(self, plan, planner):
-            return self._cause(super().write_data, plan, planner)
-
-        def finish(self, metadata, results):
-            return self._cause(super().finish, metadata, results)
-
-    writer = _Writer(str(path))
-    writer.fs = _FileSystem()
-    writer.written = written
-    return writer
+    return _FileSystem()
 
 
 @contextlib.contextmanager

@@ -185,6 +185,8 @@ class TrainingConfig:
     eval_microbatches: int | None = None  # None -> num_microbatches
     seed: int = 1234
     deterministic: bool = True
+    # estimate each rank's memory before starting and refuse a run that cannot fit (engine.training.memory)
+    check_memory: bool = True
 
 
 @dataclass

@@ -88,6 +88,9 @@ FIELD_HELP = {
     "training.eval_microbatches": "microbatches per evaluation call (null: num_microbatches)",
     "training.seed": "seed of sample order, init and dropout",
     "training.deterministic": "deterministic kernels",
+    "training.check_memory": "estimate each rank's memory (parameters, gradients, optimizer state, activations "
+                              "in flight) before any rank starts and refuse a run that cannot fit the host or GPU "
+                              "(false: skip the check)",
     "checkpoint.dir": "checkpoint folder (null: logging.run_dir/checkpoints)",
     "checkpoint.interval": "save every N steps (0: at the end only)",
     "checkpoint.keep": "checkpoints kept (the oldest removed; a broken one counts like any other)",

@@ -26,11 +26,12 @@ class Family:
     embedding: Callable[[ModelConfig], nn.Module]
     block: Callable[[ModelConfig, int], nn.Module]  # (config, ffn_hidden_size)
     final_norm: Callable[[ModelConfig], nn.Module]
+    memory_counts: Callable[[ModelConfig, int], dict]  # (config, ffn_hidden_size): see engine.training.memory
 
 
 FAMILIES = {
-    "gpt2": Family("gpt2", gpt2.Embedding, gpt2.Block, gpt2.final_norm),
-    "llama": Family("llama", llama.Embedding, llama.Block, llama.final_norm),
+    "gpt2": Family("gpt2", gpt2.Embedding, gpt2.Block, gpt2.final_norm, gpt2.memory_counts),
+    "llama": Family("llama", llama.Embedding, llama.Block, llama.final_norm, llama.memory_counts),
 }
 
 

@@ -19,7 +19,8 @@ from torch import nn
 
 from ..config import ModelConfig
 
-__all__ = ["RMSNorm", "Embedding", "Attention", "MLP", "Block", "final_norm", "rotary_tables", "apply_rotary"]
+__all__ = ["RMSNorm", "Embedding", "Attention", "MLP", "Block", "final_norm", "rotary_tables", "apply_rotary",
+           "memory_counts"]
 
 
 class RMSNorm(nn.RMSNorm):
@@ -147,3 +148,27 @@ class Block(nn.Module):
 def final_norm(cfg: ModelConfig) -> nn.Module:
     """The RMSNorm before the output head."""
     return RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+
+
+def memory_counts(cfg: ModelConfig, ffn_hidden_size: int) -> dict:
+    """Element counts of this family's modules for the memory estimate (:mod:`engine.training.memory`, which
+    documents the keys; the layout is :func:`engine.training.models.gpt2.memory_counts`'s).
+
+    Saved for the backward by one block, per token (``h`` hidden, ``f`` MLP width, ``a`` heads, ``s`` sequence):
+    the residual stream -- each RMSNorm's input, normalized input and ``rsqrt`` ``2 x (2h + 1)`` -- ; the norm
+    outputs the projections read, ``2h``; sharded over tensor ranks: the rotated queries and keys, the values
+    (grouped-query heads expanded to ``a``) and the attention output ``4h`` plus its log-sum-exp ``a`` (with
+    dropout the math attention's ``3as`` instead), and SwiGLU's gate, SiLU, up and product ``4f``.  The rotary
+    tables are buffers (counted once, not per microbatch).  A pending ``W`` holds ``10h + 2kv + 3f`` (``kv`` the
+    key / value width).
+    """
+    h, f, a, s = cfg.hidden_size, ffn_hidden_size, cfg.num_attention_heads, cfg.seq_length
+    kv = h * (cfg.num_query_groups or a) // a
+    return {"block_params": (2 * h * h + 2 * h * kv + 3 * h * f, 2 * h), "block_tensors": 9,
+            "embedding_params": (cfg.vocab_size * h, 0), "embedding_tensors": 1,
+            "final_norm_params": h, "final_norm_tensors": 1,
+            "block_saved": {"residual": 4 * h + 2, "gathered": 2 * h,
+                            "sharded": 4 * h + (3 * a * s if cfg.dropout else a) + 4 * f},
+            "embedding_saved": 0, "final_norm_saved": 3 * h + 1,
+            "block_held_by_w": {"replicated": 8 * h, "sharded": 2 * h + 2 * kv + 3 * f}, "embedding_held_by_w": h,
+            "final_norm_held_by_w": 2 * h}
