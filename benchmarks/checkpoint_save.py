@@ -98,11 +98,11 @@ def main(argv=None) -> int:
     print(f"hashing inside a save: {hashing[0]:.1f} ms wall, {hashing[1]:.1f} ms CPU = "
           f"{100 * hashing[1] / median['manifest'][1]:.1f}% of the save's CPU time; checkpoint "
           f"{result['bytes'] / 2**20:.2f} MiB on {world} ranks")
-    path = write_json("checkpoint_save", {"config": args.config, "overrides": overrides, "world": world, "repeats": args.repeats,
-                                          "checkpoint_bytes": result["bytes"],
-                                          "median_ms": {m: dict(zip(("wall", "cpu", "hash_wall", "hash_cpu"),
-                                                                    median[m])) for m in MODES},
-                                          "rows_s": rows}, args.out)
+    table = [{"mode": m, **dict(zip(("wall_ms", "cpu_ms", "hash_wall_ms", "hash_cpu_ms"), median[m]))}
+             for m in MODES]
+    path = write_json("checkpoint_save", {"config": args.config, "overrides": overrides, "world": world,
+                                          "repeats": args.repeats, "checkpoint_bytes": result["bytes"],
+                                          "rows": table, "saves_s": rows}, args.out)
     print(f"wrote {path}")
     return 0
 
