@@ -22,7 +22,8 @@ def schedule_name(pp_size: int, vp_size: int | None) -> str:
 
 def build_plan(schedule, pp_size: int, num_microbatches: int, num_model_chunks: int = 1,
                group_size: int | None = None, forward_only: bool = False, *,
-               max_in_flight: int | tuple[int, ...] | None = None) -> Plan:
+               max_in_flight: int | tuple[int, ...] | None = None,
+               overlap_moe_expert_parallel_comm: bool | None = None) -> Plan:
     """Build the plan of one step for every pipeline rank.
 
     Args:
@@ -38,6 +39,9 @@ def build_plan(schedule, pp_size: int, num_microbatches: int, num_model_chunks: 
         max_in_flight: for schedules that take it (``"zb"``): per-rank limit on activations held (forward done,
             input-gradient pass not), one number for every rank or one per rank; default ``C*(P - r)`` (1F1B's);
             about ``2P`` gives ZB-H2-like plans.  The pending-``W`` limit equals it.
+        overlap_moe_expert_parallel_comm: for schedules that take it: forward-backward cells that overlap the
+            expert all-to-all (``"no_pipelining"`` / ``"interleaved"``: Megatron's combined 1F1B,
+            :mod:`engine.plan.megatron`; ``"dualpipev"``: its cells, always there).
 
     Raises:
         ValueError: unknown schedule, non-positive sizes, ``P * C * M`` above :data:`MAX_PLAN_FORWARDS`, sizes the
@@ -48,7 +52,8 @@ def build_plan(schedule, pp_size: int, num_microbatches: int, num_model_chunks: 
     spec = get_schedule(schedule)
     _check_sizes(pp_size, num_microbatches, num_model_chunks)
     spec.check(pp_size, num_model_chunks)
-    given = {"group_size": group_size, "max_in_flight": max_in_flight}
+    given = {"group_size": group_size, "max_in_flight": max_in_flight,
+             "overlap_moe_expert_parallel_comm": overlap_moe_expert_parallel_comm or None}
     for option, value in given.items():
         if value is not None and option not in spec.options and option != "group_size":
             takers = [n for n in schedule_names() if option in get_schedule(n).options]

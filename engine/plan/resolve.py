@@ -29,6 +29,7 @@ class ResolvedSchedule:
         num_model_chunks: model chunks per rank ``C``.
         group_size: ``microbatch_group_size_per_vp_stage`` for entries that take it (``None``: the default).
         max_in_flight: per-rank in-flight limit (a number or one per rank) for entries that take it.
+        overlap_moe_expert_parallel_comm: overlapped forward-backward cells, for entries that take it.
     """
 
     spec: ScheduleSpec
@@ -36,6 +37,7 @@ class ResolvedSchedule:
     num_model_chunks: int = 1
     group_size: int | None = None
     max_in_flight: int | tuple[int, ...] | None = None
+    overlap_moe_expert_parallel_comm: bool | None = None
     _plans: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     @property
@@ -55,7 +57,8 @@ class ResolvedSchedule:
         key = (num_microbatches, bool(forward_only))
         plan = self._plans.get(key)
         if plan is None:
-            options = {"group_size": self.group_size, "max_in_flight": None if forward_only else self.max_in_flight}
+            options = {"group_size": self.group_size, "max_in_flight": None if forward_only else self.max_in_flight,
+                       "overlap_moe_expert_parallel_comm": self.overlap_moe_expert_parallel_comm}
             plan = build_plan(self.spec, self.pp_size, num_microbatches, self.num_model_chunks,
                               forward_only=bool(forward_only),
                               **{k: v for k, v in options.items() if k in self.spec.options})
@@ -84,7 +87,8 @@ class ResolvedSchedule:
         if "max_in_flight" not in self.spec.options:
             return None
         for value in range(1, min(limit, self.pp_size * self.num_model_chunks * num_microbatches) + 1):
-            trial = ResolvedSchedule(self.spec, self.pp_size, self.num_model_chunks, self.group_size, value)
+            trial = ResolvedSchedule(self.spec, self.pp_size, self.num_model_chunks, self.group_size, value,
+                                     self.overlap_moe_expert_parallel_comm)
             try:
                 trial.checked_plan(num_microbatches)
             except (ValueError, RuntimeError):
@@ -107,11 +111,12 @@ class ResolvedSchedule:
         limits = plan.max_in_flight
         return cls(spec, plan.pp_size, plan.num_model_chunks,
                    plan.group_size if "group_size" in spec.options else None,
-                   tuple(limits) if "max_in_flight" in spec.options and limits is not None else None)
+                   tuple(limits) if "max_in_flight" in spec.options and limits is not None else None,
+                   True if "overlap_moe_expert_parallel_comm" in spec.options and plan.compounds else None)
 
 
 def resolve_schedule(schedule: str, pp_size: int, num_model_chunks: int = 1, group_size: int | None = None,
-                     max_in_flight=None) -> ResolvedSchedule:
+                     max_in_flight=None, overlap_moe_expert_parallel_comm: bool | None = None) -> ResolvedSchedule:
     """Resolve ``schedule`` (a registered name, or ``auto``: Megatron's choice from ``pp_size`` /
     ``num_model_chunks``) with its settings; checks the sizes and options against the entry.
 
@@ -126,7 +131,8 @@ def resolve_schedule(schedule: str, pp_size: int, num_model_chunks: int = 1, gro
         schedule = auto_schedule(pp_size, virtual_or_none(num_model_chunks))
     spec = get_schedule(schedule)
     spec.check(pp_size, num_model_chunks)
-    for option, value in zip(OPTIONS, (group_size, max_in_flight)):
+    overlap = overlap_moe_expert_parallel_comm or None
+    for option, value in zip(OPTIONS, (group_size, max_in_flight, overlap)):
         if value is not None and option not in spec.options:
             raise ValueError(f"{option}={value!r} does not apply to schedule={spec.name!r}")
-    return ResolvedSchedule(spec, pp_size, num_model_chunks, group_size, max_in_flight)
+    return ResolvedSchedule(spec, pp_size, num_model_chunks, group_size, max_in_flight, overlap)

@@ -4,8 +4,8 @@ cannot fit (``training.check_memory``).
 Per pipeline rank, in bytes (:func:`estimate`; every data-parallel and tensor-parallel rank of a pipeline rank holds
 the same):
 
-* **parameters, gradients, optimizer state**: the stage's parameters (:func:`stage_parameters`, counted from the
-  model family's modules: ``memory_counts`` in :mod:`engine.training.models`; tensor-parallel layers ``1/T``), fp32
+* **parameters, gradients, optimizer state**: the stage's parameters (:func:`stage_parameters`, counted on the
+  family's modules built on the meta device; the layers its tensor-parallel plan shards ``1/T``), fp32
   (``model.precision: bf16`` is autocast: parameters stay fp32), each with an fp32 gradient and AdamW's two moments
   plus one step scalar per parameter tensor.  ``parallel.shard: optimizer`` (ZeRO-1, data > 1) keeps ``1/D`` of the
   moments and a ``1/D`` reduce-scattered gradient shard; ``full`` (FSDP2) keeps ``1/D`` of everything between steps
@@ -98,9 +98,21 @@ class Estimate:
         return self.replicas * sum(r.total for r in self.ranks)
 
 
+def _generic(cfg, ffn_hidden_size: int) -> dict:
+    """The counts of a pre-norm block with one LayerNorm-style norm per half, fused ``qkv`` attention and a
+    two-projection MLP (Korthikanti et al. 2022, arXiv:2205.05198, section 4, without dropout masks): the estimate
+    of a registered family that gives no ``memory`` (keys: :mod:`engine.training.models.registry`)."""
+    h, f, a = cfg.hidden_size, ffn_hidden_size, cfg.num_attention_heads
+    return {"residual": 2 * h + 4, "gathered": 2 * h, "sharded": 4 * h + a + 2 * f, "embedding": 0,
+            "final_norm": 2 * h + 2, "w_replicated": 8 * h, "w_sharded": 4 * h + 2 * f, "w_embedding": h,
+            "w_final_norm": 2 * h}
+
+
 def _counts(config: TrainConfig) -> dict:
-    from .models import family_of
-    return family_of(config.model).memory_counts(config.model, config.ffn_hidden_size)
+    """Per token: what a block saves and a pending ``W`` holds (the family's ``memory``, else :func:`_generic`)."""
+    from .models import get_family
+    spec = get_family(config.model.family)
+    return (spec.memory or _generic)(config.model, config.ffn_hidden_size)
 
 
 def _num_stages(config: TrainConfig) -> int:
@@ -112,24 +124,44 @@ def _layers(config: TrainConfig, stage: int) -> int:
     return len(stage_layers(config.model.num_layers, _num_stages(config), stage))
 
 
+def _module_parameters(config: TrainConfig) -> dict[str, tuple[int, int, int]]:
+    """``{"block" | "embedding" | "final_norm": (sharded, replicated, tensors)}``: the parameter elements of one
+    module as the family builds it (on the meta device), split by the family's tensor-parallel plan -- ``colwise``
+    and ``fused_qkv`` projections shard weight and bias, ``rowwise`` the weight; the word embedding is
+    vocabulary-parallel; the rest is replicated."""
+    from .models import get_family
+    from .models.chunk import family_parts
+    plan = get_family(config.model.family).tensor_parallel
+    out = {}
+    for part, module in family_parts(config.model, config.ffn_hidden_size).items():
+        sharded = replicated = tensors = 0
+        for name, param in module.named_parameters():
+            owner, _, leaf = name.rpartition(".")
+            style = "colwise" if part == "embedding" and owner == "word" else plan.get(owner) if part == "block" \
+                else None
+            if style in ("colwise", "fused_qkv") or (style == "rowwise" and leaf == "weight"):
+                sharded += param.numel()
+            else:
+                replicated += param.numel()
+            tensors += 1
+        out[part] = (sharded, replicated, tensors)
+    return out
+
+
 def stage_parameters(config: TrainConfig, stage: int) -> tuple[int, int]:
     """``(elements, tensors)`` of the parameters one tensor-parallel rank of virtual stage ``stage`` holds
-    (sharded layers ``1/T``): its blocks, the embedding on the first stage, the final norm and the output head on
-    the last (with tied embeddings and one stage, the head is the embedding)."""
-    c, t, stages = _counts(config), config.parallel.tensor, _num_stages(config)
+    (sharded ``1/T``): its blocks, the embedding on the first stage, the final norm and the output head ``[V, h]``
+    on the last (with tied embeddings and one stage, the head is the embedding)."""
+    parts, stages = _module_parameters(config), _num_stages(config)
     n = _layers(config, stage)
-    sharded, replicated = (n * x for x in c["block_params"])
-    tensors = n * c["block_tensors"]
-    if stage == 0:
-        sharded, replicated = sharded + c["embedding_params"][0], replicated + c["embedding_params"][1]
-        tensors += c["embedding_tensors"]
-    if stage == stages - 1:
-        replicated += c["final_norm_params"]
-        tensors += c["final_norm_tensors"]
-        if stages > 1 or not config.model.tie_embeddings:
-            sharded += config.model.vocab_size * config.model.hidden_size
-            tensors += 1
-    return sharded // t + replicated, tensors
+    counts = [n * x for x in parts["block"]]
+    held = (["embedding"] if stage == 0 else []) + (["final_norm"] if stage == stages - 1 else [])
+    for part in held:
+        counts = [x + y for x, y in zip(counts, parts[part])]
+    sharded, replicated, tensors = counts
+    if stage == stages - 1 and (stages > 1 or not config.model.tie_embeddings):
+        sharded, tensors = sharded + config.model.vocab_size * config.model.hidden_size, tensors + 1
+    return sharded // config.parallel.tensor + replicated, tensors
 
 
 def _element_bytes(config: TrainConfig, device_type: str) -> int:
@@ -142,35 +174,33 @@ def _tokens(config: TrainConfig) -> int:
 
 def activation_bytes(config: TrainConfig, stage: int, device_type: str = "cpu") -> int:
     """Bytes one microbatch's forward through virtual stage ``stage`` saves for its backward, on one
-    tensor-parallel rank: its blocks' saved tensors (the family's ``block_saved`` per token: the residual part
+    tensor-parallel rank: its blocks' saved tensors (the family's ``memory`` counts per token: the residual part
     ``1/T`` under sequence parallelism, the sharded part ``1/T`` under tensor parallelism), on the first stage
     the token ids (int64) and the embedding's, on the last the final norm's, the ``[s, b, V]`` fp32
     log-probabilities and the labels (int64).  ``[s, b]`` tokens per microbatch."""
     c, p, tokens = _counts(config), config.parallel, _tokens(config)
     el, t = _element_bytes(config, device_type), p.tensor
-    saved = c["block_saved"]
-    residual = saved["residual"] / (t if p.sequence_parallel else 1)
-    per_token = _layers(config, stage) * (4 * residual + el * (saved["gathered"] + saved["sharded"] / t))
+    residual = c["residual"] / (t if p.sequence_parallel else 1)
+    per_token = _layers(config, stage) * (4 * residual + el * (c["gathered"] + c["sharded"] / t))
     if stage == 0:
-        per_token += 8 + el * c["embedding_saved"]
+        per_token += 8 + el * c["embedding"]
     if stage == _num_stages(config) - 1:
-        per_token += 4 * c["final_norm_saved"] + 4 * config.model.vocab_size + 8
+        per_token += 4 * c["final_norm"] + 4 * config.model.vocab_size + 8
     return int(per_token * tokens)
 
 
 def pending_w_bytes(config: TrainConfig, stage: int, device_type: str = "cpu") -> int:
     """Bytes a pending ``W`` of one microbatch holds on virtual stage ``stage`` (split backward): each deferred
-    projection's input and output gradient, each norm's (the family's ``block_held_by_w``), the embedding's
+    projection's input and output gradient, each norm's (the family's ``w_*`` counts), the embedding's
     output gradient on the first stage, the final norm's and the output head's (its ``[s, b, V]`` gradient) on
     the last."""
     c, t, tokens = _counts(config), config.parallel.tensor, _tokens(config)
     el = _element_bytes(config, device_type)
-    held = c["block_held_by_w"]
-    per_token = _layers(config, stage) * el * (held["replicated"] + held["sharded"] / t)
+    per_token = _layers(config, stage) * el * (c["w_replicated"] + c["w_sharded"] / t)
     if stage == 0:
-        per_token += el * c["embedding_held_by_w"]
+        per_token += el * c["w_embedding"]
     if stage == _num_stages(config) - 1:
-        per_token += el * (c["final_norm_held_by_w"] + config.model.hidden_size) + 4 * config.model.vocab_size
+        per_token += el * (c["w_final_norm"] + config.model.hidden_size) + 4 * config.model.vocab_size
     return int(per_token * tokens)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import tests.training.models.tiny_family  # noqa: F401 - registers model.family: tiny_relu2
 from engine.training.config import ConfigError, load_config
 from engine.training.memory import (RANK_OVERHEAD_BYTES, activation_bytes, check_memory, estimate, pending_w_bytes,
                                     stage_parameters)
@@ -45,7 +46,8 @@ def _rank_params(config, rank):
 LAYOUTS = [dict(), {"model.tie_embeddings": False}, {"parallel.pipeline": 2, "parallel.virtual": 2},
            {"parallel.pipeline": 2, "parallel.virtual": 2, "parallel.schedule": "zbv"},  # V placement: both ends share the embedding
            {"model.family": "llama", "model.num_query_groups": 2, "parallel.pipeline": 2},
-           {"model.family": "llama", "model.tie_embeddings": False, "model.ffn_hidden_size": 88}]
+           {"model.family": "llama", "model.tie_embeddings": False, "model.ffn_hidden_size": 88},
+           {"model.family": "tiny_relu2", "parallel.pipeline": 2}]  # registered in a test module, no ``memory``
 
 
 @pytest.mark.parametrize("extra", LAYOUTS, ids=lambda e: ",".join(f"{k.split('.')[1]}={v}" for k, v in e.items()))
@@ -71,10 +73,10 @@ def _saved_and_held(config, stage):
     left out), then ``B`` under the layer-level deferral and the bytes its pending ``W`` holds."""
     from engine.model_parallel_config import ModelParallelConfig
     from engine.runtime.split_backward import backward_input_step, weight_grad_deferral
-    from engine.training.models.chunk import GPTChunk
+    from engine.training.models.chunk import ModelChunk
     m, b = config.model, config.training.micro_batch_size
     mp = ModelParallelConfig(pipeline_dtype=torch.float32, hidden_size=m.hidden_size)
-    chunk = GPTChunk(m, config.ffn_hidden_size, stage, config.parallel.pipeline * config.parallel.virtual, 0, mp)
+    chunk = ModelChunk(m, config.ffn_hidden_size, stage, config.parallel.pipeline * config.parallel.virtual, 0, mp)
     skip = {t.untyped_storage().data_ptr() for t in [*chunk.parameters(), *chunk.buffers()]}
     saved = {}
 
@@ -106,6 +108,17 @@ def test_activation_and_pending_w_bytes_match_what_autograd_holds(family, dropou
         if not dropout:  # the deferral's held bytes do not depend on dropout (its masks are autograd's)
             predicted = pending_w_bytes(config, stage)
             assert abs(predicted - held) <= 0.03 * held, (stage, predicted, held)
+
+
+def test_a_family_without_memory_counts_gets_the_generic_block_estimate():
+    """A registered family that gives no ``memory`` (tests/training/models/tiny_family.py: RMSNorm, separate q / k /
+    v, squared-ReLU MLP) is estimated as a generic pre-norm attention + MLP block: within 15% of what autograd
+    saves, and of what a pending W holds."""
+    config = _config(**{"model.family": "tiny_relu2", "model.num_layers": 8, "parallel.pipeline": 4})
+    for stage in (0, 1, 3):
+        saved, held = _saved_and_held(config, stage)
+        assert abs(activation_bytes(config, stage) / saved - 1) <= 0.15, (stage, activation_bytes(config, stage), saved)
+        assert abs(pending_w_bytes(config, stage) / held - 1) <= 0.15, (stage, pending_w_bytes(config, stage), held)
 
 
 def test_activations_are_the_plans_in_flight_microbatches_times_one_microbatch():

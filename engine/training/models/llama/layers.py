@@ -1,7 +1,8 @@
-"""The ``llama`` family: token embedding only (no learned positions), pre-norm blocks with RMSNorm, rotary position
-embeddings on queries and keys, grouped-query attention and a SwiGLU MLP, no biases (Touvron et al. 2023, "LLaMA:
-Open and Efficient Foundation Language Models", arXiv:2302.13971; rotary: Su et al., arXiv:2104.09864; GQA: Ainslie
-et al., arXiv:2305.13245; SwiGLU: Shazeer, arXiv:2002.05202).
+"""The torch modules of the ``llama`` family (its entry: :mod:`engine.training.models.llama`): token embedding only
+(no learned positions), pre-norm blocks with RMSNorm, rotary position embeddings on queries and keys, grouped-query
+attention and a SwiGLU MLP, no biases (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models",
+arXiv:2302.13971; rotary: Su et al., arXiv:2104.09864; GQA: Ainslie et al., arXiv:2305.13245; SwiGLU: Shazeer,
+arXiv:2002.05202).
 
 Module names map 1:1 onto Hugging Face ``LlamaForCausalLM``'s ``model.layers.<i>``: ``input_layernorm``,
 ``self_attn.{q,k,v,o}_proj``, ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``.  Rotary uses the
@@ -12,15 +13,16 @@ whose ``F.rms_norm`` the split backward's layer-level deferral handles (:mod:`en
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+if TYPE_CHECKING:  # annotations only: the config reads the family registry
+    from ...config import ModelConfig
 
-__all__ = ["RMSNorm", "Embedding", "Attention", "MLP", "Block", "final_norm", "rotary_tables", "apply_rotary",
-           "memory_counts"]
+__all__ = ["RMSNorm", "Embedding", "Attention", "MLP", "Block", "final_norm", "rotary_tables", "apply_rotary"]
 
 
 class RMSNorm(nn.RMSNorm):
@@ -148,27 +150,3 @@ class Block(nn.Module):
 def final_norm(cfg: ModelConfig) -> nn.Module:
     """The RMSNorm before the output head."""
     return RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
-
-
-def memory_counts(cfg: ModelConfig, ffn_hidden_size: int) -> dict:
-    """Element counts of this family's modules for the memory estimate (:mod:`engine.training.memory`, which
-    documents the keys; the layout is :func:`engine.training.models.gpt2.memory_counts`'s).
-
-    Saved for the backward by one block, per token (``h`` hidden, ``f`` MLP width, ``a`` heads, ``s`` sequence):
-    the residual stream -- each RMSNorm's input, normalized input and ``rsqrt`` ``2 x (2h + 1)`` -- ; the norm
-    outputs the projections read, ``2h``; sharded over tensor ranks: the rotated queries and keys, the values
-    (grouped-query heads expanded to ``a``) and the attention output ``4h`` plus its log-sum-exp ``a`` (with
-    dropout the math attention's ``3as`` instead), and SwiGLU's gate, SiLU, up and product ``4f``.  The rotary
-    tables are buffers (counted once, not per microbatch).  A pending ``W`` holds ``10h + 2kv + 3f`` (``kv`` the
-    key / value width).
-    """
-    h, f, a, s = cfg.hidden_size, ffn_hidden_size, cfg.num_attention_heads, cfg.seq_length
-    kv = h * (cfg.num_query_groups or a) // a
-    return {"block_params": (2 * h * h + 2 * h * kv + 3 * h * f, 2 * h), "block_tensors": 9,
-            "embedding_params": (cfg.vocab_size * h, 0), "embedding_tensors": 1,
-            "final_norm_params": h, "final_norm_tensors": 1,
-            "block_saved": {"residual": 4 * h + 2, "gathered": 2 * h,
-                            "sharded": 4 * h + (3 * a * s if cfg.dropout else a) + 4 * f},
-            "embedding_saved": 0, "final_norm_saved": 3 * h + 1,
-            "block_held_by_w": {"replicated": 8 * h, "sharded": 2 * h + 2 * kv + 3 * f}, "embedding_held_by_w": h,
-            "final_norm_held_by_w": 2 * h}

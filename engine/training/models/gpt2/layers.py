@@ -1,21 +1,21 @@
-"""The ``gpt2`` family: token + learned position embedding, pre-norm blocks with LayerNorm, one fused QKV projection,
-causal softmax attention and a GELU MLP, biases everywhere (Radford et al. 2019, "Language Models are Unsupervised
-Multitask Learners"; nanoGPT's ``model.py`` has the same structure).
+"""The torch modules of the ``gpt2`` family (its entry: :mod:`engine.training.models.gpt2`).
 
 Parameter names inside a block: ``ln1``, ``qkv`` (``[3h, h]``: rows ``q | k | v``, each head-major), ``proj``,
-``ln2``, ``fc1``, ``fc2`` (:mod:`engine.training.checkpoint.hf` maps them onto Hugging Face ``GPT2LMHeadModel``).
+``ln2``, ``fc1``, ``fc2`` (the family's entry maps them onto Hugging Face ``GPT2LMHeadModel``).
 """
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+if TYPE_CHECKING:  # annotations only: the config reads the family registry
+    from ...config import ModelConfig
 
-__all__ = ["Embedding", "Block", "final_norm", "memory_counts"]
+__all__ = ["Embedding", "Block", "final_norm"]
 
 
 class Embedding(nn.Module):
@@ -43,7 +43,7 @@ class Block(nn.Module):
         h = cfg.hidden_size
         self.heads = cfg.num_attention_heads
         self.dropout = cfg.dropout
-        self.approximate = "tanh" if getattr(cfg, "activation", "gelu") == "gelu_tanh" else "none"
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
         self.ln1 = nn.LayerNorm(h, eps=cfg.norm_epsilon)
         self.qkv = nn.Linear(h, 3 * h)
         self.proj = nn.Linear(h, h)
@@ -78,29 +78,3 @@ class Block(nn.Module):
 def final_norm(cfg: ModelConfig) -> nn.Module:
     """The LayerNorm before the output head."""
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
-
-
-def memory_counts(cfg: ModelConfig, ffn_hidden_size: int) -> dict:
-    """Element counts of this family's modules for the memory estimate (:mod:`engine.training.memory`, which
-    documents the keys).  ``*_params`` are ``(sharded, replicated)`` under tensor parallelism and ``*_tensors``
-    the parameter tensors; ``*_saved`` / ``*_held_by_w`` are per token of a microbatch.
-
-    Saved for the backward by one block, per token (``h`` hidden, ``f`` MLP width, ``a`` heads, ``s`` sequence;
-    Korthikanti et al. 2022, arXiv:2205.05198, section 4, counted for these modules and torch's kernels): the
-    residual stream -- block input and mid-block sum ``2h``, the two LayerNorms' mean and rstd ``4``, with
-    dropout its two masks ``2h`` -- ; the LayerNorm outputs the column-parallel projections read, ``2h``; sharded
-    over tensor ranks: ``qkv`` ``3h``, the attention output ``h`` and its log-sum-exp ``a`` (flash attention; with
-    dropout the math attention's scores, probabilities and mask ``3as`` instead of the log-sum-exp), ``fc1`` and
-    GELU outputs ``2f``.  A pending ``W`` (split backward) holds each projection's input and output gradient and
-    each norm's input and output gradient: ``12h + 2f``.
-    """
-    h, f, a, s = cfg.hidden_size, ffn_hidden_size, cfg.num_attention_heads, cfg.seq_length
-    masks = 2 * h if cfg.dropout else 0
-    return {"block_params": (3 * h * h + 3 * h + h * h + 2 * h * f + f, 6 * h), "block_tensors": 12,
-            "embedding_params": (cfg.vocab_size * h, (cfg.max_position_embeddings or s) * h),
-            "embedding_tensors": 2, "final_norm_params": 2 * h, "final_norm_tensors": 2,
-            "block_saved": {"residual": 2 * h + 4 + masks, "gathered": 2 * h,
-                            "sharded": 4 * h + (3 * a * s if cfg.dropout else a) + 2 * f},
-            "embedding_saved": h if cfg.dropout else 0, "final_norm_saved": 2 * h + 2,
-            "block_held_by_w": {"replicated": 8 * h, "sharded": 4 * h + 2 * f}, "embedding_held_by_w": h,
-            "final_norm_held_by_w": 2 * h}
