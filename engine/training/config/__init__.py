@@ -119,6 +119,8 @@ class ParallelConfig:
     # schedule of the last `pipecast tune` (RUN_DIR/tune.json), resolved by the entry points (tune_result)
     schedule: ScheduleName = "auto"
     max_in_flight: int | None = None  # schedules taking it (zb): per-rank in-flight limit (None: virtual*(P-r))
+    # schedules taking costs (zb, zbv): build the plan for these per-pass costs (engine.plan.pass_costs notation)
+    schedule_costs: str | None = None
     data: int | None = None  # None -> world size // (pipeline x tensor) (1 when the launcher spawns ranks)
     tensor: int = 1  # tensor-parallel ranks per stage (engine.training.parallel.tensor_parallel); world = pipeline x data x tensor
     # with tensor > 1: norms, residual stream and stage-boundary messages hold each rank's [s/T, b, h] sequence shard
@@ -285,7 +287,7 @@ class TrainConfig:
                               "RUN_DIR/tune.json (run `pipecast tune CONFIG` first); pipecast train does this")
         try:
             return resolve_schedule(p.schedule, p.pipeline, p.virtual, p.microbatch_group_size_per_vp_stage,
-                                    p.max_in_flight)
+                                    p.max_in_flight, costs=p.schedule_costs)
         except ValueError as exc:
             raise ConfigError(f"parallel.schedule={p.schedule}: {exc}") from None
 
@@ -622,6 +624,7 @@ def _validate_schedule(config: TrainConfig) -> None:
         raise ConfigError(f"parallel.max_in_flight={p.max_in_flight} only applies to parallel.schedule="
                           f"{_takers('max_in_flight')} (got parallel.schedule={p.schedule}); remove it or set "
                           f"parallel.schedule={_takers('max_in_flight')}")
+    _validate_costs(p, spec)
     why = spec.fits(p.pipeline, p.virtual)
     if why is not None:
         picked = f" (Megatron's choice: {spec.name})" if p.schedule == "auto" else ""
@@ -663,6 +666,24 @@ def _refuse_te_layers_with_split(config: TrainConfig, spec) -> None:
             f"the tensors it saved, so W would read cleared tensors -- set model.transformer_engine=false (torch "
             f"layers, which split correctly) or use a schedule without split backward (parallel.schedule=1f1b, "
             f"interleaved or auto)")
+
+
+def _validate_costs(p: ParallelConfig, spec) -> None:
+    """``parallel.schedule_costs``: for a schedule that takes costs, in :class:`~engine.plan.pass_costs.PassCosts`'
+    notation, one number or one per rank and chunk."""
+    if p.schedule_costs is None:
+        return
+    if "costs" not in spec.options:
+        raise ConfigError(f"parallel.schedule_costs={p.schedule_costs!r} only applies to parallel.schedule="
+                          f"{_takers('costs')} (got parallel.schedule={p.schedule}); remove it or set parallel."
+                          f"schedule={_takers('costs')}")
+    from ...plan.pass_costs import PassCosts
+    try:
+        costs = PassCosts.parse(p.schedule_costs)
+        for name in ("forward", "backward", "weight", "weight_memory"):
+            costs.table(name, p.pipeline, p.virtual)
+    except ValueError as exc:
+        raise ConfigError(f"parallel.schedule_costs={p.schedule_costs!r} is invalid: {exc}") from None
 
 
 def validate_parallel(config: TrainConfig) -> None:

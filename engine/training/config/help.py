@@ -44,6 +44,9 @@ FIELD_HELP = {
     "parallel.schedule": lambda: _schedule_help(),
     "parallel.max_in_flight": lambda: f"{_takers('max_in_flight')} only: per-rank limit on in-flight activations "
                                       "(null: 1F1B's, virtual x (P - r))",
+    "parallel.schedule_costs": lambda: f"{_takers('costs')} only: build the plan for these per-pass costs, e.g. "
+                                       "'forward=1.2 backward=1.3 weight=0.7 transfer=0.05 weight_memory=0.4' (ms "
+                                       "per chunk; values per rank a,b/c,d); null: the hand-made shape",
     "parallel.data": "data-parallel replicas (null: world size / (pipeline x tensor); 1 when spawning locally)",
     "parallel.sequence_parallel": "with parallel.tensor > 1: norms, dropout, residual stream and the activations "
                                   "sent between stages are each rank's [s/T, b, h] sequence shard (1/T of the bytes)",
