@@ -132,7 +132,6 @@ class _RankState:
     def __init__(self, pb: _Problem):
         P = pb.P
         self.pb, self.at, self.clock, self.first = pb, [0] * P, [0.0] * P, [0.0] * P
-        self.started = [False] * P
         self.pending = [deque() for _ in range(P)]
         self.mem, self.peak, self.peak_pending = [0.0] * P, [0.0] * P, [0] * P
         self.out = [[] for _ in range(P)]
@@ -145,7 +144,9 @@ class _RankState:
         or a ``W`` out of first-in first-out order)."""
         pb, info, C = self.pb, self.pb.info[r], self.pb.C
         pending, w_cost, w_mem, out = self.pending[r], pb.w_cost[r], pb.w_mem[r], self.out[r]
-        budget, cap, T, woken = pb.budget[r] + _EPS, pb.cap[r], pb.T, []
+        arrivals, starts, waits = self.arrive[r], self.start[r], self.waits[r]
+        budget, cap, T, woken, fill = pb.budget[r] + _EPS, pb.cap[r], pb.T, [], alpha is not None
+        over = 0.0 if alpha is None else 1.0 - alpha
         t, i, n, mem, peak = self.clock[r], self.at[r], len(seq), self.mem[r], self.peak[r]
         while i < n:
             oc, mb = divmod(seq[i], M)
@@ -166,26 +167,28 @@ class _RankState:
                     arrive += T
             delta = 1.0 if oc < C else w_mem[oc - C] - 1.0
             while mem + delta > budget or (oc >= C and len(pending) >= cap):
-                if alpha is None or not pending:
+                if not fill or not pending:
                     return False
                 t, mem = self._weight(r, t, mem)
-            while alpha is not None and pending and t + w_cost[pending[0][0]] * (1.0 - alpha) <= arrive + _EPS:
+            while fill and pending and t + w_cost[pending[0][0]] * over <= arrive + _EPS:
                 t, mem = self._weight(r, t, mem)
-            self.arrive[r].append(arrive)
+            arrivals.append(arrive)
             if arrive > t + _EPS:
-                self.waits[r].append(i)
+                waits.append(i)
                 t = arrive
-            self.start[r].append(t)
-            if not self.started[r]:
-                self.started[r], self.first[r] = True, t
+            starts.append(t)
+            if i == 0:
+                self.first[r] = t
             t += cost
             end[base + mb] = t
             out.append(seq[i])
             mem += delta
             if oc >= C:
                 pending.append((oc - C, mb))
-                self.peak_pending[r] = max(self.peak_pending[r], len(pending))
-            peak = max(peak, mem)
+                if len(pending) > self.peak_pending[r]:
+                    self.peak_pending[r] = len(pending)
+            if mem > peak:
+                peak = mem
             waiter = blocked.pop(base + mb, None)
             if waiter is not None and waiter != r:
                 woken.append(waiter)
