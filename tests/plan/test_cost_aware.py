@@ -18,7 +18,7 @@ from engine.plan import Op, build_plan
 from engine.plan.pass_costs import PassCosts
 from engine.plan.resolve import ResolvedSchedule, resolve_schedule
 from engine.plan.simulate import simulate
-from engine.plan.validate import validate_plan, validate_programs
+from engine.plan.validate import validate_programs
 
 SHAPES = [("zb", 1), ("zbv", 2), ("zb", 2)]  # one chunk per rank, the V placement, looped with two chunks
 

@@ -26,7 +26,7 @@ pick the schedule from measured costs and a memory budget.
    pending-``W`` / activation bytes, the message latency), labelled ``cost-aware``; the config carries such a
    plan's costs in ``parallel.schedule_costs``.
 3. **Verify** (``--verify``): the best ``--verify-top`` candidates, the config's own schedule, and the best
-   cost-aware and the best hand-made split-backward candidates run ``--steps`` steps each (no recorder;
+   cost-aware and the best hand-made split-backward shape (ZB-H1, ZB-V, V-Half, V-Min: no budget, no costs) run ``--steps`` steps each (no recorder;
    round-robin as above); predicted and measured step time (median over steps of the slowest rank) are printed.
 
 The result goes to ``RUN_DIR/tune.json`` (what ``parallel.schedule: tuned`` reads, :mod:`.tune_result`) and to
@@ -412,9 +412,10 @@ def _verify(args, config: TrainConfig, ranked, own: Candidate, measured: dict) -
     from .report import print_verified
     chosen = [p for p in ranked[:args.verify_top]]
     chosen += [p for p in ranked if p.candidate == own and p not in chosen]
-    for hand_made in (False, True):  # the best cost-aware plan and the best hand-made split shape, side by side
-        split = [p for p in ranked if p.candidate.splits_backward and (p.candidate.costs is None) == hand_made]
-        chosen += [split[0]] if split and split[0] not in chosen else []
+    groups = ([p for p in ranked if p.candidate.costs is not None],  # the best cost-aware plan and, beside it,
+              [p for p in ranked if p.candidate.splits_backward and p.candidate.costs is None  # the best hand-made
+               and p.candidate.max_in_flight is None])                                      # split shape
+    chosen += [group[0] for group in groups if group and group[0] not in chosen]
     print(f"verifying {len(chosen)} candidates ({args.warmup} + {args.steps} steps each)", flush=True)
     with tempfile.TemporaryDirectory(prefix="pipecast-tune-") as tmp:
         per_rank = _everywhere(verify_worker, config, [p.candidate for p in chosen], args.steps, args.warmup,
