@@ -14,20 +14,23 @@ not) counts ``costs.weight_memory`` of its ``(rank, chunk)``; their sum never ex
 ``max_in_flight``, and the pending ``W`` count never exceeds ``max_pending_w`` (the paper's ``M_limit`` with
 ``M_W / M_B = weight_memory``, plus a count limit of pipecast's own).
 
-The search (deterministic: every rank builds the same plan):
+The search (deterministic, bounded by counts, not by time: every rank builds the same plan):
 
-1. *Orders of ``F`` and ``B``*: the list scheduler's (:func:`engine.plan.zero_bubble.list_schedule`, under nominal
-   and under the given costs); for one chunk per rank also 1F1B-shaped orders whose warmup forwards cover the
-   first backward's round trip (rank ``r``: the forwards that fit before the gradient of microbatch 0 returns,
-   rounded down and up, within the budget).
+1. *Orders of ``F`` and ``B``*: the list scheduler's (:func:`engine.plan.zero_bubble.list_schedule`, seeds handed
+   in by :func:`engine.plan.zero_bubble.zero_bubble_plan`: under nominal and under the mean costs); for one chunk
+   per rank also 1F1B-shaped orders whose warmup forwards cover the first backward's round trip (rank ``r``: the
+   forwards that fit before the gradient of microbatch 0 returns, rounded down and up, within the budget); for
+   several chunks a timed greedy (:func:`_greedy`) that keeps a slot for each later chunk.
 2. *``W`` placement*, for each such order: one timed pass puts a pending ``W`` where the rank would otherwise wait
    for its next input (when it ends by the input's arrival, or overruns it by at most ``alpha * W``, ``alpha`` in
    {0, 1/2, 1}), and where the budget or the pending limit demands one; the rest after the last ``B``.  The
    hand-made plans of the same limits (the list scheduler's and, with one chunk, ZB-H1's) are candidates as
    they are, when they fit the budget.
-3. *Local search* from the best: swap adjacent ``F`` / ``B`` of a rank where an action waited for its input (let
-   the next one run first) and at the end of each rank's warmup (one forward fewer or more), keeping each move
-   that shortens the step; at most :func:`_evaluations` timed passes, by the plan's size.
+3. *Local search* from the best few: first, while it helps, every ``F`` followed by a ``B`` whose gradient arrived
+   before the ``F``'s input trades places with it (the backward chain no longer waits behind a late forward, as
+   at the end of the steady phase); then single swaps of adjacent ``F`` / ``B`` of a rank where an action waited
+   and at the end of each rank's warmup (one forward fewer or more), keeping each move that improves the
+   objective; at most :func:`_evaluations` timed passes, by the plan's size.
 
 Objective: the makespan (the step time), then the longest rank's span from its first action to its last (the
 paper's cost).  Each chunk's ``F``, ``B`` and ``W`` run in microbatch order (the sums of 1F1B).  Pure: no torch.
