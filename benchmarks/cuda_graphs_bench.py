@@ -249,7 +249,7 @@ def _memory_layers(kind, hidden, ffn, heads, seq, chunks, layers):
     if kind == "mlp":
         return [[Block(hidden, ffn).to("meta") for _ in range(layers)] for _ in range(chunks)]
     from engine.training.config import ModelConfig
-    from engine.training.models.chunk import Block as GPTBlock
+    from engine.training.models.gpt2.layers import Block as GPTBlock
     cfg = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq)
     return [[GPTBlock(cfg, ffn).to("meta") for _ in range(layers)] for _ in range(chunks)]
 

@@ -8,7 +8,7 @@ minutes on one H200 (budget: 8); progress goes to stdout, everything to one JSON
 Checks (``kind`` correctness unless said otherwise), in order:
 
 * ``cuda_tests``: ``pytest -m cuda`` on the test files with ``cuda``-marked tests, as a subprocess (counts);
-* ``graphs_<schedule>_<dtype>``: the training GPT block (``engine.training.models.gpt2.Block``, 2 model chunks x 2
+* ``graphs_<schedule>_<dtype>``: the training GPT block (``engine.training.models.gpt2.layers.Block``, 2 model chunks x 2
   layers, or 1 chunk for ``zb_h1``) on pipeline rank 0 of ``interleaved``, ``zb_h1`` and ``zbv`` (pp = 2, M = 4),
   run in one process through ``graphs.local_rank`` with F and B graphs (plus W graphs for the split-backward
   schedules) against an eager copy over 3 SGD steps: losses, chunk-input gradients and parameter gradients.
@@ -72,7 +72,7 @@ import torch  # noqa: E402
 
 from engine.plan import build_plan  # noqa: E402
 from engine.training.config import ModelConfig  # noqa: E402
-from engine.training.models.gpt2 import Block  # noqa: E402
+from engine.training.models.gpt2.layers import Block  # noqa: E402
 from graphs import capture  # noqa: E402
 from graphs.accounting import held_bytes  # noqa: E402
 from graphs.local_rank import WeightQueue, make_rank_data, run_rank_step, sgd_step  # noqa: E402

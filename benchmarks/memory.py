@@ -36,9 +36,17 @@ Measured inside the ranks, without touching the engine:
   count, ``sharded / T + replicated``: norms, row-parallel biases and the position embedding stay replicated
   (every rank holds them whole), so the measured ratio is slightly above ``1/T``.
 
+* **Recomputation and precision** (``--recompute``).  One GPT chunk (the recipe's blocks) in one process, fp32 and
+  bf16 parameters, recomputation none / selective / full (``engine.runtime.recompute``): the bytes a microbatch's
+  forward saves for the backward (distinct storages, parameters excluded, counted with saved-tensor hooks) per
+  layer, against the layer input ``s*b*h`` elements that full recomputation keeps, and the median time of a
+  forward and of a forward + backward (the extra forward recomputation costs).  Selective needs blocks whose
+  attention core is a module (``core``); it is skipped for blocks without one.
+
     python benchmarks/memory.py            # pp=2 and pp=4, 1F1B, interleaved, ZB-H1, ZB-V (about two minutes)
     python benchmarks/memory.py --sharding # pp2 x dp2, shard none / optimizer / full (about two minutes)
     python benchmarks/memory.py --tensor   # pp2 x tp1 / tp2 / tp2 + sequence_parallel, bytes per rank
+    python benchmarks/memory.py --recompute  # saved bytes per layer: fp32 / bf16 x none / selective / full
 """
 from __future__ import annotations
 
@@ -365,13 +373,103 @@ def tensor_main(out: str | None) -> int:
     return 0 if met else 1
 
 
+RECOMPUTE_SIZES = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=256)
+RECOMPUTE_BATCH = 4
+
+
+def _saved_bytes(chunk, tokens) -> dict:
+    """Bytes of the distinct storages one forward of ``chunk`` saves for its backward (parameters excluded), per
+    dtype of the saving tensor: ``{"float32": ..., "bfloat16": ...}``."""
+    params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = (str(t.dtype).replace("torch.", ""), st.nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunk(tokens)
+    out: dict = {}
+    for dtype, n in seen.values():
+        out[dtype] = out.get(dtype, 0) + n
+    return out
+
+
+def _median_ms(fn, repeats: int = 15) -> float:
+    import statistics
+    import time
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def recompute_row(dtype, granularity: str):
+    """One row of ``--recompute``: a middle-stage GPT chunk (blocks only) at ``dtype`` with ``granularity``."""
+    from engine.runtime.recompute import apply_recompute
+    from engine.training.config import ModelConfig
+    from engine.training.models.chunk import build_model_chunks
+    cfg = ModelConfig(**RECOMPUTE_SIZES)
+    chunk = build_model_chunks(cfg, 4 * cfg.hidden_size, 3, 1, 1, seed=0)[0].to(dtype)  # stage 1 of 3: blocks only
+    cores = [getattr(b, "core", None) for b in chunk.layers]
+    if granularity == "selective" and None in cores:
+        return None
+    apply_recompute(chunk.layers if granularity == "full" else cores if granularity == "selective" else [])
+    s, b, h = cfg.seq_length, RECOMPUTE_BATCH, cfg.hidden_size
+    x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
+    chunk.set_input_tensor(x)
+    saved = _saved_bytes(chunk, None)
+    n = len(chunk.layers)
+    grad = torch.randn(s, b, h, dtype=dtype)
+    forward = _median_ms(lambda: chunk(None))
+    step = _median_ms(lambda: chunk(None).backward(grad))
+    element = torch.tensor([], dtype=dtype).element_size()
+    return {"precision": str(dtype).replace("torch.", ""), "recompute": granularity, "layers": n,
+            "saved_bytes_per_layer": sum(saved.values()) / n, "fp32_saved_bytes_per_layer": saved.get("float32", 0) / n,
+            "layer_input_bytes": s * b * h * element, "forward_ms": forward, "forward_backward_ms": step}
+
+
+def recompute_main(out: str | None) -> int:
+    """The ``--recompute`` table (module doc)."""
+    torch.set_num_threads(1)
+    rows = [r for dtype in (torch.float32, torch.bfloat16) for g in ("none", "selective", "full")
+            if (r := recompute_row(dtype, g)) is not None]
+    print(f"{'precision':>9} {'recompute':>9} {'saved B/layer':>13} {'input B':>8} {'F ms':>7} {'F+B ms':>7}")
+    for r in rows:
+        print(f"{r['precision']:>9} {r['recompute']:>9} {r['saved_bytes_per_layer']:>13.0f} "
+              f"{r['layer_input_bytes']:>8} {r['forward_ms']:>7.2f} {r['forward_backward_ms']:>7.2f}")
+    full = [r for r in rows if r["recompute"] == "full"]
+    by = {(r["precision"], r["recompute"]): r["saved_bytes_per_layer"] for r in rows}
+    stats = next(r["fp32_saved_bytes_per_layer"] for r in rows if r["precision"] == "bfloat16" and
+                 r["recompute"] == "none")  # fp32 tensors a bf16 forward saves: the norms' mean and rstd
+    goals = [{"goal": "full recomputation saves exactly the layer input (s*b*h elements) per layer and microbatch",
+              "value": max(r["saved_bytes_per_layer"] / r["layer_input_bytes"] for r in full),
+              "met": all(r["saved_bytes_per_layer"] == r["layer_input_bytes"] for r in full)},
+             {"goal": "bf16 activations saved per layer are half of fp32's (the norms' fp32 statistics kept whole)",
+              "value": by[("bfloat16", "none")] / by[("float32", "none")],
+              "met": (by[("bfloat16", "none")] - stats) * 2 + stats == by[("float32", "none")]}]
+    for g in goals:
+        print(f"{'met' if g['met'] else 'MISSED'}: {g['goal']} ({g['value']:.3f})")
+    path = write_json("memory_recompute", {"rows": rows, "goals": goals, "sizes": {**RECOMPUTE_SIZES,
+                                                                                    "micro_batch_size": RECOMPUTE_BATCH}},
+                      out)
+    print(f"wrote {path}")
+    return 0 if all(g["met"] for g in goals) else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--sharding", action="store_true", help="only the parallel.shard table (pp2 x dp2, 4 ranks)")
     ap.add_argument("--tensor", action="store_true", help="only the parallel.tensor table (pp2 x tp1 / tp2)")
+    ap.add_argument("--recompute", action="store_true", help="only the recomputation x precision table (1 process)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.recompute:
+        return recompute_main(args.out)
     if args.sharding:
         return sharding_main(args.out)
     if args.tensor:

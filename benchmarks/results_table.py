@@ -24,7 +24,7 @@ Speed and memory are measured here, not in the tests.  Each script prints its fi
 | `vs_torch_pipelining.py [--pin]` | step time of pipecast 1F1B / interleaved / ZB-H1 / ZB-V against every torch.distributed.pipelining schedule, same model, data and loss (`loss_matches`), side by side in the same jobs |
 | `tune_configs.py` | `pipecast tune --verify` on the default and the pp=4 config: ranked candidates, predicted vs measured step time |
 | `runtime_overhead.py` | per-action runtime cost over compute, pp=1 and pp=2, pipecast and torch |
-| `memory.py` | peak in-flight activations and pending W per rank against the closed form and the simulator; bytes held by sent outputs with and without deallocation |
+| `memory.py` | peak in-flight activations and pending W per rank against the closed form and the simulator; bytes held by sent outputs with and without deallocation; `--recompute`: saved-activation bytes per layer, fp32 / bf16 x none / selective / full |
 | `split_backward.py` | B + W against the full backward of one chunk; bytes held between B and W |
 | `profile_step.py` | a timeline of pipecast steps, each against its floor (the plan simulated with measured costs) |
 | `plan_scale.py` | build + validate + simulate for p=64, v=8, m=1024 |

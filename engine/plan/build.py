@@ -24,7 +24,7 @@ def schedule_name(pp_size: int, vp_size: int | None) -> str:
 def build_plan(schedule, pp_size: int, num_microbatches: int, num_model_chunks: int = 1,
                group_size: int | None = None, forward_only: bool = False, *,
                max_in_flight: int | tuple[int, ...] | None = None, max_pending_w: int | tuple[int, ...] | None = None,
-               costs=None) -> Plan:
+               costs=None, overlap_moe_expert_parallel_comm: bool | None = None) -> Plan:
     """Build the plan of one step for every pipeline rank.
 
     Args:
@@ -46,6 +46,9 @@ def build_plan(schedule, pp_size: int, num_microbatches: int, num_model_chunks: 
         costs: for the same schedules: a :class:`~engine.plan.pass_costs.PassCosts` (or its notation,
             ``"forward=1 backward=1 weight=0.5 transfer=0.05"``); the plan is then the cost-aware order
             (:mod:`engine.plan.cost_aware`) for them.
+        overlap_moe_expert_parallel_comm: for schedules that take it: forward-backward cells that overlap the
+            expert all-to-all (``"no_pipelining"`` / ``"interleaved"``: Megatron's combined 1F1B,
+            :mod:`engine.plan.megatron`; ``"dualpipev"``: its cells, always there).
 
     Raises:
         ValueError: unknown schedule, non-positive sizes, ``P * C * M`` above :data:`MAX_PLAN_FORWARDS`, sizes the
@@ -58,7 +61,7 @@ def build_plan(schedule, pp_size: int, num_microbatches: int, num_model_chunks: 
     _check_sizes(pp_size, num_microbatches, num_model_chunks)
     spec.check(pp_size, num_model_chunks)
     given = {"group_size": group_size, "max_in_flight": max_in_flight, "max_pending_w": max_pending_w,
-             "costs": PassCosts.of(costs)}
+             "costs": PassCosts.of(costs), "overlap_moe_expert_parallel_comm": overlap_moe_expert_parallel_comm or None}
     for option, value in given.items():
         if value is not None and option not in spec.options and option != "group_size":
             takers = [n for n in schedule_names() if option in get_schedule(n).options]

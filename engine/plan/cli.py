@@ -17,6 +17,12 @@ unsplit schedules cost ``B + W`` per backward (``W = 0``, the default: one backw
     pipecast schedule --schedule zb --pp 8 -m 24 --max-in-flight 16 --cost-aware --forward-time 18.522 \
         --backward-time 18.086 --weight-time 9.337 --transfer-time 0.601 --weight-memory 0.366
 
+For a mixture-of-experts model, ``--a2a-time A`` is the expert all-to-all time of one chunk forward (dispatch and
+combine; a backward exchanges as much), waited by each action, and ``--overlap-moe`` runs the forward-backward cells
+overlapped (DualPipeV's cells; Megatron's combined 1F1B for interleaved and no pipelining,
+``overlap_moe_expert_parallel_comm``), hiding each side's all-to-all behind the other's compute
+(:mod:`engine.plan.simulate`) -- so schedules can be ranked for an MoE model from its costs.
+
 Limits, checked before any work (exit status 2, naming the option): ``--pp`` at most :data:`MAX_PP` = 16384
 (validation and simulation cost grows with the ranks; 16384 ranks take ~5 s), ``P * C * M`` (forwards per step,
 all ranks)
@@ -92,6 +98,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cost of one weight-gradient pass W; then --backward-time is the input-gradient pass "
                              "and unsplit schedules cost B+W per backward (default 0: no split)")
     parser.add_argument("--transfer-time", type=_time, default=0.0, help="latency of every message (default 0)")
+    parser.add_argument("--a2a-time", type=_time, default=0.0,
+                        help="MoE: expert all-to-all time of one chunk forward (and of one backward; default 0)")
+    parser.add_argument("--overlap-moe", action="store_true",
+                        help="MoE: overlapped forward-backward cells (overlap_moe_expert_parallel_comm): DualPipeV's "
+                             "cells, Megatron's combined 1F1B for interleaved / no pipelining")
     parser.add_argument("--max-in-flight", type=_positive_int, default=None,
                         help="--schedule zb / zbv: per-rank limit on activations held (default C*(P-r), 1F1B's, for "
                              "zb; 2*P for zbv); with --cost-aware it counts pending W by --weight-memory too")
@@ -130,11 +141,12 @@ def _schedule(args) -> str:
 
 def _costs(plan: Plan, args) -> dict:
     """Simulator costs: a split plan pays B and W separately; an unsplit one B + W per backward."""
+    moe = dict(a2a_time=args.a2a_time, overlap=args.overlap_moe)
     if plan.splits_backward:
         return dict(forward_time=args.forward_time, backward_time=args.backward_time,
-                    weight_time=args.weight_time, transfer_time=args.transfer_time)
+                    weight_time=args.weight_time, transfer_time=args.transfer_time, **moe)
     return dict(forward_time=args.forward_time, backward_time=args.backward_time + args.weight_time,
-                transfer_time=args.transfer_time)
+                transfer_time=args.transfer_time, **moe)
 
 
 def _check_size(parser, args) -> None:
@@ -240,9 +252,11 @@ def _takes_group(plan: Plan) -> bool:
 
 
 def _build(parser, args, schedule) -> Plan:
+    overlap = args.overlap_moe and "overlap_moe_expert_parallel_comm" in get_schedule(schedule).options
     try:
         return build_plan(schedule, args.pp, args.microbatches, args.vp, args.group_size, args.forward_only,
-                          max_in_flight=args.max_in_flight, max_pending_w=args.max_pending_w, costs=_pass_costs(args))
+                          max_in_flight=args.max_in_flight, max_pending_w=args.max_pending_w, costs=_pass_costs(args),
+                          overlap_moe_expert_parallel_comm=overlap or None)
     except (ValueError, RuntimeError) as exc:  # Megatron's validation errors: bad option values
         parser.error(f"{exc} (options --pp {args.pp} --vp {args.vp} --microbatches {args.microbatches}"
                      + (f" --group-size {args.group_size}" if args.group_size is not None else "") + ")")
@@ -299,8 +313,11 @@ def report(plan: Plan, sim: Simulation, buffered, args) -> str:
     weight = f", weight {args.weight_time:g}" if args.weight_time else ""
     built = (f"; the plan is built for these costs (weight_memory {args.weight_memory:g})"
              if getattr(args, "cost_aware", False) else "")
+    a2a = getattr(args, "a2a_time", 0.0)
+    moe = (f", all-to-all {a2a:g}" + (" (cells overlapped)" if getattr(args, "overlap_moe", False) else "")
+           if a2a else "")
     lines += ["", f"simulated: forward {args.forward_time:g}, backward {args.backward_time:g}{weight}, transfer "
-              f"{args.transfer_time:g} per model chunk{built}"]
+              f"{args.transfer_time:g}{moe} per model chunk{built}"]
     idle, bubble, of_ideal = sim.idle, sim.bubble, sim.bubble_of_ideal  # properties: compute once, not per rank
 
     def rank_line(rank: int) -> str:

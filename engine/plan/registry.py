@@ -37,11 +37,13 @@ from .zero_bubble import budget_limits, zb_h1_limits, zbv_limits, zero_bubble_pl
 __all__ = ["ScheduleSpec", "OPTIONS", "RESERVED", "register_schedule", "get_schedule", "find_schedule",
            "schedule_names", "config_choices", "auto_schedule", "virtual_or_none"]
 
-OPTIONS = ("group_size", "max_in_flight", "max_pending_w", "costs")
+OPTIONS = ("group_size", "max_in_flight", "max_pending_w", "costs", "overlap_moe_expert_parallel_comm")
 """The build options an entry may take: ``group_size`` (``microbatch_group_size_per_vp_stage``, config field
 ``parallel.microbatch_group_size_per_vp_stage``), ``max_in_flight`` (``parallel.max_in_flight``), ``max_pending_w``
-(a limit on pending weight-gradient passes; Python and ``pipecast schedule`` only) and ``costs`` (a
-:class:`~engine.plan.pass_costs.PassCosts` the plan is built for: ``parallel.schedule_costs``)."""
+(a limit on pending weight-gradient passes; Python and ``pipecast schedule`` only), ``costs`` (a
+:class:`~engine.plan.pass_costs.PassCosts` the plan is built for: ``parallel.schedule_costs``) and
+``overlap_moe_expert_parallel_comm`` (Megatron's field: forward-backward cells that overlap the expert all-to-all;
+an entry that takes it has such cells, built or always there)."""
 RESERVED = ("auto", "tuned")
 """``parallel.schedule`` values that are not schedules: Megatron's choice from the sizes, and the result of
 ``pipecast tune``."""
@@ -226,15 +228,17 @@ def _v_settings(P: int, v: int, M: int):
 _BUILTINS = (
     ScheduleSpec("no_pipelining", functools.partial(megatron_plan, "no_pipelining"), max_pp=1,
                  pp_why="use '1f1b' or 'interleaved' for pp_size > 1", chunks_why="one model chunk on one rank",
+                 options=("overlap_moe_expert_parallel_comm",),
                  hooks=last_forward_hooks, megatron_function="forward_backward_no_pipelining", overlap_p2p=False,
                  tune=lambda P, v, M: _one(P, v, M) if P == 1 else [], summary="one rank, no pipeline"),
     ScheduleSpec("1f1b", functools.partial(megatron_plan, "1f1b"),
                  chunks_why="use 'interleaved' for virtual pipeline stages",
+                 options=("overlap_moe_expert_parallel_comm",),
                  megatron_function="forward_backward_pipelining_without_interleaving", overlap_p2p=False,
                  tune=lambda P, v, M: _one(P, v, M) if P > 1 else [], summary="Megatron's 1F1B"),
     ScheduleSpec("interleaved", functools.partial(megatron_plan, "interleaved", interleaved=True), chunks=None,
                  min_pp=2, pp_why="with one pipeline rank use 'no_pipelining' (one model chunk)",
-                 options=("group_size",), hooks=interleaved_hooks,
+                 options=("group_size", "overlap_moe_expert_parallel_comm"), hooks=interleaved_hooks,
                  megatron_function="forward_backward_pipelining_with_interleaving", tune=_interleaved_settings,
                  summary="Megatron's interleaved 1F1B (virtual pipeline stages)"),
     ScheduleSpec("zb_h1", functools.partial(zero_bubble_plan, "zb_h1", "looped", zb_h1_limits),
@@ -259,7 +263,8 @@ _BUILTINS = (
                  summary="V-Min: V placement, a third of 1F1B's activation memory (controllable-memory V schedule)"),
     ScheduleSpec("dualpipev", dualpipev_plan, placement="v", chunks=2,
                  chunks_why="DualPipeV places exactly two model chunks on each rank (virtual pipeline size 2)",
-                 splits_backward=True, tune=lambda P, v, M: [{}] if v == 2 and M >= 2 * P else [],
+                 splits_backward=True, options=("overlap_moe_expert_parallel_comm",),
+                 tune=lambda P, v, M: [{}] if v == 2 and M >= 2 * P else [],
                  summary="DualPipeV: V placement, overlapped forward-backward cells, needs microbatches >= 2*pp"),
 )
 for _spec in _BUILTINS:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from .build import build_plan
 from .pass_costs import PassCosts
-from .registry import OPTIONS, ScheduleSpec, auto_schedule, get_schedule, virtual_or_none
+from .registry import ScheduleSpec, auto_schedule, get_schedule, virtual_or_none
 from .types import Plan
 
 __all__ = ["ResolvedSchedule", "resolve_schedule"]
@@ -30,6 +30,7 @@ class ResolvedSchedule:
         num_model_chunks: model chunks per rank ``C``.
         group_size: ``microbatch_group_size_per_vp_stage`` for entries that take it (``None``: the default).
         max_in_flight: per-rank in-flight limit (a number or one per rank) for entries that take it.
+        overlap_moe_expert_parallel_comm: overlapped forward-backward cells, for entries that take it.
         max_pending_w: per-rank pending-``W`` limit (a number or one per rank) for entries that take it.
         costs: the :class:`~engine.plan.pass_costs.PassCosts` the training plans are built for, for entries that
             take them (evaluation plans, forward-only, do not depend on them).
@@ -40,6 +41,7 @@ class ResolvedSchedule:
     num_model_chunks: int = 1
     group_size: int | None = None
     max_in_flight: int | tuple[int, ...] | None = None
+    overlap_moe_expert_parallel_comm: bool | None = None
     max_pending_w: int | tuple[int, ...] | None = None
     costs: PassCosts | None = None
     _plans: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
@@ -63,6 +65,7 @@ class ResolvedSchedule:
         if plan is None:
             training = {"max_in_flight": self.max_in_flight, "max_pending_w": self.max_pending_w, "costs": self.costs}
             options = {"group_size": self.group_size,
+                       "overlap_moe_expert_parallel_comm": self.overlap_moe_expert_parallel_comm,
                        **{k: None if forward_only else v for k, v in training.items()}}
             plan = build_plan(self.spec, self.pp_size, num_microbatches, self.num_model_chunks,
                               forward_only=bool(forward_only),
@@ -93,7 +96,7 @@ class ResolvedSchedule:
             return None
         for value in range(1, min(limit, self.pp_size * self.num_model_chunks * num_microbatches) + 1):
             trial = ResolvedSchedule(self.spec, self.pp_size, self.num_model_chunks, self.group_size, value,
-                                     self.max_pending_w, self.costs)
+                                     self.overlap_moe_expert_parallel_comm, self.max_pending_w, self.costs)
             try:
                 trial.checked_plan(num_microbatches)
             except (ValueError, RuntimeError):
@@ -118,12 +121,14 @@ class ResolvedSchedule:
         takes = spec.options
         return cls(spec, plan.pp_size, plan.num_model_chunks, plan.group_size if "group_size" in takes else None,
                    tuple(limits) if "max_in_flight" in takes and limits is not None else None,
+                   True if "overlap_moe_expert_parallel_comm" in takes and plan.compounds else None,
                    tuple(pending) if "max_pending_w" in takes and pending is not None else None,
                    plan.__dict__.get("costs") if "costs" in takes else None)
 
 
 def resolve_schedule(schedule: str, pp_size: int, num_model_chunks: int = 1, group_size: int | None = None,
-                     max_in_flight=None, max_pending_w=None, costs=None) -> ResolvedSchedule:
+                     max_in_flight=None, overlap_moe_expert_parallel_comm: bool | None = None, max_pending_w=None,
+                     costs=None) -> ResolvedSchedule:
     """Resolve ``schedule`` (a registered name, or ``auto``: Megatron's choice from ``pp_size`` /
     ``num_model_chunks``) with its settings; checks the sizes and options against the entry.
 
@@ -139,8 +144,10 @@ def resolve_schedule(schedule: str, pp_size: int, num_model_chunks: int = 1, gro
         schedule = auto_schedule(pp_size, virtual_or_none(num_model_chunks))
     spec = get_schedule(schedule)
     spec.check(pp_size, num_model_chunks)
-    costs = PassCosts.of(costs)
-    for option, value in zip(OPTIONS, (group_size, max_in_flight, max_pending_w, costs)):
+    costs, overlap = PassCosts.of(costs), overlap_moe_expert_parallel_comm or None
+    given = {"group_size": group_size, "max_in_flight": max_in_flight, "max_pending_w": max_pending_w,
+             "costs": costs, "overlap_moe_expert_parallel_comm": overlap}
+    for option, value in given.items():
         if value is not None and option not in spec.options:
             raise ValueError(f"{option}={value!s} does not apply to schedule={spec.name!r}")
-    return ResolvedSchedule(spec, pp_size, num_model_chunks, group_size, max_in_flight, max_pending_w, costs)
+    return ResolvedSchedule(spec, pp_size, num_model_chunks, group_size, max_in_flight, overlap, max_pending_w, costs)

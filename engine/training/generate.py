@@ -21,7 +21,7 @@ import torch
 
 from .checkpoint.dcp import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint_meta
 from .config import ConfigError, ModelConfig
-from .models.chunk import GPTChunk, build_model_chunks, canonical_module
+from .models.chunk import ModelChunk, build_model_chunks, canonical_module
 from .data.tokenizer import TokenizerError, load_tokenizer
 
 __all__ = ["LoadedModel", "resolve_checkpoint", "load_model", "sample_token", "generate", "model_state_dict",
@@ -33,7 +33,7 @@ class LoadedModel:
     """One model chunk holding the whole GPT (``model``), its settings, the run's tokenizer (None for ``.bin``
     token ids) and the checkpoint it came from."""
 
-    model: GPTChunk
+    model: ModelChunk
     config: ModelConfig
     tokenizer: object | None
     checkpoint: Path
@@ -44,8 +44,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoint folder (``.metadata`` inside), or the latest complete checkpoint of a run folder.
 
     A run folder is read where it is, never through the ``logging.run_dir`` written in its ``config.yaml`` (that
-    path is relative to where ``pipecast train`` ran, so for a copied or moved folder it names another run --
-    issue 26): its ``checkpoints/``, else the config's ``checkpoint.dir`` taken relative to this folder when it lay
+    path is relative to where ``pipecast train`` ran, so for a copied or moved folder it names another
+    run): its ``checkpoints/``, else the config's ``checkpoint.dir`` taken relative to this folder when it lay
     inside the run folder, else that ``checkpoint.dir`` as written when it lay outside (the only copy of that run's
     checkpoints), else the folder itself.
 
@@ -128,7 +128,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
     return LoadedModel(chunk.to(device), cfg, _tokenizer(meta, ckpt, cfg), ckpt, int(meta.get("step", 0)))
 
 
-def model_state_dict(model: GPTChunk) -> dict[str, torch.Tensor]:
+def model_state_dict(model: ModelChunk) -> dict[str, torch.Tensor]:
     """Layout-independent parameter names -> tensors of a one-chunk model (the tied embedding once)."""
     return dict(canonical_module([model]).state_dict())
 
@@ -147,7 +147,7 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None, ge
 
 
 @torch.no_grad()
-def generate(model: GPTChunk, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
+def generate(model: ModelChunk, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
              top_k: int | None = 50, seed: int = 1234) -> list[int]:
     """``max_new_tokens`` token ids following ``prompt`` (not included), from a one-chunk model; the context is
     the last ``seq_length`` tokens.

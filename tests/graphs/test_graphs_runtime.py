@@ -34,7 +34,7 @@ class MegatronChunk(nn.Module):
 
 
 class PlainChunk(nn.Module):
-    """Like pipecast's GPTChunk: blocks in ``.layers``; forward runs them (the runtime counts microbatches)."""
+    """Like pipecast's ModelChunk: blocks in ``.layers``; forward runs them (the runtime counts microbatches)."""
 
     def __init__(self, layers):
         super().__init__()

@@ -1,7 +1,7 @@
 """The trainer's ``cuda_graphs`` call site on gloo ranks: a pp=2 x vp=2 GPT run with emulated graphs gives bitwise
 the eager losses and weights; on CPU ``backend: auto`` falls back to eager collectively with one reason.
 
-``GPTChunk`` has no Megatron ``decoder``, so this also covers the runtime's per-chunk microbatch counter.  The
+``ModelChunk`` has no Megatron ``decoder``, so this also covers the runtime's per-chunk microbatch counter.  The
 config schema does not list the test-only ``emulate`` backend: the test sets it on the trainer's config after
 validation (the runtime is built lazily at the first step).
 """

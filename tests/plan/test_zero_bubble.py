@@ -136,7 +136,7 @@ def test_program_check_catches_a_send_waited_before_its_receive_is_posted(monkey
     """Negative control: waiting every send right after it was posted (before the receiver provably posted its
     receive) deadlocks on gloo; the program check must say so."""
     from engine.plan import lowering
-    monkeypatch.setattr(lowering, "reap_points", lambda plan, rank, prefetch, batched, recvs: {
+    monkeypatch.setattr(lowering, "reap_points", lambda plan, rank, prefetch, batched, recvs, overlap=False: {
         m: i + 1 for i, a in enumerate(plan.actions[rank]) if (m := plan.output_message(rank, a)) is not None})
     with pytest.raises(PlanError, match="deadlock in the compiled program"):
         validate_programs(build_plan("zbv", 2, 4, 2), prefetch=1)

@@ -415,9 +415,9 @@ def test_foreign_token_file_headers_are_refused(tmp_path, kind):
 # ---- discoverable config --------------------------------------------------------------------------------------
 def test_every_config_field_is_documented_in_train_help(capsys):
     from engine.cli import main
-    from engine.training.config.help import FIELD_HELP, field_rows
+    from engine.training.config.help import field_rows
     rows = field_rows()
-    assert {name for name, *_ in rows} == set(FIELD_HELP)  # every field has a meaning, no stale entry
+    assert all(meaning for *_, meaning in rows), [name for name, *_, meaning in rows if not meaning]
     with pytest.raises(SystemExit) as exit_:
         main(["train", "--help"])
     assert exit_.value.code == 0

@@ -1,128 +1,82 @@
-"""Hugging Face checkpoints in and out: ``config.json`` + ``model.safetensors`` folders of ``GPT2LMHeadModel`` and
-``LlamaForCausalLM`` (the layout ``transformers``' ``save_pretrained`` writes and ``from_pretrained`` reads).
+"""Hugging Face checkpoints out and in: ``config.json`` + ``model.safetensors`` folders (the layout
+``transformers``' ``save_pretrained`` writes and ``from_pretrained`` reads) of any family whose registry entry gives
+Hugging Face names (:class:`engine.training.models.registry.HuggingFace`).
 
 Out (``pipecast export CHECKPOINT --format hf --out DIR``, :func:`write_hf_folder`): ``config.json`` written here
-(no ``transformers`` needed), the weights renamed (gpt2: ``Conv1D`` weights transposed, ``[in, out]``), and for BPE
-runs ``tokenizer.json`` + ``tokenizer_config.json``.  In (``model.init_from: DIR``): :func:`model_fields` maps
-``config.json`` onto ``model.*`` fields (options pipecast's model cannot reproduce are refused, naming the
-``config.json`` key), :func:`resolve_init_from` fills them into a config (a YAML value that disagrees is an error
-naming both), :func:`load_hf_weights` reads the tensors a rank's model chunks hold (``safe_open``: only those).
+(no ``transformers`` needed; the family's keys plus the common ones), the weights renamed by the family's rules
+(transposed where it stores ``[in, out]``), and for BPE runs ``tokenizer.json`` + ``tokenizer_config.json``.  In
+(``model.init_from: DIR``): the config side is :mod:`engine.training.config.init_from`; :func:`load_hf_weights`
+reads the tensors a rank's model chunks hold (``safe_open``: only those).
 
-Name mapping (pipecast's layout-independent names, :func:`engine.training.models.chunk.canonical_module`):
-
-* gpt2: ``embedding.word`` -> ``transformer.wte``, ``embedding.pos`` -> ``transformer.wpe``, ``layers.<i>.ln1 / qkv
-  / proj / ln2 / fc1 / fc2`` -> ``transformer.h.<i>.ln_1 / attn.c_attn / attn.c_proj / ln_2 / mlp.c_fc /
-  mlp.c_proj``, ``final_norm`` -> ``transformer.ln_f``;
-* llama: ``embedding.word`` -> ``model.embed_tokens``, ``layers.<i>.*`` -> ``model.layers.<i>.*`` (the same module
-  names), ``final_norm`` -> ``model.norm``;
-* untied head: ``output_head.word.weight`` -> ``lm_head.weight`` (tied: not written, as ``save_pretrained``).
-
-Sources: ``transformers`` ``models/gpt2/modeling_gpt2.py`` and ``models/llama/modeling_llama.py`` (module names,
-``Conv1D`` layout, rotate-half rotary on q / k as stored), their ``configuration_*.py`` (keys and defaults).
+Names are pipecast's layout-independent ones (:func:`engine.training.models.chunk.canonical_module`); a tied head is
+not written (as ``save_pretrained``) and reads the word embedding.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Iterable
 
-from ..config.errors import ConfigError
+from ..config import ConfigError, ModelConfig
+from ..config.init_from import weight_files
 from ..files import WriteError, make_folder, write_atomically
+from ..models import HuggingFace, get_family
+from ..models.chunk import canonical_names
 
-if TYPE_CHECKING:  # annotations only: engine.training.config imports this module to resolve model.init_from
-    from ..config import ModelConfig, TrainConfig
+__all__ = ["hf_config", "to_hf_tensors", "load_hf_weights", "write_hf_folder", "hf_tensor_names"]
 
-__all__ = ["ARCHITECTURE_FIELDS", "hf_config", "to_hf_tensors", "model_fields", "read_hf_config",
-           "resolve_init_from", "check_init_from", "load_hf_weights", "write_hf_folder", "hf_tensor_names"]
-
-ARCHITECTURE_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                       "ffn_hidden_size", "vocab_size", "norm_epsilon", "rope_theta", "max_position_embeddings",
-                       "tie_embeddings", "activation")
-"""The ``model.*`` fields a Hugging Face ``config.json`` sets (``model.init_from``; gpt2 has no rotary embedding
-and leaves ``rope_theta`` as it is)."""
-
-# (pipecast name pattern, Hugging Face name, transposed): gpt2's Conv1D stores [in, out]
-_GPT2_RULES = (
-    (r"embedding\.word\.weight", "transformer.wte.weight", False),
-    (r"embedding\.pos\.weight", "transformer.wpe.weight", False),
-    (r"layers\.(\d+)\.ln1\.(weight|bias)", r"transformer.h.\1.ln_1.\2", False),
-    (r"layers\.(\d+)\.ln2\.(weight|bias)", r"transformer.h.\1.ln_2.\2", False),
-    (r"layers\.(\d+)\.qkv\.weight", r"transformer.h.\1.attn.c_attn.weight", True),
-    (r"layers\.(\d+)\.qkv\.bias", r"transformer.h.\1.attn.c_attn.bias", False),
-    (r"layers\.(\d+)\.proj\.weight", r"transformer.h.\1.attn.c_proj.weight", True),
-    (r"layers\.(\d+)\.proj\.bias", r"transformer.h.\1.attn.c_proj.bias", False),
-    (r"layers\.(\d+)\.fc1\.weight", r"transformer.h.\1.mlp.c_fc.weight", True),
-    (r"layers\.(\d+)\.fc1\.bias", r"transformer.h.\1.mlp.c_fc.bias", False),
-    (r"layers\.(\d+)\.fc2\.weight", r"transformer.h.\1.mlp.c_proj.weight", True),
-    (r"layers\.(\d+)\.fc2\.bias", r"transformer.h.\1.mlp.c_proj.bias", False),
-    (r"final_norm\.(weight|bias)", r"transformer.ln_f.\1", False),
-    (r"output_head\.word\.weight", "lm_head.weight", False),
-)
-_LLAMA_RULES = (
-    (r"embedding\.word\.weight", "model.embed_tokens.weight", False),
-    (r"layers\.(\d+)\.((?:input_layernorm|post_attention_layernorm)\.weight)", r"model.layers.\1.\2", False),
-    (r"layers\.(\d+)\.((?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight)", r"model.layers.\1.\2", False),
-    (r"final_norm\.weight", "model.norm.weight", False),
-    (r"output_head\.word\.weight", "lm_head.weight", False),
-)
-_RULES = {"gpt2": _GPT2_RULES, "llama": _LLAMA_RULES}
-_PREFIX = {"gpt2": "transformer.", "llama": "model."}  # bare GPT2Model / LlamaModel folders lack it
-_ARCHITECTURES = {"gpt2": ("GPT2LMHeadModel", "GPT2Model"), "llama": ("LlamaForCausalLM", "LlamaModel")}
 _BUFFERS = re.compile(r".*(\.attn\.bias|\.attn\.masked_bias|\.rotary_emb\.inv_freq)$")  # old checkpoints' buffers
-_GELU = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def _hf_name(family: str, name: str) -> tuple[str, bool]:
-    for pattern, target, transposed in _RULES[family]:
+def _hf(family: str) -> HuggingFace:
+    """The Hugging Face entry of ``family``.
+
+    Raises:
+        ConfigError: the family gives none."""
+    spec = get_family(family)
+    if spec.hf is None:
+        raise ConfigError(f"model.family={family} has no Hugging Face names (its FamilySpec gives no hf), so it "
+                          f"cannot be exported to or initialised from a Hugging Face folder")
+    return spec.hf
+
+
+def _hf_name(hf: HuggingFace, name: str) -> tuple[str, bool]:
+    for pattern, target, transposed in hf.rules:
         if re.fullmatch(pattern, name):
             return re.sub(pattern, target, name), transposed
-    raise KeyError(f"pipecast parameter {name!r} has no Hugging Face name in the {family} mapping")
+    raise KeyError(f"pipecast parameter {name!r} has no Hugging Face name in the {hf.model_type} mapping")
 
 
 def hf_tensor_names(family: str, names: Iterable[str]) -> dict[str, str]:
     """pipecast name -> Hugging Face name for ``names`` (layout-independent checkpoint names)."""
-    return {n: _hf_name(family, n)[0] for n in names}
+    hf = _hf(family)
+    return {n: _hf_name(hf, n)[0] for n in names}
 
 
 def to_hf_tensors(family: str, state: dict) -> dict:
-    """pipecast state dict (layout-independent names) -> Hugging Face tensors (contiguous; gpt2 Conv1D weights
-    transposed to ``[in, out]``)."""
-    out = {}
+    """pipecast state dict (layout-independent names) -> Hugging Face tensors (contiguous; the family's
+    ``[in, out]`` weights transposed)."""
+    hf, out = _hf(family), {}
     for name, tensor in state.items():
-        hf, transposed = _hf_name(family, name)
-        out[hf] = (tensor.t() if transposed else tensor).contiguous()
+        target, transposed = _hf_name(hf, name)
+        out[target] = (tensor.t() if transposed else tensor).contiguous()
     return out
 
 
-# ---- config.json out -------------------------------------------------------------------------------------------
-
 def hf_config(cfg: ModelConfig, ffn_hidden_size: int, dtype: str = "float32") -> dict:
-    """The ``config.json`` of ``cfg`` for ``transformers`` (``GPT2Config`` / ``LlamaConfig`` keys).
+    """The ``config.json`` of ``cfg`` for ``transformers``: the family's architecture and keys
+    (:attr:`~engine.training.models.registry.HuggingFace.config`) and the common ones.
 
     Raises:
-        ValueError: a setting with no Hugging Face equivalent."""
+        ConfigError: the family has no Hugging Face names."""
+    hf = _hf(cfg.family)
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": dtype,
               "initializer_range": cfg.init_std, "bos_token_id": None, "eos_token_id": None, "use_cache": True}
-    positions = cfg.max_position_embeddings or cfg.seq_length
-    if cfg.family == "gpt2":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": cfg.num_layers,
-                "n_embd": cfg.hidden_size, "n_head": cfg.num_attention_heads, "n_inner": ffn_hidden_size,
-                "n_positions": positions, "n_ctx": positions, "layer_norm_epsilon": cfg.norm_epsilon,
-                "activation_function": "gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "gelu",
-                "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-                "reorder_and_upcast_attn": False, **common}
-    heads = cfg.num_attention_heads
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": cfg.num_layers,
-            "hidden_size": cfg.hidden_size, "intermediate_size": ffn_hidden_size, "num_attention_heads": heads,
-            "num_key_value_heads": cfg.num_query_groups or heads, "head_dim": cfg.hidden_size // heads,
-            "hidden_act": "silu", "max_position_embeddings": positions, "rms_norm_eps": cfg.norm_epsilon,
-            "rope_theta": cfg.rope_theta, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
-            "attention_dropout": cfg.dropout, "pretraining_tp": 1, **common}
+    return {"architectures": [hf.architectures[0]], "model_type": hf.model_type,
+            **hf.config(cfg, ffn_hidden_size), **common}
 
 
 def write_hf_folder(out: str | os.PathLike, cfg: ModelConfig, ffn_hidden_size: int, state: dict,
@@ -134,7 +88,8 @@ def write_hf_folder(out: str | os.PathLike, cfg: ModelConfig, ffn_hidden_size: i
     Raises:
         ValueError: the parent folder of ``out`` does not exist, or ``out`` is a file.
         WriteError: a file or ``out`` could not be written (read-only or full disk, no permission), naming it and
-            the operating system's reason; no file is left half-written."""
+            the operating system's reason; no file is left half-written.
+        ConfigError: the family has no Hugging Face names."""
     import torch
     from safetensors.torch import save_file
     out = Path(out)
@@ -163,174 +118,8 @@ def write_hf_folder(out: str | os.PathLike, cfg: ModelConfig, ffn_hidden_size: i
         raise
 
 
-# ---- config.json in --------------------------------------------------------------------------------------------
-
-def read_hf_config(folder: str | os.PathLike) -> dict:
-    """The parsed ``config.json`` of ``folder``.
-
-    Raises:
-        ConfigError: no such folder, no ``config.json``, or not JSON (naming ``model.init_from``)."""
-    path = Path(folder) / "config.json"
-    if not Path(folder).is_dir():
-        raise ConfigError(f"model.init_from={str(folder)!r} is not a folder; pass a Hugging Face model folder "
-                          f"(config.json + model.safetensors, e.g. written by save_pretrained or pipecast export "
-                          f"--format hf)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"model.init_from={str(folder)!r} has no config.json; pass a Hugging Face model "
-                          f"folder") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.init_from: {str(path)!r} is not readable JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"model.init_from: {str(path)!r} holds {type(data).__name__}, not a JSON object")
-    return data
-
-
-def _refuse(where: str, key: str, value: Any, why: str) -> ConfigError:
-    return ConfigError(f"model.init_from: {where} has {key}={value!r}, which pipecast's model cannot reproduce "
-                       f"({why}); use a checkpoint without it")
-
-
-def _gpt2_fields(hf: dict, where: str) -> dict:
-    act = hf.get("activation_function", "gelu_new")
-    if act not in _GELU:
-        raise _refuse(where, "activation_function", act, f"supported: {', '.join(_GELU)}")
-    for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                      ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
-        if hf.get(key, want) != want:
-            raise _refuse(where, key, hf[key], f"pipecast's gpt2 attention has {key}={want}")
-    hidden = hf.get("n_embd", 768)
-    return {"family": "gpt2", "num_layers": hf.get("n_layer", 12), "hidden_size": hidden,
-            "num_attention_heads": hf.get("n_head", 12), "num_query_groups": None,
-            "ffn_hidden_size": hf.get("n_inner") or 4 * hidden, "vocab_size": hf.get("vocab_size", 50257),
-            "norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
-            "max_position_embeddings": hf.get("n_positions", 1024),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", True)), "activation": _GELU[act]}
-
-
-def _rope_theta(hf: dict, where: str) -> float:
-    """``rope_theta`` (transformers 4) or ``rope_parameters.rope_theta`` (5); scaled variants refused."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    for key, value in (("rope_scaling", scaling), ("rope_parameters", params)):
-        kind = (value or {}).get("rope_type", (value or {}).get("type", "default"))
-        if value and kind != "default":
-            raise _refuse(where, key, value, "rotary scaling (YaRN, linear, dynamic, llama3) is not implemented")
-    return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
-
-
-def _llama_fields(hf: dict, where: str) -> dict:
-    checks = (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1),
-              ("sliding_window", None), ("use_sliding_window", False))
-    for key, want in checks:
-        if hf.get(key, want) not in (want,) + ((None,) if key == "pretraining_tp" else ()):
-            raise _refuse(where, key, hf[key], f"pipecast's llama has {key}={want}")
-    hidden, heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
-    if hf.get("head_dim") not in (None, hidden // heads):
-        raise _refuse(where, "head_dim", hf["head_dim"], f"pipecast's head size is hidden_size / "
-                      f"num_attention_heads = {hidden // heads}")
-    groups = hf.get("num_key_value_heads") or heads
-    return {"family": "llama", "num_layers": hf.get("num_hidden_layers", 32), "hidden_size": hidden,
-            "num_attention_heads": heads, "num_query_groups": None if groups == heads else groups,
-            "ffn_hidden_size": hf.get("intermediate_size", 11008), "vocab_size": hf.get("vocab_size", 32000),
-            "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": _rope_theta(hf, where),
-            "max_position_embeddings": hf.get("max_position_embeddings", 2048),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "activation": "gelu"}
-
-
-def model_fields(hf: dict, where: str = "config.json") -> dict:
-    """``model.*`` field values (:data:`ARCHITECTURE_FIELDS`) of a Hugging Face ``config.json`` (missing keys take
-    ``transformers``' defaults).
-
-    Raises:
-        ConfigError: another ``model_type`` / ``architectures``, or an option pipecast cannot reproduce (rotary
-            scaling, attention / MLP biases in llama, sliding windows, another activation or attention scaling)."""
-    family = hf.get("model_type")
-    if family not in _RULES:
-        raise ConfigError(f"model.init_from: {where} has model_type={family!r}; pipecast reads 'gpt2' "
-                          f"(GPT2LMHeadModel) and 'llama' (LlamaForCausalLM) folders")
-    archs = hf.get("architectures") or []
-    bad = [a for a in archs if a not in _ARCHITECTURES[family]]
-    if bad:
-        raise ConfigError(f"model.init_from: {where} has architectures={archs!r}; pipecast reads "
-                          f"{' / '.join(_ARCHITECTURES[family])} weights for model_type={family!r}")
-    return _gpt2_fields(hf, where) if family == "gpt2" else _llama_fields(hf, where)
-
-
-def _same(field: str, a, b, heads: int) -> bool:
-    if field == "num_query_groups":
-        return (a or heads) == (b or heads)
-    if isinstance(a, float) or isinstance(b, float):
-        return a is not None and b is not None and float(a) == float(b)
-    return a == b
-
-
-def resolve_init_from(config: TrainConfig, explicit: Iterable[str] = ()) -> TrainConfig:
-    """``config`` with the architecture fields of ``model.init_from``'s ``config.json``; fields named in
-    ``explicit`` (given in the YAML or as overrides) must already agree.
-
-    Raises:
-        ConfigError: a disagreeing field (naming the YAML value and the ``config.json`` value), or what
-            :func:`model_fields` / :func:`read_hf_config` raise."""
-    m = config.model
-    where = str(Path(m.init_from) / "config.json")
-    fields = model_fields(read_hf_config(m.init_from), where)
-    explicit = set(explicit)
-    heads = fields["num_attention_heads"]
-    for name, value in fields.items():
-        if name in explicit and not _same(name, getattr(m, name), value, heads):
-            raise ConfigError(f"model.{name}={getattr(m, name)!r} disagrees with model.init_from's {where} "
-                              f"({name} = {value!r}); remove model.{name} from the config (it comes from "
-                              f"config.json) or set it to {value!r}")
-    return dataclasses.replace(config, model=dataclasses.replace(m, **fields))
-
-
-def check_init_from(config: TrainConfig) -> None:
-    """Validation of ``model.init_from`` (part of ``validate``): every architecture field equals the folder's
-    (:func:`resolve_init_from` with all fields explicit), the weights file exists, and the data's tokens mean
-    what the checkpoint's vocabulary means.
-
-    Raises:
-        ConfigError: naming the field, both values and the fix."""
-    resolve_init_from(config, ARCHITECTURE_FIELDS)
-    folder, d = Path(config.model.init_from), config.data
-    _weight_files(folder)
-    if d.source != "bin" and d.tokenizer == "bpe":
-        raise ConfigError(f"model.init_from={str(folder)!r} with data.tokenizer='bpe': pipecast would train its "
-                          f"own BPE, whose token ids do not match the checkpoint's vocabulary; tokenize the text "
-                          f"with the checkpoint's tokenizer into .bin files (data.source=bin)")
-    has_tokenizer = any((folder / n).is_file() for n in ("tokenizer.json", "vocab.json", "tokenizer.model"))
-    if d.source != "bin" and has_tokenizer:
-        raise ConfigError(f"model.init_from={str(folder)!r} comes with a tokenizer (vocabulary of "
-                          f"{config.model.vocab_size} tokens) but data.tokenizer='bytes' feeds byte ids 0..255, "
-                          f"which mean other tokens there; tokenize the text with that tokenizer into .bin files "
-                          f"(data.source=bin)")
-
-
-# ---- weights in ------------------------------------------------------------------------------------------------
-
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """Hugging Face tensor name -> the ``.safetensors`` file holding it (one file, or a sharded index)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise ConfigError(f"model.init_from: {str(index)!r} is not a safetensors index ({exc})") from None
-        return {k: folder / v for k, v in weight_map.items()}
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise ConfigError(f"model.init_from={str(folder)!r} has no model.safetensors (nor a sharded "
-                          f"model.safetensors.index.json); pipecast reads safetensors weights only -- save the "
-                          f"model with save_pretrained(..., safe_serialization=True)")
-    from safetensors import safe_open
-    with safe_open(str(single), framework="pt") as fh:
-        return {k: single for k in fh.keys()}
-
-
 def load_hf_weights(folder: str | os.PathLike, cfg: ModelConfig, names: Iterable[str]) -> dict:
-    """The tensors of pipecast parameters ``names`` (layout-independent names; gpt2 Conv1D weights transposed
+    """The tensors of pipecast parameters ``names`` (layout-independent names; ``[in, out]`` weights transposed
     back), read from ``folder``'s safetensors; a tied head reads the word embedding.
 
     Raises:
@@ -338,10 +127,10 @@ def load_hf_weights(folder: str | os.PathLike, cfg: ModelConfig, names: Iterable
             biases the config did not announce) -- naming them."""
     from safetensors import safe_open
     folder = Path(folder)
-    files = _weight_files(folder)
-    prefix = _PREFIX[cfg.family]
+    files, hf = weight_files(folder), _hf(cfg.family)
+    prefix = hf.prefix
     stored = {(k if k.startswith(prefix) or k == "lm_head.weight" else prefix + k): k for k in files}
-    known = {_hf_name(cfg.family, n)[0] for n in _all_names(cfg)}
+    known = {_hf_name(hf, n)[0] for n in canonical_names(cfg, cfg.ffn_hidden_size or 4 * cfg.hidden_size)}
     extra = sorted(k for full, k in stored.items() if full not in known and not _BUFFERS.match(k)
                    and not (full == "lm_head.weight" and cfg.tie_embeddings))
     if extra:
@@ -350,10 +139,10 @@ def load_hf_weights(folder: str | os.PathLike, cfg: ModelConfig, names: Iterable
     out, handles = {}, {}
     try:
         for name in names:
-            hf, transposed = _hf_name(cfg.family, name)
-            key = stored.get(hf)
+            target, transposed = _hf_name(hf, name)
+            key = stored.get(target)
             if key is None:
-                raise ConfigError(f"model.init_from={str(folder)!r}: tensor {hf!r} (pipecast {name!r}) is missing "
+                raise ConfigError(f"model.init_from={str(folder)!r}: tensor {target!r} (pipecast {name!r}) is missing "
                                   f"from its safetensors files")
             path = files[key]
             if path not in handles:
@@ -364,16 +153,3 @@ def load_hf_weights(folder: str | os.PathLike, cfg: ModelConfig, names: Iterable
         for h in handles.values():
             h.__exit__(None, None, None)
     return out
-
-
-def _all_names(cfg: ModelConfig) -> list[str]:
-    """Every layout-independent parameter name of ``cfg``'s model (the untied head included when untied)."""
-    layer = {"gpt2": ["ln1.weight", "ln1.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias", "ln2.weight",
-                      "ln2.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"],
-             "llama": ["input_layernorm.weight", "post_attention_layernorm.weight"] +
-                      [f"self_attn.{x}_proj.weight" for x in "qkvo"] +
-                      [f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]}[cfg.family]
-    names = ["embedding.word.weight"] + (["embedding.pos.weight"] if cfg.family == "gpt2" else [])
-    names += [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in layer]
-    names += ["final_norm.weight"] + (["final_norm.bias"] if cfg.family == "gpt2" else [])
-    return names + ([] if cfg.tie_embeddings else ["output_head.word.weight"])

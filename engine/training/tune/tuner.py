@@ -297,7 +297,7 @@ def config_candidate(config: TrainConfig) -> Candidate:
     p, name = config.parallel, config.schedule_name
     group = p.microbatch_group_size_per_vp_stage if "group_size" in get_schedule(name).options else None
     costs = None if p.schedule_costs is None else PassCosts.parse(p.schedule_costs)
-    return Candidate(name, p.virtual, None if group == p.pipeline else group, p.max_in_flight, costs)
+    return Candidate(name, p.virtual, None if group == p.pipeline else group, p.max_in_flight, costs=costs)
 
 
 def variant_config(config: TrainConfig, c: Candidate, folder: Path, steps: int) -> TrainConfig:

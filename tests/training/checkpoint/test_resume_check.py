@@ -1,4 +1,4 @@
-"""Resuming with changed settings (issue 26, item 6): changes that continue another trajectory (model shape, data
+"""Resuming with changed settings: changes that continue another trajectory (model shape, data
 identity, seed, global batch) are refused before any rank starts, naming every changed field old -> new;
 optimisation changes are warned; layout changes and a longer run pass silently."""
 from __future__ import annotations

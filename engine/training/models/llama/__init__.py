@@ -1,0 +1,96 @@
+"""The ``llama`` family (Touvron et al. 2023, arXiv:2302.13971): token embedding only, pre-norm blocks with RMSNorm,
+rotary position embeddings, grouped-query attention, a SwiGLU MLP, no biases.  Its torch modules are in
+:mod:`.layers` (imported when a model is built; this entry is read when a config is loaded, without torch).
+
+Hugging Face: ``LlamaForCausalLM`` (``transformers`` ``models/llama/modeling_llama.py`` and
+``configuration_llama.py``: module names, rotate-half rotary on q / k as stored, keys and defaults).
+``embedding.word`` -> ``model.embed_tokens``, ``layers.<i>.*`` -> ``model.layers.<i>.*`` (the same module names),
+``final_norm`` -> ``model.norm``, an untied head -> ``lm_head``.
+"""
+from __future__ import annotations
+
+from ..registry import FamilySpec, HuggingFace, register_family, unsupported
+
+__all__ = ["SPEC"]
+
+
+def _layers():
+    from . import layers  # torch: imported when a model is built
+    return layers
+
+
+def _check(m) -> str | None:
+    head = m.hidden_size // m.num_attention_heads
+    if head % 2:
+        return (f"model.family=llama: the head size hidden_size / num_attention_heads = {m.hidden_size} / "
+                f"{m.num_attention_heads} = {head} must be even for rotary embeddings; change model.hidden_size or "
+                "model.num_attention_heads")
+    if m.activation != "gelu":
+        return (f"model.activation={m.activation!r} applies to model.family=gpt2 only (llama's MLP is SwiGLU); "
+                "remove it")
+    return None
+
+
+_RULES = (  # (pipecast name pattern, Hugging Face name, transposed)
+    (r"embedding\.word\.weight", "model.embed_tokens.weight", False),
+    (r"layers\.(\d+)\.((?:input_layernorm|post_attention_layernorm)\.weight)", r"model.layers.\1.\2", False),
+    (r"layers\.(\d+)\.((?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight)", r"model.layers.\1.\2", False),
+    (r"final_norm\.weight", "model.norm.weight", False),
+    (r"output_head\.word\.weight", "lm_head.weight", False),
+)
+
+
+def _hf_config(cfg, ffn_hidden_size: int) -> dict:
+    heads = cfg.num_attention_heads
+    return {"num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+            "intermediate_size": ffn_hidden_size, "num_attention_heads": heads,
+            "num_key_value_heads": cfg.num_query_groups or heads, "head_dim": cfg.hidden_size // heads,
+            "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings or cfg.seq_length,
+            "rms_norm_eps": cfg.norm_epsilon, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.dropout, "pretraining_tp": 1}
+
+
+def _rope_theta(hf: dict) -> float:
+    """``rope_theta`` (transformers 4) or ``rope_parameters.rope_theta`` (5); scaled variants refused."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling")
+    for key, value in (("rope_scaling", scaling), ("rope_parameters", params)):
+        kind = (value or {}).get("rope_type", (value or {}).get("type", "default"))
+        if value and kind != "default":
+            raise unsupported(key, value, "rotary scaling (YaRN, linear, dynamic, llama3) is not implemented")
+    return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+
+
+def _hf_fields(hf: dict) -> dict:
+    """The architecture of a ``LlamaConfig``."""
+    checks = (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1),
+              ("sliding_window", None), ("use_sliding_window", False))
+    for key, want in checks:
+        if hf.get(key, want) not in (want,) + ((None,) if key == "pretraining_tp" else ()):
+            raise unsupported(key, hf[key], f"pipecast's llama has {key}={want}")
+    hidden, heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
+    if hf.get("head_dim") not in (None, hidden // heads):
+        raise unsupported("head_dim", hf["head_dim"], f"pipecast's head size is hidden_size / num_attention_heads "
+                          f"= {hidden // heads}")
+    groups = hf.get("num_key_value_heads") or heads
+    return {"num_layers": hf.get("num_hidden_layers", 32), "hidden_size": hidden, "num_attention_heads": heads,
+            "num_query_groups": None if groups == heads else groups,
+            "ffn_hidden_size": hf.get("intermediate_size", 11008), "vocab_size": hf.get("vocab_size", 32000),
+            "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": _rope_theta(hf),
+            "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "activation": "gelu"}
+
+
+SPEC = register_family(FamilySpec(
+    name="llama",
+    summary="rotary, RMSNorm, SwiGLU, grouped-query attention, no biases",
+    embedding=lambda cfg: _layers().Embedding(cfg),
+    block=lambda cfg, ffn_hidden_size: _layers().Block(cfg, ffn_hidden_size),
+    final_norm=lambda cfg: _layers().final_norm(cfg),
+    tensor_parallel={"input_layernorm": "norm", "post_attention_layernorm": "norm", "self_attn.q_proj": "colwise",
+                     "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",
+                     "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"},
+    check=_check,
+    hf=HuggingFace(model_type="llama", architectures=("LlamaForCausalLM", "LlamaModel"), prefix="model.",
+                   rules=_RULES, config=_hf_config, fields=_hf_fields),
+))
