@@ -118,7 +118,7 @@ def controllable_rows() -> list[dict]:
     rows = []
     for p in (4, 8, 16, 32):
         m = 3 * p
-        for name, paper in (("v_half", (p + 2) // 2), ("v_min", (p + 4) // 3), ("zbv", p), ("1f1b", p)):
+        for name, paper in (("v_half", (p + 2) // 2), ("v_min", (p + 4) // 3), ("1f1b", p)):
             chunks = 1 if name == "1f1b" else 2
             plan = build_plan(name, p, m, chunks)
             unit = 2.0 / chunks  # one chunk pass is one slot: a stage of one chunk costs two

@@ -343,8 +343,8 @@ def mean_costs(costs: PassCosts, pp_size: int, num_model_chunks: int) -> tuple[f
 # ---- step 3: local search ------------------------------------------------------------------------------------------
 def _evaluations(num_actions: int) -> int:
     """Timed passes the local search may spend: ~400 on small plans, fewer on large ones (a pass is linear in the
-    actions; ~2 s in all for P = 32, M = 256)."""
-    return max(4, min(400, 600_000 // max(1, num_actions)))
+    actions; about 1 s in all for P = 32, M = 256)."""
+    return max(4, min(400, 400_000 // max(1, num_actions)))
 
 
 def _swap_ok(pb: _Problem, seq: list, i: int) -> bool:
