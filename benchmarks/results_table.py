@@ -30,7 +30,7 @@ Speed and memory are measured here, not in the tests.  Each script prints its fi
 | `plan_scale.py` | build + validate + simulate for p=64, v=8, m=1024 |
 | `zero_bubble_costs.py` | cost-aware `zb` plans on the zero-bubble paper's profiled costs (its ZB-1p / ZB-2p bubble rates beside), V-Half / V-Min bubble and memory, build times up to p=32, m=256 |
 | `cuda_graphs_bench.py` | one GPU: eager vs graph replay (bitwise equality, step time, memory); `--memory-only` on CPU |
-| `gpu_check.py [--dry-run]` | the first-GPU-run check: cuda tests, GPT-block F/B/W graphs vs eager (interleaved, zb_h1, zbv; fp32 bitwise, bf16 tolerance), caller state, split-graph memory at M = 4 / 16, capture seconds, trainer graphs on/off, bench goals; one JSON in `results/gpu/` |
+| `gpu_check.py [--dry-run] [--out DIR]` | the first-GPU-run check: GPT-block F/B/W graphs vs eager (interleaved, zb_h1, zbv; fp32 bitwise, bf16 tolerance), caller state, dropout under replay, graph-pool bytes at M = 4 / 16, capture seconds, trainer graphs on/off (zbv, 1f1b, bf16, interleaved pp2), host syncs, cuda tests, bench goals; one JSON rewritten around every check, within a time budget |
 | `investigations/p2p_stalls.py`, `investigations/gloo_post_stalls.py` | one-off studies of gloo receive posting and send stalls |
 
 Method on a shared machine: each fresh job builds all engines and steps them round-robin (shuffled order per
