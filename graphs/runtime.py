@@ -198,6 +198,7 @@ class GraphRuntime:
                          num_warmup_iters=self.num_warmup_iters, group=self.group, tracer=self.tracer, veto=veto,
                          autocast=autocast, share_graphs=share, chain_layers=not rec.unchained,
                          defer_weight_grad=self.defer_weight_grad, timeout_s=self.timeout_s,
+                         eager_microbatches=self.warmup_steps * num_microbatches,
                          generators=self.generators + [g for g in rec.generators if all(g._cdata != h._cdata for h in
                                                                                          self.generators)])
         report = layers.report

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ...plan.pass_costs import PassCosts
 from ...plan.registry import get_schedule
 from ...plan.table import validate_interleaved_microbatches
 from ..models import get_family
@@ -27,6 +28,7 @@ def _validate_schedule(config: TrainConfig) -> None:
         raise ConfigError(f"parallel.max_in_flight={p.max_in_flight} only applies to parallel.schedule="
                           f"{schedules_taking('max_in_flight')} (got parallel.schedule={p.schedule}); remove it or set "
                           f"parallel.schedule={schedules_taking('max_in_flight')}")
+    _validate_costs(p, spec)
     why = spec.fits(p.pipeline, p.virtual)
     if why is not None:
         picked = f" (Megatron's choice: {spec.name})" if p.schedule == "auto" else ""
@@ -47,6 +49,23 @@ def _validate_schedule(config: TrainConfig) -> None:
     if p.overlap_p2p_comm and not spec.overlap_p2p:
         raise ConfigError(f"parallel.overlap_p2p_comm=true is not supported by {spec.name} (as in Megatron-Core's "
                           "1F1B); set parallel.virtual >= 2 or parallel.overlap_p2p_comm=false")
+
+
+def _validate_costs(p, spec) -> None:
+    """``parallel.schedule_costs``: for a schedule that takes costs, in :class:`~engine.plan.pass_costs.PassCosts`'
+    notation, one number or one per rank and chunk."""
+    if p.schedule_costs is None:
+        return
+    if "costs" not in spec.options:
+        raise ConfigError(f"parallel.schedule_costs={p.schedule_costs!r} only applies to parallel.schedule="
+                          f"{schedules_taking('costs')} (got parallel.schedule={p.schedule}); remove it or set "
+                          f"parallel.schedule={schedules_taking('costs')}")
+    try:
+        costs = PassCosts.parse(p.schedule_costs)
+        for name in ("forward", "backward", "weight", "weight_memory"):
+            costs.table(name, p.pipeline, p.virtual)
+    except ValueError as exc:
+        raise ConfigError(f"parallel.schedule_costs={p.schedule_costs!r} is invalid: {exc}") from None
 
 
 def _refuse_te_layers_with_split(config: TrainConfig, spec) -> None:
@@ -177,9 +196,13 @@ def _validate_shard(config: TrainConfig, spec=None) -> None:
     if shard != "full":
         return
     if config.cuda_graphs.enabled:
-        raise ConfigError("parallel.shard=full with cuda_graphs.enabled=true is not available: the captured graphs "
-                          "would hold the gathered parameters' storage, which FSDP frees after each step; set "
-                          "cuda_graphs.enabled=false or parallel.shard=optimizer")
+        raise ConfigError("parallel.shard=full with cuda_graphs.enabled=true is refused: FSDP2 (fully_shard) "
+                          "all-gathers each model chunk's parameters into storage it frees again after the backward "
+                          "and allocates anew at the next step (another address) and swaps the modules' parameters "
+                          "between the shards and the gathered copies, while a captured graph keeps reading the "
+                          "addresses of its capture; use parallel.shard=optimizer (ZeRO-1: parameters whole and in "
+                          "place, optimizer state sharded) or parallel.shard=none with CUDA graphs, or "
+                          "cuda_graphs.enabled=false to keep parallel.shard=full")
     if spec is not None and spec.placement == "v" and config.model.tie_embeddings and p.pipeline > 1:
         raise ConfigError(f"parallel.shard=full with parallel.schedule={p.schedule} ({spec.name}, V placement) and "
                           "model.tie_embeddings=true: the first and the last stage are two chunks of one rank sharing "
@@ -194,7 +217,8 @@ def validate_tensor_parallel(config: TrainConfig) -> None:
     Raises:
         ConfigError: ``T > 1`` for a family without a tensor-parallel plan; ``T`` not dividing
             ``model.num_attention_heads``, ``model.num_query_groups``, ``model.ffn_hidden_size`` or
-            ``model.vocab_size``; ``T > 1`` with ``cuda_graphs.enabled`` or ``model.transformer_engine``.
+            ``model.vocab_size``; ``T > 1`` with ``model.transformer_engine``.  ``cuda_graphs.enabled`` is
+            accepted: the graphed layers capture their tensor-parallel collectives.
             Split-backward schedules (``zb_h1``, ``zbv``, ``dualpipev``) are accepted: their W passes issue no
             tensor-parallel collective (:mod:`engine.training.parallel.tensor_parallel`).
     """
@@ -216,10 +240,6 @@ def validate_tensor_parallel(config: TrainConfig) -> None:
                    f"choose parallel.tensor dividing {value}")
             raise ConfigError(f"parallel.tensor={t} does not divide {where}={value}: each tensor-parallel rank holds "
                               f"{where.split('.')[1]} / parallel.tensor of it; {fix}")
-    if config.cuda_graphs.enabled:
-        raise ConfigError(f"parallel.tensor={t} with cuda_graphs.enabled=true: pipecast's capture records plain "
-                          "tensors per layer and has no DTensor support; set cuda_graphs.enabled=false or "
-                          "parallel.tensor=1")
     if m.transformer_engine:
         raise ConfigError(f"parallel.tensor={t} with model.transformer_engine=true: Transformer Engine layers "
                           "bring their own tensor parallelism, not wired here; set model.transformer_engine=false")

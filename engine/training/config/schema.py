@@ -122,6 +122,10 @@ class ParallelConfig:
         None, lambda: f"{schedules_taking('max_in_flight')} only: per-rank limit on in-flight activations (null: "
                       "1F1B's, virtual x (P - r))",
         Range(1, 1 << 24, "use the activations held per rank, or null for 1F1B's limit"))
+    schedule_costs: str | None = setting(
+        None, lambda: f"{schedules_taking('costs')} only: build the plan for these per-pass costs, e.g. 'forward=1.2 "
+                      "backward=1.3 weight=0.7 transfer=0.05 weight_memory=0.4' (ms per chunk; per rank a,b/c,d; "
+                      "engine.plan.pass_costs); null: the hand-made shape")
     data: int | None = setting(None, "data-parallel replicas (null: world size / (pipeline x tensor); 1 when "
                                "spawning locally)",
                                Range(1, 1 << 20, "use a positive number of data-parallel replicas or null"))
@@ -327,6 +331,6 @@ class TrainConfig:
                               "RUN_DIR/tune.json (run `pipecast tune CONFIG` first); pipecast train does this")
         try:
             return resolve_schedule(p.schedule, p.pipeline, p.virtual, p.microbatch_group_size_per_vp_stage,
-                                    p.max_in_flight)
+                                    p.max_in_flight, costs=p.schedule_costs)
         except ValueError as exc:
             raise ConfigError(f"parallel.schedule={p.schedule}: {exc}") from None
