@@ -7,7 +7,7 @@ experts.
 local experts, each a :class:`SwiGLU` on its contiguous rows), combined back with the routing weights
 (:func:`~engine.moe.dispatch.combine`), plus the shared experts' output on every token when the layer has them
 (DeepSeek-MoE; Dai et al., arXiv:2401.06066).  A SwiGLU expert is ``down(silu(gate(x)) * up(x))`` (Shazeer,
-"GLU Variants Improve Transformer", arXiv:2002.05202), the layout of Llama / Qwen3-MoE / Mixtral experts.
+"GLU Variants Improve Transformer", arXiv:2002.05202), the layout of Qwen3-MoE / Mixtral experts.
 
 Every local expert runs on every forward, also on zero rows, so each expert parameter gets a gradient (zero for
 an expert without tokens) on every rank and step, whatever the routing.  Expert parameters carry

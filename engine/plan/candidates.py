@@ -7,7 +7,8 @@ A :class:`Candidate` is one setting of the ``parallel.*`` fields that pick a sch
 ``v >= 2`` with ``L % (P*v) == 0`` and every group size Megatron accepts, ZB-V where ``L % 2P == 0``, and the
 memory-budgeted split schedule ``zb`` for every virtual size and in-flight limit ``1 .. 2vP`` (capped at
 ``vM``); candidates whose plans are identical to an earlier one are dropped, and every plan kept passes the
-validator.
+validator.  Once costs are measured, :func:`cost_aware_candidates` adds, for every setting of a schedule that takes
+costs (``zb`` at each budget, ``zbv``), the plan built for those costs (:mod:`engine.plan.cost_aware`).
 
 :func:`predict` simulates a candidate with a :class:`CostModel` -- per layout (virtual size ``v``, split or full
 backward) and stage the measured cost of ``F``, ``B`` and ``W`` in ms, the runtime's overhead per action, the
@@ -35,12 +36,13 @@ from dataclasses import dataclass
 
 from .build import build_plan
 from .layout import PipelineLayout, kind_costs, parse_layout, stage_costs
+from .pass_costs import PassCosts
 from .registry import get_schedule, schedule_names
-from .types import Op, Plan
+from .types import Op, Plan, placement_of
 from .validate import PlanError, validate_plan
 
 __all__ = ["Candidate", "LayoutCosts", "CostModel", "Prediction", "candidates", "virtual_sizes", "predict",
-           "peak_memory_bytes", "rank_predictions", "relayout"]
+           "peak_memory_bytes", "rank_predictions", "relayout", "cost_aware_candidates", "measured_costs"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class Candidate:
     group_size: int | None = None       # interleaved: microbatch_group_size_per_vp_stage (None: P)
     max_in_flight: int | None = None    # zb: per-rank limit on in-flight activations
     pipeline_layout: str | None = None  # model.pipeline_layout (engine.plan.layout); None: the even split
+    costs: PassCosts | None = None      # zb / zbv: the plan is built for these (measured) costs
 
     @property
     def splits_backward(self) -> bool:
@@ -64,18 +67,21 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """``"interleaved v=2 G=4"``, ``"zb v=1 max_in_flight=3"``, ``"zbv v=2"``."""
+        """``"interleaved v=2 G=4"``, ``"zb v=1 max_in_flight=3"``, ``"zbv v=2"``, ``"zb v=1 max_in_flight=8
+        cost-aware"`` (built for measured costs)."""
         extra = (f" G={self.group_size}" if self.group_size is not None else "") + (
             f" max_in_flight={self.max_in_flight}" if self.max_in_flight is not None else "") + (
-            f" {self.pipeline_layout}" if self.pipeline_layout is not None else "")
+            f" {self.pipeline_layout}" if self.pipeline_layout is not None else "") + (
+            " cost-aware" if self.costs is not None else "")
         return f"{self.schedule} v={self.virtual}{extra}"
 
     def overrides(self) -> dict:
         """The config values of this candidate (``None``: the field's default; ``model.pipeline_layout`` only when
-        the candidate has one)."""
+        the candidate has one; ``parallel.schedule_costs`` always, so that a variant clears the config's own)."""
         out = {"parallel.schedule": self.schedule, "parallel.virtual": self.virtual,
                "parallel.microbatch_group_size_per_vp_stage": self.group_size,
-               "parallel.max_in_flight": self.max_in_flight}
+               "parallel.max_in_flight": self.max_in_flight,
+               "parallel.schedule_costs": None if self.costs is None else str(self.costs)}
         if self.pipeline_layout is not None:
             out["model.pipeline_layout"] = self.pipeline_layout
         return out
@@ -91,7 +97,8 @@ class Candidate:
 
 @functools.lru_cache(maxsize=256)
 def _plan(c: Candidate, pp_size: int, num_microbatches: int) -> Plan:
-    return build_plan(c.schedule, pp_size, num_microbatches, c.virtual, c.group_size, max_in_flight=c.max_in_flight)
+    return build_plan(c.schedule, pp_size, num_microbatches, c.virtual, c.group_size, max_in_flight=c.max_in_flight,
+                      costs=c.costs)
 
 
 def virtual_sizes(pp_size: int, num_layers: int) -> list[int]:
@@ -137,6 +144,55 @@ def _raw_candidates(P: int, L: int, M: int) -> list[Candidate]:
             for settings in spec.tune(P, v, M):
                 out.append(Candidate(name, v, settings.get("group_size"), settings.get("max_in_flight")))
     return out
+
+
+def cost_aware_candidates(cands: Sequence[Candidate], model: "CostModel", pp_size: int,
+                          num_microbatches: int) -> list[Candidate]:
+    """For every candidate of a schedule that takes costs (``zb`` at each budget, ``zbv``) whose layout ``model``
+    measured, the same setting built for the measured costs (:func:`measured_costs`); plans that fail to build
+    or to validate, or equal an earlier one, are dropped."""
+    seen, out = set(), []
+    for c in cands:
+        if c.costs is not None or "costs" not in get_schedule(c.schedule).options or c.layout not in model.layouts:
+            continue
+        costed = dataclasses.replace(c, costs=measured_costs(c, model, pp_size))
+        try:
+            plan = costed.plan(pp_size, num_microbatches)
+            validate_plan(plan)
+        except (ValueError, RuntimeError, PlanError):
+            continue
+        key = (plan.placement, plan.actions)
+        if key not in seen:
+            seen.add(key)
+            out.append(costed)
+    return out
+
+
+def _layout_costs(candidate: Candidate, model: "CostModel") -> "LayoutCosts":
+    """The measured costs of the candidate's layout, moved to its ``pipeline_layout`` when it has one."""
+    lc = model.layouts[candidate.layout]
+    return lc if candidate.pipeline_layout is None else relayout(lc, parse_layout(candidate.pipeline_layout))
+
+
+def measured_costs(candidate: Candidate, model: "CostModel", pp_size: int) -> PassCosts:
+    """The :class:`~engine.plan.pass_costs.PassCosts` of ``candidate``'s placement from its layout's measurements:
+    per ``(rank, chunk)`` the stage's ``F``, ``B`` and ``W`` in ms plus the runtime's time per action, the message
+    latency, and the bytes a pending ``W`` holds over those of an activation; 4 significant digits (the notation
+    goes into the config).
+
+    Raises:
+        KeyError: ``model`` did not measure the candidate's layout.
+    """
+    lc, v = _layout_costs(candidate, model), candidate.virtual
+    where = placement_of(get_schedule(candidate.schedule).placement, pp_size, v)
+    stage = {loc: s for s, loc in enumerate(where)}
+
+    def table(value):
+        return tuple(tuple(float(f"{value(stage[(r, c)]):.4g}") for c in range(v)) for r in range(pp_size))
+    o = lc.action_overhead_ms
+    return PassCosts(table(lambda s: lc.forward_ms[s] + o), table(lambda s: lc.backward_ms[s] + o),
+                     table(lambda s: lc.weight_ms[s] + o), float(f"{model.transfer_ms:.4g}"),
+                     table(lambda s: lc.pending_w_bytes[s] / lc.activation_bytes[s] if lc.activation_bytes[s] else 0.0))
 
 
 @dataclass(frozen=True)
@@ -214,10 +270,9 @@ def predict(candidate: Candidate, model: CostModel, pp_size: int, num_microbatch
     if candidate.layout not in model.layouts:
         raise KeyError(f"no measured costs for virtual={virtual} with {'split' if split else 'full'} backward "
                        f"(candidate {candidate.label})")
-    lc, plan = model.layouts[candidate.layout], candidate.plan(pp_size, num_microbatches)
-    _check_stages(lc, plan.num_stages)
-    if candidate.pipeline_layout is not None:
-        lc = relayout(lc, parse_layout(candidate.pipeline_layout))
+    plan = candidate.plan(pp_size, num_microbatches)
+    _check_stages(model.layouts[candidate.layout], plan.num_stages)
+    lc = _layout_costs(candidate, model)
 
     o = lc.action_overhead_ms
     a2a = placed_costs(plan, lc.a2a_ms, 0.0) if lc.a2a_ms else 0.0

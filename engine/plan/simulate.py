@@ -2,7 +2,8 @@
 
 Model (the runtime's, see :mod:`engine.plan.validate`): each rank runs its actions in plan order, one at a time; an
 action starts when the previous action of its rank has ended and its input message has arrived (producer's end
-plus ``transfer_time``); sends never wait.  Compute costs are per op and optionally per ``(rank, chunk)``.
+plus ``transfer_time``; a hand-off between two chunks of one rank, as on the V placement's last rank, arrives at
+once); sends never wait.  Compute costs are per op and optionally per ``(rank, chunk)``.
 
 Mixture-of-experts all-to-all (``a2a_time``: the expert all-to-all time of one forward of a chunk -- dispatch and
 combine of all its MoE layers; its backward exchanges as much): an action that runs alone waits for its
@@ -128,7 +129,7 @@ def simulate(plan: Plan, forward_time: Cost = 1.0, backward_time: Cost = 2.0, tr
         plan: a valid plan (checked; see :func:`engine.plan.graph.plan_graph`).
         forward_time: cost of one forward of one model chunk (time units, e.g. ms), without its all-to-alls.
         backward_time: cost of one backward (input and weight gradients unless the plan splits off ``W``).
-        transfer_time: latency of every message (producer end to consumer availability), ``>= 0``.
+        transfer_time: latency of every message between two ranks (producer end to consumer availability), ``>= 0``.
         weight_time: cost of a split weight-gradient action (``W``; then ``backward_time`` is the input-gradient
             pass ``B`` alone).
         a2a_time: expert all-to-all time of one forward (and of one backward) of a chunk (module doc).
@@ -216,7 +217,7 @@ def _run(plan: Plan, graph: PlanGraph, cost: list[float], transfer: float):
     end of its producer + transfer)``.  Returns ``(start, end, clock)``: flat times and each rank's finishing time.
     """
     segments = deadlock_free_segments(plan)
-    deps, n = graph.deps, graph.num_actions
+    deps, owner, n = graph.deps, graph.owner, graph.num_actions
     end = [0.0] * (n + 1)
     end[n] = -math.inf  # "receives nothing": always available
     start = [0.0] * n
@@ -224,7 +225,8 @@ def _run(plan: Plan, graph: PlanGraph, cost: list[float], transfer: float):
     for rank, lo, hi in segments:
         t = clock[rank]
         for i in range(lo, hi):
-            e = end[deps[i]] + transfer
+            d = deps[i]
+            e = end[d] + (transfer if owner[d] != rank else 0.0)
             if e > t:
                 t = e
             start[i] = t
@@ -277,7 +279,8 @@ def _run_units(plan: Plan, graph: PlanGraph, units, transfer: float):
             if missing is not None:
                 waiters[graph.owner[missing]].append(rank)
                 break
-            t = max([clock[rank]] + [end[deps[i]] + transfer for i in range(lo, hi)])
+            t = max([clock[rank]] + [end[deps[i]] + (transfer if graph.owner[deps[i]] != rank else 0.0)
+                                     for i in range(lo, hi)])
             for i in range(lo, hi):
                 start[i], end[i], done[i] = t, t + cost, 1
             clock[rank] = t + cost

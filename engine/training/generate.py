@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .checkpoint.dcp import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint_meta
+from .checkpoint.dcp import (CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, read_checkpoint_meta,
+                             verify_checkpoint)
+from .checkpoint.integrity import MANIFEST_FILE, refusal, step_of
 from .config import ConfigError, ModelConfig
 from .models.chunk import ModelChunk, build_model_chunks, canonical_module
 from .data.tokenizer import TokenizerError, load_tokenizer
@@ -41,7 +44,8 @@ class LoadedModel:
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint folder (``.metadata`` inside), or the latest complete checkpoint of a run folder.
+    """A checkpoint folder (``step_XXXXXXXX``, or any folder with ``.metadata`` or ``manifest.json`` inside), or
+    the newest checkpoint of a run folder (:func:`load_model` verifies it and refuses it when broken).
 
     A run folder is read where it is, never through the ``logging.run_dir`` written in its ``config.yaml`` (that
     path is relative to where ``pipecast train`` ran, so for a copied or moved folder it names another
@@ -53,7 +57,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         CheckpointError: naming the path and what it holds instead.
     """
     p = Path(path)
-    if (p / ".metadata").is_file():
+    if (p / ".metadata").is_file() or (p / MANIFEST_FILE).is_file() or (re.fullmatch(r"step_\d{8}", p.name)
+                                                                       and p.is_dir()):
         return p
     if not p.exists():
         raise CheckpointError(f"{str(p)!r} does not exist; pass a run folder (logging.run_dir) or a checkpoint "
@@ -112,10 +117,17 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
     """Load the model of checkpoint (or run folder) ``path`` into one process (no process group needed).
 
     Raises:
-        CheckpointError: no checkpoint there, unreadable metadata / tensors, or a missing tokenizer file; the
-            message names the path and the fix.
+        CheckpointError: no checkpoint there, a broken one (a file missing, truncated or failing its checksum:
+            :func:`engine.training.checkpoint.dcp.verify_checkpoint`), unreadable metadata / tensors, or a missing
+            tokenizer file; the message names the path and the fix.
     """
     ckpt = resolve_checkpoint(path)
+    problem = verify_checkpoint(ckpt)
+    if problem is not None:
+        older = [p for p in list_checkpoints(ckpt.parent) if step_of(p) < step_of(ckpt)] \
+            if re.fullmatch(r"step_\d{8}", ckpt.name) else []
+        hint = f" such as {str(older[-1])!r}" if older else ""
+        raise CheckpointError(refusal(ckpt, problem, f"pass an older checkpoint folder{hint}, or delete this one"))
     meta = read_checkpoint_meta(ckpt) or {}
     cfg = _model_config(meta, ckpt)
     ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
@@ -123,7 +135,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
     state = {"model": canonical_module([chunk]).state_dict()}
     with warnings.catch_warnings():  # DCP warns that it loads without a process group: that is the intent here
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        load_checkpoint(state, ckpt)  # in place, into the chunk's parameters
+        load_checkpoint(state, ckpt, verify=False)  # in place, into the chunk's parameters
     chunk.eval()
     return LoadedModel(chunk.to(device), cfg, _tokenizer(meta, ckpt, cfg), ckpt, int(meta.get("step", 0)))
 

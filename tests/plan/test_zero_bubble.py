@@ -167,7 +167,7 @@ def test_budgeted_plans_respect_the_budget_and_trade_memory_for_bubble():
     assert bubbles == sorted(bubbles, reverse=True) and bubbles[0] > bubbles[-1]
     with pytest.raises(ValueError, match="max_in_flight=0 is invalid"):
         build_plan("zb", P, M, max_in_flight=0)
-    with pytest.raises(ValueError, match="for schedule='zb' only"):
+    with pytest.raises(ValueError, match="for schedule=.*'zb' only"):
         build_plan("zb_h1", P, M, max_in_flight=2)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ...plan.pass_costs import PassCosts
 from ...plan.registry import get_schedule
 from ...plan.table import validate_interleaved_microbatches
 from ..models import get_family
@@ -27,6 +28,7 @@ def _validate_schedule(config: TrainConfig) -> None:
         raise ConfigError(f"parallel.max_in_flight={p.max_in_flight} only applies to parallel.schedule="
                           f"{schedules_taking('max_in_flight')} (got parallel.schedule={p.schedule}); remove it or set "
                           f"parallel.schedule={schedules_taking('max_in_flight')}")
+    _validate_costs(p, spec)
     why = spec.fits(p.pipeline, p.virtual)
     if why is not None:
         picked = f" (Megatron's choice: {spec.name})" if p.schedule == "auto" else ""
@@ -47,6 +49,23 @@ def _validate_schedule(config: TrainConfig) -> None:
     if p.overlap_p2p_comm and not spec.overlap_p2p:
         raise ConfigError(f"parallel.overlap_p2p_comm=true is not supported by {spec.name} (as in Megatron-Core's "
                           "1F1B); set parallel.virtual >= 2 or parallel.overlap_p2p_comm=false")
+
+
+def _validate_costs(p, spec) -> None:
+    """``parallel.schedule_costs``: for a schedule that takes costs, in :class:`~engine.plan.pass_costs.PassCosts`'
+    notation, one number or one per rank and chunk."""
+    if p.schedule_costs is None:
+        return
+    if "costs" not in spec.options:
+        raise ConfigError(f"parallel.schedule_costs={p.schedule_costs!r} only applies to parallel.schedule="
+                          f"{schedules_taking('costs')} (got parallel.schedule={p.schedule}); remove it or set "
+                          f"parallel.schedule={schedules_taking('costs')}")
+    try:
+        costs = PassCosts.parse(p.schedule_costs)
+        for name in ("forward", "backward", "weight", "weight_memory"):
+            costs.table(name, p.pipeline, p.virtual)
+    except ValueError as exc:
+        raise ConfigError(f"parallel.schedule_costs={p.schedule_costs!r} is invalid: {exc}") from None
 
 
 def _refuse_te_layers_with_split(config: TrainConfig, spec) -> None:

@@ -122,6 +122,10 @@ class ParallelConfig:
         None, lambda: f"{schedules_taking('max_in_flight')} only: per-rank limit on in-flight activations (null: "
                       "1F1B's, virtual x (P - r))",
         Range(1, 1 << 24, "use the activations held per rank, or null for 1F1B's limit"))
+    schedule_costs: str | None = setting(
+        None, lambda: f"{schedules_taking('costs')} only: build the plan for these per-pass costs, e.g. 'forward=1.2 "
+                      "backward=1.3 weight=0.7 transfer=0.05 weight_memory=0.4' (ms per chunk; per rank a,b/c,d; "
+                      "engine.plan.pass_costs); null: the hand-made shape")
     data: int | None = setting(None, "data-parallel replicas (null: world size / (pipeline x tensor); 1 when "
                                "spawning locally)",
                                Range(1, 1 << 20, "use a positive number of data-parallel replicas or null"))
@@ -210,6 +214,9 @@ class TrainingConfig:
     seed: int = setting(1234, "seed of sample order, init and dropout",
                         Range(0, (1 << 32) - 1, "use a seed in [0, 2**32 - 1]"))
     deterministic: bool = setting(True, "deterministic kernels")
+    check_memory: bool = setting(True, "estimate each rank's memory (parameters, gradients, optimizer state, "
+                                 "activations in flight) before any rank starts and refuse a run that cannot fit the "
+                                 "host or GPU (engine.training.memory; false: skip the check)")
 
 
 @dataclass
@@ -217,9 +224,13 @@ class CheckpointConfig:
     dir: str | None = setting(None, "checkpoint folder (null: logging.run_dir/checkpoints)")
     interval: int = setting(0, "save every N steps (0: at the end only)",
                             Range(0, MAX_STEPS, "use 0 (at the end only) or a number of steps"))
-    keep: int = setting(2, "complete checkpoints kept (the oldest removed)",
+    keep: int = setting(2, "checkpoints kept (the oldest removed; a broken one counts like any other)",
                         Range(1, 1 << 20, "keep at least one checkpoint"))
     save_at_end: bool = setting(True, "save after the last step")
+    load_step: int | None = setting(None, "with --resume: resume from the checkpoint of this step (Megatron's "
+                                    "--ckpt-step, torchtitan's checkpoint.load_step), refused if it is broken (null: "
+                                    "the newest intact checkpoint, warning about each newer broken one)",
+                                    Range(1, MAX_STEPS, "use the step of a checkpoint in checkpoint.dir, or null"))
 
 
 @dataclass
@@ -320,6 +331,6 @@ class TrainConfig:
                               "RUN_DIR/tune.json (run `pipecast tune CONFIG` first); pipecast train does this")
         try:
             return resolve_schedule(p.schedule, p.pipeline, p.virtual, p.microbatch_group_size_per_vp_stage,
-                                    p.max_in_flight)
+                                    p.max_in_flight, costs=p.schedule_costs)
         except ValueError as exc:
             raise ConfigError(f"parallel.schedule={p.schedule}: {exc}") from None

@@ -104,15 +104,18 @@ def check_fresh_run(config: TrainConfig, resume: bool) -> None:
     the other run.  Pure (reads the folder listing); call it before spawning ranks; the trainer calls it too.
 
     Raises:
-        ConfigError: ``checkpoint.dir`` holds complete checkpoints and ``resume`` is False.
+        ConfigError: ``checkpoint.dir`` holds checkpoints (intact or broken: ``checkpoint.keep`` counts both) or
+            ``checkpoint.load_step`` is set, and ``resume`` is False.
     """
     if resume:
         return
+    if config.checkpoint.load_step is not None:
+        raise ConfigError(f"checkpoint.load_step={config.checkpoint.load_step} picks the checkpoint a resume loads, "
+                          f"but this run does not resume: add --resume, or remove checkpoint.load_step")
     directory = config.checkpoint_dir
     if not directory.is_dir():
         return
-    found = sorted(p.name for p in directory.iterdir()
-                   if re.fullmatch(r"step_\d{8}", p.name) and (p / ".metadata").is_file())
+    found = sorted(p.name for p in directory.iterdir() if re.fullmatch(r"step_\d{8}", p.name) and p.is_dir())
     if found:
         shown = ", ".join(found[-3:]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise ConfigError(f"checkpoint.dir {str(directory)!r} already holds checkpoints ({shown}) of another run "

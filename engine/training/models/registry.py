@@ -82,6 +82,10 @@ class FamilySpec:
             family's block, so ``model.transformer_engine`` may replace it.
         hf: its Hugging Face names and ``config.json`` (``None``: no export to, and no ``init_from`` of, Hugging
             Face folders).
+        memory: ``memory(cfg, ffn_hidden_size) -> dict``: per token of a microbatch, the elements one block saves
+            for its backward and one pending ``W`` holds, for the memory estimate (:mod:`engine.training.memory`,
+            which names the keys); ``None``: the estimate counts a generic pre-norm attention + MLP block.  The
+            parameters are counted on the modules themselves.
     """
 
     name: str
@@ -93,6 +97,7 @@ class FamilySpec:
     check: Callable[[ModelConfig], str | None] | None = None
     transformer_engine: bool = False
     hf: HuggingFace | None = None
+    memory: Callable[[ModelConfig, int], dict] | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_]+", self.name):

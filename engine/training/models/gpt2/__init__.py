@@ -76,6 +76,26 @@ def _hf_fields(hf: dict) -> dict:
             "tie_embeddings": bool(hf.get("tie_word_embeddings", True)), "activation": _GELU[act]}
 
 
+def _memory(cfg, ffn_hidden_size: int) -> dict:
+    """Per token: what one block saves for its backward and a pending ``W`` holds (:mod:`engine.training.memory`).
+
+    Saved (``h`` hidden, ``f`` MLP width, ``a`` heads, ``s`` sequence; Korthikanti et al. 2022, arXiv:2205.05198,
+    section 4, counted for these modules and torch's kernels): the residual stream -- block input and mid-block sum
+    ``2h``, the LayerNorms' mean and rstd ``4``, with dropout its two masks ``2h`` -- ; the LayerNorm outputs the
+    column-parallel projections read, ``2h``; sharded over tensor ranks: ``qkv`` ``3h``, the attention output ``h``
+    and its log-sum-exp ``a`` (flash attention; with dropout the math attention's scores, probabilities and mask
+    ``3as`` instead of the log-sum-exp), ``fc1`` and GELU outputs ``2f``.  The final LayerNorm saves its input,
+    statistics and output, ``2h + 2``; the embedding with dropout its mask ``h``.  A pending ``W`` holds each
+    projection's and norm's input and output gradient: ``12h + 2f`` per block (the four projections' replicated
+    inputs or outputs and the norms' ``8h``), ``2h`` for the final norm, ``h`` for the embedding.
+    """
+    h, f, a, s = cfg.hidden_size, ffn_hidden_size, cfg.num_attention_heads, cfg.seq_length
+    return {"residual": 2 * h + 4 + (2 * h if cfg.dropout else 0), "gathered": 2 * h,
+            "sharded": 4 * h + (3 * a * s if cfg.dropout else a) + 2 * f, "embedding": h if cfg.dropout else 0,
+            "final_norm": 2 * h + 2, "w_replicated": 8 * h, "w_sharded": 4 * h + 2 * f, "w_embedding": h,
+            "w_final_norm": 2 * h}
+
+
 SPEC = register_family(FamilySpec(
     name="gpt2",
     summary="learned positions, LayerNorm, GELU, biases",
@@ -88,4 +108,5 @@ SPEC = register_family(FamilySpec(
     transformer_engine=True,
     hf=HuggingFace(model_type="gpt2", architectures=("GPT2LMHeadModel", "GPT2Model"), prefix="transformer.",
                    rules=_RULES, config=_hf_config, fields=_hf_fields),
+    memory=_memory,
 ))

@@ -81,6 +81,25 @@ def _hf_fields(hf: dict) -> dict:
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "activation": "gelu"}
 
 
+def _memory(cfg, ffn_hidden_size: int) -> dict:
+    """Per token: what one block saves for its backward and a pending ``W`` holds (:mod:`engine.training.memory`;
+    the keys of :func:`engine.training.models.gpt2._memory`).
+
+    Saved (``h`` hidden, ``f`` MLP width, ``a`` heads, ``s`` sequence): the residual stream -- each RMSNorm's
+    input, normalized input and ``rsqrt``, ``2 x (2h + 1)`` -- ; the norm outputs the projections read, ``2h``;
+    sharded over tensor ranks: the rotated queries and keys, the values (grouped-query heads expanded to ``a``) and
+    the attention output ``4h`` plus its log-sum-exp ``a`` (with dropout the math attention's ``3as`` instead), and
+    SwiGLU's gate, SiLU, up and product ``4f``.  The rotary tables are buffers (not per microbatch).  The final
+    RMSNorm saves ``3h + 1``.  A pending ``W`` holds ``10h + 2kv + 3f`` per block (``kv`` the key / value width;
+    ``8h`` of it replicated), ``2h`` for the final norm, ``h`` for the embedding.
+    """
+    h, f, a, s = cfg.hidden_size, ffn_hidden_size, cfg.num_attention_heads, cfg.seq_length
+    kv = h * (cfg.num_query_groups or a) // a
+    return {"residual": 4 * h + 2, "gathered": 2 * h, "sharded": 4 * h + (3 * a * s if cfg.dropout else a) + 4 * f,
+            "embedding": 0, "final_norm": 3 * h + 1, "w_replicated": 8 * h, "w_sharded": 2 * h + 2 * kv + 3 * f,
+            "w_embedding": h, "w_final_norm": 2 * h}
+
+
 SPEC = register_family(FamilySpec(
     name="llama",
     summary="rotary, RMSNorm, SwiGLU, grouped-query attention, no biases",
@@ -93,4 +112,5 @@ SPEC = register_family(FamilySpec(
     check=_check,
     hf=HuggingFace(model_type="llama", architectures=("LlamaForCausalLM", "LlamaModel"), prefix="model.",
                    rules=_RULES, config=_hf_config, fields=_hf_fields),
+    memory=_memory,
 ))
