@@ -54,6 +54,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import Workload, launch, write_json  # noqa: E402
+from engine.runtime.storage import local_bytes, storage_sizes  # noqa: E402
 
 CASES = [  # pp, model chunks, schedule (None: Megatron's)
     (2, 1, None), (2, 2, None), (4, 1, None), (4, 2, None), (2, 1, "zb_h1"), (2, 2, "zbv"), (4, 1, "zb_h1"),
@@ -81,7 +82,7 @@ class Meter:
     """Live saved activations by (chunk, microbatch) and live output storages of one rank."""
 
     def __init__(self, params):
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.param_ptrs = {ptr for p in params for ptr in storage_sizes(p)}
         self.live: dict[tuple[int, int], int] = {}     # tag -> live saved tensors
         self.peak_tags = 0
         self.outputs: list[tuple[weakref.ref, int]] = []
@@ -103,7 +104,7 @@ class Meter:
                 meter.live[tag] -= 1
 
         def pack(t):
-            if t.untyped_storage().data_ptr() in self.param_ptrs:
+            if not storage_sizes(t).keys() - self.param_ptrs:
                 return t
             return Handle(t)
 
@@ -216,8 +217,7 @@ def _shard_overrides(shard: str, run_dir: str) -> list[str]:
 
 def _nbytes(tensors) -> int:
     """Bytes this rank holds (a DTensor -- ``shard: full`` -- counts its local shard)."""
-    from engine.training.parallel.tensor_parallel import local
-    return sum(local(t).numel() * local(t).element_size() for t in tensors if torch.is_tensor(t))
+    return sum(local_bytes(t) for t in tensors if torch.is_tensor(t))
 
 
 def shard_job(rank: int, world: int, shard: str, run_dir: str) -> dict:
@@ -293,8 +293,7 @@ TENSOR_LAYOUTS = ((1, False), (2, False), (2, True))  # (parallel.tensor, parall
 
 
 def _local_bytes(t) -> int:
-    from engine.training.parallel.tensor_parallel import local
-    return _nbytes([local(t)]) if torch.is_tensor(t) else 0
+    return _nbytes([t])
 
 
 def tensor_job(rank: int, world: int, tp: int, sp: bool, run_dir: str) -> dict:
