@@ -7,6 +7,9 @@ Files written to ``DIR`` (``_pipe<k>`` suffix for data-parallel replica ``k > 0`
 * ``timeline.png`` -- Gantt chart of the last recorded step, measured bubble per rank beside the simulator's;
 * ``timeline_summary.json`` -- per step: step time (ms) and measured bubble per rank; simulated bubble.
 
+A write the operating system refuses (a full disk, where ``write`` names no file) raises an ``OSError`` naming the
+file, which ``pipecast train`` reports as its one line.
+
 Usage inside a training loop (the trainer does this when ``--timeline`` is given)::
 
     session = TimelineSession(out_dir, plan=plan, group=pp_group)
@@ -17,6 +20,7 @@ Usage inside a training loop (the trainer does this when ``--timeline`` is given
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -82,15 +86,32 @@ class TimelineSession:
             lo, hi = step_window(rank_spans, s)
             summary["steps"].append({"step": s, "step_ms": (hi - lo) / 1e6,
                                      "measured_bubble": measured_bubble(rank_spans, [s])})
-        write_chrome_trace(self.out_dir / f"timeline{self.suffix}.json", rank_spans, meta)
+        trace, png = self.out_dir / f"timeline{self.suffix}.json", self.out_dir / f"timeline{self.suffix}.png"
+        with _naming(trace):
+            write_chrome_trace(trace, rank_spans, meta)
         if steps or any(rank_spans):
             from .gantt import plot_measured_timeline
-            chart = plot_measured_timeline(rank_spans, self.out_dir / f"timeline{self.suffix}.png", self.plan)
+            with _naming(png):
+                chart = plot_measured_timeline(rank_spans, png, self.plan)
             summary.update(chart=chart["path"], chart_step=chart["step"],
                            measured_bubble=chart["measured_bubble"], simulated_bubble=chart["simulated_bubble"])
         summary = {**meta, **summary}  # the measured fields win over metadata of the same name
-        (self.out_dir / f"timeline_summary{self.suffix}.json").write_text(json.dumps(summary, indent=1))
+        path = self.out_dir / f"timeline_summary{self.suffix}.json"
+        with _naming(path):
+            path.write_text(json.dumps(summary, indent=1))
         return summary
+
+
+@contextlib.contextmanager
+def _naming(path: Path):
+    """Re-raise an operating-system error inside the block that names no file (``write`` on a full disk) as one
+    naming ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 class TrainerProfiling:

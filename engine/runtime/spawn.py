@@ -10,7 +10,9 @@ Failure behaviour (what the caller sees is one exception whose ``str()`` is one 
 * a rank raises: every rank records the time it raised before it closes its groups, so the rank that raised
   first is blamed, not a peer that then failed on the closed connection; :class:`RankError` names that rank and
   the exception (type and first line, plus the operating-system error under it, e.g. ``No space left on
-  device``); ``.traceback`` holds the rank's traceback.  A rank that recorded a failure but has not exited
+  device``); ``.traceback`` holds the rank's traceback, and ``.one_line`` says that the line is the whole report
+  (:func:`needs_traceback`: a full disk, a bad config or checkpoint -- callers then print the line alone).  A rank
+  that recorded a failure but has not exited
   within :data:`REPORT_GRACE_S` (stuck in its teardown) is reported all the same.
 * a rank dies (a signal, ``os._exit(N)``): :class:`RankError` naming the rank and the signal / status; a rank
   killed by a signal the spawner did not send outranks the peers that raised because it went away.
@@ -35,6 +37,7 @@ work is done (pytorch/pytorch#190489, #179291).
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import pickle
 import shutil
@@ -47,7 +50,8 @@ import traceback
 from dataclasses import dataclass
 
 __all__ = ["spawn", "exit_process", "RankError", "JobTimeout", "Interrupted", "Terminated", "free_port",
-           "describe_exception", "os_error_under", "teardown", "STOP_GRACE_S", "REPORT_GRACE_S", "TERM_GRACE_S"]
+           "describe_exception", "os_error_under", "needs_traceback", "teardown", "STOP_GRACE_S", "REPORT_GRACE_S",
+           "TERM_GRACE_S", "MACHINE_ERRNOS"]
 
 STOP_GRACE_S = 5.0  # seconds a stopped rank has to exit (after SIGINT) before SIGKILL
 REPORT_GRACE_S = 2.0  # seconds a rank that recorded a failure may take to exit before it is reported anyway
@@ -59,11 +63,12 @@ class RankError(RuntimeError):
     """A spawned rank failed.  ``str()`` is one line: ``rank R failed: Type: message; stopped ranks ...`` (or
     ``rank R (pid P) was killed by SIGKILL; ...``).  Attributes: ``rank``, ``pid``, ``cause`` (the one-line
     cause), ``traceback`` (the rank's formatted traceback, "" when it died without raising), ``exit_code``
-    (negative: the signal), ``signal_name`` (or None), ``stopped`` (the ranks the spawner stopped)."""
+    (negative: the signal), ``signal_name`` (or None), ``stopped`` (the ranks the spawner stopped), ``one_line``
+    (the cause is the whole report, :func:`needs_traceback`: print ``str()`` without the traceback)."""
 
     def __init__(self, rank: int, pid: int | None, cause: str, traceback: str = "", exit_code: int | None = None,
-                 signal_name: str | None = None, stopped: list[int] | tuple = ()):
-        self.rank, self.pid, self.cause, self.traceback = rank, pid, cause, traceback
+                 signal_name: str | None = None, stopped: list[int] | tuple = (), one_line: bool = False):
+        self.rank, self.pid, self.cause, self.traceback, self.one_line = rank, pid, cause, traceback, one_line
         self.exit_code, self.signal_name, self.stopped = exit_code, signal_name, list(stopped)
         others = ", ".join(str(r) for r in self.stopped) or "none"
         head = f"rank {rank} failed: {cause}" if traceback else f"rank {rank} (pid {pid}) {cause}"
@@ -254,8 +259,8 @@ def _fail(job: _Job) -> None:
     if codes[rank] == -signal.SIGINT:
         raise Interrupted(sorted(set(running) | {rank}), f" (SIGINT to rank {rank})")
     if rank in records:
-        _, cause, trace = records[rank]
-        raise RankError(rank, pid, cause, trace or cause, codes[rank], None, stopped)
+        _, one_line, cause, trace = records[rank]
+        raise RankError(rank, pid, cause, trace or cause, codes[rank], None, stopped, one_line)
     code = codes[rank]
     if code is not None and code < 0:
         name = signal.Signals(-code).name
@@ -310,16 +315,17 @@ def _stop(procs, grace: float = STOP_GRACE_S) -> list[int]:
             signal.signal(signal.SIGINT, previous)
 
 
-def _records(record_dir: str) -> dict[int, tuple[int, str, str]]:
-    """rank -> (ns when it raised, one-line cause, traceback) of every rank that recorded a failure."""
+def _records(record_dir: str) -> dict[int, tuple[int, bool, str, str]]:
+    """rank -> (ns when it raised, whether the cause is the whole report, one-line cause, traceback) of every rank
+    that recorded a failure."""
     out = {}
     for name in os.listdir(record_dir):
         if not (name.startswith("failed_") and name[7:].isdigit()):
             continue
         try:
             with open(os.path.join(record_dir, name), encoding="utf-8") as fh:
-                stamp, cause, trace = fh.read().split("\n", 2)
-            out[int(name[7:])] = (int(stamp), cause, trace)
+                stamp, one_line, cause, trace = fh.read().split("\n", 3)
+            out[int(name[7:])] = (int(stamp), one_line == "1", cause, trace)
         except (OSError, ValueError):
             continue
     return out
@@ -358,7 +364,8 @@ def _rank_main(rank: int, setup: _RankSetup, fn, args: tuple) -> None:
         _write(setup.record_dir, f"result_{rank}", pickle.dumps(result))
         ok = True
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        text = f"{time.time_ns()}\n{describe_exception(exc)}\n{traceback.format_exc()}"
+        one_line = int(not needs_traceback(exc))
+        text = f"{time.time_ns()}\n{one_line}\n{describe_exception(exc)}\n{traceback.format_exc()}"
         _write(setup.record_dir, f"failed_{rank}", text.encode())
     finally:
         teardown(ok)
@@ -436,6 +443,24 @@ def describe_exception(exc: BaseException, limit: int = 1000) -> str:
     if os_error is not None and (os_error.strerror or str(os_error)) not in line:
         line += f" ({type(os_error).__name__}: {os_error})"
     return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+MACHINE_ERRNOS = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "EFBIG",
+                                                       "EIO", "ENAMETOOLONG") if hasattr(errno, n))
+"""Operating-system errors about the machine rather than the code: a full, read-only or failing disk, a quota,
+a permission, a path too long."""
+
+
+def needs_traceback(exc: BaseException) -> bool:
+    """Whether a failure is reported with its traceback.  Not when its one line (:func:`describe_exception`) is
+    the whole report: an exception whose class says so (``one_line = True``: an error whose message names the
+    field or file, the value and the fix, e.g. ``engine.training``'s ``ConfigError``, ``CheckpointError``,
+    ``WriteError``), or one with an operating-system error about the machine (:data:`MACHINE_ERRNOS`) under it
+    -- a traceback there shows where the write was, not what to do."""
+    if getattr(exc, "one_line", False):
+        return False
+    found = os_error_under(exc)
+    return found is None or found.errno not in MACHINE_ERRNOS
 
 
 def os_error_under(exc: BaseException, depth: int = 0) -> OSError | None:

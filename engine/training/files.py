@@ -6,18 +6,23 @@ when all are written; whatever fails, the temporaries are removed (a removal tha
 read-only disk, no permission, a folder where the file should be) is a :class:`WriteError`: one line naming the
 path and the reason (``strerror`` of the first ``OSError``, e.g. ``No space left on device``).  safetensors'
 writer reports such errors as ``SafetensorError: ... I/O error: ... (os error 28)``; :func:`os_error_of` reads the
-errno back from that text.  Any other exception propagates unchanged.
+errno back from that text.  Any other exception propagates unchanged.  Files written piece by piece as a run goes
+(``metrics.jsonl``, ``train.log``) name themselves the same way: :func:`writing` around the writes,
+:class:`LogFile` for a log.
 
 Standard library only.
 """
 from __future__ import annotations
 
+import contextlib
 import errno as _errno
+import logging
 import os
 import re
+import sys
 from pathlib import Path
 
-__all__ = ["WriteError", "write_atomically", "make_folder", "os_error_of"]
+__all__ = ["WriteError", "write_atomically", "make_folder", "os_error_of", "writing", "LogFile"]
 
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error prints an errno (safetensors)
 
@@ -25,6 +30,8 @@ _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error 
 class WriteError(OSError):
     """A file or folder could not be written; ``str()`` is one line naming the path and the operating system's
     reason.  ``errno`` / ``strerror`` / ``filename`` are those of the first ``OSError``."""
+
+    one_line = True  # the whole report (engine.runtime.spawn.needs_traceback)
 
     def __init__(self, message: str, cause: OSError):
         super().__init__(cause.errno, cause.strerror, cause.filename)
@@ -57,6 +64,61 @@ def _describe(cause: OSError, path: Path, option: str) -> str:
     full = cause.errno in (_errno.ENOSPC, getattr(_errno, "EDQUOT", _errno.ENOSPC))
     fix = f"free space there or choose another {option}" if full else f"choose another {option} (a folder you can write)"
     return f"{cause.strerror or _errno.errorcode.get(cause.errno, cause.errno)}{where}; {fix}"
+
+
+def _write_error(exc: BaseException, path: Path, option: str, note: str = "", at: Path | None = None
+                 ) -> WriteError | None:
+    """The :class:`WriteError` for ``exc`` failing a write of ``path`` (the file written: ``at``, by default
+    ``path``), or None if no operating-system error lies under it."""
+    cause = os_error_of(exc, at or path)
+    if cause is None:
+        return None
+    return WriteError(f"cannot write {str(path)!r}: {_describe(cause, path, option)}{note}", cause)
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike, option: str = "logging.run_dir"):
+    """Run the block that writes ``path``; an operating-system error inside it (a full disk: ``write`` names no
+    file) becomes a :class:`WriteError` naming ``path``, the reason and the fix (free space, or another
+    ``option``).  Other exceptions propagate unchanged."""
+    try:
+        yield
+    except Exception as exc:
+        error = None if isinstance(exc, WriteError) else _write_error(exc, Path(path), option)
+        if error is None:
+            raise
+        raise error from exc
+
+
+class LogFile(logging.FileHandler):
+    """A log file (``train.log``) whose failed write raises one :class:`WriteError` naming it from the logging
+    call, instead of ``logging``'s ``--- Logging error ---`` traceback on stderr for every later line (a full
+    disk); after that it writes nothing.  Opening it raises :class:`WriteError` too."""
+
+    def __init__(self, path: str | os.PathLike, option: str = "logging.run_dir"):
+        self.option, self.failed = option, False
+        with writing(path, option):
+            super().__init__(path)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        error = _write_error(sys.exc_info()[1], Path(self.baseFilename), self.option)
+        if error is None:
+            super().handleError(record)
+            return
+        self.failed = True
+        raise error
+
+    def close(self) -> None:
+        with writing(self.baseFilename, self.option):
+            try:
+                super().close()
+            except OSError:
+                if not self.failed:  # the failure was reported when it happened
+                    raise
 
 
 def make_folder(path: str | os.PathLike, option: str = "--out") -> Path:
@@ -102,11 +164,11 @@ def write_atomically(writes: list, option: str = "--out") -> list[Path]:
             current = final
             os.replace(tmp, final)
     except Exception as exc:
-        cause = os_error_of(exc, current.with_name(f".{current.name}.tmp"))
-        if cause is None:
+        error = _write_error(exc, current, option, " (no file is left half-written)",
+                             current.with_name(f".{current.name}.tmp"))
+        if error is None:
             raise
-        raise WriteError(f"cannot write {str(current)!r}: {_describe(cause, current, option)} (no file is "
-                         f"left half-written)", cause) from exc
+        raise error from exc
     finally:
         for _, tmp in tmps:
             _remove_quietly(tmp)

@@ -17,6 +17,7 @@ Standard library only (no torch), so the checks take milliseconds.
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import os
 import socket
@@ -81,12 +82,27 @@ def _writable_folder(field: str, value: str) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".pipecast-write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        try:
+            probe.write_bytes(b"pipecast write probe\n")  # not empty: a full disk refuses it
+        finally:
+            probe.unlink(missing_ok=True)
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename and str(exc.filename) != value else ""
-        raise ConfigError(f"{field}={value!r} cannot be written: {exc.strerror or exc}{where}; choose a folder "
-                          f"you can write, e.g. under your home or the working directory") from None
+        fix = ("free space there or choose another folder" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else
+               "choose a folder you can write, e.g. under your home or the working directory")
+        raise ConfigError(f"{field}={value!r} cannot be written: {exc.strerror or exc}{where}; {fix}") from None
+
+
+def _write_holder(fh, field: str, value: str) -> None:
+    """Write this process's pid, host and start time into the held lock file (what a refused run names)."""
+    from .files import writing
+    try:
+        with writing(fh.name, field):
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"{os.getpid()}\n{socket.gethostname()}\n{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+    except OSError as exc:  # a WriteError naming the lock file, the reason and the fix
+        raise ConfigError(f"{field}={value!r}: {exc}") from None
 
 
 def _existing_ancestor(path: Path) -> Path | None:
@@ -142,21 +158,18 @@ def _locked(folder: Path, field: str, value: str):
         return
     import fcntl
     folder.mkdir(parents=True, exist_ok=True)
-    fh = open(folder / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held for the block
+    fh = open(folder / LOCK_FILE, "a+b", buffering=0)  # noqa: SIM115 - held for the block; unbuffered: no write at close
     try:
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.seek(0)
-            holder = fh.read().split("\n")
+            holder = fh.read().decode("utf-8", "replace").split("\n")
             pid = holder[0] if holder and holder[0] else "unknown"
             more = f" on {holder[1]} since {holder[2]}" if len(holder) >= 3 and holder[2] else ""
             raise ConfigError(f"{field}={value!r} is in use by another pipecast run (pid {pid}{more}); wait for it "
                               f"to finish (or stop it), or give this run another {field}") from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"{os.getpid()}\n{socket.gethostname()}\n{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        fh.flush()
+        _write_holder(fh, field, value)
         _HELD[folder] = 1
         yield
     finally:

@@ -43,6 +43,7 @@ from .data.corpus import Batches, load_corpus
 from .parallel.data_parallel import GradSync, clip_grad_norm
 from .parallel.zero1 import ShardedAdamW, ShardedGradSync
 from . import preempt
+from .files import LogFile
 from .metrics import MetricsLog, known_peak_tflops, model_flops_per_token
 from .models.chunk import build_model_chunks, canonical_module
 from .seed import set_seed_and_determinism
@@ -821,6 +822,19 @@ def _collective_device(group) -> torch.device:
         else torch.device("cpu")
 
 
+class _Stderr(logging.StreamHandler):
+    """Log lines to the ``sys.stderr`` of the moment (not the one when the first trainer of the process was built,
+    which a test's or a notebook's capture may have closed since)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _setup_logging(config: TrainConfig, is_log_rank: bool, run_dir: Path,
                    to_file: bool = True) -> logging.Handler | None:
     """stdlib logging: INFO lines on the logging rank (stderr and, when ``to_file``, ``<run_dir>/train.log``),
@@ -828,7 +842,7 @@ def _setup_logging(config: TrainConfig, is_log_rank: bool, run_dir: Path,
     logger = logging.getLogger("pipecast")
     logger.setLevel(getattr(logging, config.logging.level) if is_log_rank else logging.WARNING)
     if not any(getattr(h, "_pipecast", False) for h in logger.handlers):
-        handler = logging.StreamHandler()
+        handler = _Stderr()
         handler._pipecast = True
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
@@ -839,7 +853,7 @@ def _setup_logging(config: TrainConfig, is_log_rank: bool, run_dir: Path,
     target = str((run_dir / "train.log").resolve())
     if any(getattr(h, "baseFilename", None) == target for h in logger.handlers):
         return None
-    fh = logging.FileHandler(target)
+    fh = LogFile(target)  # a failed write: one WriteError naming train.log, not a traceback per line
     fh.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     logger.addHandler(fh)
     return fh

@@ -280,7 +280,7 @@ def test_stopped_rank_is_reported_as_the_peers_timeout(tmp_path):
 def test_disk_full_during_a_save_is_one_line_with_the_cause(tmp_path):
     """Issue 26: the disk fills up after the first checkpoint; the second save named only ``CheckpointException
     ranks:dict_keys([0, 1])``.  One line with the cause and the file, the first checkpoint intact, no partial
-    folder left."""
+    folder left.  Issue 36: that line came after 88 lines and 4 tracebacks; now it is all of stderr."""
     from engine.training.checkpoint.dcp import checkpoint_keys, list_checkpoints
     overrides = tiny_overrides(write_corpus(tmp_path / "corpus.txt"), tmp_path / "run",
                                **{"parallel.pipeline": 2, "training.steps": 4, "checkpoint.interval": 2})
@@ -289,6 +289,7 @@ def test_disk_full_during_a_save_is_one_line_with_the_cause(tmp_path):
     assert proc.returncode == 1, err[-3000:]
     lines = _error_lines(err)
     assert len(lines) == 1 and "No space left on device: '" in lines[0] and ".distcp'" in lines[0], err[-3000:]
+    assert err.strip().splitlines() == lines, err[-3000:]  # no traceback above it (logging.level=WARNING)
     first = tmp_path / "run" / "checkpoints" / "step_00000002"
     assert "cannot save the checkpoint of step 4" in lines[0], lines[0]
     assert f"the previous checkpoint {str(first)!r} is intact" in lines[0], lines[0]

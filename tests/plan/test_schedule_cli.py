@@ -124,10 +124,10 @@ def test_large_plans_print_a_summary_unless_grid_is_given(capsys):
 
 
 def _one_error_line(err: str) -> str:
-    """The ``error:`` line of argparse's exit (usage lines above it), asserting there is exactly one and no
-    traceback."""
-    lines = [ln for ln in err.splitlines() if "error:" in ln]
-    assert len(lines) == 1 and "Traceback" not in err, err
+    """The ``error:`` line of argparse's exit, asserting it is all of ``err`` (one line, no usage block, no
+    traceback)."""
+    lines = err.splitlines()
+    assert len(lines) == 1 and "error:" in lines[0], err
     return lines[0]
 
 

@@ -56,6 +56,7 @@ def test_a_raise_is_one_line_naming_the_rank_and_cause(tmp_path):
     err = info.value
     assert str(err) == "rank 1 failed: ValueError: injected on rank 1; stopped the other ranks (0)"
     assert err.rank == 1 and "Traceback" in err.traceback and "raise_on" in err.traceback
+    assert not err.one_line  # a failure of the code: its traceback is part of the report
     _no_rank_left(tmp_path)
 
 
@@ -163,6 +164,33 @@ def test_describe_exception_is_one_line_with_the_os_error_under_it():
     line = sp.describe_exception(dcp)
     assert "\n" not in line and line.endswith("(OSError: [Errno 28] No space left on device: '/ckpt/__0_0.distcp')")
     assert sp.describe_exception(full) == "OSError: [Errno 28] No space left on device: '/ckpt/__0_0.distcp'"
+
+
+def test_only_failures_of_the_code_need_their_traceback():
+    """Issue 36: a full disk printed 88 lines and 4 tracebacks before the one line that said it all.  A failure
+    whose line is the whole report -- an operating-system error about the machine under it, or an error class that
+    says so (``one_line``) -- is reported without the traceback; a failure of the code keeps it."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    class Named(RuntimeError):
+        one_line = True
+
+    def wrapped(code):
+        def fail():
+            try:
+                raise OSError(code, os.strerror(code))
+            except OSError as exc:
+                raise RuntimeError("cannot save") from exc
+        return _raise(fail)
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/ckpt/__0_0.distcp")
+    for machine in (full, wrapped(errno.ENOSPC), wrapped(errno.EROFS), wrapped(errno.EACCES),
+                    CheckpointException("save failed", {0: (full, None)}), Named("bad checkpoint")):
+        assert not sp.needs_traceback(machine), machine
+    for code in (ValueError("bug"), KeyError("x"), FileNotFoundError(errno.ENOENT, "missing"),
+                 wrapped(errno.EBADF)):
+        assert sp.needs_traceback(code), code
 
 
 def test_bad_world_size_is_refused():

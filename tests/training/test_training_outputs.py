@@ -339,6 +339,55 @@ def test_export_to_a_full_or_read_only_disk_is_one_error_line(pp1, tmp_path, mon
             assert sorted(tmp_path.iterdir()) == [], sorted(tmp_path.iterdir())
 
 
+def _full_disk(monkeypatch, name: str) -> None:
+    """The disk is full for every file whose name ends in ``name``: opening it works, every write fails with
+    ``OSError(ENOSPC)`` naming no file (as ``write(2)`` does); other files are written normally."""
+    import builtins
+    import errno
+    import io
+    real = io.open
+
+    class Full(io.FileIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def full_open(file, mode="r", buffering=-1, encoding=None, *args, **kwargs):
+        if not (isinstance(file, (str, os.PathLike)) and Path(file).name.endswith(name) and set(mode) & set("wax+")):
+            return real(file, mode, buffering, encoding, *args, **kwargs)
+        raw = Full(file, mode.replace("b", "").replace("t", ""))
+        if "b" in mode:
+            return raw if buffering == 0 else (io.BufferedRandom if "+" in mode else io.BufferedWriter)(raw)
+        return io.TextIOWrapper(io.BufferedWriter(raw), encoding=encoding or "utf-8")
+    monkeypatch.setattr(builtins, "open", full_open)
+    monkeypatch.setattr(io, "open", full_open)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,shown,status", [
+    ("config.yaml", "config.yaml", 1), ("train.log", "train.log", 1), ("metrics.jsonl", "metrics.jsonl", 1),
+    (".loss.png.tmp", "loss.png", 1), (".distcp", ".distcp", 2), ("timeline.json", "timeline.json", 1),
+    (".pipecast.lock", ".pipecast.lock", 2),
+])
+def test_a_full_disk_while_training_is_one_error_line(tmp_path, monkeypatch, capsys, name, shown, status):
+    """Issue 36: a full disk printed tracebacks (a checkpoint), ``--- Logging error ---`` per log line (train.log),
+    a bare ``[Errno 28]`` (the run lock) or a warning per evaluation (loss.png).  Every file a run writes: one
+    ``error:`` line naming it and the cause (and, but for the timeline, the fix), nothing else on stderr but the
+    log; no traceback."""
+    run_dir = tmp_path / "run"
+    args = [f"--{k}={v}" for k, v in tiny(run_dir, **{"model.num_layers": 2, "training.steps": 2,
+                                                      "checkpoint.interval": 2, "logging.level": "INFO"}).items()]
+    _full_disk(monkeypatch, name)
+    code, _, err = _cli(capsys, "train", "configs/default.yaml", "--parallel.pipeline=1", "--parallel.virtual=1",
+                        "--logging.sample_every_eval=0", f"--timeline={tmp_path / 'timeline'}", *args)
+    assert code == status, err
+    assert "Traceback" not in err and "Logging error" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip() and not re.match(r"\d\d:\d\d:\d\d ", ln)]  # not the log
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert shown in lines[0] and "No space left on device" in lines[0], err
+    assert "free space" in lines[0] or name == "timeline.json", err
+
+
 # ---- tokenizers and token files -------------------------------------------------------------------------------
 def test_bpe_round_trips_and_is_cached(tmp_path):
     from engine.training.data.corpus import bpe_cache, load_corpus

@@ -37,7 +37,10 @@ META_FILE = "pipecast.json"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, corrupt, truncated or does not match the model."""
+    """A checkpoint is missing, corrupt, truncated or does not match the model (or cannot be written); the message
+    names it and the fix (the whole report: ``engine.runtime.spawn.needs_traceback``)."""
+
+    one_line = True
 
 
 def _barrier() -> None:

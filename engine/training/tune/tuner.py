@@ -105,9 +105,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except RankError as exc:
-        if exc.traceback:
-            print(exc.traceback.rstrip(), file=sys.stderr)
-        print(f"error: {exc}", file=sys.stderr)
+        from ..launch import print_rank_error
+        print_rank_error(exc)
         return 1
     except Terminated as exc:  # SIGTERM: nothing to save (a tune writes its result only at the end)
         print(f"error: {exc}; no tune result was written", file=sys.stderr)
