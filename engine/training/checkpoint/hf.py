@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -192,6 +193,22 @@ def _refuse(where: str, key: str, value: Any, why: str) -> ConfigError:
                        f"({why}); use a checkpoint without it")
 
 
+def _get(hf: dict, key: str, default, where: str, kind: type = int):
+    """``hf[key]`` (``default`` when absent or null) checked to be a ``kind`` (int; float accepts ints; bool)."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool)) or (
+        kind is float and isinstance(value, int) and not isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"model.init_from: {where} has {key}={value!r}, not {_KIND[kind]}; the file is damaged or "
+                          f"hand-edited -- fix that value or {_AGAIN}")
+    return float(value) if kind is float else value
+
+
+_KIND = {int: "an integer", float: "a number", bool: "true or false"}
+
+
 def _gpt2_fields(hf: dict, where: str) -> dict:
     act = hf.get("activation_function", "gelu_new")
     if act not in _GELU:
@@ -200,24 +217,29 @@ def _gpt2_fields(hf: dict, where: str) -> dict:
                       ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
         if hf.get(key, want) != want:
             raise _refuse(where, key, hf[key], f"pipecast's gpt2 attention has {key}={want}")
-    hidden = hf.get("n_embd", 768)
-    return {"family": "gpt2", "num_layers": hf.get("n_layer", 12), "hidden_size": hidden,
-            "num_attention_heads": hf.get("n_head", 12), "num_query_groups": None,
-            "ffn_hidden_size": hf.get("n_inner") or 4 * hidden, "vocab_size": hf.get("vocab_size", 50257),
-            "norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
-            "max_position_embeddings": hf.get("n_positions", 1024),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", True)), "activation": _GELU[act]}
+    hidden = _get(hf, "n_embd", 768, where)
+    return {"family": "gpt2", "num_layers": _get(hf, "n_layer", 12, where), "hidden_size": hidden,
+            "num_attention_heads": _get(hf, "n_head", 12, where), "num_query_groups": None,
+            "ffn_hidden_size": _get(hf, "n_inner", 0, where) or 4 * hidden,
+            "vocab_size": _get(hf, "vocab_size", 50257, where),
+            "norm_epsilon": _get(hf, "layer_norm_epsilon", 1e-5, where, float),
+            "max_position_embeddings": _get(hf, "n_positions", 1024, where),
+            "tie_embeddings": _get(hf, "tie_word_embeddings", True, where, bool), "activation": _GELU[act]}
 
 
 def _rope_theta(hf: dict, where: str) -> float:
     """``rope_theta`` (transformers 4) or ``rope_parameters.rope_theta`` (5); scaled variants refused."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling")
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling or {})):
+        if not isinstance(value, dict):
+            raise ConfigError(f"model.init_from: {where} has {key}={value!r}, not a JSON object; the file is "
+                              f"damaged or hand-edited -- fix that value or {_AGAIN}")
     for key, value in (("rope_scaling", scaling), ("rope_parameters", params)):
         kind = (value or {}).get("rope_type", (value or {}).get("type", "default"))
         if value and kind != "default":
             raise _refuse(where, key, value, "rotary scaling (YaRN, linear, dynamic, llama3) is not implemented")
-    return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    return _get(hf, "rope_theta", _get(params, "rope_theta", 10000.0, where, float), where, float)
 
 
 def _llama_fields(hf: dict, where: str) -> dict:
@@ -226,17 +248,18 @@ def _llama_fields(hf: dict, where: str) -> dict:
     for key, want in checks:
         if hf.get(key, want) not in (want,) + ((None,) if key == "pretraining_tp" else ()):
             raise _refuse(where, key, hf[key], f"pipecast's llama has {key}={want}")
-    hidden, heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
-    if hf.get("head_dim") not in (None, hidden // heads):
+    hidden, heads = _get(hf, "hidden_size", 4096, where), _get(hf, "num_attention_heads", 32, where)
+    if _get(hf, "head_dim", None, where) not in (None, hidden // max(heads, 1)):
         raise _refuse(where, "head_dim", hf["head_dim"], f"pipecast's head size is hidden_size / "
-                      f"num_attention_heads = {hidden // heads}")
-    groups = hf.get("num_key_value_heads") or heads
-    return {"family": "llama", "num_layers": hf.get("num_hidden_layers", 32), "hidden_size": hidden,
+                      f"num_attention_heads = {hidden // max(heads, 1)}")
+    groups = _get(hf, "num_key_value_heads", 0, where) or heads
+    return {"family": "llama", "num_layers": _get(hf, "num_hidden_layers", 32, where), "hidden_size": hidden,
             "num_attention_heads": heads, "num_query_groups": None if groups == heads else groups,
-            "ffn_hidden_size": hf.get("intermediate_size", 11008), "vocab_size": hf.get("vocab_size", 32000),
-            "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": _rope_theta(hf, where),
-            "max_position_embeddings": hf.get("max_position_embeddings", 2048),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "activation": "gelu"}
+            "ffn_hidden_size": _get(hf, "intermediate_size", 11008, where),
+            "vocab_size": _get(hf, "vocab_size", 32000, where),
+            "norm_epsilon": _get(hf, "rms_norm_eps", 1e-6, where, float), "rope_theta": _rope_theta(hf, where),
+            "max_position_embeddings": _get(hf, "max_position_embeddings", 2048, where),
+            "tie_embeddings": _get(hf, "tie_word_embeddings", False, where, bool), "activation": "gelu"}
 
 
 def model_fields(hf: dict, where: str = "config.json") -> dict:
@@ -291,11 +314,15 @@ def check_init_from(config: TrainConfig) -> None:
     (:func:`resolve_init_from` with all fields explicit), the weights file exists, and the data's tokens mean
     what the checkpoint's vocabulary means.
 
+    Every weights file is checked from its header, against the file and the model the config describes, before
+    any rank starts (:func:`_check_weights`): a truncated, damaged or missing file, a missing, extra, misshapen or
+    non-floating-point tensor is a ``ConfigError`` naming the file (and the tensor) and the fix.
+
     Raises:
-        ConfigError: naming the field, both values and the fix."""
+        ConfigError: naming the field or file, both values and the fix."""
     resolve_init_from(config, ARCHITECTURE_FIELDS)
     folder, d = Path(config.model.init_from), config.data
-    _weight_files(folder)
+    _check_weights(folder, config.model, config.ffn_hidden_size)
     if d.source != "bin" and d.tokenizer == "bpe":
         raise ConfigError(f"model.init_from={str(folder)!r} with data.tokenizer='bpe': pipecast would train its "
                           f"own BPE, whose token ids do not match the checkpoint's vocabulary; tokenize the text "
@@ -310,43 +337,151 @@ def check_init_from(config: TrainConfig) -> None:
 
 # ---- weights in ------------------------------------------------------------------------------------------------
 
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """Hugging Face tensor name -> the ``.safetensors`` file holding it (one file, or a sharded index)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise ConfigError(f"model.init_from: {str(index)!r} is not a safetensors index ({exc})") from None
-        return {k: folder / v for k, v in weight_map.items()}
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise ConfigError(f"model.init_from={str(folder)!r} has no model.safetensors (nor a sharded "
-                          f"model.safetensors.index.json); pipecast reads safetensors weights only -- save the "
-                          f"model with save_pretrained(..., safe_serialization=True)")
-    from safetensors import safe_open
-    with safe_open(str(single), framework="pt") as fh:
-        return {k: single for k in fh.keys()}
+_AGAIN = "copy, download or export (pipecast export --format hf) the folder again"
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+             "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}  # safetensors' dtypes (its format spec)
 
 
-def load_hf_weights(folder: str | os.PathLike, cfg: ModelConfig, names: Iterable[str]) -> dict:
-    """The tensors of pipecast parameters ``names`` (layout-independent names; gpt2 Conv1D weights transposed
-    back), read from ``folder``'s safetensors; a tied head reads the word embedding.
+def _weight_files(folder: Path) -> tuple[dict[str, Path], dict[Path, dict]]:
+    """``({Hugging Face tensor name: the .safetensors file holding it}, {file: its header entries})`` of one
+    file or a sharded index; every file's header read and checked (:func:`_safetensors_header`).
 
     Raises:
-        ConfigError: a tensor missing from the files, or tensors in the files that no parameter takes (e.g.
-            biases the config did not announce) -- naming them."""
-    from safetensors import safe_open
-    folder = Path(folder)
-    files = _weight_files(folder)
-    prefix = _PREFIX[cfg.family]
-    stored = {(k if k.startswith(prefix) or k == "lm_head.weight" else prefix + k): k for k in files}
-    known = {_hf_name(cfg.family, n)[0] for n in _all_names(cfg)}
-    extra = sorted(k for full, k in stored.items() if full not in known and not _BUFFERS.match(k)
+        ConfigError: no weights file, an unreadable index, or a file the header check refuses (naming it)."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        single = folder / "model.safetensors"
+        if not single.is_file():
+            raise ConfigError(f"model.init_from={str(folder)!r} has no model.safetensors (nor a sharded "
+                              f"model.safetensors.index.json); pipecast reads safetensors weights only -- save "
+                              f"the model with save_pretrained(..., safe_serialization=True)")
+        header = _safetensors_header(single)
+        return {k: single for k in header}, {single: header}
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {str(k): folder / str(v) for k, v in weight_map.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"model.init_from: {str(index)!r} is not a safetensors index ({exc}); {_AGAIN}") from None
+    headers = {path: _safetensors_header(path) for path in sorted(set(files.values()))}
+    for name, path in files.items():
+        if name not in headers[path]:
+            raise ConfigError(f"model.init_from: {str(index)!r} places tensor {name!r} in {str(path)!r}, which "
+                              f"does not hold it; {_AGAIN}")
+    return files, headers
+
+
+def _safetensors_header(path: Path) -> dict:
+    """``{tensor name: {"dtype", "shape", "data_offsets"}}`` from the header of the safetensors file ``path``
+    (stdlib: an 8-byte little-endian header size, the JSON header, then the data), checked against the file: the
+    header whole, each entry's bytes ``prod(shape) x itemsize``, and the file exactly as long as the data the
+    header describes (a truncated copy is shorter).  The format: github.com/huggingface/safetensors (README).
+
+    Raises:
+        ConfigError: naming the file, what is wrong and the fix."""
+    where = f"model.init_from: {str(path)!r}"
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            header = json.loads(fh.read(length).decode("utf-8")) if 2 <= length <= size - 8 else None
+    except FileNotFoundError:
+        raise ConfigError(f"{where} is missing; {_AGAIN}") from None
+    except OSError as exc:
+        raise ConfigError(f"{where} cannot be read: {exc.strerror or exc}; check the file's permissions") from None
+    except ValueError as exc:  # not JSON / not UTF-8
+        raise ConfigError(f"{where} has a damaged header ({exc}); {_AGAIN}") from None
+    if header is None:
+        raise ConfigError(f"{where} is not a whole safetensors file ({size:,} bytes, no complete header); {_AGAIN}")
+    if not isinstance(header, dict):
+        raise ConfigError(f"{where} has a damaged header (a JSON {type(header).__name__}); {_AGAIN}")
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    end = max((_entry_end(where, name, e) for name, e in entries.items()), default=0)
+    if size != 8 + length + end:
+        state = "truncated" if size < 8 + length + end else "damaged (longer than its header describes)"
+        raise ConfigError(f"{where} is {state}: {size:,} bytes, its header describes {8 + length + end:,}; "
+                          f"{_AGAIN}")
+    return entries
+
+
+def _entry_end(where: str, name: str, entry) -> int:
+    """The end offset of one header entry's bytes, after checking that they hold ``prod(shape)`` elements."""
+    try:
+        start, end = (int(x) for x in entry["data_offsets"])
+        count = math.prod(int(x) for x in entry["shape"])
+        itemsize = _ITEMSIZE[entry["dtype"]]
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"{where} has a damaged header entry for tensor {name!r} ({entry!r}); {_AGAIN}") from None
+    if not 0 <= start <= end or end - start != count * itemsize:
+        raise ConfigError(f"{where}: tensor {name!r} has {end - start:,} bytes for shape {entry['shape']} of "
+                          f"{entry['dtype']}; the header is damaged -- {_AGAIN}")
+    return end
+
+
+def _expected_tensors(cfg: ModelConfig, ffn_hidden_size: int) -> dict[str, tuple[str, tuple]]:
+    """Hugging Face name -> (pipecast name, shape as stored) of every tensor ``cfg``'s model takes: its parameters
+    built on the meta device (no memory, no initialisation), gpt2's ``Conv1D`` weights transposed."""
+    import torch
+
+    from ..models.chunk import build_model_chunks, canonical_module
+    with torch.device("meta"):
+        chunks = build_model_chunks(cfg, ffn_hidden_size, 1, 0, 1, 0, device="meta")
+    out = {}
+    for name, param in canonical_module(chunks).named_parameters():
+        hf, transposed = _hf_name(cfg.family, name)
+        out[hf] = (name, tuple(param.shape)[::-1] if transposed else tuple(param.shape))
+    return out
+
+
+def _check_weights(folder: Path, cfg: ModelConfig, ffn_hidden_size: int) -> None:
+    """Every tensor the model takes is in ``folder``'s files with its shape and a floating-point dtype, and no
+    other tensor is there (old checkpoints' attention-mask buffers aside; a tied model may carry
+    ``lm_head.weight``).
+
+    Raises:
+        ConfigError: naming the folder or file, the tensors, both shapes (or the dtype) and the fix."""
+    files, headers = _weight_files(folder)
+    stored = _stored_names(cfg, files)
+    expected = _expected_tensors(cfg, ffn_hidden_size)
+    extra = sorted(k for full, k in stored.items() if full not in expected and not _BUFFERS.match(k)
                    and not (full == "lm_head.weight" and cfg.tie_embeddings))
     if extra:
         raise ConfigError(f"model.init_from={str(folder)!r}: tensors {extra[:4]} (of {len(extra)}) have no place "
                           f"in pipecast's {cfg.family} model; its config.json does not describe these weights")
+    missing = [hf for hf in expected if hf not in stored]
+    if missing:
+        raise ConfigError(f"model.init_from={str(folder)!r}: tensors {missing[:4]} (of {len(missing)}) are missing "
+                          f"from its safetensors files; {_AGAIN}")
+    for hf, (name, shape) in expected.items():
+        key = stored[hf]
+        entry, where = headers[files[key]][key], f"model.init_from: {str(files[key])!r}: tensor {key!r}"
+        if not entry["dtype"].startswith(("F", "BF")):
+            raise ConfigError(f"{where} is {entry['dtype']}, not floating point; model weights are F32 / F16 / "
+                              f"BF16 -- {_AGAIN}")
+        if tuple(entry["shape"]) != shape:
+            raise ConfigError(f"{where} has shape {list(entry['shape'])}, but config.json's model needs "
+                              f"{list(shape)} (pipecast {name!r}); the weights and config.json are of different "
+                              f"models -- {_AGAIN}")
+
+
+def _stored_names(cfg: ModelConfig, files: dict) -> dict[str, str]:
+    """Hugging Face name with its model prefix -> the name stored in ``files`` (bare ``GPT2Model`` /
+    ``LlamaModel`` folders lack the prefix)."""
+    prefix = _PREFIX[cfg.family]
+    return {(k if k.startswith(prefix) or k == "lm_head.weight" else prefix + k): k for k in files}
+
+
+def load_hf_weights(folder: str | os.PathLike, cfg: ModelConfig, names: Iterable[str]) -> dict:
+    """The tensors of pipecast parameters ``names`` (layout-independent names; gpt2 Conv1D weights transposed
+    back), read from ``folder``'s safetensors; a tied head reads the word embedding.  :func:`check_init_from`
+    (part of the config's validation) checked the files against the model before.
+
+    Raises:
+        ConfigError: a damaged file (:func:`_weight_files`) or a tensor missing from the files."""
+    from safetensors import safe_open
+    folder = Path(folder)
+    files, _ = _weight_files(folder)
+    stored = _stored_names(cfg, files)
     out, handles = {}, {}
     try:
         for name in names:
@@ -354,7 +489,7 @@ def load_hf_weights(folder: str | os.PathLike, cfg: ModelConfig, names: Iterable
             key = stored.get(hf)
             if key is None:
                 raise ConfigError(f"model.init_from={str(folder)!r}: tensor {hf!r} (pipecast {name!r}) is missing "
-                                  f"from its safetensors files")
+                                  f"from its safetensors files; {_AGAIN}")
             path = files[key]
             if path not in handles:
                 handles[path] = safe_open(str(path), framework="pt").__enter__()
@@ -364,16 +499,3 @@ def load_hf_weights(folder: str | os.PathLike, cfg: ModelConfig, names: Iterable
         for h in handles.values():
             h.__exit__(None, None, None)
     return out
-
-
-def _all_names(cfg: ModelConfig) -> list[str]:
-    """Every layout-independent parameter name of ``cfg``'s model (the untied head included when untied)."""
-    layer = {"gpt2": ["ln1.weight", "ln1.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias", "ln2.weight",
-                      "ln2.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"],
-             "llama": ["input_layernorm.weight", "post_attention_layernorm.weight"] +
-                      [f"self_attn.{x}_proj.weight" for x in "qkvo"] +
-                      [f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]}[cfg.family]
-    names = ["embedding.word.weight"] + (["embedding.pos.weight"] if cfg.family == "gpt2" else [])
-    names += [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in layer]
-    names += ["final_norm.weight"] + (["final_norm.bias"] if cfg.family == "gpt2" else [])
-    return names + ([] if cfg.tie_embeddings else ["output_head.word.weight"])
