@@ -8,7 +8,11 @@ path and the reason (``strerror`` of the first ``OSError``, e.g. ``No space left
 writer reports such errors as ``SafetensorError: ... I/O error: ... (os error 28)``; :func:`os_error_of` reads the
 errno back from that text.  Any other exception propagates unchanged.  Files written piece by piece as a run goes
 (``metrics.jsonl``, ``train.log``) name themselves the same way: :func:`writing` around the writes,
-:class:`LogFile` for a log.
+:class:`LogFile` for a log.  :func:`write_folder` writes a folder's whole content the same way (a folder that
+holds files is replaced only when asked, and then holds the new files only).
+
+Every file written here gets the mode a plain ``open(path, "w")`` would give it -- ``0o666`` less the umask, or
+an existing file's own mode -- whatever its writer chose (safetensors writes ``0o600``).
 
 Standard library only.
 """
@@ -19,10 +23,11 @@ import errno as _errno
 import logging
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
-__all__ = ["WriteError", "write_atomically", "make_folder", "os_error_of", "writing", "LogFile"]
+__all__ = ["WriteError", "write_atomically", "write_folder", "check_folder", "make_folder", "os_error_of", "writing", "LogFile"]
 
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error prints an errno (safetensors)
 
@@ -160,6 +165,7 @@ def write_atomically(writes: list, option: str = "--out") -> list[Path]:
         for (_, write), (final, tmp) in zip(writes, tmps):
             current = final
             write(tmp)
+            _plain_mode(tmp, final)
         for final, tmp in tmps:
             current = final
             os.replace(tmp, final)
@@ -173,3 +179,91 @@ def write_atomically(writes: list, option: str = "--out") -> list[Path]:
         for _, tmp in tmps:
             _remove_quietly(tmp)
     return [final for final, _ in tmps]
+
+
+def _umask() -> int:
+    """This process's umask, read from ``/proc/self/status`` (Linux) without changing it; elsewhere set and
+    restored at once."""
+    try:
+        found = re.search(r"^Umask:\s*([0-7]+)", Path("/proc/self/status").read_text(), re.M)
+        if found:
+            return int(found.group(1), 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _plain_mode(path: Path, final: Path | None = None) -> None:
+    """Give ``path`` (to become ``final``) the mode ``open(final, "w")`` would: ``final``'s own when it exists,
+    else (a new file) ``0o666`` less the umask."""
+    try:
+        mode = final.stat().st_mode & 0o7777 if final is not None else None
+    except OSError:
+        mode = None
+    os.chmod(path, 0o666 & ~_umask() if mode is None else mode)
+
+
+def write_folder(folder: str | os.PathLike, writes: list, option: str = "--out", overwrite: bool = False,
+                 flag: str = "--overwrite") -> list[Path]:
+    """Write the files ``writes`` (``(name, write_fn)``; ``write_fn(path)`` writes one file) as the whole content
+    of ``folder``: into a hidden temporary folder beside it, which takes the folder's place only once every file is
+    complete (an existing folder is moved aside, then removed; a failure before leaves it as it was).  So the folder
+    never holds a half-written file, nor a stale file of what it held before.  Returns the paths written.
+
+    Raises:
+        ValueError: ``folder`` is a file, its parent does not exist, or it holds files and ``overwrite`` is false
+            (naming some and ``flag``).
+        WriteError: a file or a folder could not be written (read-only or full disk, no permission), naming it
+            (its final path) and the reason; ``folder`` is left as it was."""
+    folder = check_folder(folder, option, overwrite, flag)
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    try:
+        make_folder(tmp, option)
+        if folder.is_dir():
+            shutil.copymode(folder, tmp)
+        for name, write in writes:
+            with writing(folder / name, option):
+                write(tmp / name)
+                _plain_mode(tmp / name)
+        with writing(folder, option):
+            _swap(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [folder / name for name, _ in writes]
+
+
+def check_folder(folder: str | os.PathLike, option: str = "--out", overwrite: bool = False,
+                 flag: str = "--overwrite") -> Path:
+    """What :func:`write_folder` checks before writing (call it before slow work to refuse early).
+
+    Raises:
+        ValueError: ``folder`` is a file, its parent does not exist, or it holds files and ``overwrite`` is false."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{option}={str(folder)!r} is a file; give a folder path")
+    if not folder.parent.is_dir():
+        raise ValueError(f"{option}={str(folder)!r}: folder {str(folder.parent)!r} does not exist; create it first")
+    held = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise ValueError(f"{option}={str(folder)!r} is not empty ({shown}); pass {flag} to replace it (it then "
+                         f"holds the new files only) or choose a new or empty folder")
+    return folder
+
+
+def _swap(new: Path, folder: Path) -> None:
+    """Put folder ``new`` in ``folder``'s place: move the existing one aside, rename, remove the old one (put back
+    if the rename fails)."""
+    if not folder.exists():
+        os.rename(new, folder)
+        return
+    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+    os.rename(folder, old)
+    try:
+        os.rename(new, folder)
+    except OSError:
+        os.rename(old, folder)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -264,6 +264,40 @@ def test_export_then_load_is_bitwise(pp1, tmp_path):
     assert all(half[k].dtype == torch.bfloat16 and torch.equal(half[k], state[k].bfloat16()) for k in state)
 
 
+def test_export_replaces_only_when_asked_and_writes_plain_modes(pp1, tmp_path, capsys):
+    """Issue 36: export into a folder with files in it overwrote silently and left stale files beside the new
+    model; model.safetensors was 0600 beside a 0644 config.json.  Now an export over an earlier one (a folder with
+    files, or the file and its sidecars) is one error line naming them and ``--overwrite``, nothing changed; with
+    ``--overwrite`` the folder holds the new files only (a stale tokenizer sidecar is removed), and every file
+    written has the mode a plain write gives: a new one 0o666 less the umask (here 0o027 -> 0o640), a replaced one
+    (and the replaced folder) its own."""
+    import stat
+    hf, single = tmp_path / "hf", tmp_path / "m.safetensors"
+    hf.mkdir()
+    (hf / "old.bin").write_text("an earlier export")
+    stale = tmp_path / "m.tokenizer.json"  # an earlier BPE export's sidecar; this run uses bytes
+    for path in (single, stale):
+        path.write_text("earlier")
+    before = {p: p.read_bytes() for p in (hf / "old.bin", single, stale)}
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in (hf, single)}
+    mask = os.umask(0o027)
+    try:
+        for args, named in ((["--format", "hf", "--out", str(hf)], "(old.bin)"),
+                            (["--out", str(single)], f"'{single}', '{stale}' already exist")):
+            code, _, err = _cli(capsys, "export", str(pp1[0]), *args)
+            assert code == 2 and err.count("\n") == 1 and named in err and "--overwrite" in err, err
+        assert {p: p.read_bytes() for p in before} == before
+        for args in (["--format", "hf", "--out", str(hf)], ["--out", str(single)]):
+            assert _cli(capsys, "export", str(pp1[0]), *args, "--overwrite")[0] == 0
+    finally:
+        os.umask(mask)
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.config.json", "m.safetensors"]
+    for path in (*hf.iterdir(), tmp_path / "m.config.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640, path
+    assert {p: stat.S_IMODE(p.stat().st_mode) for p in modes} == modes
+
+
 def test_sample_and_export_read_the_folder_given_not_the_run_dir_in_its_config(pp1, tmp_path, capsys):
     """Issue 26: a copied run folder keeps its config.yaml, whose logging.run_dir names the original; after the
     original trains on, sample and export of the copy must read the copy's own checkpoint."""
@@ -321,7 +355,7 @@ def test_export_to_a_full_or_read_only_disk_is_one_error_line(pp1, tmp_path, mon
     real_write = Path.write_text
     for code, removal_fails in ((errno.ENOSPC, False), (errno.EROFS, True)):
         def failing_write(self, *args, _code=code, **kwargs):  # the sidecar / config.json, after the weights
-            if self.name.endswith(".tmp"):
+            if ".tmp" in str(self):  # a temporary file, or a file in the temporary folder (--format hf)
                 raise OSError(_code, os.strerror(_code))
             return real_write(self, *args, **kwargs)
 

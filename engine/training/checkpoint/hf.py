@@ -22,7 +22,6 @@ Sources: ``transformers`` ``models/gpt2/modeling_gpt2.py`` and ``models/llama/mo
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from ..config.errors import ConfigError
-from ..files import WriteError, make_folder, write_atomically
+from ..files import write_folder
 
 if TYPE_CHECKING:  # annotations only: engine.training.config imports this module to resolve model.init_from
     from ..config import ModelConfig, TrainConfig
@@ -127,25 +126,22 @@ def hf_config(cfg: ModelConfig, ffn_hidden_size: int, dtype: str = "float32") ->
 
 
 def write_hf_folder(out: str | os.PathLike, cfg: ModelConfig, ffn_hidden_size: int, state: dict,
-                    dtype: str = "float32", tokenizer_json: str | None = None) -> list[Path]:
+                    dtype: str = "float32", tokenizer_json: str | None = None, overwrite: bool = False) -> list[Path]:
     """Write ``config.json``, ``model.safetensors`` (and, given ``tokenizer_json``, ``tokenizer.json`` +
-    ``tokenizer_config.json``) into folder ``out`` (created if missing; its parent must exist).  Each file is
-    written under a temporary name and renamed when complete.  Returns the paths written.
+    ``tokenizer_config.json``) as the content of folder ``out`` (:func:`engine.training.files.write_folder`: a
+    folder that holds files is refused unless ``overwrite``, then replaced whole once every file is complete, so no
+    stale file of an earlier export stays beside the new ones).  Returns the paths written.
 
     Raises:
-        ValueError: the parent folder of ``out`` does not exist, or ``out`` is a file.
+        ValueError: the parent folder of ``out`` does not exist, ``out`` is a file, or ``out`` holds files and
+            ``overwrite`` is false.
         WriteError: a file or ``out`` could not be written (read-only or full disk, no permission), naming it and
-            the operating system's reason; no file is left half-written."""
+            the operating system's reason; ``out`` is left as it was."""
     import torch
     from safetensors.torch import save_file
-    out = Path(out)
-    if out.exists() and not out.is_dir():
+    if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"--out={str(out)!r} is a file; --format hf writes a folder (config.json, "
                          f"model.safetensors): pass a folder path")
-    if not out.parent.is_dir():
-        raise ValueError(f"--out={str(out)!r}: folder {str(out.parent)!r} does not exist; create it first")
-    created = not out.exists()
-    make_folder(out)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     tensors = {k: v.detach().to(torch_dtype).contiguous() for k, v in to_hf_tensors(cfg.family, state).items()}
     config = hf_config(cfg, ffn_hidden_size, dtype)
@@ -155,13 +151,7 @@ def write_hf_folder(out: str | os.PathLike, cfg: ModelConfig, ffn_hidden_size: i
         tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_length}
         writes += [("tokenizer.json", lambda p: p.write_text(tokenizer_json)),
                    ("tokenizer_config.json", lambda p: p.write_text(json.dumps(tok_config, indent=2) + "\n"))]
-    try:
-        return write_atomically([(out / name, write) for name, write in writes])
-    except WriteError:
-        if created:  # nothing was written: leave no empty folder behind
-            with contextlib.suppress(OSError):
-                out.rmdir()
-        raise
+    return write_folder(out, writes, overwrite=overwrite)
 
 
 # ---- config.json in --------------------------------------------------------------------------------------------
