@@ -703,9 +703,6 @@ class Trainer:
             model_sd, optim_sd = full_templates(model_sd), full_templates(optim_sd)
         target = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
                   "trainer": {"step": torch.tensor(0, dtype=torch.int64)}}
-        has_scheduler = "scheduler.last_epoch" in keys  # checkpoints of earlier versions hold the step only
-        if has_scheduler:
-            target["scheduler"] = _scheduler_tensors(self.lr_scheduler.state_dict())
         rng_key = f"rng.rank{self.rank}.cpu"
         if rng_key in keys:
             target["rng"] = {f"rank{self.rank}": {"cpu": torch.get_rng_state()}}
@@ -716,7 +713,7 @@ class Trainer:
         set_state_dict(self.canonical, self.optimizer, model_state_dict=target["model"], optim_state_dict=optim_sd,
                        options=options)
         self.step = int(target["trainer"]["step"])
-        self._load_scheduler(target["scheduler"] if has_scheduler else None)
+        self._load_scheduler()
         if "rng" in target:
             torch.set_rng_state(target["rng"][f"rank{self.rank}"]["cpu"])
         self._resumed = True
@@ -737,15 +734,16 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(self.config, self.run_dir / "config.yaml")
 
-    def _load_scheduler(self, saved: dict | None) -> None:
-        """Restore the LR schedule through ``LambdaLR.load_state_dict`` from the saved tensors (or, for a checkpoint
-        without them, from the step: ``step`` scheduler steps taken), then set each group's LR to it."""
+    def _load_scheduler(self) -> None:
+        """Put the LR schedule at ``self.step`` (``step`` scheduler steps taken) of *this* config's schedule, then
+        set each group's LR to it.  The schedule is a function of the step and the config (``lr_lambda``), so a
+        run resumed with more ``training.steps`` or another ``optimizer.lr`` follows its own schedule from its first
+        step (issue 36); the scheduler state saved with the checkpoint (the old schedule's last LR and base LR) is
+        not read back.  With an unchanged config the LRs are bitwise those of the run that saved (the same
+        ``base * lr_lambda(step)`` as ``LambdaLR``)."""
         state = self.lr_scheduler.state_dict()
-        if saved is not None:
-            state.update(_scheduler_values(saved))
-        else:
-            lrs = [base * self._lr_multiplier(self.step) for base in self.lr_scheduler.base_lrs]
-            state.update(last_epoch=self.step, _step_count=self.step + 1, _last_lr=lrs)
+        lrs = [base * self._lr_multiplier(self.step) for base in self.lr_scheduler.base_lrs]
+        state.update(last_epoch=self.step, _step_count=self.step + 1, _last_lr=lrs)
         self.lr_scheduler.load_state_dict(state)
         for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
             group["lr"] = lr
@@ -788,11 +786,6 @@ def _scheduler_tensors(state: dict) -> dict:
     """The numeric entries of ``LambdaLR.state_dict()`` as tensors (checkpoints store tensors only)."""
     return {k: torch.tensor(state[k], dtype=torch.int64 if kind is int else torch.float64)
             for k, kind in _SCHEDULER_FIELDS.items() if k in state}
-
-
-def _scheduler_values(tensors: dict) -> dict:
-    """Inverse of :func:`_scheduler_tensors`."""
-    return {k: (int(v) if _SCHEDULER_FIELDS[k] is int else [float(x) for x in v]) for k, v in tensors.items()}
 
 
 def _loss_func(output: torch.Tensor):
