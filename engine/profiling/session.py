@@ -5,7 +5,9 @@ Files written to ``DIR`` (``_pipe<k>`` suffix for data-parallel replica ``k > 0`
 
 * ``timeline.json`` -- Chrome / Perfetto trace of all pipeline ranks (open in https://ui.perfetto.dev);
 * ``timeline.png`` -- Gantt chart of the last recorded step, measured bubble per rank beside the simulator's;
-* ``timeline_summary.json`` -- per step: step time (ms) and measured bubble per rank; simulated bubble.
+* ``timeline_summary.json`` -- per step: step time (ms) and measured bubble per rank; the simulated bubble per
+  rank at the measured costs, and overall at nominal costs (``simulated_bubble_nominal``: the figure ``pipecast
+  train`` prints at start-up, :func:`engine.plan.simulate.simulate_nominal`).
 
 A write the operating system refuses (a full disk, where ``write`` names no file) raises an ``OSError`` naming the
 file, which ``pipecast train`` reports as its one line.
@@ -79,8 +81,10 @@ class TimelineSession:
         steps = steps_of(rank_spans)
         meta = dict(metadata or {})
         if self.plan is not None:
+            from ..plan.simulate import simulate_nominal
             meta.update(schedule=self.plan.schedule, pp_size=self.plan.pp_size,
-                        num_model_chunks=self.plan.num_model_chunks, num_microbatches=self.plan.num_microbatches)
+                        num_model_chunks=self.plan.num_model_chunks, num_microbatches=self.plan.num_microbatches,
+                        simulated_bubble_nominal=simulate_nominal(self.plan).bubble_overall)
         summary: dict = {"steps": []}
         for s in steps:
             lo, hi = step_window(rank_spans, s)
@@ -150,7 +154,7 @@ class TrainerProfiling:
 
     def _train_step(self) -> dict:
         from ..runtime.tracing import use_tracer
-        step = self.trainer.step
+        step = self.trainer.step + 1  # the step's number as its log line names it ("step 3/3": the 3rd step)
         scope = self.session.step(step) if self.session is not None else _NULL_SCOPE
         with scope, use_tracer(self.tracer):
             metrics = self._inner()
@@ -174,13 +178,16 @@ class TrainerProfiling:
         summary = self.session.finish({"trained_to_step": self.trainer.step})
         if summary is not None:  # the pipeline's first rank, which is not the logging rank: print
             import sys
-            print(f"timeline: wrote {self.session.out_dir} (bubble per rank measured "
-                  f"{_pct(summary.get('measured_bubble'))}, simulated {_pct(summary.get('simulated_bubble'))})",
+            print(f"timeline: wrote {self.session.out_dir} (step {summary.get('chart_step')}: bubble per rank "
+                  f"measured {_pct(summary.get('measured_bubble'))}, simulated at the measured costs "
+                  f"{_pct(summary.get('simulated_bubble'))}; at nominal costs "
+                  f"{_pct(summary.get('simulated_bubble_nominal'))} overall, the start-up line's figure)",
                   file=sys.stderr, flush=True)
         return summary
 
 
 def _pct(values) -> str:
+    values = [values] if isinstance(values, float) else values
     return "-" if not values else "/".join(f"{100 * v:.1f}%" for v in values)
 
 

@@ -16,6 +16,11 @@ Failure behaviour (what the caller sees is one exception whose ``str()`` is one 
   within :data:`REPORT_GRACE_S` (stuck in its teardown) is reported all the same.
 * a rank dies (a signal, ``os._exit(N)``): :class:`RankError` naming the rank and the signal / status; a rank
   killed by a signal the spawner did not send outranks the peers that raised because it went away.
+* a rank is stopped (``SIGSTOP``, Ctrl-Z: process state ``T``) and a peer times out waiting for it:
+  :class:`RankError` names the stopped rank, with the peer's timeout as the cause (not the waiting peer).
+
+A Python warning that several ranks emit (the same text from the same place) is shown once per job, by the first
+rank that emits it.
 * the job runs past ``timeout_s``: :class:`JobTimeout` naming the ranks still running.
 * SIGINT (Ctrl-C) to the caller, or a rank ended by SIGINT: :class:`Interrupted` (a ``KeyboardInterrupt``).
 * SIGTERM to the caller (what a cluster scheduler sends): it is forwarded to every rank, which gets
@@ -244,10 +249,21 @@ def _ranks(ranks) -> str:
     return ", ".join(str(r) for r in ranks) or "none"
 
 
+def _process_state(pid: int) -> str:
+    """The state letter of process ``pid`` (``/proc``: ``R`` running, ``S`` sleeping, ``T`` stopped, ...), or ``""``."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def _fail(job: _Job) -> None:
-    """Stop every rank and raise the exception for the rank to blame (see :func:`_blame`)."""
+    """Stop every rank and raise the exception for the rank to blame (see :func:`_blame`; a stopped rank a peer
+    timed out waiting for is blamed before that peer)."""
     codes = [p.exitcode for p in job.procs]  # a fresh look: a rank killed by a signal may have just been reaped
     running = [r for r, c in enumerate(codes) if c is None]
+    states = {r: _process_state(job.procs[r].pid) for r in running}  # before the stop wakes them
     _stop(job.procs)
     records = _records(job.record_dir)
     rank = _blame(codes, records)
@@ -258,6 +274,13 @@ def _fail(job: _Job) -> None:
                          f"stopped ranks {_ranks(running)}")
     if codes[rank] == -signal.SIGINT:
         raise Interrupted(sorted(set(running) | {rank}), f" (SIGINT to rank {rank})")
+    frozen = [r for r in running if r != rank and states[r] in ("T", "t")]
+    timed_out = rank in records and ("timed out" in records[rank][2].lower() or "timeout" in records[rank][2].lower())
+    if frozen and timed_out:  # the peer's timeout is the symptom; the stopped rank is the cause
+        others = [r for r in range(len(codes)) if r != frozen[0]]
+        raise RankError(frozen[0], job.procs[frozen[0]].pid, f"was stopped (process state T: SIGSTOP or Ctrl-Z) "
+                        f"and rank {rank} timed out waiting for it: {records[rank][2]}", "", None, None, others,
+                        True)
     if rank in records:
         _, one_line, cause, trace = records[rank]
         raise RankError(rank, pid, cause, trace or cause, codes[rank], None, stopped, one_line)
@@ -354,6 +377,7 @@ def _rank_main(rank: int, setup: _RankSetup, fn, args: tuple) -> None:
     import torch
     import torch.distributed as dist
     torch.set_num_threads(setup.threads or max(1, (os.cpu_count() or 1) // setup.world_size))
+    _warn_once_per_job(setup.record_dir)
     ok = False
     try:
         timeout = datetime.timedelta(seconds=setup.group_timeout_s)
@@ -370,6 +394,25 @@ def _rank_main(rank: int, setup: _RankSetup, fn, args: tuple) -> None:
     finally:
         teardown(ok)
     exit_process(0 if ok else 1)
+
+
+def _warn_once_per_job(record_dir: str) -> None:
+    """Show each distinct Python warning (category, text, file and line) once per job: the first rank to emit it
+    claims it with an exclusive marker file in the job's record folder; the other ranks stay quiet about it."""
+    import hashlib
+    import warnings
+    show = warnings.showwarning
+
+    def once(message, category, filename, lineno, file=None, line=None):
+        key = hashlib.sha1(f"{category.__name__}|{message}|{filename}|{lineno}".encode()).hexdigest()[:20]
+        try:
+            os.close(os.open(os.path.join(record_dir, f"warned_{key}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        except OSError:
+            pass  # no record folder: show it
+        show(message, category, filename, lineno, file, line)
+    warnings.showwarning = once
 
 
 def exit_process(code: int) -> None:

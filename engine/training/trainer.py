@@ -264,13 +264,10 @@ class Trainer:
         return lr_lambda(step, o.lr, o.min_lr, o.warmup_steps, self.config.training.steps)
 
     def simulated_bubble(self) -> float:
-        """Bubble fraction of one training step from the plan simulator (``engine.plan.simulate``; uniform costs,
-        backward = 2 x forward -- split plans: B = W = forward --, no transfer time): idle / makespan over all
-        pipeline ranks."""
-        from ..plan.simulate import simulate
-        if self.plan.splits_backward:
-            return simulate(self.plan, 1.0, 1.0, 0.0, 1.0).bubble_overall
-        return simulate(self.plan).bubble_overall
+        """Bubble fraction of one training step from the plan simulator at nominal costs
+        (:func:`engine.plan.simulate.simulate_nominal`): idle / makespan over all pipeline ranks."""
+        from ..plan.simulate import simulate_nominal
+        return simulate_nominal(self.plan).bubble_overall
 
     @property
     def _reads_tokens(self) -> bool:

@@ -228,16 +228,55 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_sample_command(pp1, tmp_path, capsys):
+def test_sample_command(pp1, tmp_path, capsys, monkeypatch):
+    import sys
+
+    from engine.training import generate as gen
     from engine.training.generate import generate, load_model
+    printed = []  # stdout's length at each sampled token: the text is printed as it comes (issue 36)
+    real = gen.sample_token
+    monkeypatch.setattr(gen, "sample_token", lambda *a, **k: printed.append(len(sys.stdout.getvalue())) or real(*a, **k))
     code, out, err = _cli(capsys, "sample", str(pp1[0]), "--prompt", "import ", "--max-new-tokens", "12", "--seed", "3")
     assert code == 0, err
+    assert len(printed) == 12 and printed[-1] > printed[0] > 0, printed
+    monkeypatch.setattr(gen, "sample_token", real)
     loaded = load_model(pp1[0])
     expected = generate(loaded.model, loaded.tokenizer.encode("import "), 12, 0.8, 50, seed=3)
     assert out == "import " + loaded.tokenizer.decode(expected) + "\n" and "sampled 12 tokens" in err
     code, _, err = _cli(capsys, "sample", str(tmp_path), "--max-new-tokens", "2")
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
     assert str(tmp_path) in err
+
+
+def test_sample_streams_the_text_as_tokens_come():
+    """Issue 36: ``pipecast sample`` printed nothing until the last token.  :class:`TextStream` writes each token's
+    text when it is sampled, holding back only a character whose UTF-8 bytes are split over tokens; what it writes
+    is the decoded text (ids of a run without a tokenizer: space-separated)."""
+    import io
+
+    from engine.training.data.tokenizer import ByteTokenizer
+    from engine.training.generate import TextStream
+
+    class Out(io.StringIO):
+        writes: list = []
+
+        def write(self, text):
+            self.writes.append((self.fed, text))
+            return super().write(text)
+    text = "héllo wörld ✓ 😀 done"
+    out = Out()
+    stream = TextStream(ByteTokenizer(), out)
+    for out.fed, byte in enumerate(text.encode(), 1):
+        stream(byte)
+    stream.close()
+    assert out.getvalue() == text and not any("\ufffd" in t for _, t in out.writes)
+    assert [fed for fed, _ in out.writes] == [len(text[:i + 1].encode()) for i in range(len(text))]  # per char
+    ids = io.StringIO()
+    stream = TextStream(None, ids)
+    for token in (17, 42, 5):
+        stream(token)
+    stream.close()
+    assert ids.getvalue() == " 17 42 5"
 
 
 def test_prompt_the_tokenizer_cannot_encode(pp1):

@@ -353,7 +353,8 @@ def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> 
               "verified": [], "tuned_for": tuned_for(config), "memory_budget_gib": args.memory_budget_gib}
     if args.verify:
         result["verified"] = rows = _verify(args, config, ranked, own, measured)
-        result["best"] = entry(verified_choice(ranked, rows, own, budget, min_gain))
+        result["best"] = entry(verified_choice(ranked, rows, own, budget, min_gain,
+                                               "--min-gain" if args.min_gain is not None else "noise"))
     return result
 
 
@@ -383,17 +384,24 @@ def choose(ranked, own: Candidate, budget_bytes: float | None, min_gain: float):
     return top
 
 
-def verified_choice(ranked, rows: list[dict], own: Candidate, budget_bytes: float | None, min_gain: float):
+def verified_choice(ranked, rows: list[dict], own: Candidate, budget_bytes: float | None, min_gain: float,
+                    gain_source: str = "noise"):
     """The recommendation after ``--verify``: the verified candidate that fits and measured fastest, unless the
-    config's own measured within ``min_gain`` of it; ``None`` when no verified candidate fits."""
+    config's own measured within ``min_gain`` of it (then the line says so, and why); ``None`` when no verified
+    candidate fits."""
+    from .report import margin_reason
     by_label = {p.candidate.label: p for p in ranked}
     fitting = [r for r in rows if by_label[r["label"]].fits(budget_bytes)]
     if not fitting:
         return None
     fastest = min(fitting, key=lambda r: r["measured_ms"])
     mine = next((r for r in fitting if r["is_config"]), None)
-    if mine is not None and mine["measured_ms"] <= fastest["measured_ms"] * (1 + min_gain):
-        fastest = mine
+    if mine is not None and mine is not fastest and mine["measured_ms"] <= fastest["measured_ms"] * (1 + min_gain):
+        gain = 100 * (1 - fastest["measured_ms"] / mine["measured_ms"])
+        print(f"recommendation after verifying: the config's own schedule, {mine['label']} (measured "
+              f"{mine['measured_ms']:.1f} ms): the fastest measured, {fastest['label']} ({fastest['measured_ms']:.1f} "
+              f"ms), is only {gain:.1f}% faster, {margin_reason(min_gain, gain_source)}")
+        return by_label[mine["label"]]
     print(f"recommendation after verifying: {fastest['label']} (measured {fastest['measured_ms']:.1f} ms)")
     return by_label[fastest["label"]]
 
