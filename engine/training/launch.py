@@ -126,8 +126,10 @@ def run(args: argparse.Namespace) -> int:
                     config = validate_world_size(config, int(os.environ["WORLD_SIZE"]))
                 if getattr(args, "print_config", False):
                     return _print_config(config)
+                from .checkpoint.init_from import check_init_weights
                 from .data.corpus import check_data
                 check_data(config)
+                check_init_weights(config)
                 from .outputs import check_outputs, run_lock
                 check_outputs(config, args.timeline)
                 if not under_torchrun():  # locked before torch is imported: a second run is refused at once

@@ -304,15 +304,16 @@ def check_init_from(config: TrainConfig) -> None:
     (:func:`resolve_init_from` with all fields explicit), the weights file exists, and the data's tokens mean
     what the checkpoint's vocabulary means.
 
-    Every weights file is checked from its header, against the file and the model the config describes, before
-    any rank starts (:func:`_check_weights`): a truncated, damaged or missing file, a missing, extra, misshapen or
-    non-floating-point tensor is a ``ConfigError`` naming the file (and the tensor) and the fix.
+    Every weights file is checked from its header against the file (:func:`_weight_files`, stdlib): a truncated,
+    damaged or missing file, or a tensor that is not floating point, is a ``ConfigError`` naming the file (and the
+    tensor) and the fix.  The tensors against the model: :func:`engine.training.checkpoint.init_from.check_init_weights`
+    (it builds the model, whose package imports the config: the launchers call it beside the data check).
 
     Raises:
         ConfigError: naming the field or file, both values and the fix."""
     resolve_init_from(config, ARCHITECTURE_FIELDS)
     folder, d = Path(config.model.init_from), config.data
-    _check_weights(folder, config.model, config.ffn_hidden_size)
+    _weight_files(folder)
     if d.source != "bin" and d.tokenizer == "bpe":
         raise ConfigError(f"model.init_from={str(folder)!r} with data.tokenizer='bpe': pipecast would train its "
                           f"own BPE, whose token ids do not match the checkpoint's vocabulary; tokenize the text "
@@ -387,6 +388,10 @@ def _safetensors_header(path: Path) -> dict:
         raise ConfigError(f"{where} has a damaged header (a JSON {type(header).__name__}); {_AGAIN}")
     entries = {k: v for k, v in header.items() if k != "__metadata__"}
     end = max((_entry_end(where, name, e) for name, e in entries.items()), default=0)
+    ints = [k for k, e in entries.items() if not e["dtype"].startswith(("F", "BF")) and not _BUFFERS.match(k)]
+    if ints:
+        raise ConfigError(f"{where}: tensor {ints[0]!r} is {entries[ints[0]]['dtype']}, not floating point; model "
+                          f"weights are F32 / F16 / BF16 -- {_AGAIN}")
     if size != 8 + length + end:
         state = "truncated" if size < 8 + length + end else "damaged (longer than its header describes)"
         raise ConfigError(f"{where} is {state}: {size:,} bytes, its header describes {8 + length + end:,}; "
@@ -406,52 +411,6 @@ def _entry_end(where: str, name: str, entry) -> int:
         raise ConfigError(f"{where}: tensor {name!r} has {end - start:,} bytes for shape {entry['shape']} of "
                           f"{entry['dtype']}; the header is damaged -- {_AGAIN}")
     return end
-
-
-def _expected_tensors(cfg: ModelConfig, ffn_hidden_size: int) -> dict[str, tuple[str, tuple]]:
-    """Hugging Face name -> (pipecast name, shape as stored) of every tensor ``cfg``'s model takes: its parameters
-    built on the meta device (no memory, no initialisation), gpt2's ``Conv1D`` weights transposed."""
-    import torch
-
-    from ..models.chunk import build_model_chunks, canonical_module
-    with torch.device("meta"):
-        chunks = build_model_chunks(cfg, ffn_hidden_size, 1, 0, 1, 0, device="meta")
-    out = {}
-    for name, param in canonical_module(chunks).named_parameters():
-        hf, transposed = _hf_name(cfg.family, name)
-        out[hf] = (name, tuple(param.shape)[::-1] if transposed else tuple(param.shape))
-    return out
-
-
-def _check_weights(folder: Path, cfg: ModelConfig, ffn_hidden_size: int) -> None:
-    """Every tensor the model takes is in ``folder``'s files with its shape and a floating-point dtype, and no
-    other tensor is there (old checkpoints' attention-mask buffers aside; a tied model may carry
-    ``lm_head.weight``).
-
-    Raises:
-        ConfigError: naming the folder or file, the tensors, both shapes (or the dtype) and the fix."""
-    files, headers = _weight_files(folder)
-    stored = _stored_names(cfg, files)
-    expected = _expected_tensors(cfg, ffn_hidden_size)
-    extra = sorted(k for full, k in stored.items() if full not in expected and not _BUFFERS.match(k)
-                   and not (full == "lm_head.weight" and cfg.tie_embeddings))
-    if extra:
-        raise ConfigError(f"model.init_from={str(folder)!r}: tensors {extra[:4]} (of {len(extra)}) have no place "
-                          f"in pipecast's {cfg.family} model; its config.json does not describe these weights")
-    missing = [hf for hf in expected if hf not in stored]
-    if missing:
-        raise ConfigError(f"model.init_from={str(folder)!r}: tensors {missing[:4]} (of {len(missing)}) are missing "
-                          f"from its safetensors files; {_AGAIN}")
-    for hf, (name, shape) in expected.items():
-        key = stored[hf]
-        entry, where = headers[files[key]][key], f"model.init_from: {str(files[key])!r}: tensor {key!r}"
-        if not entry["dtype"].startswith(("F", "BF")):
-            raise ConfigError(f"{where} is {entry['dtype']}, not floating point; model weights are F32 / F16 / "
-                              f"BF16 -- {_AGAIN}")
-        if tuple(entry["shape"]) != shape:
-            raise ConfigError(f"{where} has shape {list(entry['shape'])}, but config.json's model needs "
-                              f"{list(shape)} (pipecast {name!r}); the weights and config.json are of different "
-                              f"models -- {_AGAIN}")
 
 
 def _stored_names(cfg: ModelConfig, files: dict) -> dict[str, str]:

@@ -236,6 +236,8 @@ def _prepare(args) -> tuple[TrainConfig, list[Candidate], Candidate]:
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else config.world_size
     config = validate_world_size(config, world)
     check_data(config)
+    from ..checkpoint.init_from import check_init_weights
+    check_init_weights(config)
     check_outputs(config)
     gloo_io.check_environment()
     own = config_candidate(config)

@@ -123,13 +123,14 @@ def test_a_damaged_init_from_folder_is_refused_naming_the_file(tmp_path, capsys,
     is a ConfigError from the config check, naming the file (or tensor) and the fix: ``pipecast train`` exits 2
     with that one line, before any rank starts."""
     from engine.cli import main
+    from engine.training.checkpoint.init_from import check_init_weights
     damage, words = DAMAGE[case]
     folder = _folder(tmp_path / "hf")
     base = {"model.init_from": str(folder), "model.seq_length": 16, "logging.run_dir": str(tmp_path / "run")}
-    load_config(None, base)  # intact: accepted
+    check_init_weights(load_config(None, base))  # intact: accepted
     damage(folder)
-    with pytest.raises(ConfigError) as info:
-        load_config(None, base)
+    with pytest.raises(ConfigError) as info:  # the config check, then (the tensors against the model) the launcher's
+        check_init_weights(load_config(None, base))
     for w in words:
         assert w in str(info.value), (w, str(info.value))
     (tmp_path / "run.yaml").write_text("parallel: {pipeline: 1}\n")
@@ -142,11 +143,12 @@ def test_a_damaged_init_from_folder_is_refused_naming_the_file(tmp_path, capsys,
 def test_init_from_accepts_both_families_and_a_sharded_folder(tmp_path):
     """The header checks pass on intact folders: gpt2 (its Conv1D weights stored transposed), llama, and a llama
     folder split into two shards with an index."""
+    from engine.training.checkpoint.init_from import check_init_weights
     for family, kw in CASES[:3]:
         cfg, chunk = _model(family, kw)
         folder = tmp_path / f"{family}{len(kw)}"
         write_hf_folder(folder, cfg, 64, dict(canonical_module([chunk]).state_dict()))
-        load_config(None, {"model.init_from": str(folder), "model.seq_length": 16})
+        check_init_weights(load_config(None, {"model.init_from": str(folder), "model.seq_length": 16}))
     from safetensors.torch import load_file, save_file
     tensors = load_file(folder / "model.safetensors")
     names = sorted(tensors)
@@ -156,4 +158,4 @@ def test_init_from_accepts_both_families_and_a_sharded_folder(tmp_path):
     (folder / "model.safetensors").unlink()
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {k: file for file, part in halves.items() for k in part}}))
-    load_config(None, {"model.init_from": str(folder), "model.seq_length": 16})
+    check_init_weights(load_config(None, {"model.init_from": str(folder), "model.seq_length": 16}))
