@@ -9,7 +9,10 @@ passes, order and buffer lifetimes as in a real pipeline.  Two configurations:
 
 For each: eager and graphed copies of the same model train ``--check-steps`` SGD steps on the same data and every
 per-microbatch loss, chunk-input gradient and parameter gradient is compared bitwise; then ``--steps`` timed steps
-each (median ms per step, speedup), peak memory of one step each and the memory the capture holds.  ``launch`` also
+each (median ms per step, speedup), the peak *reserved* memory of one step each (``max_memory_reserved``: what the
+caching allocator took from the driver, graph pools included -- allocated bytes would miss a pool's free blocks)
+and what the capture holds: ``memory_reserved`` added by it and the graph pool's segments
+(``graphs.accounting.pool_bytes``; on CPU the emulate backend's model of the pool).  ``launch`` also
 runs a negative control (one graph per layer shared by all microbatches, which must NOT match) and, if Transformer
 Engine is importable, the same comparison through ``backend="te"``.
 
@@ -44,7 +47,7 @@ from engine.plan import build_plan  # noqa: E402
 from graphs import capture  # noqa: E402
 from graphs.capture import DebugOptions  # noqa: E402
 from graphs.local_rank import make_rank_data, run_rank_step  # noqa: E402
-from graphs.accounting import LiveBytes, OpCounter, held_bytes  # noqa: E402
+from graphs.accounting import LiveBytes, OpCounter, held_bytes, pool_bytes  # noqa: E402
 from graphs.backends import emulate as emulate_backend  # noqa: E402
 
 CONFIGS = {  # name: hidden, ffn, seq, micro batch, layers per chunk
@@ -131,6 +134,7 @@ def time_steps(model, plan, rank, data, steps, device) -> float:
 
 
 def peak_step_mib(model, plan, rank, data, device) -> float | None:
+    """Peak reserved memory during one step (MiB; ``None`` without CUDA)."""
     if device.type != "cuda":
         return None
     sync(device)
@@ -139,7 +143,16 @@ def peak_step_mib(model, plan, rank, data, device) -> float | None:
     sync(device)
     for p in params(model):
         p.grad = None
-    return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return torch.cuda.max_memory_reserved(device) / 2 ** 20
+
+
+def reserved_mib(device) -> float:
+    """``memory_reserved`` now, after a sync and ``empty_cache`` (MiB; 0 without CUDA)."""
+    if device.type != "cuda":
+        return 0.0
+    sync(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device) / 2 ** 20
 
 
 def run_config(name: str, cfg: dict, args, device, dtype, backend: str) -> dict:
@@ -158,14 +171,16 @@ def run_config(name: str, cfg: dict, args, device, dtype, backend: str) -> dict:
 
     sample = [(torch.ones(cfg["seq"], cfg["mbs"], cfg["hidden"], device=device, dtype=dtype, requires_grad=True),)
               for _ in range(args.vp * args.microbatches * cfg["layers"])]
-    mem0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    mem0 = reserved_mib(device)
     t0 = time.perf_counter()
     layers = capture(graphed, plan, rank, sample, backend=backend, num_warmup_iters=args.warmup_iters,
                      tracer=args.tracer)
     sync(device)
     res["capture_s"] = time.perf_counter() - t0
-    res["capture_held_mib"] = ((torch.cuda.memory_allocated(device) - mem0) / 2 ** 20
-                               if device.type == "cuda" else None)
+    res["capture_reserved_mib"] = reserved_mib(device) - mem0 if device.type == "cuda" else None
+    pool = pool_bytes(layers.graphs)
+    res["pool_mib"] = {k: v / 2 ** 20 for k, v in pool.items() if k != "segments"} if pool else None
+    res["pool_segments"] = pool.get("segments") if pool else None
     res["graphs_active"] = layers.active
     res["num_graph_pairs"] = layers.report.num_graphs
     res["fallback_reason"] = layers.report.reason
@@ -249,7 +264,7 @@ def _memory_layers(kind, hidden, ffn, heads, seq, chunks, layers):
     if kind == "mlp":
         return [[Block(hidden, ffn).to("meta") for _ in range(layers)] for _ in range(chunks)]
     from engine.training.config import ModelConfig
-    from engine.training.models.chunk import Block as GPTBlock
+    from engine.training.models.gpt2.layers import Block as GPTBlock
     cfg = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq)
     return [[GPTBlock(cfg, ffn).to("meta") for _ in range(layers)] for _ in range(chunks)]
 
@@ -398,9 +413,11 @@ def main(argv=None) -> int:
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
                     "dtype": args.dtype, "argv": sys.argv[1:], "configs": {}, "memory_bytes": memory,
                     "replay_overhead": overhead,
-                    "notes": "eager_peak_mib / graph_peak_mib: max_memory_allocated during one step of each copy; both "
-                             "include everything alive in the process (both model copies, the graph pool); "
-                             "capture_held_mib is what capturing added (static buffers + pool)"}
+                    "notes": "eager_peak_mib / graph_peak_mib: max_memory_reserved during one step of each copy (what "
+                             "the caching allocator holds from the driver, everything in the process: both model "
+                             "copies, the graph pool); capture_reserved_mib: memory_reserved added by capturing "
+                             "(after empty_cache on both sides); pool_mib: the graph pool's segments "
+                             "(reserved, allocated; graphs.accounting.pool_bytes; CPU: the emulate pool model)"}
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -422,22 +439,24 @@ def main(argv=None) -> int:
             import traceback
             traceback.print_exc()
             res = {"config": CONFIGS[name], "ok": False, "error": f"{type(exc).__name__}: {exc}",
-                   "num_graph_pairs": 0, "capture_s": 0.0, "capture_held_mib": None}
+                   "num_graph_pairs": 0, "capture_s": 0.0, "capture_reserved_mib": None, "pool_mib": None}
         res["wall_s"] = time.perf_counter() - t0
         report["configs"][name] = res
         if device.type == "cuda":
             torch.cuda.empty_cache()
         d = res.get("graph_vs_eager", {})
+        pool = res.get("pool_mib") or {}
         print(f"[{name}] {res['config']} backend={backend} graphs={res['num_graph_pairs']} "
-              f"capture={res['capture_s']:.2f}s held={fmt(res['capture_held_mib'], '.1f')}MiB")
+              f"capture={res['capture_s']:.2f}s reserved by capture={fmt(res['capture_reserved_mib'], '.1f')}MiB "
+              f"pool reserved={fmt(pool.get('reserved'), '.3f')}MiB allocated={fmt(pool.get('allocated'), '.3f')}MiB")
         print(f"[{name}] graph_vs_eager bitwise={d.get('bitwise')} losses={d.get('losses')} "
               f"input_grads={d.get('input_grads')} param_grads={d.get('param_grads')} "
               f"max_rel_diff={fmt(d.get('max_rel_diff'), '.3g')}")
         if "eager_vs_eager" in res:
             print(f"[{name}] eager_vs_eager bitwise={res['eager_vs_eager']['bitwise']}")
         print(f"[{name}] step eager={fmt(res.get('eager_ms'))}ms graph={fmt(res.get('graph_ms'))}ms "
-              f"speedup={fmt(res.get('speedup'), '.2f')}x peak eager={fmt(res.get('eager_peak_mib'), '.1f')}MiB "
-              f"graph={fmt(res.get('graph_peak_mib'), '.1f')}MiB")
+              f"speedup={fmt(res.get('speedup'), '.2f')}x peak reserved eager={fmt(res.get('eager_peak_mib'), '.1f')}MiB"
+              f" graph={fmt(res.get('graph_peak_mib'), '.1f')}MiB")
         if "negative_control" in res:
             print(f"[{name}] negative_control (shared graph per layer) detected={res['negative_control']['detected']}")
         if "te" in res:

@@ -36,9 +36,23 @@ Measured inside the ranks, without touching the engine:
   count, ``sharded / T + replicated``: norms, row-parallel biases and the position embedding stay replicated
   (every rank holds them whole), so the measured ratio is slightly above ``1/T``.
 
+* **Recomputation and precision** (``--recompute``).  One GPT chunk (the recipe's blocks) in one process, fp32 and
+  bf16 parameters, recomputation none / selective / full (``engine.runtime.recompute``): the bytes a microbatch's
+  forward saves for the backward (distinct storages, parameters excluded, counted with saved-tensor hooks) per
+  layer, against the layer input ``s*b*h`` elements that full recomputation keeps, and the median time of a
+  forward and of a forward + backward (the extra forward recomputation costs).  Selective needs blocks whose
+  attention core is a module (``core``); it is skipped for blocks without one.
+
+* **The estimate** (``--estimate``).  Presets (and variants) trained two steps with every chunk's forward under
+  saved-tensor hooks that count the live distinct storages autograd holds (:class:`LiveSaved`): per rank the
+  peak, and the parameter, gradient and optimizer-state bytes, against :func:`engine.training.memory.estimate`.
+
     python benchmarks/memory.py            # pp=2 and pp=4, 1F1B, interleaved, ZB-H1, ZB-V (about two minutes)
     python benchmarks/memory.py --sharding # pp2 x dp2, shard none / optimizer / full (about two minutes)
     python benchmarks/memory.py --tensor   # pp2 x tp1 / tp2 / tp2 + sequence_parallel, bytes per rank
+    python benchmarks/memory.py --estimate # engine.training.memory's estimate against measured bytes per rank
+    python benchmarks/memory.py --recompute  # saved bytes per layer: fp32 / bf16 x none / selective / full
+
 """
 from __future__ import annotations
 
@@ -220,25 +234,30 @@ def _nbytes(tensors) -> int:
     return sum(local_bytes(t) for t in tensors if torch.is_tensor(t))
 
 
+def static_bytes(tr) -> dict:
+    """A trainer's parameter, gradient (and ZeRO-1 gradient shard) and optimizer-state bytes on this rank."""
+    params = list({id(p): p for c in tr.model for p in c.parameters() if p.requires_grad}.values())
+    if tr.sharded:
+        state = tr.optimizer.state_bytes()
+        grad_shard = sum(s.shard_size * 4 for s in tr.grad_sync.shards)
+        padding = sum((s.padded - sum(p.numel() for p in s.params)) * 4 for s in tr.grad_sync.shards)
+    else:
+        state = _nbytes(t for st in tr.optimizer.state.values() for t in st.values())
+        grad_shard = padding = 0
+        if tr.fully_sharded:  # slack of torch.chunk's dim-0 split: one row per parameter
+            padding = sum(p.numel() // max(p.shape[0], 1) * 4 for p in params)
+    return {"param_bytes": _nbytes(params), "grad_bytes": _nbytes(p.grad for p in params),
+            "grad_shard_bytes": grad_shard, "state_bytes": state, "padding_bytes": padding}
+
+
 def shard_job(rank: int, world: int, shard: str, run_dir: str) -> dict:
     """One rank of a pp2 x dp2 run: parameter, gradient and optimizer-state bytes after the last step."""
     from engine import Trainer
     from engine.training.config import load_config
     with Trainer(load_config(None, _shard_overrides(shard, f"{run_dir}/{shard}"))) as tr:
         times = [tr.train_step()["step_time_s"] for _ in range(SHARD_STEPS)]
-        params = list({id(p): p for c in tr.model for p in c.parameters() if p.requires_grad}.values())
-        if tr.sharded:
-            state = tr.optimizer.state_bytes()
-            grad_shard = sum(s.shard_size * 4 for s in tr.grad_sync.shards)
-            padding = sum((s.padded - sum(p.numel() for p in s.params)) * 4 for s in tr.grad_sync.shards)
-        else:
-            state = _nbytes(t for st in tr.optimizer.state.values() for t in st.values())
-            grad_shard = padding = 0
-            if tr.fully_sharded:  # slack of torch.chunk's dim-0 split: one row per parameter
-                padding = sum(p.numel() // max(p.shape[0], 1) * 4 for p in params)
-        return {"rank": rank, "pp_rank": tr.pp_rank, "dp_rank": tr.dp_rank, "param_bytes": _nbytes(params),
-                "grad_bytes": _nbytes(p.grad for p in params), "grad_shard_bytes": grad_shard,
-                "state_bytes": state, "padding_bytes": padding, "step_time_s": times[1:]}
+        return {"rank": rank, "pp_rank": tr.pp_rank, "dp_rank": tr.dp_rank, **static_bytes(tr),
+                "step_time_s": times[1:]}
 
 
 def _shard_row(t: int, shard: str, r: dict, base: dict, step_time: float) -> dict:
@@ -364,13 +383,204 @@ def tensor_main(out: str | None) -> int:
     return 0 if met else 1
 
 
+ESTIMATE_CASES = (  # (config file, overrides) of --estimate: unsplit schedules (a pending W is outside autograd)
+    ("configs/default.yaml", []), ("configs/llama_tiny.yaml", []), ("configs/pp4_1f1b.yaml", []),
+    ("configs/pp2_dp2_zero1.yaml", []),
+    ("configs/default.yaml", ["parallel.pipeline=1", "parallel.virtual=1", "model.dropout=0.1"]),
+    ("configs/llama_tiny.yaml", ["training.micro_batch_size=2", "training.num_microbatches=8"]),
+)
+
+
+class LiveSaved:
+    """Bytes of the distinct storages autograd holds for backward passes, live now and at the peak (parameters
+    and buffers left out): every saved tensor is packed into a handle counted per storage."""
+
+    def __init__(self, skip: set[int]):
+        self.skip, self.count, self.live, self.peak = skip, {}, 0, 0
+
+    def hooks(self):
+        meter = self
+
+        class Held:
+            __slots__ = ("t", "ptr")
+
+            def __init__(self, t):
+                self.t, self.ptr = t, t.untyped_storage().data_ptr()
+                if meter.count.get(self.ptr, 0) == 0:
+                    meter.live += t.untyped_storage().nbytes()
+                    meter.peak = max(meter.peak, meter.live)
+                meter.count[self.ptr] = meter.count.get(self.ptr, 0) + 1
+
+            def __del__(self):
+                meter.count[self.ptr] -= 1
+                if meter.count[self.ptr] == 0:
+                    meter.live -= self.t.untyped_storage().nbytes()
+
+        def pack(t):
+            return t if t.untyped_storage().data_ptr() in meter.skip else Held(t)
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t if isinstance(h, Held) else h)
+
+
+def estimate_job(rank: int, world: int, path: str, overrides: list[str], run_dir: str) -> dict:
+    """One rank of ``path`` + ``overrides``: two training steps with every chunk's forward under
+    :class:`LiveSaved`; its static bytes (:func:`static_bytes`) and the peak saved-activation bytes."""
+    from engine import Trainer
+    from engine.training.config import load_config
+    config = load_config(path, overrides + [f"logging.run_dir={run_dir}", "logging.level=WARNING",
+                                            "logging.progress_bar=false", "data.max_bytes=300000"])
+    with Trainer(config) as tr:
+        meter = LiveSaved({t.untyped_storage().data_ptr() for c in tr.model for t in [*c.parameters(),
+                                                                                      *c.buffers()]})
+        for chunk in tr.model:
+            def forward(*args, _inner=chunk.forward, **kwargs):
+                with meter.hooks():
+                    return _inner(*args, **kwargs)
+            chunk.forward = forward
+        for _ in range(2):
+            tr.train_step()
+        return {"rank": rank, "pp_rank": tr.pp_rank, **static_bytes(tr), "activation_peak_bytes": meter.peak}
+
+
+def estimate_main(out: str | None) -> int:
+    """The ``--estimate`` table: :func:`engine.training.memory.estimate` against measured bytes per rank."""
+    import tempfile
+
+    from engine.training.config import load_config
+    from engine.training.memory import estimate
+    rows = []
+    for path, overrides in ESTIMATE_CASES:
+        config = load_config(path, overrides)
+        est = estimate(config, "cpu")
+        with tempfile.TemporaryDirectory() as tmp:
+            measured = launch(estimate_job, config.world_size, path, overrides, tmp)
+        for r in measured:
+            mine = est.ranks[r["pp_rank"]]
+            row = {"config": " ".join([Path(path).stem, *overrides]), "rank": r["rank"], "pp_rank": r["pp_rank"],
+                   "in_flight": mine.in_flight,
+                   **{f"{k}_predicted": getattr(mine, k) for k in ("parameters", "gradients", "optimizer",
+                                                                     "activations")},
+                   "parameters_measured": r["param_bytes"], "gradients_measured": r["grad_bytes"] +
+                   r["grad_shard_bytes"], "optimizer_measured": r["state_bytes"],
+                   "activations_measured": r["activation_peak_bytes"]}
+            row["activations_error"] = row["activations_predicted"] / row["activations_measured"] - 1
+            row["static_exact"] = all(row[f"{k}_predicted"] == row[f"{k}_measured"]
+                                      for k in ("parameters", "gradients", "optimizer"))
+            rows.append(row)
+            print(f"{row['config']:<58} rank {r['rank']}: params {r['param_bytes']:>9} / {mine.parameters:>9}  "
+                  f"grads {row['gradients_measured']:>9} / {mine.gradients:>9}  optimizer {r['state_bytes']:>9} / "
+                  f"{mine.optimizer:>9}  activations {r['activation_peak_bytes']:>10} / {mine.activations:>10} "
+                  f"({100 * row['activations_error']:+.1f}%, {mine.in_flight} in flight)", flush=True)
+    worst = max(abs(r["activations_error"]) for r in rows)
+    goals = [{"goal": "activations predicted within 10% of the measured peak of saved tensors", "value": worst,
+              "met": worst <= 0.10},
+             {"goal": "parameter / gradient / optimizer bytes exact with parallel.shard none",
+              "value": float(all(r["static_exact"] for r in rows if "zero1" not in r["config"])),
+              "met": all(r["static_exact"] for r in rows if "zero1" not in r["config"])}]
+    path = write_json("memory_estimate", {"rows": rows, "goals": goals}, out)
+    print(f"wrote {path} (measured / predicted bytes)")
+
+
+RECOMPUTE_SIZES = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=256)
+RECOMPUTE_BATCH = 4
+
+
+def _saved_bytes(chunk, tokens) -> dict:
+    """Bytes of the distinct storages one forward of ``chunk`` saves for its backward (parameters excluded), per
+    dtype of the saving tensor: ``{"float32": ..., "bfloat16": ...}``."""
+    params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = (str(t.dtype).replace("torch.", ""), st.nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunk(tokens)
+    out: dict = {}
+    for dtype, n in seen.values():
+        out[dtype] = out.get(dtype, 0) + n
+    return out
+
+
+def _median_ms(fn, repeats: int = 15) -> float:
+    import statistics
+    import time
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def recompute_row(dtype, granularity: str):
+    """One row of ``--recompute``: a middle-stage GPT chunk (blocks only) at ``dtype`` with ``granularity``."""
+    from engine.runtime.recompute import apply_recompute
+    from engine.training.config import ModelConfig
+    from engine.training.models.chunk import build_model_chunks
+    cfg = ModelConfig(**RECOMPUTE_SIZES)
+    chunk = build_model_chunks(cfg, 4 * cfg.hidden_size, 3, 1, 1, seed=0)[0].to(dtype)  # stage 1 of 3: blocks only
+    cores = [getattr(b, "core", None) for b in chunk.layers]
+    if granularity == "selective" and None in cores:
+        return None
+    apply_recompute(chunk.layers if granularity == "full" else cores if granularity == "selective" else [])
+    s, b, h = cfg.seq_length, RECOMPUTE_BATCH, cfg.hidden_size
+    x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
+    chunk.set_input_tensor(x)
+    saved = _saved_bytes(chunk, None)
+    n = len(chunk.layers)
+    grad = torch.randn(s, b, h, dtype=dtype)
+    forward = _median_ms(lambda: chunk(None))
+    step = _median_ms(lambda: chunk(None).backward(grad))
+    element = torch.tensor([], dtype=dtype).element_size()
+    return {"precision": str(dtype).replace("torch.", ""), "recompute": granularity, "layers": n,
+            "saved_bytes_per_layer": sum(saved.values()) / n, "fp32_saved_bytes_per_layer": saved.get("float32", 0) / n,
+            "layer_input_bytes": s * b * h * element, "forward_ms": forward, "forward_backward_ms": step}
+
+
+def recompute_main(out: str | None) -> int:
+    """The ``--recompute`` table (module doc)."""
+    torch.set_num_threads(1)
+    rows = [r for dtype in (torch.float32, torch.bfloat16) for g in ("none", "selective", "full")
+            if (r := recompute_row(dtype, g)) is not None]
+    print(f"{'precision':>9} {'recompute':>9} {'saved B/layer':>13} {'input B':>8} {'F ms':>7} {'F+B ms':>7}")
+    for r in rows:
+        print(f"{r['precision']:>9} {r['recompute']:>9} {r['saved_bytes_per_layer']:>13.0f} "
+              f"{r['layer_input_bytes']:>8} {r['forward_ms']:>7.2f} {r['forward_backward_ms']:>7.2f}")
+    full = [r for r in rows if r["recompute"] == "full"]
+    by = {(r["precision"], r["recompute"]): r["saved_bytes_per_layer"] for r in rows}
+    stats = next(r["fp32_saved_bytes_per_layer"] for r in rows if r["precision"] == "bfloat16" and
+                 r["recompute"] == "none")  # fp32 tensors a bf16 forward saves: the norms' mean and rstd
+    goals = [{"goal": "full recomputation saves exactly the layer input (s*b*h elements) per layer and microbatch",
+              "value": max(r["saved_bytes_per_layer"] / r["layer_input_bytes"] for r in full),
+              "met": all(r["saved_bytes_per_layer"] == r["layer_input_bytes"] for r in full)},
+             {"goal": "bf16 activations saved per layer are half of fp32's (the norms' fp32 statistics kept whole)",
+              "value": by[("bfloat16", "none")] / by[("float32", "none")],
+              "met": (by[("bfloat16", "none")] - stats) * 2 + stats == by[("float32", "none")]}]
+    for g in goals:
+        print(f"{'met' if g['met'] else 'MISSED'}: {g['goal']} ({g['value']:.3f})")
+    path = write_json("memory_recompute", {"rows": rows, "goals": goals, "sizes": {**RECOMPUTE_SIZES,
+                                                                                    "micro_batch_size": RECOMPUTE_BATCH}},
+                      out)
+    print(f"wrote {path}")
+    return 0 if all(g["met"] for g in goals) else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--sharding", action="store_true", help="only the parallel.shard table (pp2 x dp2, 4 ranks)")
     ap.add_argument("--tensor", action="store_true", help="only the parallel.tensor table (pp2 x tp1 / tp2)")
+    ap.add_argument("--estimate", action="store_true",
+                    help="only engine.training.memory's estimate against measured bytes per rank (presets)")
+    ap.add_argument("--recompute", action="store_true", help="only the recomputation x precision table (1 process)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.estimate:
+        return estimate_main(args.out)
+    if args.recompute:
+        return recompute_main(args.out)
     if args.sharding:
         return sharding_main(args.out)
     if args.tensor:

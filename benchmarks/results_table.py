@@ -24,12 +24,14 @@ Speed and memory are measured here, not in the tests.  Each script prints its fi
 | `vs_torch_pipelining.py [--pin]` | step time of pipecast 1F1B / interleaved / ZB-H1 / ZB-V against every torch.distributed.pipelining schedule, same model, data and loss (`loss_matches`), side by side in the same jobs |
 | `tune_configs.py` | `pipecast tune --verify` on the default and the pp=4 config: ranked candidates, predicted vs measured step time |
 | `runtime_overhead.py` | per-action runtime cost over compute, pp=1 and pp=2, pipecast and torch |
-| `memory.py` | peak in-flight activations and pending W per rank against the closed form and the simulator; bytes held by sent outputs with and without deallocation |
+| `memory.py [--sharding / --tensor / --recompute / --estimate]` | peak in-flight activations and pending W per rank against the closed form and the simulator; bytes held by sent outputs with and without deallocation; `--recompute`: saved-activation bytes per layer, fp32 / bf16 x none / selective / full; `--estimate`: `engine.training.memory`'s per-rank estimate (parameters, gradients, optimizer state, activations) against measured bytes |
+| `checkpoint_save.py` | `Trainer.save` with and without the manifest's SHA-256 hashing, side by side: wall and CPU time, the hashing share |
 | `split_backward.py` | B + W against the full backward of one chunk; bytes held between B and W |
 | `profile_step.py` | a timeline of pipecast steps, each against its floor (the plan simulated with measured costs) |
 | `plan_scale.py` | build + validate + simulate for p=64, v=8, m=1024 |
+| `zero_bubble_costs.py` | cost-aware `zb` plans on the zero-bubble paper's profiled costs (its ZB-1p / ZB-2p bubble rates beside), V-Half / V-Min bubble and memory, build times up to p=32, m=256 |
 | `cuda_graphs_bench.py` | one GPU: eager vs graph replay (bitwise equality, step time, memory); `--memory-only` on CPU |
-| `gpu_check.py [--dry-run]` | the first-GPU-run check: cuda tests, GPT-block F/B/W graphs vs eager (interleaved, zb_h1, zbv; fp32 bitwise, bf16 tolerance), caller state, split-graph memory at M = 4 / 16, capture seconds, trainer graphs on/off, bench goals; one JSON in `results/gpu/` |
+| `gpu_check.py [--dry-run] [--out DIR]` | the first-GPU-run check: GPT-block F/B/W graphs vs eager (interleaved, zb_h1, zbv; fp32 bitwise, bf16 tolerance), caller state, dropout under replay, graph-pool bytes at M = 4 / 16, capture seconds, trainer graphs on/off (zbv, 1f1b, bf16, interleaved pp2), host syncs, cuda tests, bench goals; one JSON rewritten around every check, within a time budget |
 | `investigations/p2p_stalls.py`, `investigations/gloo_post_stalls.py` | one-off studies of gloo receive posting and send stalls |
 
 Method on a shared machine: each fresh job builds all engines and steps them round-robin (shuffled order per
@@ -190,7 +192,31 @@ def tune(d: dict) -> list[str]:
     return out + [""] + _goals(d) + ["", _machine(d)]
 
 
-RENDER = {"vs_torch_pipelining": vs_torch, "tune_configs": tune, "vs_torch_pipelining_pinned": vs_torch, "runtime_overhead": overhead,
+def zero_bubble_costs(d: dict) -> list[str]:
+    out = ["### Cost-aware zero-bubble plans on the zero-bubble paper's settings (arXiv:2401.10241, Tables 5 and 9)",
+           "", "Bubble rate `(cost - m(F+B+W)) / cost`; ours: `zb` built for the profiled costs at an activation budget "
+           "of p / 2p (a pending W counts M_W/M_B of an activation, the paper's Table 1); peak: its memory in M_B.", "",
+           "| model | p | m | 1F1B | ZB-H1 | ZB-1p (paper) | ours, p | peak | ZB-2p (paper) | ours, 2p | peak |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in d["paper_settings"]:
+        out.append(f"| {r['model']} | {r['p']} | {r['m']} | {r['1f1b']:.4f} | {r['zb_h1']:.4f} | "
+                   f"{r['paper']['zb_1p']:.4f} | {r['cost_aware_1p']:.4f} | {r['peak_memory_1p']:.1f} | "
+                   f"{r['paper']['zb_2p']:.4f} | {r['cost_aware_2p']:.4f} | {r['peak_memory_2p']:.1f} |")
+    out += ["", "V-Half / V-Min with F = B = W (m = 3p): bubble in chunk-pass slots against 1F1B's, activation memory "
+            "(F to W, microbatches) against the controllable-memory paper's.", "",
+            "| schedule | p | bubble | of 1F1B's | memory | paper |", "|---|---:|---:|---:|---:|---:|"]
+    for r in d["controllable"]:
+        out.append(f"| {r['schedule']} | {r['p']} | {r['bubble_slots']:.0f} | "
+                   f"{r['bubble_slots'] / r['1f1b_bubble_slots']:.3f} | {r['memory_microbatches']:.1f} | "
+                   f"{r['paper_memory']} |")
+    out += ["", "| build | p | m | CPU s | wall s |", "|---|---:|---:|---:|---:|"]
+    out += [f"| {r['schedule']} (budget {r['budget']}) | {r['p']} | {r['m']} | {r['cpu_s']:.2f} | {r['wall_s']:.2f} |"
+            for r in d["build_times"]]
+    return out + ["", f"Goal (at or below ZB-1p / ZB-2p on every setting): {'met' if d['goal_met'] else 'missed'}.",
+                  "", _machine(d)]
+
+
+RENDER = {"zero_bubble_costs": zero_bubble_costs, "vs_torch_pipelining": vs_torch, "tune_configs": tune, "vs_torch_pipelining_pinned": vs_torch, "runtime_overhead": overhead,
           "memory": memory, "p2p_stalls_1f1b": stalls, "p2p_stalls_interleaved": stalls,
           "gloo_post_stalls": post_stalls, "split_backward": split_backward}
 ORDER = ["vs_torch_pipelining", "vs_torch_pipelining_pinned", "tune_configs", "runtime_overhead", "memory", "p2p_stalls_1f1b",

@@ -19,6 +19,11 @@ _LAZY_EXPORTS = {
     "looped_stages": ".model_split",
     "v_stages": ".model_split",
     "finalize_model_grads": ".finalize",
+    # fitting a model: activation recomputation, fp32 gradient accumulation for bf16 parameters, uneven stages
+    "recompute": ".runtime.recompute",
+    "apply_recompute": ".runtime.recompute",
+    "attach_main_grad": ".runtime.main_grad",
+    "parse_layout": ".plan.layout",
     # local ranks for any function (the plain launcher; ``engine.training.spawn`` runs a training config)
     "spawn": ".runtime.spawn",
     "RankError": ".runtime.spawn",

@@ -10,6 +10,8 @@ themselves:
   are summed over the embedding group (``pg_collection.embd``: first and last pipeline rank), so both copies take
   the same optimizer step.  Both ends must mark the same number of weights with the same shapes, in the same order.
   A weight whose both uses live on one rank (one ``Parameter`` in two chunks) needs no marking.
+* gradients are read through :func:`engine.runtime.main_grad.grad_of`: a parameter's fp32 ``main_grad`` when it has
+  one (bf16 parameters), else ``.grad``.
 * :func:`warn_unsynced_tied_weights` (called by the schedules on a training call without a
   ``finalize_model_grads_func``) warns once per model chunk when such weights would otherwise diverge silently.
 """
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .runtime.main_grad import grad_of
 from .runtime.process_groups import ProcessGroupCollection, group_size
 
 __all__ = ["finalize_model_grads", "tied_weights", "all_reduce_grads", "sum_tied_grads",
@@ -41,23 +44,25 @@ def tied_weights(model_chunks: Iterable[nn.Module]) -> list[nn.Parameter]:
 
 def _grad_params(model_chunks: Iterable[nn.Module]) -> list[nn.Parameter]:
     """Every parameter that requires grad, each once (a Parameter shared by two chunks of one rank counts once);
-    a missing gradient becomes zeros, so every rank of a group reduces the same tensors."""
+    a missing gradient becomes zeros, so every rank of a group reduces the same tensors.  A parameter with a
+    ``main_grad`` (:mod:`engine.runtime.main_grad`) is reduced through it."""
     seen, out = set(), []
     for chunk in model_chunks:
         for p in chunk.parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                if p.grad is None:
+                if grad_of(p) is None:
                     p.grad = torch.zeros_like(p)
                 out.append(p)
     return out
 
 
 def _local_grad(p: torch.Tensor) -> torch.Tensor:
-    """``p.grad``, or for a DTensor parameter the local shard of its gradient laid out like ``p`` (autograd may
-    hand back another placement, e.g. a replicated embedding gradient; it is redistributed first)."""
+    """The gradient of ``p`` (:func:`~engine.runtime.main_grad.grad_of`), or for a DTensor parameter the local shard
+    of it laid out like ``p`` (autograd may hand back another placement, e.g. a replicated embedding gradient; it
+    is redistributed first)."""
     from torch.distributed.tensor import DTensor
-    g = p.grad
+    g = grad_of(p)
     if not isinstance(g, DTensor):
         return g
     if isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
@@ -73,7 +78,8 @@ def all_reduce_grads(params: Sequence[nn.Parameter], group, *, average: bool) ->
         return
     buckets: dict[tuple, list[nn.Parameter]] = {}
     for p in params:
-        buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+        g = grad_of(p)
+        buckets.setdefault((g.dtype, g.device), []).append(p)
     for bucket in buckets.values():
         flat = torch.cat([_local_grad(p).reshape(-1) for p in bucket])
         dist.all_reduce(flat, group=group)
@@ -91,7 +97,7 @@ def sum_tied_grads(weights: Sequence[nn.Parameter], pg_collection: ProcessGroupC
     """Sum the gradients of the tied ``weights`` over the embedding group (no-op when it has one rank)."""
     if weights and len(pg_collection.embd_ranks) > 1 and pg_collection.embd is not None:
         for w in weights:
-            if w.grad is None:
+            if grad_of(w) is None:
                 w.grad = torch.zeros_like(w)
         all_reduce_grads(weights, pg_collection.embd, average=False)
 
@@ -108,7 +114,7 @@ def _scale_by_tokens(params: Sequence[nn.Parameter], num_tokens: torch.Tensor,
         dist.all_reduce(total, group=pg.dp_cp)
     scale = 1.0 / max(float(total), 1.0)
     for p in params:
-        p.grad.mul_(scale)
+        grad_of(p).mul_(scale)
 
 
 def finalize_model_grads(model_chunks: Sequence[nn.Module], num_tokens=None, *, pg_collection=None,

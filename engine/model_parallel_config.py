@@ -22,7 +22,7 @@ only this one config as its ``.config``; a Megatron ``TransformerConfig`` (a sub
 * ``cpu_offloading`` is not supported with pipelining.
 
 pipecast adds type / range checks on the sizes (positive integers).  Which sizes the pipecast runtime supports
-(any tensor-parallel size; context / expert parallel size 1) is checked where process groups are built
+(any tensor-parallel and expert-parallel size; context parallel size 1) is checked where process groups are built
 (``engine.runtime.process_groups``), not here: a config is data and may describe a run pipecast cannot execute.
 
 Like Megatron's, the dataclass is mutable: the interleaved schedule turns a single ``grad_sync_func`` /

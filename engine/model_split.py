@@ -2,7 +2,8 @@
 
 A model whose body is a list of layers (``transformer.h`` of a GPT-2, or an ``nn.Sequential``) plus first-stage
 modules (embeddings) and last-stage modules (final norm, head) is cut into ``num_stages`` virtual pipeline stages of
-equal numbers of consecutive layers.  :func:`split_model` builds the chunks of the stages one rank holds, in chunk
+consecutive layers: equal numbers, or the per-stage counts of a pipeline layout (``layout="Et*3|t*4|t*4|t*3L"`` or
+``layout=[3, 4, 4, 3]``, :mod:`engine.plan.layout`: a lighter first and last stage).  :func:`split_model` builds the chunks of the stages one rank holds, in chunk
 order; the placement is a plain sequence of stage indices (:func:`looped_stages` for 1F1B / interleaved 1F1B,
 :func:`v_stages` for the V placement of ZB-V / DualPipeV).
 
@@ -29,6 +30,8 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
+
+from .plan.layout import PipelineLayout, resolve_layout
 
 __all__ = ["PipelineChunk", "split_model", "looped_stages", "v_stages"]
 
@@ -199,19 +202,29 @@ def _body(model: nn.Module, layers, first: Sequence[str], last: Sequence[str]) -
     return path, body
 
 
-def _layers_per_stage(num_layers: int, num_stages: int, path: str, config, per_rank: int) -> int:
-    if num_layers % num_stages:
-        pp = getattr(config, "pipeline_model_parallel_size", "?")
-        raise ValueError(f"{num_layers} layers ({path!r}) do not split evenly into num_stages={num_stages} virtual "
-                         f"pipeline stages (pipeline_model_parallel_size={pp}, {per_rank} model chunk(s) per rank); "
-                         f"use a layer count divisible by {num_stages}, or change pipeline_model_parallel_size / "
-                         "the chunks per rank (virtual_pipeline_model_parallel_size) or num_stages")
-    return num_layers // num_stages
+def _stage_layers(num_layers: int, num_stages: int, path: str, config, per_rank: int, layout) -> list[range]:
+    """Per virtual stage, the indices of its body layers: equal slices, or the counts of ``layout``."""
+    pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
+    if layout is None:
+        if num_layers % num_stages:
+            raise ValueError(f"{num_layers} layers ({path!r}) do not split evenly into num_stages={num_stages} "
+                             f"virtual pipeline stages (pipeline_model_parallel_size={pp}, {per_rank} model chunk(s) "
+                             f"per rank); use a layer count divisible by {num_stages}, pass layout= with the layers "
+                             "of each stage (e.g. layout=[3, 4, 4, 3]), or change pipeline_model_parallel_size / the "
+                             "chunks per rank (virtual_pipeline_model_parallel_size) or num_stages")
+        layout = PipelineLayout.even(num_layers, num_stages)
+    else:
+        looped = num_stages % pp == 0
+        names = {"layout": "layout", "num_layers": f"len({path})", "virtual": "chunks per rank",
+                 "pipeline": "pipeline_model_parallel_size" if looped else "num_stages"}
+        layout = resolve_layout(layout, num_layers=num_layers, pp_size=pp if looped else num_stages,
+                                virtual=num_stages // pp if looped else 1, names=names)
+    return [layout.layers(s) for s in range(num_stages)]
 
 
-def _stage_entries(first: list, body: list, last: list, num_stages: int, per: int) -> list[list]:
+def _stage_entries(first: list, body: list, last: list, ranges: list[range]) -> list[list]:
     """Per virtual stage, its ``(dotted name, module)`` entries: first-stage modules, layers, last-stage modules."""
-    stages = [list(body[s * per:(s + 1) * per]) for s in range(num_stages)]
+    stages = [list(body[r.start:r.stop]) for r in ranges]
     stages[0] = first + stages[0]
     stages[-1] = stages[-1] + last
     return stages
@@ -281,7 +294,7 @@ def _check_stages(stages, num_stages: int) -> list[int]:
 def split_model(model: nn.Module, *, layers, stages: Sequence[int], config, first: Iterable[str] = (),
                 last: Iterable[str] = (), num_stages: Optional[int] = None, embed: Optional[Callable] = None,
                 head: Optional[Callable] = None, block: Optional[Callable] = None,
-                batch_first: bool = False) -> list[PipelineChunk]:
+                batch_first: bool = False, layout=None) -> list[PipelineChunk]:
     """This rank's model chunks of ``model``, one per entry of ``stages`` (virtual stage indices, chunk order).
 
     Args:
@@ -298,19 +311,24 @@ def split_model(model: nn.Module, *, layers, stages: Sequence[int], config, firs
             in order.
         block: ``block(layer, hidden) -> hidden``; default ``layer(hidden)`` (first element of a tuple).
         batch_first: the model works on ``[b, s, h]``; the chunks transpose to and from the pipeline's ``[s, b, h]``.
+        layout: the body layers of each virtual stage, in stage order: a pipeline layout string
+            (``"Et*3|t*4|t*4|t*3L"``: ``t`` one body layer, ``E`` / ``L`` where the ``first`` / ``last`` modules go,
+            which must be the first and the last stage; :mod:`engine.plan.layout`) or a list of per-stage layer
+            counts (``[3, 4, 4, 3]``); default equal counts.
 
     Raises ``ValueError`` / ``TypeError`` for a path that names no module, stages out of range or repeated, a layer
-    count not divisible by ``num_stages``, parameters in no stage, and parameters shared by stages other than the
-    first and the last.
+    count not divisible by ``num_stages`` (without ``layout``), a layout that does not fit (its stage count, ``E``
+    / ``L`` placement, an empty stage, its layer count: :func:`engine.plan.layout.resolve_layout`), parameters in no
+    stage, and parameters shared by stages other than the first and the last.
     """
     first, last = list(first), list(last)
     if num_stages is None:
         num_stages = int(getattr(config, "pipeline_model_parallel_size", 1)) * len(list(stages))
     stages = _check_stages(stages, num_stages)
     layers_path, body = _body(model, layers, first, last)
-    per = _layers_per_stage(len(body), num_stages, layers_path, config, len(stages))
+    ranges = _stage_layers(len(body), num_stages, layers_path, config, len(stages), layout)
     ends = ([(n, _submodule(model, n, "first")) for n in first], [(n, _submodule(model, n, "last")) for n in last])
-    entries = _stage_entries(ends[0], body, ends[1], num_stages, per)
+    entries = _stage_entries(ends[0], body, ends[1], ranges)
     _check_covered(model, entries)
     tied = _tied_parameters(entries)
     chunks = []
@@ -320,7 +338,7 @@ def split_model(model: nn.Module, *, layers, stages: Sequence[int], config, firs
                               block=block or _default_block)
         for name, module in entries[stage]:
             _attach(chunk, name, module, layers_path)
-        chunk.body_layers = [m for _, m in body[stage * per:(stage + 1) * per]]
+        chunk.body_layers = [m for _, m in body[ranges[stage].start:ranges[stage].stop]]
         chunk.first_modules = [m for _, m in ends[0]] if chunk.is_first else []
         chunk.last_modules = [m for _, m in ends[1]] if chunk.is_last else []
         chunks.append(chunk)

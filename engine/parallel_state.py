@@ -33,6 +33,14 @@ __all__ = [
     "get_tensor_and_context_parallel_group", "get_tensor_and_context_parallel_rank",
     "get_tensor_and_context_parallel_world_size", "get_model_parallel_world_size", "get_model_parallel_rank",
     "get_data_parallel_src_rank", "get_device_mesh", "get_context_parallel_group", "get_context_parallel_rank", "get_context_parallel_world_size",
+    "get_expert_model_parallel_group", "get_expert_model_parallel_rank", "get_expert_model_parallel_world_size",
+    "set_expert_model_parallel_rank", "set_expert_model_parallel_world_size", "get_expert_model_parallel_src_rank",
+    "get_expert_tensor_parallel_group", "get_expert_tensor_parallel_rank", "get_expert_tensor_parallel_world_size",
+    "set_expert_tensor_parallel_rank", "set_expert_tensor_parallel_world_size",
+    "get_expert_tensor_and_model_parallel_group", "get_expert_tensor_and_model_parallel_rank",
+    "get_expert_tensor_and_model_parallel_world_size", "get_expert_tensor_model_pipeline_parallel_group",
+    "get_expert_data_parallel_group", "get_expert_data_parallel_rank", "get_expert_data_parallel_world_size",
+    "get_data_modulo_expert_parallel_group",
 ]
 
 _UNSET = object()
@@ -46,6 +54,10 @@ class _State:
     pp_rank: Optional[int] = None  # override
     tp_world_size: Optional[int] = None  # override (Megatron's set_tensor_model_parallel_world_size)
     tp_rank: Optional[int] = None  # override
+    ep_world_size: Optional[int] = None  # override (Megatron's set_expert_model_parallel_world_size)
+    ep_rank: Optional[int] = None  # override
+    etp_world_size: Optional[int] = None  # override (Megatron's set_expert_tensor_parallel_world_size)
+    etp_rank: Optional[int] = None  # override
     mesh = None  # the DeviceMesh of get_device_mesh, built on first use
 
 
@@ -66,8 +78,10 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     """Build the process groups (Megatron-Core signature); the data-parallel size is ``world_size // (pp * tp)``.
 
     Supported: any tensor-parallel size dividing ``world_size // pp`` (Megatron's rank order ``tp-cp-ep-dp-pp``:
-    the tensor-parallel rank varies fastest), context / expert parallel size 1, one distributed-optimizer
-    instance, the default ``order``; ``use_sharp``, ``nccl_communicator_config_path``, ``create_gloo_process_groups``,
+    the tensor-parallel rank varies fastest); expert groups of ``expert_model_parallel_size`` ranks of
+    ``expert_tensor_parallel_size`` (default: the tensor-parallel size) each, laid out by Megatron's expert rank
+    generator (the expert-data-parallel size is ``world_size // (etp * ep * pp)``, which must divide evenly, as
+    Megatron requires); context parallel size 1, one distributed-optimizer instance, the default ``order``; ``use_sharp``, ``nccl_communicator_config_path``, ``create_gloo_process_groups``,
     ``high_priority_stream_groups``, ``sharp_enabled_group`` are accepted and have no effect.
     ``pipeline_model_parallel_comm_backend`` is the backend of the pipeline groups (default: the world's).
     Rank layout: see ``engine.runtime.process_groups``.  With ``virtual_pipeline_model_parallel_size`` set, the virtual
@@ -81,18 +95,17 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         raise RuntimeError("initialize_model_parallel: model parallel state is already initialised; call "
                            "engine.parallel_state.destroy_model_parallel() first")
     unsupported = {"context_parallel_size": (context_parallel_size, 1),
-                   "expert_model_parallel_size": (expert_model_parallel_size, 1),
                    "num_distributed_optimizer_instances": (num_distributed_optimizer_instances, 1),
                    "hierarchical_context_parallel_sizes": (hierarchical_context_parallel_sizes, None),
                    "order": (order, "tp-cp-ep-dp-pp")}
-    if expert_tensor_parallel_size is not None:
-        unsupported["expert_tensor_parallel_size"] = (expert_tensor_parallel_size, 1)
     for name, (value, supported) in unsupported.items():
         if value != supported:
             raise ValueError(f"initialize_model_parallel: {name}={value!r} is not supported by pipecast "
-                             f"(pipeline x data x tensor parallel only); use {name}={supported!r}")
+                             f"(pipeline x data x tensor x expert parallel only); use {name}={supported!r}")
     pg = build_process_groups(pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
                               tensor_model_parallel_size=tensor_model_parallel_size,
+                              expert_model_parallel_size=expert_model_parallel_size,
+                              expert_tensor_parallel_size=expert_tensor_parallel_size,
                               backend=pipeline_model_parallel_comm_backend,
                               timeout=datetime.timedelta(minutes=distributed_timeout_minutes))
     _state.pg = pg
@@ -108,6 +121,7 @@ def destroy_model_parallel() -> None:
     _state.pp_rank = None
     _state.tp_world_size = None
     _state.tp_rank = None
+    _state.ep_world_size = _state.ep_rank = _state.etp_world_size = _state.etp_rank = None
     _state.mesh = None
     if pg is not None:
         pg.destroy()
@@ -368,3 +382,121 @@ def get_context_parallel_world_size() -> int:
 def get_context_parallel_rank() -> int:
     """Always 0 in pipecast."""
     return group_rank(get_pg_collection().cp)
+
+
+# ---- expert parallel (Megatron-Core's expert layout: engine.runtime.process_groups) -----------------------------
+
+def get_expert_model_parallel_group(check_initialized: bool = True):
+    """The expert-parallel group of this rank: the ranks that shard one layer's experts (token all-to-all)."""
+    return _group("ep", check_initialized)
+
+
+def get_expert_model_parallel_world_size() -> int:
+    """Expert-parallel size (1 before initialisation; Megatron-Core answers 0 without torch.distributed)."""
+    if _state.ep_world_size is not None:
+        return _state.ep_world_size
+    return group_size(get_pg_collection().ep)
+
+
+def get_expert_model_parallel_rank() -> int:
+    """This rank's index in its expert-parallel group (0 before initialisation)."""
+    if _state.ep_rank is not None:
+        return _state.ep_rank
+    return group_rank(get_pg_collection().ep)
+
+
+def set_expert_model_parallel_world_size(world_size: Optional[int]) -> None:
+    """Override the expert-parallel size the getters report (Megatron helper); None removes the override."""
+    _state.ep_world_size = world_size
+
+
+def set_expert_model_parallel_rank(rank: Optional[int]) -> None:
+    """Override the expert-parallel rank the getters report (Megatron helper); None removes the override."""
+    _state.ep_rank = rank
+
+
+def get_expert_model_parallel_src_rank() -> int:
+    """Global rank of expert-parallel rank 0 of this rank's expert-parallel group."""
+    return get_pg_collection().ep_ranks[0]
+
+
+def get_expert_tensor_parallel_group(check_initialized: bool = True):
+    """The expert-tensor-parallel group of this rank (splits each expert's tensors)."""
+    return _group("expt_tp", check_initialized)
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    """Expert-tensor-parallel size (the tensor-parallel override, else 1, before initialisation)."""
+    if _state.etp_world_size is not None:
+        return _state.etp_world_size
+    if _state.pg is None:  # Megatron falls back to the tensor-parallel override without the group
+        return _state.tp_world_size if _state.tp_world_size is not None else 1
+    return group_size(_state.pg.expt_tp)
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    """This rank's index in its expert-tensor-parallel group (the tensor-parallel override, else 0, before
+    initialisation)."""
+    if _state.etp_rank is not None:
+        return _state.etp_rank
+    if _state.pg is None:
+        return _state.tp_rank if _state.tp_rank is not None else 0
+    return group_rank(_state.pg.expt_tp)
+
+
+def set_expert_tensor_parallel_world_size(world_size: Optional[int]) -> None:
+    """Override the expert-tensor-parallel size the getters report (Megatron helper); None removes it."""
+    _state.etp_world_size = world_size
+
+
+def set_expert_tensor_parallel_rank(rank: Optional[int]) -> None:
+    """Override the expert-tensor-parallel rank the getters report (Megatron helper); None removes it."""
+    _state.etp_rank = rank
+
+
+def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True):
+    """The expert-tensor x expert-parallel group of this rank."""
+    return _group("tp_ep", check_initialized)
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    """Ranks in the expert-tensor x expert-parallel group (1 before initialisation)."""
+    return group_size(get_pg_collection().tp_ep)
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    """This rank's index in the expert-tensor x expert-parallel group (0 before initialisation)."""
+    return group_rank(get_pg_collection().tp_ep)
+
+
+def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True):
+    """The expert-tensor x expert x pipeline group of this rank."""
+    return _group("tp_ep_pp", check_initialized)
+
+
+def get_expert_data_parallel_group(check_initialized: bool = True, partial_expert_data_parallel: bool = False):
+    """The expert-data-parallel group of this rank: the replicas of this rank's experts (expert gradients are
+    reduced over it).  ``partial_expert_data_parallel=True`` raises ``ValueError`` (one distributed-optimizer
+    instance)."""
+    if partial_expert_data_parallel:
+        raise ValueError("get_expert_data_parallel_group(partial_expert_data_parallel=True) is not supported by "
+                         "pipecast (one distributed-optimizer instance); pass partial_expert_data_parallel=False")
+    return _group("expt_dp", check_initialized)
+
+
+def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False):
+    """Deprecated name of :func:`get_expert_data_parallel_group` (as in Megatron-Core; warns)."""
+    import warnings
+    warnings.warn("get_data_modulo_expert_parallel_group is deprecated, use get_expert_data_parallel_group",
+                  DeprecationWarning, stacklevel=2)
+    return get_expert_data_parallel_group(partial_expert_data_parallel=partial_expert_data_parallel)
+
+
+def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
+    """Expert-data-parallel size (1 before initialisation)."""
+    return group_size(get_expert_data_parallel_group(False, partial_expert_data_parallel))
+
+
+def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
+    """This rank's index in its expert-data-parallel group (0 before initialisation)."""
+    return group_rank(get_expert_data_parallel_group(False, partial_expert_data_parallel))

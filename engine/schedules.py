@@ -26,6 +26,11 @@ Deliberate deviations from Megatron-Core 0.16.1:
   sender (Megatron hangs or reads garbage).
 * Sends are posted without waiting for the receiver; a send's handle is waited once the receiver has provably
   posted the matching receive, else at the end of the step.
+* ``config.overlap_moe_expert_parallel_comm`` (training calls): Megatron's combined 1F1B for no pipelining and the
+  interleaved schedule (its warmup + 1; every steady forward / backward pair one cell), DualPipeV's cells for
+  ``"dualpipev"``; each cell runs overlapped (``engine.runtime.overlap``: the model's expert all-to-alls are in
+  flight while the other microbatch computes).  Refused, as Megatron refuses it, for non-interleaved 1F1B with
+  pipelining, and for the schedules without forward-backward cells.
 * Each model chunk's ``set_input_tensor``, ``set_is_first_microbatch`` and current-microbatch layers are looked up
   once per call (:class:`~engine.runtime.step.ChunkHooks`) with the other checks, so a chunk without ``set_input_tensor``
   or whose ``vp_stage`` is not its index in the model list fails on every rank before any P2P (Megatron: at that
@@ -105,7 +110,7 @@ def _schedule_id(spec: ScheduleSpec) -> int:
     return names.index(spec.name) if spec.name in names else len(names)
 _FINGERPRINT = ("schedule", "num_microbatches", "forward_only", "num_model_chunks",
                 "microbatch_group_size_per_vp_stage", "variable_seq_lengths", "activation shape", "gradient shape",
-                "config.pipeline_dtype")
+                "config.pipeline_dtype", "config.overlap_moe_expert_parallel_comm")
 _SHAPE_SLOTS = 4
 # pipeline_dtype in the fingerprint: ranks with different P2P dtypes would exchange messages of different byte sizes
 # (gloo aborts the process on a larger message and silently half-fills the buffer on a smaller one)
@@ -216,6 +221,8 @@ def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, mi
     call.hooks = _chunk_hooks(models, len(models) > 1 or _interleaved(schedule))
     config = get_model_config(models[0])
     call.config = config
+    if getattr(config, "overlap_moe_expert_parallel_comm", False) and not forward_only:
+        _check_overlap(schedule, comm.size if comm is not None else _pipeline_of(pgc))
     if comm is None and not _local(schedule):
         comm = _communicator(pgc.pp, config)
     call.comm = comm
@@ -240,6 +247,25 @@ def _prepare(schedule, *, data_iterator, model, num_microbatches, seq_length, mi
     if pp_size > 1 and not comm.negotiates_shapes:
         _set_shapes(call, seq_length, micro_batch_size, decoder_seq_length, adjust_tensor_shapes_fn)
     return call
+
+
+def _pipeline_of(pgc) -> int:
+    return group_size(pgc.pp) if pgc is not None else 1
+
+
+def _check_overlap(schedule, pp_size: int) -> None:
+    """``config.overlap_moe_expert_parallel_comm`` needs a schedule with forward-backward cells; Megatron-Core
+    refuses it for non-interleaved 1F1B with pipelining (its ``TransformerConfig``)."""
+    name = _function_name(schedule)
+    if schedule.megatron_function == _ONE_F_ONE_B_FN and pp_size > 1:
+        raise ValueError(f"{name}: config.overlap_moe_expert_parallel_comm=True needs virtual pipeline stages when "
+                         f"pipeline_model_parallel_size={pp_size} > 1 (as Megatron-Core); use the interleaved "
+                         "schedule (virtual_pipeline_model_parallel_size >= 2) or schedule='dualpipev', or set it "
+                         "to False")
+    if schedule is not _IMPORTED and "overlap_moe_expert_parallel_comm" not in schedule.options:
+        takers = [n for n in schedule_names() if "overlap_moe_expert_parallel_comm" in get_schedule(n).options]
+        raise ValueError(f"{name}: config.overlap_moe_expert_parallel_comm=True but schedule {schedule.name!r} has no "
+                         f"forward-backward cells to overlap; use one of {takers}, or set it to False")
 
 
 def _models_of(schedule, model, data_iterator, adjust_tensor_shapes_fn, chunks):
@@ -344,8 +370,9 @@ def _fingerprint(call, schedule, num_microbatches, forward_only) -> list[int]:
     variable = bool(call.comm.negotiates_shapes)
     dtype = call.config.pipeline_dtype
     dtype_id = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    overlap = int(bool(getattr(call.config, "overlap_moe_expert_parallel_comm", False)))
     return ([_schedule_id(schedule), num_microbatches, int(bool(forward_only)), len(call.models), call.group or 0,
-             int(variable)] + slots(call.act_shape) + slots(call.grad_shape) + [dtype_id])
+             int(variable)] + slots(call.act_shape) + slots(call.grad_shape) + [dtype_id, overlap])
 
 
 def _agree(comm, error, values) -> None:
@@ -355,7 +382,7 @@ def _agree(comm, error, values) -> None:
         if error is not None:
             raise error
         return
-    width = 7 + 2 * _SHAPE_SLOTS
+    width = 8 + 2 * _SHAPE_SLOTS
     vec = torch.tensor([int(error is not None)] + (list(values) if error is None else [0] * width),
                        dtype=torch.int64, device=comm.device)
     gathered = [torch.empty_like(vec) for _ in range(comm.size)]
@@ -365,7 +392,8 @@ def _agree(comm, error, values) -> None:
     if rejected:
         _raise_shared(comm, error, rejected)
     columns = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 6 + _SHAPE_SLOTS),
-               (6 + _SHAPE_SLOTS, 6 + 2 * _SHAPE_SLOTS), (6 + 2 * _SHAPE_SLOTS, 7 + 2 * _SHAPE_SLOTS)]
+               (6 + _SHAPE_SLOTS, 6 + 2 * _SHAPE_SLOTS), (6 + 2 * _SHAPE_SLOTS, 7 + 2 * _SHAPE_SLOTS),
+               (7 + 2 * _SHAPE_SLOTS, 8 + 2 * _SHAPE_SLOTS)]
     for name, (a, b) in zip(_FINGERPRINT, columns):
         per_rank = [tuple(row[1 + a:1 + b]) for row in rows]
         if len(set(per_rank)) > 1:
@@ -440,16 +468,21 @@ def _program(call, schedule, num_microbatches, forward_only, plan):
     config, comm = call.config, call.comm
     pp_size, rank = (1, 0) if comm is None else (comm.size, comm.rank)
     prefetch, batched = default_prefetch(config, comm), bool(config.batch_p2p_comm)
+    overlap = bool(getattr(config, "overlap_moe_expert_parallel_comm", False)) and not forward_only
     if plan is None:
         group = call.group if "group_size" in schedule.options else None
-        plan = _resolved(schedule, pp_size, len(call.models), group).plan(num_microbatches, bool(forward_only))
-    return program_for(plan, rank, prefetch, batched)
+        options = {"overlap_moe_expert_parallel_comm": True} if overlap else {}
+        plan = _resolved(schedule, pp_size, len(call.models), group, **options).plan(num_microbatches,
+                                                                                      bool(forward_only))
+    return program_for(plan, rank, prefetch, batched, overlap)
 
 
 @functools.lru_cache(maxsize=64)
-def _resolved(spec: ScheduleSpec, pp_size: int, num_model_chunks: int, group_size=None) -> ResolvedSchedule:
+def _resolved(spec: ScheduleSpec, pp_size: int, num_model_chunks: int, group_size=None,
+              overlap_moe_expert_parallel_comm=None) -> ResolvedSchedule:
     """The resolution of a Megatron function's call (kept: it caches its plans)."""
-    return ResolvedSchedule(spec, pp_size, num_model_chunks, group_size)
+    return ResolvedSchedule(spec, pp_size, num_model_chunks, group_size,
+                            overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm)
 
 
 def _context(call, schedule, forward_step_func, num_microbatches, micro_batch_size, collect_non_loss_data,

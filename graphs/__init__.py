@@ -12,7 +12,8 @@
   parameters, Python state read in forward), checked in warmup and on every emulated replay.
 * :mod:`graphs.backends.split`: split backward inside one graphed layer (``B`` input gradients, ``W`` weight
   gradients), for the ``torch`` and ``emulate`` backends' ``B`` and ``W`` graphs.
-* :mod:`graphs.accounting`: bytes held by captured graphs, the eager step's peak, ops per replay.
+* :mod:`graphs.accounting`: bytes held by captured graphs, their memory pool's reserved bytes, the eager step's
+  peak, ops per replay.
 * :mod:`graphs.local_rank`: run one rank's plan in one process (fixed received tensors), for tests and benchmarks.
 
 Dependencies run graphs -> ``engine.plan`` / ``engine.plan.table`` (the pure layer) only.

@@ -4,6 +4,11 @@
   ``emulate`` backend keeps for good (static inputs, outputs, grad-outputs, grad-inputs) plus its per-parameter
   gradient buffers, by category.  On the ``emulate`` backend these are exactly the tensors a real capture keeps
   outside its pool's transient blocks.
+* :func:`pool_bytes` -- what the graphs' memory pool reserves: on the ``torch`` backend the caching allocator's
+  segments of the graphs' private pool (``torch.cuda.memory_snapshot`` filtered by the pool id,
+  :func:`pool_segments`); on the ``emulate`` backend its model of one, the peak of the bytes its capture walk
+  allocated and kept alive at once (the blocks a pool must reserve when every freed block is reused, capture order
+  = runtime order) and the bytes still alive after it.
 * :class:`LiveBytes` -- a dispatch mode that follows every tensor storage created inside it and reports the peak of
   the bytes alive at once (works on CPU and on the ``meta`` device, so GPU-sized configs can be counted here).
 * :class:`OpCounter` -- a dispatch mode counting aten ops, with :meth:`OpCounter.paused` to leave out regions (the
@@ -18,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["held_bytes", "LiveBytes", "OpCounter"]
+__all__ = ["held_bytes", "pool_bytes", "pool_segments", "LiveBytes", "OpCounter"]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -50,17 +55,58 @@ def held_bytes(graphs) -> dict[str, int]:
     return out
 
 
+def pool_segments(snapshot: list[dict], pool_id) -> dict[str, int]:
+    """Sum of the segments of ``snapshot`` (``torch.cuda.memory_snapshot()``'s list) owned by the memory pool
+    ``pool_id`` (``torch.cuda.graph_pool_handle()``, matched against each segment's ``segment_pool_id``):
+    ``{"reserved": total_size, "allocated": allocated_size, "segments": count}`` in bytes."""
+    want = tuple(pool_id)
+    mine = [seg for seg in snapshot if tuple(seg.get("segment_pool_id", ())) == want]
+    return {"reserved": sum(seg["total_size"] for seg in mine),
+            "allocated": sum(seg["allocated_size"] for seg in mine), "segments": len(mine)}
+
+
+def pool_bytes(graphs) -> dict[str, int | None] | None:
+    """What the memory pool of a captured :class:`GraphSet` reserves (module docstring), in bytes:
+    ``{"reserved", "allocated", "segments"}`` -- ``torch``: the pool's segments now (synchronise first for a settled
+    figure); ``emulate``: ``reserved`` = the capture's peak of live bytes, ``allocated`` = those alive after it,
+    ``segments`` = ``None``.  ``None`` for other backends or without a pool."""
+    if graphs is None:
+        return None
+    model = graphs.extra.get("pool_model")
+    if model is not None:
+        return {"reserved": model["peak"], "allocated": model["held"], "segments": None}
+    pool_id = graphs.extra.get("pool_id")
+    if pool_id is None or not torch.cuda.is_available():
+        return None
+    try:  # the installed torch (2.13) filters by pool itself; pool_segments filters again either way
+        snapshot = torch.cuda.memory_snapshot(mempool_id=pool_id, include_traces=False)
+    except Exception:  # noqa: BLE001 - an older signature, or a pool id it does not take: the whole snapshot
+        snapshot = torch.cuda.memory_snapshot()
+    return pool_segments(snapshot, pool_id)
+
+
 class LiveBytes(TorchDispatchMode):
     """Peak bytes of storages created inside the mode and alive at the same time (``.peak``, ``.current()``).
 
     Storages are followed through weak references, so a tensor freed by Python or autograd stops counting; the
-    live set is re-evaluated after every op.
+    live set is re-evaluated after every op, or with ``per_op=False`` only at :meth:`sample` (cheap enough to
+    follow a whole capture; the peak is then the largest sample); ``.final`` is the live bytes when the mode
+    exits.  Only plain tensors are followed: a wrapper subclass (DTensor) has no storage of its own, and the local
+    tensors its ops create are made beneath the mode.
     """
 
-    def __init__(self):
+    def __init__(self, per_op: bool = True):
         super().__init__()
         self._live: dict[int, tuple[int, int]] = {}  # storage key -> (weak ref, nbytes)
         self.peak = 0
+        self.final = 0
+        self.per_op = per_op
+
+    def sample(self) -> int:
+        """The live bytes now (the peak updated)."""
+        now = self.current()
+        self.peak = max(self.peak, now)
+        return now
 
     def current(self) -> int:
         dead = [k for k, (ref, _) in self._live.items() if torch.UntypedStorage._expired(ref)]
@@ -71,14 +117,16 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter):
                 s = t.untyped_storage()
                 if s._cdata not in self._live:
                     self._live[s._cdata] = (s._weak_ref(), s.nbytes())
-        self.peak = max(self.peak, self.current())
+        if self.per_op:
+            self.sample()
         return out
 
     def __exit__(self, *exc):
+        self.final = self.sample()
         for ref, _ in self._live.values():
             torch.UntypedStorage._free_weak_ref(ref)
         self._live = {}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from engine.plan import Plan
 
 from . import decision
 from . import backends
+from .accounting import LiveBytes
 from .backends import common, torch_cuda
 from .dispatch import GraphedLayers, GraphSet
 from .hazards import HazardError
@@ -162,6 +164,8 @@ class _Job:
     defer_weight_grad: Any = None
     splits: bool = False
     timeout_s: float | None = None
+    eager_microbatches: int = 0
+    pp_size: int = 1
 
     @property
     def lpc(self) -> list[int]:
@@ -174,7 +178,7 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
             order: Sequence[int] | None = None, share_graphs: bool = False, chain_layers: bool = True, pool=None,
             generators: Sequence[torch.Generator] = (), group=None, tracer=None, veto: str | None = None,
             autocast: AutocastState | None = None, defer_weight_grad=None, timeout_s: float | None = None,
-            _debug: DebugOptions | None = None) -> GraphedLayers:
+            eager_microbatches: int = 0, _debug: DebugOptions | None = None) -> GraphedLayers:
     """Capture the graphs of pipeline rank ``rank`` of ``plan`` and install them on its layers.
 
     Args:
@@ -205,6 +209,8 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
             empties the cache, so a capture of many graphs can take long: once a few graphs are captured, a capture
             projected to take more than :data:`CAPTURE_TIMEOUT_FRACTION` of it stops with the reason (all ranks
             then run eagerly), and one that took more than half of it logs a warning.  ``None``: no check.
+        eager_microbatches: microbatches this rank ran eagerly before the capture (the runtime's warmup steps);
+            the ``te`` backend counts them in Megatron's warmup rule (``graphs.backends.te.megatron_warmup_iters``).
         _debug: :class:`DebugOptions` for negative-control tests.
 
     Returns:
@@ -222,7 +228,8 @@ def capture(modules_per_chunk: Sequence[Sequence[torch.nn.Module]] | GraphedLaye
                    share_graphs, chain_layers, pool, tuple(generators), tracer,
                    current_autocast() if autocast is None else autocast, _debug or DebugOptions(),
                    defer_weight_grad=defer_weight_grad, splits=plan.splits_backward and not plan.forward_only,
-                   timeout_s=timeout_s)
+                   timeout_s=timeout_s, eager_microbatches=eager_microbatches,
+                   pp_size=plan.pp_size)
         _validate(job, backend, plan, rank, specs, order, veto)
     except BaseException:
         if created:
@@ -361,6 +368,20 @@ def _local_problem(layers: GraphedLayers, sample_args) -> str | None:
                 return f"chunk {c} layer {l} has parameters off the GPU"
     if any(t.device.type != "cuda" for entry in sample_args for t in entry):
         return "sample arguments are not on the GPU"
+    return _nccl_register_problem(layers)
+
+
+def _nccl_register_problem(layers: GraphedLayers) -> str | None:
+    """Tensor-parallel layers (DTensor parameters) capture NCCL collectives; NCCL registers a graph's buffers
+    assuming contiguous allocations, which expandable segments break (illegal memory access or hangs:
+    NVIDIA/Megatron-LM#5474, pytorch#158029) unless ``NCCL_GRAPH_REGISTER=0``."""
+    expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    if not expandable or os.environ.get("NCCL_GRAPH_REGISTER") == "0":
+        return None
+    if any(hasattr(p, "device_mesh") for chunk in layers.modules for m in chunk for p in m.parameters()):
+        return ("tensor-parallel collectives inside CUDA graphs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                "need NCCL_GRAPH_REGISTER=0 (NCCL registers graph buffers as contiguous allocations; "
+                "NVIDIA/Megatron-LM#5474) -- set NCCL_GRAPH_REGISTER=0 or drop expandable_segments")
     return None
 
 
@@ -509,19 +530,22 @@ def _slot_capture(slot_cls, warmup_ctx, job: _Job, prepare=None) -> GraphSet:
             _quietly(s.release)
 
     timer = _CaptureTimer(job.timeout_s, len(events))
+    tracker = LiveBytes(per_op=False) if getattr(slot_cls, "models_pool", False) else None
     try:
         if prepare is not None:
             prepare(slots)
         gc.disable()  # a GC pass freeing an old graph during another capture is a CUDA error (TE PR #2092)
         common.walk_capture(events, slot_of, job.num_warmup_iters, warmup_ctx,
                             timer.timed(lambda s: s.capture_forward()), timer.timed(lambda s: s.capture_backward()),
-                            timer.timed(lambda s: s.capture_weight()))
+                            timer.timed(lambda s: s.capture_weight()), tracker=tracker)
     except BaseException:
         release()  # drops every graph and static tensor: the pool's blocks become free
         raise
     gs = GraphSet(backend="", order=list(job.order), layers_per_chunk=list(job.lpc), num_microbatches=job.M,
                   specs=job.layer_specs, callables=slots, shared=job.share, release=release)
     gs.extra["grad_buffers"] = slots[0].grads if slots else None
+    if tracker is not None:
+        gs.extra["pool_model"] = {"peak": tracker.peak, "held": tracker.final}
     gs.check_step = _storage_check(job)
     return gs
 

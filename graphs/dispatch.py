@@ -10,8 +10,13 @@ Guards instead of silent corruption:
 
 * ``m`` missing or ``m >= M`` (the captured microbatch count) raises ``RuntimeError`` -- Megatron's
   ``current_microbatch % len(graphs)`` wraps around silently;
-* a call whose tensors differ in shape, dtype, device or ``requires_grad`` from the capture raises (TE does not
-  check);
+* a call the graph cannot replay -- tensors that differ in shape, dtype, device or ``requires_grad`` from the capture
+  (a shorter last batch), other constants, another autocast state; TE does not check -- runs the layer's original
+  forward instead, with the rest of that ``(chunk, microbatch)`` pass, and says so once per kind of difference
+  (WARNING on ``pipecast.graphs``).  That slot's graphs are not replayed this step: the replay guard skips its
+  ``F``, ``B`` and ``W`` passes, and since an eager pass writes no graph memory the other graphs' buffers are
+  untouched.  No collective decision is needed: the choice follows the call's shapes, which every tensor-parallel
+  rank of a stage shares, and an eager pass issues the same collectives, in the same order, as its replay would;
 * :class:`ReplayGuard` checks every forward and backward pass against the capture order and raises at the first
   divergence: a graph replayed out of its captured order uses memory another graph may own (NVIDIA/Megatron-LM#6022; :mod:`graphs.liveness`).
 
@@ -21,6 +26,7 @@ arguments and checks the capture order before capturing.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -33,6 +39,7 @@ from .specs import AutocastState, CallSpec, current_autocast
 __all__ = ["GraphedLayers", "GraphSet", "ReplayGuard", "Recording", "layers_of_chunk"]
 
 _MISSING = object()
+log = logging.getLogger("pipecast.graphs")
 
 
 def layers_of_chunk(chunk: torch.nn.Module) -> list[torch.nn.Module]:
@@ -48,11 +55,34 @@ def layers_of_chunk(chunk: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class ReplayGuard:
-    """Checks that passes arrive in the order the graphs were captured; wraps around at the end of a step."""
+    """Checks that passes arrive in the order the graphs were captured; wraps around at the end of a step.
+
+    :meth:`skip` takes the forward of a ``(chunk, microbatch, layer)`` that runs eagerly this step: its backward
+    and weight-gradient passes are then passed over, wherever they fall in the order."""
 
     def __init__(self, events: Sequence[LayerEvent]):
         self.events = list(events)
         self.position = 0
+        self.skipped: set[tuple[int, int, int]] = set()
+
+    def skip(self, event: LayerEvent) -> None:
+        """``event`` (a forward, expected now) runs eagerly: consume it and pass over its later ``B`` / ``W``."""
+        self.expect(event)
+        if self.events:
+            self.skipped.add((event.chunk, event.microbatch, event.layer))
+            self._pass_skipped()
+
+    def _pass_skipped(self) -> None:
+        while self.skipped:
+            ev = self.events[self.position]
+            if ev.kind == "F" or (ev.chunk, ev.microbatch, ev.layer) not in self.skipped:
+                return
+            self._advance()
+
+    def _advance(self) -> None:
+        self.position = (self.position + 1) % len(self.events)
+        if self.position == 0:
+            self.skipped.clear()
 
     def expect(self, event: LayerEvent) -> None:
         if not self.events:
@@ -67,10 +97,12 @@ class ReplayGuard:
                 f"order reads and writes memory that other graphs own (wrong gradients, not an error, on a GPU); "
                 f"the executor must run graphs.order.capture_order(plan, rank) -- recapture after changing the "
                 f"schedule")
-        self.position = (self.position + 1) % len(self.events)
+        self._advance()
+        self._pass_skipped()
 
     def reset(self) -> None:
         self.position = 0
+        self.skipped.clear()
 
     @property
     def at_step_boundary(self) -> bool:
@@ -168,6 +200,9 @@ class GraphedLayers:
         self.suspended = 0
         self.report = None  # set by graphs.capture.capture
         self._slot_backends = False
+        self.eager_passes: set[tuple[int, int]] = set()  # (chunk, microbatch) passes running eagerly this step
+        self.eager_calls = 0  # layer calls that ran eagerly instead of replaying (different shapes)
+        self._logged: set[str] = set()
         seen: set[int] = set()
         self._saved: list[tuple[torch.nn.Module, Any]] = []
         self.original_forward: dict[tuple[int, int], Callable] = {}
@@ -212,6 +247,7 @@ class GraphedLayers:
         self.clear_graphs()
         self.graphs = graphs
         self.guard = ReplayGuard(layer_events(graphs.order, self.layers_per_chunk))
+        self.eager_passes.clear()
         self._slot_backends = graphs.backend in ("torch", "emulate")
         if self._slot_backends:  # their autograd function checks the backward order itself (no tensor hook)
             for slot in graphs.callables:
@@ -280,8 +316,9 @@ class GraphedLayers:
             m = self._checked_microbatch(chunk, layer, module, graphs)
         autocast_differs = (graphs.autocast.regions or torch._C._is_any_autocast_enabled()) and \
             current_autocast() != graphs.autocast  # (the cheap test first: autocast is usually off)
-        if autocast_differs or not graphs.specs[(chunk, layer)].matches(args, kwargs):
-            self._raise_mismatch(chunk, layer, m, graphs, args, kwargs)
+        if autocast_differs or not graphs.specs[(chunk, layer)].matches(args, kwargs) or (
+                self.eager_passes and self._pass_is_eager(chunk, m, layer)):
+            return self._eager_pass(chunk, layer, m, graphs, original, args, kwargs)
         if self.guard.position == 0:
             graphs.check_step()
         self.guard.expect(LayerEvent("F", chunk, m, layer))
@@ -305,13 +342,26 @@ class GraphedLayers:
                                f"changes (graphs.runtime.GraphRuntime does) -- graphs never wrap around")
         return m
 
-    @staticmethod
-    def _raise_mismatch(chunk, layer, m, graphs: GraphSet, args, kwargs):
+    def _pass_is_eager(self, chunk: int, m: int, layer: int) -> bool:
+        """Whether the ``(chunk, m)`` pass runs eagerly from an earlier layer on (a new pass starts at layer 0)."""
+        if layer == 0:
+            self.eager_passes.discard((chunk, m))
+        return (chunk, m) in self.eager_passes
+
+    def _eager_pass(self, chunk: int, layer: int, m: int, graphs: GraphSet, original, args, kwargs):
+        """Run a call the graph cannot replay eagerly, with the rest of its ``(chunk, microbatch)`` pass (module
+        docstring); the replay guard skips the slot's passes.  One WARNING per kind of difference."""
         problem = graphs.specs[(chunk, layer)].mismatch(args, kwargs)
-        if problem is None:
+        if problem is None and current_autocast() != graphs.autocast:
             problem = f"autocast is '{current_autocast()}', the graphs were captured under '{graphs.autocast}'"
-        raise RuntimeError(f"chunk {chunk} layer {layer} microbatch {m}: {problem}; a graph replays with its "
-                           f"captured shapes only -- recapture for the new shapes or run eagerly")
+        if problem is not None and problem not in self._logged:
+            self._logged.add(problem)
+            log.warning("CUDA graphs: chunk %d layer %d microbatch %d: %s; running this pass eagerly (a graph "
+                        "replays its captured shapes only; logged once)", chunk, layer, m, problem)
+        self.eager_passes.add((chunk, m))
+        self.eager_calls += 1
+        self.guard.skip(LayerEvent("F", chunk, m, layer))
+        return original(*args, **kwargs)
 
     def _record(self, chunk, layer, module, original, args, kwargs):
         m = self._microbatch(chunk, layer, module)

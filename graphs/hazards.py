@@ -68,6 +68,11 @@ def _user_line() -> str:
 
 
 def _storage_key(t: torch.Tensor) -> int:
+    """The storage identity of ``t``; a wrapper subclass (DTensor: a fresh wrapper per call, no storage of its own)
+    is identified by its first inner tensor (``__tensor_flatten__``: the local shard)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        inner, _ = t.__tensor_flatten__()
+        return _storage_key(getattr(t, inner[0]))
     return t.untyped_storage()._cdata
 
 

@@ -14,7 +14,7 @@ driven by one call, :meth:`GraphRuntime.before_step`, at the start of every trai
   eagerly and the graphs are recaptured -- never a silent wrap-around.
 
 ``current_microbatch``: Megatron's ``set_current_microbatch`` writes it on ``chunk.decoder.layers``.  For chunks
-without a ``decoder`` (pipecast's ``GPTChunk`` keeps its blocks in ``.layers``) a forward pre-hook on the *chunk*
+without a ``decoder`` (pipecast's ``ModelChunk`` keeps its blocks in ``.layers``) a forward pre-hook on the *chunk*
 (not on a graphed layer) counts the chunk's training forwards within the step -- the ``k``-th forward of chunk ``c``
 is microbatch ``k`` in every schedule, which is also TE's convention -- and writes it on the layers.
 """
@@ -198,6 +198,7 @@ class GraphRuntime:
                          num_warmup_iters=self.num_warmup_iters, group=self.group, tracer=self.tracer, veto=veto,
                          autocast=autocast, share_graphs=share, chain_layers=not rec.unchained,
                          defer_weight_grad=self.defer_weight_grad, timeout_s=self.timeout_s,
+                         eager_microbatches=self.warmup_steps * num_microbatches,
                          generators=self.generators + [g for g in rec.generators if all(g._cdata != h._cdata for h in
                                                                                          self.generators)])
         report = layers.report

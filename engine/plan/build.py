@@ -8,6 +8,7 @@ and what sizes it takes.  Pure: no torch.
 from __future__ import annotations
 
 from .megatron import check_positive
+from .pass_costs import PassCosts
 from .registry import OPTIONS, auto_schedule, get_schedule, schedule_names
 from .types import MAX_PLAN_FORWARDS, Action, Message, Op, Placement, Plan, looped_placement, v_placement
 
@@ -22,7 +23,8 @@ def schedule_name(pp_size: int, vp_size: int | None) -> str:
 
 def build_plan(schedule, pp_size: int, num_microbatches: int, num_model_chunks: int = 1,
                group_size: int | None = None, forward_only: bool = False, *,
-               max_in_flight: int | tuple[int, ...] | None = None) -> Plan:
+               max_in_flight: int | tuple[int, ...] | None = None, max_pending_w: int | tuple[int, ...] | None = None,
+               costs=None, overlap_moe_expert_parallel_comm: bool | None = None) -> Plan:
     """Build the plan of one step for every pipeline rank.
 
     Args:
@@ -35,20 +37,31 @@ def build_plan(schedule, pp_size: int, num_microbatches: int, num_model_chunks: 
         group_size: ``microbatch_group_size_per_vp_stage``, for schedules that take it (interleaved; default ``P``
             like Megatron); ignored by the others, as Megatron-Core's other schedules ignore it.
         forward_only: evaluation plan, forwards only (the schedule's own placement).
-        max_in_flight: for schedules that take it (``"zb"``): per-rank limit on activations held (forward done,
-            input-gradient pass not), one number for every rank or one per rank; default ``C*(P - r)`` (1F1B's);
-            about ``2P`` gives ZB-H2-like plans.  The pending-``W`` limit equals it.
+        max_in_flight: for schedules that take it (``"zb"``, ``"zbv"``): per-rank limit on activations held
+            (forward done, input-gradient pass not), one number for every rank or one per rank; default ``C*(P -
+            r)`` (1F1B's) for ``zb``, ``2P`` for ``zbv``; about ``2P`` gives ZB-H2-like ``zb`` plans.  With
+            ``costs`` it also counts each pending ``W`` as ``costs.weight_memory`` of an activation.
+        max_pending_w: for the same schedules: per-rank limit on pending weight-gradient passes (default: equal to
+            ``max_in_flight``; with ``costs`` whose ``weight_memory`` is above 0, none).
+        costs: for the same schedules: a :class:`~engine.plan.pass_costs.PassCosts` (or its notation,
+            ``"forward=1 backward=1 weight=0.5 transfer=0.05"``); the plan is then the cost-aware order
+            (:mod:`engine.plan.cost_aware`) for them.
+        overlap_moe_expert_parallel_comm: for schedules that take it: forward-backward cells that overlap the
+            expert all-to-all (``"no_pipelining"`` / ``"interleaved"``: Megatron's combined 1F1B,
+            :mod:`engine.plan.megatron`; ``"dualpipev"``: its cells, always there).
 
     Raises:
         ValueError: unknown schedule, non-positive sizes, ``P * C * M`` above :data:`MAX_PLAN_FORWARDS`, sizes the
-            schedule does not take, an option the schedule does not take, or what the builder raises (e.g.
-            interleaved: a group size outside ``[P, M]``, Megatron's check).
+            schedule does not take, an option the schedule does not take, bad costs, or what the builder raises
+            (e.g. interleaved: a group size outside ``[P, M]``, Megatron's check).
+        TypeError: ``costs`` is neither a :class:`~engine.plan.pass_costs.PassCosts` nor a string.
         RuntimeError: (interleaved) ``0 < M mod G < P``, as Megatron raises.
     """
     spec = get_schedule(schedule)
     _check_sizes(pp_size, num_microbatches, num_model_chunks)
     spec.check(pp_size, num_model_chunks)
-    given = {"group_size": group_size, "max_in_flight": max_in_flight}
+    given = {"group_size": group_size, "max_in_flight": max_in_flight, "max_pending_w": max_pending_w,
+             "costs": PassCosts.of(costs), "overlap_moe_expert_parallel_comm": overlap_moe_expert_parallel_comm or None}
     for option, value in given.items():
         if value is not None and option not in spec.options and option != "group_size":
             takers = [n for n in schedule_names() if option in get_schedule(n).options]

@@ -7,10 +7,21 @@ Example::
 The schedule follows Megatron's choice (``get_forward_backward_func``): ``--vp 1`` (default) gives 1F1B, or no
 pipelining with ``--pp 1``; ``--vp >= 2`` gives interleaved 1F1B (``--schedule interleaved`` also forces it for
 ``--vp 1``, as Megatron does for ``virtual_pipeline_model_parallel_size=1``).  ``--schedule zb_h1 | zbv | zb``
-select the split-backward schedules (``zbv`` implies ``--vp 2``; ``zb`` takes ``--max-in-flight``).  Costs are per
-model chunk; with ``--weight-time W > 0`` the backward time is the input-gradient pass ``B`` and ``W`` the
-weight-gradient pass, so unsplit schedules cost ``B + W`` per backward (``W = 0``, the default: one backward of
-``--backward-time``).
+select the split-backward schedules (``zbv`` implies ``--vp 2``; ``zb`` and ``zbv`` take ``--max-in-flight`` and
+``--max-pending-w``), ``v_half`` / ``v_min`` the controllable-memory V schedules.  Costs are per model chunk; with
+``--weight-time W > 0`` the backward time is the input-gradient pass ``B`` and ``W`` the weight-gradient pass, so
+unsplit schedules cost ``B + W`` per backward (``W = 0``, the default: one backward of ``--backward-time``).
+``--cost-aware`` builds the plan for those same costs (``zb`` / ``zbv``: :mod:`engine.plan.cost_aware`), with
+``--weight-memory`` the memory of a pending ``W`` as a fraction of an activation::
+
+    pipecast schedule --schedule zb --pp 8 -m 24 --max-in-flight 16 --cost-aware --forward-time 18.522 \
+        --backward-time 18.086 --weight-time 9.337 --transfer-time 0.601 --weight-memory 0.366
+
+For a mixture-of-experts model, ``--a2a-time A`` is the expert all-to-all time of one chunk forward (dispatch and
+combine; a backward exchanges as much), waited by each action, and ``--overlap-moe`` runs the forward-backward cells
+overlapped (DualPipeV's cells; Megatron's combined 1F1B for interleaved and no pipelining,
+``overlap_moe_expert_parallel_comm``), hiding each side's all-to-all behind the other's compute
+(:mod:`engine.plan.simulate`) -- so schedules can be ranked for an MoE model from its costs.
 
 Limits, checked before any work (exit status 2, naming the option): ``--pp`` at most :data:`MAX_PP` = 16384
 (validation and simulation cost grows with the ranks; 16384 ranks take ~5 s), ``P * C * M`` (forwards per step,
@@ -34,6 +45,7 @@ import sys
 from pathlib import Path
 
 from .build import Plan, build_plan
+from .pass_costs import PassCosts
 from .registry import auto_schedule, find_schedule, get_schedule, schedule_names, virtual_or_none
 from .simulate import Simulation, simulate
 from .validate import max_buffered_messages, validate_plan
@@ -86,8 +98,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cost of one weight-gradient pass W; then --backward-time is the input-gradient pass "
                              "and unsplit schedules cost B+W per backward (default 0: no split)")
     parser.add_argument("--transfer-time", type=_time, default=0.0, help="latency of every message (default 0)")
+    parser.add_argument("--a2a-time", type=_time, default=0.0,
+                        help="MoE: expert all-to-all time of one chunk forward (and of one backward; default 0)")
+    parser.add_argument("--overlap-moe", action="store_true",
+                        help="MoE: overlapped forward-backward cells (overlap_moe_expert_parallel_comm): DualPipeV's "
+                             "cells, Megatron's combined 1F1B for interleaved / no pipelining")
     parser.add_argument("--max-in-flight", type=_positive_int, default=None,
-                        help="--schedule zb: per-rank limit on activations held (default C*(P-r), 1F1B's)")
+                        help="--schedule zb / zbv: per-rank limit on activations held (default C*(P-r), 1F1B's, for "
+                             "zb; 2*P for zbv); with --cost-aware it counts pending W by --weight-memory too")
+    parser.add_argument("--max-pending-w", type=_positive_int, default=None,
+                        help="--schedule zb / zbv: per-rank limit on pending weight-gradient passes (default: "
+                             "--max-in-flight; with --cost-aware and --weight-memory > 0 none)")
+    parser.add_argument("--cost-aware", action="store_true",
+                        help="--schedule zb / zbv: build the plan for --forward-time, --backward-time, --weight-time "
+                             "and --transfer-time (the order with the shortest simulated step within the limits)")
+    parser.add_argument("--weight-memory", type=_time, default=0.0,
+                        help="with --cost-aware: memory a pending W holds, as a fraction of one activation "
+                             "(default 0: pending W counted apart, by --max-pending-w)")
     parser.add_argument("--from-csv", type=Path, default=None, metavar="FILE.csv",
                         help="read the plan from torch.distributed.pipelining's compute-only CSV (rows = ranks, "
                              "actions like 0F3, 1I0, 0W2, 1B0; DualPipeV's (0F3;3B1)OVERLAP_F_B runs its parts in "
@@ -114,11 +141,12 @@ def _schedule(args) -> str:
 
 def _costs(plan: Plan, args) -> dict:
     """Simulator costs: a split plan pays B and W separately; an unsplit one B + W per backward."""
+    moe = dict(a2a_time=args.a2a_time, overlap=args.overlap_moe)
     if plan.splits_backward:
         return dict(forward_time=args.forward_time, backward_time=args.backward_time,
-                    weight_time=args.weight_time, transfer_time=args.transfer_time)
+                    weight_time=args.weight_time, transfer_time=args.transfer_time, **moe)
     return dict(forward_time=args.forward_time, backward_time=args.backward_time + args.weight_time,
-                transfer_time=args.transfer_time)
+                transfer_time=args.transfer_time, **moe)
 
 
 def _check_size(parser, args) -> None:
@@ -163,10 +191,13 @@ def run(args) -> int:
     args.pp, args.microbatches = args.pp or 4, args.microbatches or 8
     schedule = _schedule(args)
     for option, value, name in (("--group-size", args.group_size, "group_size"),
-                                ("--max-in-flight", args.max_in_flight, "max_in_flight")):
+                                ("--max-in-flight", args.max_in_flight, "max_in_flight"),
+                                ("--max-pending-w", args.max_pending_w, "max_pending_w"),
+                                ("--cost-aware", args.cost_aware or None, "costs")):
         if value is not None and name not in get_schedule(schedule).options:
             takers = " / ".join(n for n in schedule_names() if name in get_schedule(n).options)
-            parser.error(f"{option} {value} only applies to {takers} (the schedule is {schedule}); "
+            shown = option if value is True else f"{option} {value}"
+            parser.error(f"{shown} only applies to {takers} (the schedule is {schedule}); "
                          + ("add --vp 2 (or more)" if name == "group_size" and args.schedule == "auto" else
                             f"use --schedule {takers}"))
     _check_size(parser, args)
@@ -221,12 +252,21 @@ def _takes_group(plan: Plan) -> bool:
 
 
 def _build(parser, args, schedule) -> Plan:
+    overlap = args.overlap_moe and "overlap_moe_expert_parallel_comm" in get_schedule(schedule).options
     try:
         return build_plan(schedule, args.pp, args.microbatches, args.vp, args.group_size, args.forward_only,
-                          max_in_flight=args.max_in_flight)
+                          max_in_flight=args.max_in_flight, max_pending_w=args.max_pending_w, costs=_pass_costs(args),
+                          overlap_moe_expert_parallel_comm=overlap or None)
     except (ValueError, RuntimeError) as exc:  # Megatron's validation errors: bad option values
         parser.error(f"{exc} (options --pp {args.pp} --vp {args.vp} --microbatches {args.microbatches}"
                      + (f" --group-size {args.group_size}" if args.group_size is not None else "") + ")")
+
+
+def _pass_costs(args) -> PassCosts | None:
+    """``--cost-aware``: the simulation's costs as the builder's :class:`~engine.plan.pass_costs.PassCosts`."""
+    if not args.cost_aware:
+        return None
+    return PassCosts(args.forward_time, args.backward_time, args.weight_time, args.transfer_time, args.weight_memory)
 
 
 def _plan_from_csv(parser, args, given: dict) -> Plan:
@@ -271,8 +311,13 @@ def report(plan: Plan, sim: Simulation, buffered, args) -> str:
                      f"than {GRID_MAX_RANKS} ranks or {GRID_MAX_COLUMNS} actions per rank; add --grid to print "
                      "them, or --json OUT.json for every rank's actions and timeline)")
     weight = f", weight {args.weight_time:g}" if args.weight_time else ""
+    built = (f"; the plan is built for these costs (weight_memory {args.weight_memory:g})"
+             if getattr(args, "cost_aware", False) else "")
+    a2a = getattr(args, "a2a_time", 0.0)
+    moe = (f", all-to-all {a2a:g}" + (" (cells overlapped)" if getattr(args, "overlap_moe", False) else "")
+           if a2a else "")
     lines += ["", f"simulated: forward {args.forward_time:g}, backward {args.backward_time:g}{weight}, transfer "
-              f"{args.transfer_time:g} per model chunk"]
+              f"{args.transfer_time:g}{moe} per model chunk{built}"]
     idle, bubble, of_ideal = sim.idle, sim.bubble, sim.bubble_of_ideal  # properties: compute once, not per rank
 
     def rank_line(rank: int) -> str:

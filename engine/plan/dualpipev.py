@@ -102,8 +102,10 @@ def dualpipev_rank(pp_size: int, num_microbatches: int, rank: int) -> tuple[list
 
 
 def dualpipev_plan(pp_size: int, num_microbatches: int, num_model_chunks: int = 2,
-                   forward_only: bool = False) -> Plan:
+                   forward_only: bool = False, overlap_moe_expert_parallel_comm: bool | None = None) -> Plan:
     """The DualPipeV plan (module doc) for ``pp_size`` ranks, two model chunks each, ``num_microbatches``.
+    ``overlap_moe_expert_parallel_comm`` changes nothing here: the cells are always there; the runtime overlaps
+    them when the run asks for it.
 
     The forward-only plan (evaluation, sampling) takes any ``num_microbatches >= 1``: each rank runs the forwards
     of its chunk 0 for every microbatch, then those of its chunk 1 (stage order, so no rank waits on a later one).

@@ -21,7 +21,15 @@ there go out together, in Megatron's batched order or its even/odd order by rank
 (:class:`~engine.plan.types.Compound`, e.g. DualPipeV's overlapped forward and backward) lowers to its parts as
 consecutive steps, each with its own receive and send: a part's output goes out as soon as that part is done, which
 never waits longer than sending all of the cell's outputs after its last part (the validator checks these programs
-as the executor runs them).  Pure: no torch.
+as the executor runs them).
+
+With ``overlap=True`` the cells that can overlap (:func:`overlap_cells`: one forward and one backward, with or
+without that backward's ``W``) run as one unit, the way DualPipe runs them: every input of the cell is waited (and
+every send the cell's parts reap) before its first part starts, and the parts' sends and receive postings go out,
+in part order, after its last part.  The passes account for it: a receive consumed inside a cell is posted before
+the cell (the prefetch window is widened to whole cells) and a send posted by a cell is reaped after it.
+Cells change no step's index, and ordering the exchange points by step index still orders them in time (a cell's
+exchange points all happen at its end, in part order), so the reap rule is unchanged.  Pure: no torch.
 """
 from __future__ import annotations
 
@@ -34,7 +42,7 @@ from .types import Message, Op, Plan, looped_placement
 
 __all__ = ["TAG_ACT", "TAG_GRAD", "TAG_ACT_SHAPE", "TAG_GRAD_SHAPE", "Recv", "Step", "RankProgram",
            "exchange_order", "incoming", "receive_schedule", "reap_points", "local_handovers", "hook_events",
-           "compile_rank", "program_for", "HookEvent", "ENABLE", "DISABLE"]
+           "overlap_cells", "cell_ends", "compile_rank", "program_for", "HookEvent", "ENABLE", "DISABLE"]
 
 
 TAG_ACT, TAG_GRAD, TAG_ACT_SHAPE, TAG_GRAD_SHAPE = 1, 2, 3, 4
@@ -103,6 +111,7 @@ class RankProgram:
     warmup: int
     num_sends: int = 0
     num_local: int = 0
+    cells: tuple = ()  # (start, stop) step spans run as overlapped cells (compile_rank(..., overlap=True))
     hook_cache: dict = field(default_factory=dict, compare=False, repr=False)  # (grad?, param?) -> hook events
 
     def hooks(self, has_grad_sync: bool, has_param_sync: bool):
@@ -118,8 +127,11 @@ class RankProgram:
         ``mark`` flags one step with ``>>`` (the executor's errors show the failing step so)."""
         lines = [f"pipeline rank {self.rank} program ({self.plan.schedule}, prefetch {self.prefetch}); "
                  f"start: post {_recv_names(self, self.initial_posts)}"]
+        starts = {a: b for a, b in self.cells}
         for i, st in enumerate(self.steps):
             parts = [f"{'>>' if i == mark else '  '} {i:4d} {st.label:<12}"]
+            if i in starts:
+                parts.append(f"cell of steps {i}..{starts[i] - 1}: wait all inputs, run overlapped, then send")
             if st.recv >= 0:
                 parts.append(f"wait {self.recvs[st.recv].label} from r{self.recvs[st.recv].peer}")
             if st.local_in >= 0:
@@ -175,19 +187,22 @@ def incoming(plan: Plan, rank: int):
 
 
 # ---- pass 2: receive postings ---------------------------------------------------------------------------------------
-def receive_schedule(plan: Plan, rank: int, prefetch: int, batched: bool):
+def receive_schedule(plan: Plan, rank: int, prefetch: int, batched: bool, overlap: bool = False):
     """``(recvs, step_recv, posts_at)``: :func:`incoming` plus the receives posted at each exchange point
     (``posts_at[e + 1]``: after step ``e``; ``e = -1`` is the start): per link in sender order, every message
-    consumed by steps ``e+1 .. e+prefetch``."""
+    consumed by steps ``e+1 .. e+prefetch``, widened to the end of an overlapped cell (``overlap``) that the window
+    reaches into."""
     recvs, step_recv, links = incoming(plan, rank)
     n = len(plan.actions[rank])
+    ends = cell_ends(plan, rank, overlap)
     order_of = exchange_order(batched, rank)
     position = {r: (src, pos) for src, idx in links.items() for pos, r in enumerate(idx)}
     next_unposted = {src: 0 for src in links}
     posts_at = []
     for e in range(-1, n):
         batch = []
-        for j in range(e + 1, min(e + 1 + prefetch, n)):
+        stop = min(e + 1 + prefetch, n)
+        for j in range(e + 1, ends[stop - 1] + 1 if stop > e + 1 else stop):
             if step_recv[j] < 0:
                 continue
             src, pos = position[step_recv[j]]
@@ -201,7 +216,7 @@ def receive_schedule(plan: Plan, rank: int, prefetch: int, batched: bool):
 
 
 # ---- pass 3: where sends are waited ---------------------------------------------------------------------------------
-def reap_points(plan: Plan, rank: int, prefetch: int, batched: bool, recvs) -> dict:
+def reap_points(plan: Plan, rank: int, prefetch: int, batched: bool, recvs, overlap: bool = False) -> dict:
     """For each message this rank sends: the first of its steps at which the receiver has *provably* posted the
     matching receive -- the step that consumes a message the receiver sent at or after the exchange point where it
     posted that receive.  Waiting the send handle there never waits for the receiver's progress; sends without
@@ -210,7 +225,7 @@ def reap_points(plan: Plan, rank: int, prefetch: int, batched: bool, recvs) -> d
     out = {}
     peers = {m.dst for m in plan.sends(rank) if m.dst != rank}
     for q in peers:
-        q_recvs, _, q_posts = receive_schedule(plan, q, prefetch, batched)
+        q_recvs, _, q_posts = receive_schedule(plan, q, prefetch, batched, overlap)
         posted = {q_recvs[r].message: e for e, batch in enumerate(q_posts, start=-1) for r in batch}
         sent_by_q = {}
         for j, a in enumerate(plan.actions[q]):
@@ -263,12 +278,29 @@ def hook_events(plan: Plan, rank: int, has_grad_sync: bool, has_param_sync: bool
     return rule(plan, rank, has_grad_sync, has_param_sync)
 
 
+# ---- overlapped cells -----------------------------------------------------------------------------------------------
+def overlap_cells(plan: Plan, rank: int) -> tuple[tuple[int, int], ...]:
+    """The rank's compound spans that run overlapped (:meth:`Plan.overlap_cells`)."""
+    return plan.overlap_cells(rank)
+
+
+def cell_ends(plan: Plan, rank: int, overlap: bool) -> list[int]:
+    """Per step of ``rank``, the last step of the overlapped cell holding it (itself outside cells, or without
+    ``overlap``): when its sends and receive postings go out."""
+    ends = list(range(len(plan.actions[rank])))
+    for start, stop in overlap_cells(plan, rank) if overlap else ():
+        ends[start:stop] = [stop - 1] * (stop - start)
+    return ends
+
+
 # ---- pass 6: the program --------------------------------------------------------------------------------------------
-def compile_rank(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True) -> RankProgram:
+def compile_rank(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True, overlap: bool = False
+                 ) -> RankProgram:
     """Compile ``plan`` for pipeline rank ``rank`` (passes 1-4 of the module doc).
 
     ``prefetch``: how many actions ahead receives are posted (>= 1).  ``batched``: Megatron's batched op order at
-    an exchange point (else even/odd order by rank parity).
+    an exchange point (else even/odd order by rank parity).  ``overlap``: run :func:`overlap_cells` as units
+    (module doc; :attr:`RankProgram.cells`).
 
     Raises:
         ValueError: ``rank`` outside the plan, ``prefetch < 1``, or a plan whose messages do not pair up (a rank
@@ -280,10 +312,11 @@ def compile_rank(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True)
     if prefetch < 1:
         raise ValueError(f"prefetch={prefetch}: receives must be posted at least one action ahead")
     acts = plan.actions[rank]
-    recvs, step_recv, posts_at = receive_schedule(plan, rank, prefetch, batched)
+    recvs, step_recv, posts_at = receive_schedule(plan, rank, prefetch, batched, overlap)
     local_in, local_out, num_local = local_handovers(plan, rank)
     order_of = exchange_order(batched, rank)
-    reap_at = reap_points(plan, rank, prefetch, batched, recvs)
+    reap_at = reap_points(plan, rank, prefetch, batched, recvs, overlap)
+    ends = cell_ends(plan, rank, overlap)
     fwd_slot, counts, steps, reaps = {}, {Op.FORWARD: 0, Op.BACKWARD: 0, Op.WEIGHT: 0}, [], [[] for _ in acts]
     n_send = 0
     for i, a in enumerate(acts):
@@ -302,8 +335,8 @@ def compile_rank(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True)
         if out is not None:
             send_id, n_send = n_send, n_send + 1
             j = _reap_step(plan, reap_at.get(out), i)
-            if j is not None and max(j, i + 1) < len(acts):  # else: waited at the end of the step
-                reaps[max(j, i + 1)].append(send_id)
+            if j is not None and max(j, ends[i] + 1) < len(acts):  # else: waited at the end of the step
+                reaps[max(j, ends[i] + 1)].append(send_id)
         kind = "" if out is None else out.kind
         steps.append(Step(a.op, a.op is Op.FORWARD, a.chunk, a.microbatch, a.label, index, slot, step_recv[i],
                           -1 if out is None else out.dst, kind, plan.is_first_stage(rank, a.chunk),
@@ -312,7 +345,7 @@ def compile_rank(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True)
     for st, r in zip(steps, reaps):
         st.reap = tuple(r)
     return RankProgram(plan, rank, prefetch, tuple(steps), tuple(recvs), posts_at[0], counts[Op.FORWARD],
-                       plan.warmup[rank], n_send, num_local)
+                       plan.warmup[rank], n_send, num_local, overlap_cells(plan, rank) if overlap else ())
 
 
 def _reap_step(plan: Plan, reap: int | None, i: int) -> int | None:
@@ -328,13 +361,14 @@ def _reap_step(plan: Plan, reap: int | None, i: int) -> int | None:
 _BY_PLAN: dict = {}
 
 
-def program_for(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True) -> RankProgram:
+def program_for(plan: Plan, rank: int, prefetch: int = 1, batched: bool = True, overlap: bool = False
+                ) -> RankProgram:
     """:func:`compile_rank` cached per plan object (keeps the last 64 plans)."""
-    key = (id(plan), rank, prefetch, batched)
+    key = (id(plan), rank, prefetch, batched, overlap)
     hit = _BY_PLAN.get(key)
     if hit is not None and hit.plan is plan:
         return hit
-    program = compile_rank(plan, rank, prefetch, batched)
+    program = compile_rank(plan, rank, prefetch, batched, overlap)
     if len(_BY_PLAN) >= 64:
         _BY_PLAN.pop(next(iter(_BY_PLAN)))
     _BY_PLAN[key] = program

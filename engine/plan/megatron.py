@@ -5,6 +5,15 @@ runs the forward steps of its schedule table in order, the first ``W`` as warmup
 one backward (steady 1F1B), then runs the remaining ``W`` backwards (cooldown).  No pipelining is ``W = 0``; 1F1B is
 one model chunk with ``W = min(P-r-1, M)``; interleaved 1F1B uses the virtual-pipeline warmup count and the
 grouped schedule table; forward-only plans keep the forward steps alone.  Pure: no torch.
+
+With ``overlap_moe_expert_parallel_comm`` (Megatron-Core's combined 1F1B, which overlaps one microbatch's expert
+all-to-all with another's compute) each steady pair -- forward ``i`` and backward ``i - W`` -- is one
+:class:`~engine.plan.types.Compound` cell, run overlapped by the runtime; the interleaved warmup takes Megatron's
+one extra forward (``get_pp_rank_microbatches``) and no pipelining runs one warmup forward (Megatron's
+``combined_1f1b_schedule_for_no_pipelining``: ``F0``, then ``F(i)+B(i-1)`` cells, then the last backward), so a
+cell's backward never needs its own forward's output and the cell can wait for both inputs before it starts.
+Megatron-Core refuses the overlap for non-interleaved 1F1B with ``P > 1`` (its ``TransformerConfig``: "virtual
+pipeline ... must be specified"); so does this builder.
 """
 from __future__ import annotations
 
@@ -23,15 +32,23 @@ def check_positive(name: str, value, fix: str) -> None:
 
 
 def megatron_plan(name: str, pp_size: int, num_microbatches: int, num_model_chunks: int, forward_only: bool,
-                  group_size: int | None = None, *, interleaved: bool = False) -> Plan:
+                  group_size: int | None = None, *, interleaved: bool = False,
+                  overlap_moe_expert_parallel_comm: bool | None = None) -> Plan:
     """The plan of one of Megatron-Core's schedules, named ``name`` (module doc): warmup, steady 1F1B, cooldown
     over the schedule table.  ``interleaved``: Megatron's virtual-pipeline warmup count and grouped table, with
-    ``group_size`` (default ``P``) checked as Megatron checks it.
+    ``group_size`` (default ``P``) checked as Megatron checks it.  ``overlap_moe_expert_parallel_comm``: the
+    combined-1F1B cells of the module doc (training plans only).
 
     Raises:
-        ValueError: (interleaved) a group size outside ``[P, M]``.
+        ValueError: (interleaved) a group size outside ``[P, M]``; the overlap with non-interleaved 1F1B on
+            ``P > 1`` ranks.
         RuntimeError: (interleaved) ``0 < M mod G < P``, as Megatron raises.
     """
+    overlap = bool(overlap_moe_expert_parallel_comm) and not forward_only
+    if overlap and not interleaved and pp_size > 1:
+        raise ValueError(f"overlap_moe_expert_parallel_comm with the non-interleaved 1F1B schedule on {pp_size} "
+                         "pipeline ranks is refused (as Megatron-Core: with pipelining the combined 1F1B needs "
+                         "virtual pipeline stages); use schedule 'interleaved' (virtual >= 2) or 'dualpipev'")
     if interleaved:
         group_size = pp_size if group_size is None else group_size
         check_positive("microbatch_group_size_per_vp_stage", group_size, f"use a value in [{pp_size}, "
@@ -42,8 +59,10 @@ def megatron_plan(name: str, pp_size: int, num_microbatches: int, num_model_chun
     table = get_schedule_table(num_microbatches, num_model_chunks, group_size)
     vp_size = num_model_chunks if interleaved else None
     warmups = tuple(pp_rank_microbatches(num_microbatches, num_model_chunks, group_size, pp_size, rank, vp_size,
-                                         forward_only=forward_only).num_warmup_microbatches
+                                         forward_only, overlap).num_warmup_microbatches
                     for rank in range(pp_size))
+    if overlap and not interleaved:  # no pipelining: one warmup forward
+        warmups = (min(1, num_microbatches * num_model_chunks),)
     forwards, backwards, forward_keys, backward_keys = _table_actions(table, num_model_chunks, num_microbatches)
     if forward_only:
         per_rank = (tuple(forwards),) * pp_size
@@ -51,7 +70,10 @@ def megatron_plan(name: str, pp_size: int, num_microbatches: int, num_model_chun
     else:
         per_rank = tuple(tuple(_one_f_one_b(forwards, backwards, w)) for w in warmups)
         keys = tuple(_one_f_one_b(forward_keys, backward_keys, w) for w in warmups)
-    plan = Plan(name, pp_size, num_model_chunks, num_microbatches, group_size, forward_only, warmups, per_rank)
+    total = num_microbatches * num_model_chunks
+    cells = tuple(tuple((w + 2 * i, w + 2 * i + 2) for i in range(total - w)) for w in warmups) if overlap else ()
+    plan = Plan(name, pp_size, num_model_chunks, num_microbatches, group_size, forward_only, warmups, per_rank,
+                compounds=cells if any(cells) else None)
     plan.__dict__["action_keys"] = keys  # pre-filled cache of Plan.action_keys (validator / simulator input)
     return plan
 

@@ -15,8 +15,9 @@ given), and returns a :class:`~engine.plan.types.Plan` whose ``schedule`` is the
 
 The built-in entries: Megatron-Core 0.16.1's three schedules (no pipelining, 1F1B, interleaved 1F1B; Megatron
 picks among them from the pipeline and virtual sizes, :func:`auto_schedule`) and the split-backward schedules of
-Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (ZB-H1, ZB-V and a memory-budgeted one), and DeepSeek-AI's
-DualPipeV (:mod:`engine.plan.dualpipev`).  Pure: no torch.
+Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (ZB-H1, ZB-V and a memory-budgeted one; ``zb`` and ``zbv``
+given ``costs`` are built for them, :mod:`engine.plan.cost_aware`), the controllable-memory V schedules V-Half and
+V-Min (:mod:`engine.plan.controllable`) and DeepSeek-AI's DualPipeV (:mod:`engine.plan.dualpipev`).  Pure: no torch.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from .controllable import controllable_plan
 from .dualpipev import dualpipev_plan
 from .hooks import interleaved_hooks, last_backward_hooks, last_forward_hooks, last_weight_hooks
 from .megatron import megatron_plan
@@ -35,9 +37,13 @@ from .zero_bubble import budget_limits, zb_h1_limits, zbv_limits, zero_bubble_pl
 __all__ = ["ScheduleSpec", "OPTIONS", "RESERVED", "register_schedule", "get_schedule", "find_schedule",
            "schedule_names", "config_choices", "auto_schedule", "virtual_or_none"]
 
-OPTIONS = ("group_size", "max_in_flight")
+OPTIONS = ("group_size", "max_in_flight", "max_pending_w", "costs", "overlap_moe_expert_parallel_comm")
 """The build options an entry may take: ``group_size`` (``microbatch_group_size_per_vp_stage``, config field
-``parallel.microbatch_group_size_per_vp_stage``) and ``max_in_flight`` (``parallel.max_in_flight``)."""
+``parallel.microbatch_group_size_per_vp_stage``), ``max_in_flight`` (``parallel.max_in_flight``), ``max_pending_w``
+(a limit on pending weight-gradient passes; Python and ``pipecast schedule`` only), ``costs`` (a
+:class:`~engine.plan.pass_costs.PassCosts` the plan is built for: ``parallel.schedule_costs``) and
+``overlap_moe_expert_parallel_comm`` (Megatron's field: forward-backward cells that overlap the expert all-to-all;
+an entry that takes it has such cells, built or always there)."""
 RESERVED = ("auto", "tuned")
 """``parallel.schedule`` values that are not schedules: Megatron's choice from the sizes, and the result of
 ``pipecast tune``."""
@@ -214,18 +220,25 @@ def _budget_settings(P: int, v: int, M: int):
     return [{"max_in_flight": k} for k in range(1, min(2 * v * P, v * M) + 1)]
 
 
+def _v_settings(P: int, v: int, M: int):
+    """ZB-V at its own budget (``2P`` chunk activations), then at the others from 2 to ``4P``."""
+    return [{}] + [{"max_in_flight": k} for k in range(2, 4 * P + 1) if k != 2 * P] if v == 2 else []
+
+
 _BUILTINS = (
     ScheduleSpec("no_pipelining", functools.partial(megatron_plan, "no_pipelining"), max_pp=1,
                  pp_why="use '1f1b' or 'interleaved' for pp_size > 1", chunks_why="one model chunk on one rank",
+                 options=("overlap_moe_expert_parallel_comm",),
                  hooks=last_forward_hooks, megatron_function="forward_backward_no_pipelining", overlap_p2p=False,
                  tune=lambda P, v, M: _one(P, v, M) if P == 1 else [], summary="one rank, no pipeline"),
     ScheduleSpec("1f1b", functools.partial(megatron_plan, "1f1b"),
                  chunks_why="use 'interleaved' for virtual pipeline stages",
+                 options=("overlap_moe_expert_parallel_comm",),
                  megatron_function="forward_backward_pipelining_without_interleaving", overlap_p2p=False,
                  tune=lambda P, v, M: _one(P, v, M) if P > 1 else [], summary="Megatron's 1F1B"),
     ScheduleSpec("interleaved", functools.partial(megatron_plan, "interleaved", interleaved=True), chunks=None,
                  min_pp=2, pp_why="with one pipeline rank use 'no_pipelining' (one model chunk)",
-                 options=("group_size",), hooks=interleaved_hooks,
+                 options=("group_size", "overlap_moe_expert_parallel_comm"), hooks=interleaved_hooks,
                  megatron_function="forward_backward_pipelining_with_interleaving", tune=_interleaved_settings,
                  summary="Megatron's interleaved 1F1B (virtual pipeline stages)"),
     ScheduleSpec("zb_h1", functools.partial(zero_bubble_plan, "zb_h1", "looped", zb_h1_limits),
@@ -233,14 +246,25 @@ _BUILTINS = (
                  splits_backward=True, tune=_one, summary="ZB-H1: 1F1B's memory, W passes fill the cooldown"),
     ScheduleSpec("zbv", functools.partial(zero_bubble_plan, "zbv", "v", zbv_limits), placement="v", chunks=2,
                  chunks_why="ZB-V places exactly two model chunks on each rank (virtual pipeline size 2)",
-                 splits_backward=True, tune=lambda P, v, M: [{}] if v == 2 else [],
-                 summary="ZB-V: V placement, two chunks per rank, split backward"),
+                 splits_backward=True, options=("max_in_flight", "max_pending_w", "costs"), tune=_v_settings,
+                 summary="ZB-V: V placement, two chunks per rank, split backward (max_in_flight: default 2*pp; "
+                         "costs: built for them)"),
     ScheduleSpec("zb", functools.partial(zero_bubble_plan, "zb", "looped", budget_limits), chunks=None,
-                 splits_backward=True, options=("max_in_flight",), tune=_budget_settings,
-                 summary="split backward under a per-rank limit on in-flight activations (max_in_flight)"),
+                 splits_backward=True, options=("max_in_flight", "max_pending_w", "costs"), tune=_budget_settings,
+                 summary="split backward under a per-rank limit on in-flight activations (max_in_flight; costs: "
+                         "built for them)"),
+    ScheduleSpec("v_half", functools.partial(controllable_plan, "half", "v_half"), placement="v", chunks=2,
+                 chunks_why="V-Half places exactly two model chunks on each rank (virtual pipeline size 2)",
+                 splits_backward=True, tune=lambda P, v, M: [{}] if v == 2 else [],
+                 summary="V-Half: V placement, half of 1F1B's activation memory (controllable-memory V schedule)"),
+    ScheduleSpec("v_min", functools.partial(controllable_plan, "min", "v_min"), placement="v", chunks=2,
+                 chunks_why="V-Min places exactly two model chunks on each rank (virtual pipeline size 2)",
+                 splits_backward=True, tune=lambda P, v, M: [{}] if v == 2 else [],
+                 summary="V-Min: V placement, a third of 1F1B's activation memory (controllable-memory V schedule)"),
     ScheduleSpec("dualpipev", dualpipev_plan, placement="v", chunks=2,
                  chunks_why="DualPipeV places exactly two model chunks on each rank (virtual pipeline size 2)",
-                 splits_backward=True, tune=lambda P, v, M: [{}] if v == 2 and M >= 2 * P else [],
+                 splits_backward=True, options=("overlap_moe_expert_parallel_comm",),
+                 tune=lambda P, v, M: [{}] if v == 2 and M >= 2 * P else [],
                  summary="DualPipeV: V placement, overlapped forward-backward cells, needs microbatches >= 2*pp"),
 )
 for _spec in _BUILTINS:

@@ -2,7 +2,18 @@
 
 Model (the runtime's, see :mod:`engine.plan.validate`): each rank runs its actions in plan order, one at a time; an
 action starts when the previous action of its rank has ended and its input message has arrived (producer's end
-plus ``transfer_time``); sends never wait.  Compute costs are per op and optionally per ``(rank, chunk)``.
+plus ``transfer_time``; a hand-off between two chunks of one rank, as on the V placement's last rank, arrives at
+once); sends never wait.  Compute costs are per op and optionally per ``(rank, chunk)``.
+
+Mixture-of-experts all-to-all (``a2a_time``: the expert all-to-all time of one forward of a chunk -- dispatch and
+combine of all its MoE layers; its backward exchanges as much): an action that runs alone waits for its
+all-to-alls, so a forward costs ``t_F + a`` and a backward ``t_B + a``.  With ``overlap=True`` an overlapped cell
+(:meth:`~engine.plan.types.Plan.overlap_cells`, run as :mod:`engine.runtime.overlap` runs it: both inputs first,
+its outputs after it) is one unit of cost ``t_F + t_BW + max(0, a_F - t_BW) + max(0, a_B - t_F)`` with ``t_BW``
+the backward's compute plus its ``W``: each side's all-to-all hides behind the other side's compute (DualPipe's
+and Megatron's combined-1F1B overlap; two resources, compute and communication, as in DeepSeek-AI,
+arXiv:2412.19437, sec. 3.2.1) and only the excess is exposed.  Every part of a cell is reported with the cell's
+start and end.
 
 Closed forms the tests check (uniform costs, no transfer time; ``p`` ranks, ``m`` microbatches, ``v`` chunks):
 
@@ -31,7 +42,7 @@ from .graph import PlanGraph, deadlock_free_segments, memory_levels, plan_graph
 from .plotting import Bar
 from .types import Plan
 
-__all__ = ["Cost", "Simulation", "simulate", "simulate_nominal", "max_buffered_messages"]
+__all__ = ["Cost", "Simulation", "simulate", "simulate_nominal", "max_buffered_messages", "placed_costs"]
 
 Cost = Union[float, Mapping[tuple[int, int], float], Sequence[Sequence[float]]]
 """A compute cost in time units: one number for every ``(rank, chunk)``, a mapping ``{(rank, chunk): cost}`` (every
@@ -111,16 +122,19 @@ class Simulation:
 
 
 def simulate(plan: Plan, forward_time: Cost = 1.0, backward_time: Cost = 2.0, transfer_time: float = 0.0,
-             weight_time: Cost = 0.0) -> Simulation:
+             weight_time: Cost = 0.0, a2a_time: Cost = 0.0, overlap: bool = False) -> Simulation:
     """Simulate one step of ``plan`` (model in the module doc).
 
     Args:
         plan: a valid plan (checked; see :func:`engine.plan.graph.plan_graph`).
-        forward_time: cost of one forward of one model chunk (time units, e.g. ms).
+        forward_time: cost of one forward of one model chunk (time units, e.g. ms), without its all-to-alls.
         backward_time: cost of one backward (input and weight gradients unless the plan splits off ``W``).
-        transfer_time: latency of every message (producer end to consumer availability), ``>= 0``.
+        transfer_time: latency of every message between two ranks (producer end to consumer availability), ``>= 0``.
         weight_time: cost of a split weight-gradient action (``W``; then ``backward_time`` is the input-gradient
             pass ``B`` alone).
+        a2a_time: expert all-to-all time of one forward (and of one backward) of a chunk (module doc).
+        overlap: run the plan's overlapped cells as units that hide each side's all-to-all behind the other's
+            compute (module doc); without it every action waits for its own all-to-alls.
 
     Raises:
         ValueError: a negative or non-finite cost, or a per-``(rank, chunk)`` cost of the wrong shape.
@@ -130,15 +144,23 @@ def simulate(plan: Plan, forward_time: Cost = 1.0, backward_time: Cost = 2.0, tr
     graph = plan_graph(plan)
     table = np.array([_cost_table(name, value, plan.pp_size, plan.num_model_chunks) for name, value in
                       (("forward_time", forward_time), ("backward_time", backward_time),
-                       ("weight_time", weight_time))], dtype=np.float64)  # [op, rank, chunk]
+                       ("weight_time", weight_time), ("a2a_time", a2a_time))], dtype=np.float64)  # [op, r, c]
     sizes = np.diff(np.asarray(graph.base, dtype=np.int64))
     rank_of = np.repeat(np.arange(plan.pp_size), sizes)
     mbs, stride = plan.num_microbatches, plan.num_model_chunks * plan.num_microbatches
     op = graph.keys // stride
     chunk = (graph.keys % stride) // mbs
-    cost = table[op, rank_of, chunk]
-    start, end, clock = _run(plan, graph, cost.tolist(), float(transfer_time))
-    busy = tuple(float(cost[a:b].sum()) for a, b in zip(graph.base, graph.base[1:]))
+    compute = table[op, rank_of, chunk]
+    a2a = np.where(op < 2, table[3, rank_of, chunk], 0.0)  # F and B exchange; W does not
+    cells = [plan.overlap_cells(r) for r in range(plan.pp_size)] if overlap else []
+    if any(cells):
+        units = _cell_units(plan, graph, cells, compute, a2a, op)
+        start, end, clock = _run_units(plan, graph, units, float(transfer_time))
+        busy = tuple(sum(c for _, _, c in units[r]) for r in range(plan.pp_size))
+    else:
+        cost = compute + a2a
+        start, end, clock = _run(plan, graph, cost.tolist(), float(transfer_time))
+        busy = tuple(float(cost[a:b].sum()) for a, b in zip(graph.base, graph.base[1:]))
     makespan = max(clock, default=0.0)
     levels = memory_levels(plan)
     return Simulation(plan, makespan, busy, tuple(x for x, _ in levels), tuple(w for _, w in levels),
@@ -153,6 +175,21 @@ def simulate_nominal(plan: Plan) -> Simulation:
     if plan.splits_backward:
         return simulate(plan, 1.0, 1.0, 0.0, 1.0)
     return simulate(plan)
+
+
+def placed_costs(plan: Plan, per_stage: Sequence[float], overhead: float = 0.0) -> list[list[float]]:
+    """``[rank][chunk]`` costs (a :data:`Cost` for :func:`simulate`) from per-stage costs (one per virtual stage, in
+    stage order: e.g. :func:`engine.plan.layout.stage_costs` of an uneven layout) through the plan's placement, each
+    plus ``overhead``.
+
+    Raises:
+        ValueError: ``per_stage`` does not have one entry per stage of the plan.
+    """
+    if len(per_stage) != plan.num_stages:
+        raise ValueError(f"{len(per_stage)} per-stage costs for a plan of {plan.num_stages} stages "
+                         f"({plan.pp_size} ranks x {plan.num_model_chunks} chunks); give one per stage")
+    return [[per_stage[plan.stage(r, c)] + overhead for c in range(plan.num_model_chunks)]
+            for r in range(plan.pp_size)]
 
 
 def _check_time(name: str, value) -> None:
@@ -190,7 +227,7 @@ def _run(plan: Plan, graph: PlanGraph, cost: list[float], transfer: float):
     end of its producer + transfer)``.  Returns ``(start, end, clock)``: flat times and each rank's finishing time.
     """
     segments = deadlock_free_segments(plan)
-    deps, n = graph.deps, graph.num_actions
+    deps, owner, n = graph.deps, graph.owner, graph.num_actions
     end = [0.0] * (n + 1)
     end[n] = -math.inf  # "receives nothing": always available
     start = [0.0] * n
@@ -198,13 +235,76 @@ def _run(plan: Plan, graph: PlanGraph, cost: list[float], transfer: float):
     for rank, lo, hi in segments:
         t = clock[rank]
         for i in range(lo, hi):
-            e = end[deps[i]] + transfer
+            d = deps[i]
+            e = end[d] + (transfer if owner[d] != rank else 0.0)
             if e > t:
                 t = e
             start[i] = t
             t += cost[i]
             end[i] = t
         clock[rank] = t
+    end.pop()
+    return start, end, clock
+
+
+def _cell_units(plan: Plan, graph: PlanGraph, cells, compute, a2a, op) -> list:
+    """Per rank, its units in order as ``(lo, hi, cost)`` over global action indices: an overlapped cell (module
+    doc's cost) or a single action (its compute plus its all-to-all)."""
+    units = []
+    for rank in range(plan.pp_size):
+        base, n, at, mine = graph.base[rank], graph.base[rank + 1] - graph.base[rank], 0, []
+        for lo, hi in list(cells[rank]) + [(n, n)]:
+            mine += [(base + i, base + i + 1, float(compute[base + i] + a2a[base + i])) for i in range(at, lo)]
+            if lo < n:
+                idx = range(base + lo, base + hi)
+                t_f = sum(float(compute[i]) for i in idx if op[i] == 0)
+                t_bw = sum(float(compute[i]) for i in idx if op[i] != 0)
+                a_f = sum(float(a2a[i]) for i in idx if op[i] == 0)
+                a_b = sum(float(a2a[i]) for i in idx if op[i] != 0)
+                mine.append((base + lo, base + hi, t_f + t_bw + max(0.0, a_f - t_bw) + max(0.0, a_b - t_f)))
+            at = hi
+        units.append(mine)
+    return units
+
+
+def _run_units(plan: Plan, graph: PlanGraph, units, transfer: float):
+    """Times of every action when each rank runs ``units`` (:func:`_cell_units`) in order, a unit starting once
+    the rank is free and every input of its actions has arrived: an event-driven pass like
+    :func:`engine.plan.graph.deadlock_free_segments`.  Raises :class:`~engine.plan.graph.PlanError` at a
+    deadlock (a cell waiting for an input its own outputs lead to)."""
+    deps, n = graph.deps, graph.num_actions
+    done = bytearray(n + 1)
+    done[n] = 1
+    end, start = [0.0] * (n + 1), [0.0] * n
+    end[n] = -math.inf
+    at, clock = [0] * plan.pp_size, [0.0] * plan.pp_size
+    waiters: list[list[int]] = [[] for _ in range(plan.pp_size)]
+    ready = list(range(plan.pp_size - 1, -1, -1))
+    while ready:
+        rank = ready.pop()
+        mine, before = units[rank], at[rank]
+        while at[rank] < len(mine):
+            lo, hi, cost = mine[at[rank]]
+            missing = next((deps[i] for i in range(lo, hi) if not done[deps[i]] and not lo <= deps[i] < hi), None)
+            if missing is not None:
+                waiters[graph.owner[missing]].append(rank)
+                break
+            t = max([clock[rank]] + [end[deps[i]] + (transfer if graph.owner[deps[i]] != rank else 0.0)
+                                     for i in range(lo, hi)])
+            for i in range(lo, hi):
+                start[i], end[i], done[i] = t, t + cost, 1
+            clock[rank] = t + cost
+            at[rank] += 1
+        if at[rank] > before:  # progress: wake the ranks waiting for this one
+            ready.extend(waiters[rank])
+            waiters[rank] = []
+    stuck = [r for r in range(plan.pp_size) if at[r] < len(units[r])]
+    if stuck:
+        from .graph import PlanError
+        lo = units[stuck[0]][at[stuck[0]]][0]
+        r, i, action = graph.locate(plan, lo)
+        raise PlanError(r, i, action, "deadlock: this overlapped cell waits for an input that depends on its own "
+                                      "outputs; run the plan without overlap")
     end.pop()
     return start, end, clock
 

@@ -306,6 +306,26 @@ class Plan:
         out.extend(acts[at:])
         return out
 
+    def overlap_cells(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """The rank's compound spans that can run overlapped (one microbatch's forward with another's backward,
+        :mod:`engine.runtime.overlap`): one forward and one backward ``B`` of another (chunk, microbatch), and
+        optionally that backward's ``W`` after it -- DualPipeV's ``F+B+W`` and Megatron's combined-1F1B ``F+B``
+        cells.  Other compounds run part after part."""
+        acts, out = self.actions[rank], []
+        for start, stop in self.compound_spans(rank):
+            parts = acts[start:stop]
+            f = [i for i, a in enumerate(parts) if a.op is Op.FORWARD]
+            b = [i for i, a in enumerate(parts) if a.op is Op.BACKWARD]
+            w = [i for i, a in enumerate(parts) if a.op is Op.WEIGHT]
+            if len(f) != 1 or len(b) != 1 or len(w) > 1:
+                continue
+            key = (parts[b[0]].chunk, parts[b[0]].microbatch)
+            if (parts[f[0]].chunk, parts[f[0]].microbatch) == key or (
+                    w and ((parts[w[0]].chunk, parts[w[0]].microbatch) != key or w[0] < b[0])):
+                continue
+            out.append((start, stop))
+        return tuple(out)
+
     def cell_labels(self, rank: int) -> list[str]:
         """The rank's cells in notation (``"F3.1"``, ``"F3.0+B1.1"``)."""
         return [str(c) for c in self.cells(rank)]

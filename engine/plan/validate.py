@@ -31,7 +31,7 @@ execution order are cached on the plan, so :func:`engine.plan.simulate.simulate`
 from __future__ import annotations
 
 from .graph import PlanError, PlanGraph, deadlock_free_segments, memory_levels, plan_graph
-from .lowering import compile_rank
+from .lowering import cell_ends, compile_rank
 from .simulate import max_buffered_messages
 from .types import Plan
 
@@ -74,7 +74,7 @@ def check_compounds(plan: Plan) -> None:
 
 
 # -- the compiled programs ---------------------------------------------------------------------------------------
-def validate_programs(plan: Plan, prefetch: int = 1, batched: bool = True) -> tuple:
+def validate_programs(plan: Plan, prefetch: int = 1, batched: bool = True, overlap: bool = False) -> tuple:
     """Check the per-rank programs the executor runs (:func:`engine.plan.lowering.compile_rank`) for deadlock
     freedom, exactly as they post and wait; returns them.
 
@@ -83,7 +83,8 @@ def validate_programs(plan: Plan, prefetch: int = 1, batched: bool = True) -> tu
     reaps there, which need the receiver to have posted the matching receive (the receiver finished the step
     after which it posts it; initial posts are made at the start); after the step it posts its send and the
     receives of that exchange point.  At the end every open send is waited.  Also checks that every receive is
-    posted before it is waited.
+    posted before it is waited.  With ``overlap`` an overlapped cell is one unit (:mod:`engine.plan.lowering`):
+    its first step waits for everything its steps wait for, and its sends and postings count from its last step.
 
     Raises:
         PlanError: the plan is invalid (:func:`validate_plan`), or a program waits for something that never
@@ -91,8 +92,9 @@ def validate_programs(plan: Plan, prefetch: int = 1, batched: bool = True) -> tu
             with the step marked.
     """
     validate_plan(plan)
-    programs = tuple(compile_rank(plan, r, prefetch, batched) for r in range(plan.pp_size))
-    needs = [_program_needs(plan, programs, r) for r in range(plan.pp_size)]
+    programs = tuple(compile_rank(plan, r, prefetch, batched, overlap) for r in range(plan.pp_size))
+    ends = [cell_ends(plan, r, overlap) for r in range(plan.pp_size)]
+    needs = [_program_needs(plan, programs, r, ends) for r in range(plan.pp_size)]
     done = [0] * plan.pp_size
     changed = True
     while changed:
@@ -108,32 +110,35 @@ def validate_programs(plan: Plan, prefetch: int = 1, batched: bool = True) -> tu
     return programs
 
 
-def _program_needs(plan: Plan, programs, rank: int) -> list[list[tuple[int, int]]]:
-    """Per step of ``rank``: the ``(rank q, step j)`` pairs that must have finished first (``j = -1``: the start)."""
+def _program_needs(plan: Plan, programs, rank: int, ends) -> list[list[tuple[int, int]]]:
+    """Per step of ``rank``: the ``(rank q, step j)`` pairs that must have finished first (``j = -1``: the start);
+    a step inside an overlapped cell hands its needs to the cell's first step (``ends``: :func:`cell_ends`)."""
     program = programs[rank]
-    posted_at = {}  # message -> exchange point (-1: start) where its receiver posts the receive
-    produced_at = {}  # message -> (rank, step) that sends it
+    posted_at = {}  # message -> (rank, exchange point (-1: start) where its receiver posts the receive, its end)
+    produced_at = {}  # message -> (rank, end of the step that sends it)
     for q, prog in enumerate(programs):
         for r in prog.initial_posts:
-            posted_at[prog.recvs[r].message] = (q, -1)
+            posted_at[prog.recvs[r].message] = (q, -1, -1)
         for e, st in enumerate(prog.steps):
             for r in st.posts:
-                posted_at[prog.recvs[r].message] = (q, e)
+                posted_at[prog.recvs[r].message] = (q, e, ends[q][e])
             if st.send_peer >= 0:
-                produced_at[plan.output_message(q, plan.actions[q][e])] = (q, e)
+                produced_at[plan.output_message(q, plan.actions[q][e])] = (q, ends[q][e])
     sent = [plan.output_message(rank, plan.actions[rank][i]) for i, st in enumerate(program.steps)
             if st.send_peer >= 0]
-    needs = []
+    needs, first = [], 0
     for i, st in enumerate(program.steps):
+        first = first if i > 0 and ends[rank][i - 1] >= i else i  # the step the cell holding i starts at
         need = []
         if st.recv >= 0:
             m = program.recvs[st.recv].message
-            if posted_at.get(m, (rank, i))[1] >= i:
+            if posted_at.get(m, (rank, i, i))[1] >= first:
                 raise PlanError(rank, i, plan.actions[rank][i], f"waits for {m} before posting its receive "
                                                                 f"(lowering bug)\n{program.grid(mark=i)}")
             need.append(produced_at[m])
-        need += [posted_at[sent[sid]] for sid in st.reap]
-        needs.append([(q, j) for q, j in need if j >= 0 or q != rank])
+        need += [posted_at[sent[sid]][::2] for sid in st.reap]
+        needs.append([])
+        needs[first] += [(q, j) for q, j in need if j >= 0 or q != rank]
     return needs
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from .types import Action, Op, Plan, placement_of
 
 __all__ = ["ZeroBubbleCosts", "list_schedule", "zero_bubble_plan", "zb_h1_limits", "zbv_limits",
-           "budget_limits"]
+           "budget_limits", "per_rank"]
 
 _OPS = {"F": Op.FORWARD, "B": Op.BACKWARD, "W": Op.WEIGHT}
 
@@ -197,44 +197,105 @@ def zb_h1_limits(pp_size: int, num_microbatches: int, num_model_chunks: int, max
 
 
 def zbv_limits(pp_size: int, num_microbatches: int, num_model_chunks: int, max_in_flight=None):
-    """ZB-V's per-rank limits: ``2P`` chunk activations and ``2P`` pending ``W`` on every rank (module doc)."""
-    return (2 * pp_size,) * pp_size, (2 * pp_size,) * pp_size
+    """ZB-V's per-rank limits: ``max_in_flight`` (default ``2P`` chunk activations, 1F1B's peak) for both the
+    activations held and the pending ``W`` (module doc).
+
+    Raises:
+        ValueError: as :func:`budget_limits`.
+    """
+    return budget_limits(pp_size, num_microbatches, num_model_chunks, max_in_flight, default=2 * pp_size)
 
 
-def budget_limits(pp_size: int, num_microbatches: int, num_model_chunks: int, max_in_flight=None):
-    """The memory-budgeted schedule's limits: ``max_in_flight`` (one number or one per rank; default
-    ``C*(P - r)``, 1F1B's) for both activations held and pending ``W``.
+def budget_limits(pp_size: int, num_microbatches: int, num_model_chunks: int, max_in_flight=None,
+                  default: int | None = None):
+    """The memory-budgeted schedule's limits: ``max_in_flight`` (one number or one per rank; default ``default``
+    on every rank, else ``C*(P - r)``, 1F1B's) for both activations held and pending ``W``.
 
     Raises:
         ValueError: ``max_in_flight`` is not a number >= 1 or one per rank.
     """
     P, C = pp_size, num_model_chunks
     if max_in_flight is None:
-        limits = tuple(C * (P - r) for r in range(P))
-    elif isinstance(max_in_flight, int) and not isinstance(max_in_flight, bool):
-        limits = (max_in_flight,) * P
+        limits = (default,) * P if default is not None else tuple(C * (P - r) for r in range(P))
     else:
-        limits = tuple(max_in_flight)
-    if len(limits) != P or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in limits):
-        raise ValueError(f"max_in_flight={max_in_flight!r} is invalid: use a number >= 1 or one per pipeline rank "
-                         f"({P} numbers)")
+        limits = per_rank("max_in_flight", max_in_flight, P)
     return limits, limits
 
 
-def zero_bubble_plan(name: str, placement: str, limits, pp_size: int, num_microbatches: int,
-                     num_model_chunks: int, forward_only: bool = False, max_in_flight=None) -> Plan:
-    """The plan named ``name`` of a split-backward schedule: the list scheduler of the module doc over placement
-    ``placement`` (``"looped"`` or ``"v"``) under ``limits(P, M, C, max_in_flight)`` (e.g. :func:`zb_h1_limits`).
+def per_rank(name: str, value, pp_size: int) -> tuple[int, ...]:
+    """``value`` (one integer >= 1, or one per rank) as a per-rank tuple.
 
     Raises:
-        ValueError: as ``limits`` raises.
+        ValueError: naming ``name`` and the fix.
+    """
+    limits = (value,) * pp_size if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        limits = tuple(limits)
+    except TypeError:
+        limits = ()
+    if len(limits) != pp_size or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in limits):
+        raise ValueError(f"{name}={value!r} is invalid: use a number >= 1 or one per pipeline rank ({pp_size} "
+                         f"numbers)")
+    return limits
+
+
+def zero_bubble_plan(name: str, placement: str, limits, pp_size: int, num_microbatches: int,
+                     num_model_chunks: int, forward_only: bool = False, max_in_flight=None, max_pending_w=None,
+                     costs=None) -> Plan:
+    """The plan named ``name`` of a split-backward schedule over placement ``placement`` (``"looped"`` or ``"v"``)
+    under ``limits(P, M, C, max_in_flight)`` (e.g. :func:`zb_h1_limits`), ``max_pending_w`` (one number or one
+    per rank) replacing its pending-``W`` limit: the list scheduler of the module doc, or with ``costs`` (a
+    :class:`~engine.plan.pass_costs.PassCosts`) the cost-aware order of :mod:`engine.plan.cost_aware`.
+
+    Raises:
+        ValueError: as ``limits`` raises, a bad ``max_pending_w``, or (cost-aware) no order fits the limits.
     """
     stage_map = placement_of(placement, pp_size, num_model_chunks)
     in_flight, pending = limits(pp_size, num_microbatches, num_model_chunks, max_in_flight)
+    if max_pending_w is not None:
+        pending = per_rank("max_pending_w", max_pending_w, pp_size)
+    if costs is not None and not forward_only:
+        return _cost_aware_plan(name, stage_map, pp_size, num_microbatches, costs, in_flight, pending,
+                                max_pending_w is not None)
     order, _ = list_schedule(stage_map, pp_size, num_microbatches, in_flight, pending, forward_only=forward_only)
-    shared: dict = {}
-    actions = tuple(tuple(shared.setdefault(a, Action(_OPS[a[0]], a[1], a[2])) for a in acts) for acts in order)
-    warmup = tuple(next((i for i, a in enumerate(acts) if a.op is not Op.FORWARD), len(acts)) for acts in actions)
     limits_held = (None, None) if forward_only else (in_flight, pending)
-    return Plan(name, pp_size, num_model_chunks, num_microbatches, num_microbatches, forward_only, warmup, actions,
-                stage_map, *limits_held)
+    return _plan(name, stage_map, pp_size, num_model_chunks, num_microbatches, forward_only, _actions(order),
+                 *limits_held)
+
+
+def _actions(order) -> tuple[tuple[Action, ...], ...]:
+    shared: dict = {}
+    return tuple(tuple(shared.setdefault(a, Action(_OPS[a[0]], a[1], a[2])) for a in acts) for acts in order)
+
+
+def _plan(name, stage_map, pp_size, chunks, mbs, forward_only, actions, in_flight, pending) -> Plan:
+    warmup = tuple(next((i for i, a in enumerate(acts) if a.op is not Op.FORWARD), len(acts)) for acts in actions)
+    return Plan(name, pp_size, chunks, mbs, mbs, forward_only, warmup, actions, stage_map, in_flight, pending)
+
+
+def _cost_aware_plan(name, stage_map, pp_size, mbs, costs, in_flight, pending, pending_given: bool) -> Plan:
+    """The cost-aware plan (:func:`engine.plan.cost_aware.cost_aware_order`): the activation budget is
+    ``in_flight``; the pending-``W`` limit is ``pending`` when given or when ``costs.weight_memory`` is 0 (pending
+    ``W`` then hold no budget, so they keep the schedule's own limit), else none (the budget bounds them).  The
+    list scheduler's plans of these limits (and, with one chunk, ZB-H1's) are tried as they are; its order under
+    the mean costs seeds the search."""
+    from .cost_aware import cost_aware_order, mean_costs
+    chunks = len(stage_map) // pp_size
+    weighted = any(x > 0 for row in costs.table("weight_memory", pp_size, chunks) for x in row)
+    cap = pending if pending_given or not weighted else None
+    caps = cap or (None,) * pp_size
+    shapes = [((in_flight, pending), ZeroBubbleCosts(), True),
+              ((in_flight, caps), ZeroBubbleCosts(*mean_costs(costs, pp_size, chunks)), False)]
+    if chunks == 1:
+        shapes.append((zb_h1_limits(pp_size, mbs, 1), ZeroBubbleCosts(), True))
+    hand_made, seeds = [], []
+    for limits, nominal, as_is in shapes:
+        try:
+            order = list_schedule(stage_map, pp_size, mbs, *limits, costs=nominal)[0]
+        except (ValueError, RuntimeError):
+            continue
+        (hand_made if as_is else seeds).append(order)
+    found = cost_aware_order(stage_map, pp_size, mbs, costs, in_flight, caps, hand_made, seeds)
+    plan = _plan(name, stage_map, pp_size, chunks, mbs, False, found.actions, in_flight, cap)
+    plan.__dict__["costs"] = costs  # what it was built for, beside the fields (not pickled): ResolvedSchedule.of_plan
+    return plan

@@ -152,6 +152,17 @@ class TimelineRecorder:
         if self.enabled:
             self._raw.append((category, label, start, self._clock.mark(), self._step, len(self._stack)))
 
+    # -- intervals (engine.runtime.tracing: begin / end, need not nest with the spans) ------------------------
+    def begin(self, category: str, label: str):
+        """Start an interval (e.g. an all-to-all in flight); returns the token for :meth:`end`."""
+        return (category, label, self._clock.mark() if self.enabled else None, self._step)
+
+    def end(self, token) -> None:
+        """End the interval ``token`` of :meth:`begin` (recorded at depth 0)."""
+        category, label, start, step = token
+        if self.enabled:
+            self._raw.append((category, label, start, self._clock.mark(), step, 0))
+
     # -- steps -----------------------------------------------------------------------------------------------
     def step(self, index: int) -> "_StepScope":
         """Context manager: spans recorded inside belong to training step ``index``."""

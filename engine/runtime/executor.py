@@ -23,7 +23,8 @@ executor derives everything else from the plan's actions:
 * ``deallocate_pipeline_outputs``: a sent output is shrunk right after its send is posted (the send holds an alias
   of its storage until it is waited), and its backward runs through ``custom_backward``.
 * Partial activation checkpointing by microbatch (``checkpoint_activations_microbatch = (k mod (W+1)) >= K`` for
-  forward step ``k``, as Megatron's interleaved schedule), ``is_first_microbatch`` (microbatch 0 of each model chunk, through
+  forward step ``k``, as Megatron's interleaved schedule; modules marked by ``engine.runtime.recompute`` follow it),
+  ``is_first_microbatch`` (microbatch 0 of each model chunk, through
   ``check_first_val_step``), ``current_microbatch`` (-> ``set_current_microbatch``).
 * Grad / param sync hooks at Megatron-Core's points (``megatron/core/pipeline_parallel/schedules.py``): ``no_sync_func`` entered at the
   start; left before the last forward (no pipelining), before the last backward (1F1B; with ``grad_sync_func`` only
@@ -38,6 +39,13 @@ executor derives everything else from the plan's actions:
 Per-rank programs come from the plan layer's lowering (:mod:`engine.plan.lowering`: ``compile_rank``,
 ``program_for``, cached), the same programs the validator checks; the per-action path does list indexing only.
 A failing step adds the rank's program grid, with that step marked, as a note to the exception.
+
+Overlapped cells (a program compiled with ``overlap=True``, :attr:`RankProgram.cells`: DualPipeV's ``F+B+W`` cells,
+Megatron's combined-1F1B ``F+B`` cells under ``config.overlap_moe_expert_parallel_comm``): the cell waits all its
+inputs (and does its reaps) first, runs its forward on this thread and its backward (then its ``W``) on a helper
+thread taking turns at the model's overlap points (:class:`engine.runtime.overlap.Cell`: one microbatch's expert
+all-to-all is in flight while the other computes), then sends and posts for its parts in order; the hooks of its
+steps run before / after the whole cell.  Each turn is a ``"compute"`` span of its action.
 
 Split-backward plans (``W`` actions): ``B`` runs the input-gradient pass
 (``engine.runtime.split_backward.backward_input_step``) and keeps what ``W`` needs per (chunk, microbatch); ``W``
@@ -54,6 +62,7 @@ import torch
 
 from ..plan.build import Op
 from ..plan.lowering import ENABLE, TAG_ACT, TAG_ACT_SHAPE, TAG_GRAD, TAG_GRAD_SHAPE, RankProgram, exchange_order
+from .overlap import Cell
 from .p2p import decode_shape, encode_shape
 from .step import (ChunkCall, ChunkHooks, ForwardCall, backward_step, check_first_val_step, deallocate_output_tensor,
                    run_forward, sendable_grad, sendable_output)
@@ -410,8 +419,16 @@ class _Runner:
         sync.run(start)
         self._exchange(None, p.initial_posts)
         forward, backward, weight = self._forward, self._backward, self._weight
-        for i, st in enumerate(p.steps):
+        cell_at = [0] * len(p.steps)
+        for a, b in p.cells:
+            cell_at[a] = b
+        i, n = 0, len(p.steps)
+        while i < n:
             self.at = i
+            if cell_at[i]:
+                i = self._cell(i, cell_at[i])
+                continue
+            st = p.steps[i]
             if before[i]:
                 sync.run(before[i])
             if st.forward:
@@ -422,21 +439,35 @@ class _Runner:
                 backward(st)
             if after[i]:
                 sync.run(after[i])
-        self.at = len(p.steps)
+            i += 1
+        self.at = n
         self._drain()
         sync.run(end)
         self._finalize()
         return self.store
 
-    def _forward(self, st) -> None:
+    def _input(self, st):
+        """The step's incoming tensor (a receive, a local hand-over, or None); then the sends reaped there."""
         x = self._take(st.recv) if st.recv >= 0 else (self.local.pop(st.local_in) if st.local_in >= 0 else None)
         if st.reap:
             self._reap(st.reap)
+        return x
+
+    def _forward(self, st) -> None:
+        x = self._input(st)
+        with self.tracer.span("compute", st.label):
+            y, n = self._compute_forward(st, x)
+        self._emit_forward(st, x, y, n)
+
+    def _compute_forward(self, st, x):
         ckpt = None if self.k_ckpt is None else (st.index % self.window) >= self.k_ckpt
         first_mb = check_first_val_step(self.ctx.first_val_step, self.forward_only, st.microbatch == 0)
-        with self.tracer.span("compute", st.label), (self._deferral() if self.split else _NO_DEFERRAL):
-            y, n = run_forward(self.call, self.chunks[st.chunk], x, ckpt, first_mb, st.microbatch,
+        with self._deferral() if self.split else _NO_DEFERRAL:
+            return run_forward(self.call, self.chunks[st.chunk], x, ckpt, first_mb, st.microbatch,
                                st.last_stage if self.ctx.per_stage_last else True)
+
+    def _emit_forward(self, st, x, y, n) -> None:
+        """After a forward: count tokens, hand the output on (send or local), post, keep what B needs."""
         if self.tokens is not None and n is not None:
             self.tokens += n
         send = None
@@ -457,17 +488,21 @@ class _Runner:
             self.saved_out[st.slot] = y
 
     def _backward(self, st) -> None:
-        gy = self._take(st.recv) if st.recv >= 0 else (self.local.pop(st.local_in) if st.local_in >= 0 else None)
-        if st.reap:
-            self._reap(st.reap)
+        gy = self._input(st)
+        with self.tracer.span("compute", st.label):
+            gx = self._compute_backward(st, gy)
+        self._emit_backward(st, gx)
+
+    def _compute_backward(self, st, gy):
         slot = st.slot
         x, y = self.saved_in[slot], self.saved_out[slot]
         self.saved_in[slot] = self.saved_out[slot] = None
-        with self.tracer.span("compute", st.label):
-            if self.split:
-                gx, self.pending_w[slot] = self._split_backward(x, y, gy, self.config)
-            else:
-                gx = backward_step(x, y, gy, self.config)
+        if self.split:
+            gx, self.pending_w[slot] = self._split_backward(x, y, gy, self.config)
+            return gx
+        return backward_step(x, y, gy, self.config)
+
+    def _emit_backward(self, st, gx) -> None:
         gx = sendable_grad(gx)  # a split B returns autograd's raw gradient: a view for a reshaping chunk
         send = None
         if st.send_peer >= 0:
@@ -482,12 +517,45 @@ class _Runner:
     def _weight(self, st) -> None:
         if st.reap:
             self._reap(st.reap)
-        work = self.pending_w[st.slot]
-        self.pending_w[st.slot] = None
         with self.tracer.span("compute", st.label):
-            work.run()
+            self._compute_weight(st)
         if st.posts:
             self._exchange(None, st.posts)
+
+    def _compute_weight(self, st) -> None:
+        work = self.pending_w[st.slot]
+        self.pending_w[st.slot] = None
+        work.run()
+
+    def _cell(self, start: int, stop: int) -> int:
+        """Run steps ``start..stop-1`` as one overlapped cell (module doc); returns ``stop``."""
+        steps, (_, before, after, _) = self.p.steps[start:stop], self.hooks
+        for i in range(start, stop):
+            if before[i]:
+                self.sync.run(before[i])
+        inputs = [self._input(st) for st in steps]
+        f = next(k for k, st in enumerate(steps) if st.forward)
+        b = next(k for k, st in enumerate(steps) if st.op is Op.BACKWARD)
+        w = [k for k, st in enumerate(steps) if st.op is Op.WEIGHT]
+
+        def backward():
+            gx = self._compute_backward(steps[b], inputs[b])
+            for k in w:
+                self._compute_weight(steps[k])
+            return gx
+
+        (y, n), gx = Cell((steps[f].label, steps[b].label), self.tracer).run(
+            lambda: self._compute_forward(steps[f], inputs[f]), backward)
+        for k, st in enumerate(steps):
+            if k == f:
+                self._emit_forward(st, inputs[k], y, n)
+            elif k == b:
+                self._emit_backward(st, gx)
+            elif st.posts:
+                self._exchange(None, st.posts)
+            if after[start + k]:
+                self.sync.run(after[start + k])
+        return stop
 
     def _drain(self) -> None:
         """End of the step: wait every send still open; no receive may be left."""

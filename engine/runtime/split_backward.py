@@ -47,10 +47,13 @@ Exactness: each parameter's gradient of one microbatch is summed by autograd fro
 the same order as the unsplit backward and accumulated into ``.grad`` once, so running each chunk's W in microbatch
 order gives bitwise the unsplit ``.grad`` (tests/runtime/test_split_backward.py).
 
-Activation checkpointing (``torch.utils.checkpoint``) inside a split chunk: non-reentrant checkpointing works in
-generic mode (recomputed in B, exact); in layer mode the recomputed forward does not run under the deferral and
-torch's checkpoint raises ``CheckpointError`` (use generic mode or the unsplit backward for such microbatches);
-reentrant checkpointing is refused by torch in generic mode and is not split in layer mode (all gradients in B).
+Activation recomputation: pipecast's own (:mod:`engine.runtime.recompute`: ``recompute``, ``apply_recompute``)
+splits exactly in both modes -- the recomputed forward runs in B (under the deferral again when the forward ran
+under it), and W keeps only what its weight gradients need (:func:`segment_backward`).  ``torch.utils.checkpoint``
+inside a split chunk: non-reentrant checkpointing works in generic mode (recomputed in B, exact, but the retained
+graph recomputes again in W); in layer mode the recomputed forward does not run under the deferral and torch's
+checkpoint raises ``CheckpointError``; reentrant checkpointing is refused by torch in generic mode and is not split
+in layer mode (all gradients in B).
 Not deferred: sparse embeddings and ``max_norm`` (run as plain ops).  Not supported: two threads running split
 backward at once (the recorder is one process-wide slot, so that autograd's device threads see it).
 """
@@ -69,7 +72,7 @@ from .step import ScheduleContractError, backward_step
 from .storage import storage_sizes
 
 __all__ = ["MODES", "WeightGradWork", "backward_input_step", "weight_grad_deferral", "enable_layer_deferral",
-           "defer_weight_grad"]
+           "defer_weight_grad", "deferring", "segment_backward"]
 
 MODES = ("auto", "layer", "generic")
 """The values of ``backward_input_step(..., mode=...)``."""
@@ -318,7 +321,27 @@ _handling = [0]
 """Depth of deferred-op handling: an op run by a handler (or under a nested deferral) is not deferred again."""
 
 
+_active = [0]
+"""Deferral modes entered and not left (:func:`deferring`)."""
+
+
+def deferring() -> bool:
+    """A forward runs under layer-level weight-gradient deferral now (:func:`weight_grad_deferral` or
+    :func:`enable_layer_deferral`): a segment recomputed later must run under it again
+    (:mod:`engine.runtime.recompute`)."""
+    return _active[0] > 0
+
+
 class _DeferralMode(TorchFunctionMode):
+    def __enter__(self):
+        mode = super().__enter__()
+        _active[0] += 1
+        return mode
+
+    def __exit__(self, *exc):
+        _active[0] -= 1
+        return super().__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         handler = _HANDLERS.get(func)
         if handler is None or not torch.is_grad_enabled() or _handling[0]:
@@ -682,6 +705,31 @@ def _reaches_weights(graph: _Graph, out: torch.Tensor) -> bool:
         return True
     graph.walk(out.grad_fn)
     return graph.has_weights()
+
+
+def segment_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                     inputs: Sequence[torch.Tensor]) -> list:
+    """Backpropagate a graph built inside an autograd node's backward -- a segment recomputed from its inputs
+    (:mod:`engine.runtime.recompute`) -- from ``outputs`` with ``grads``; return the gradients of ``inputs`` (leaves
+    requiring grad, in order; None where the outputs do not depend on one).
+
+    Outside a split B (the unsplit backward, or a split's W) every leaf the segment reaches accumulates, as the
+    plain backward would.  Inside a split B (:func:`backward_input_step` running) the segment is split by the auto
+    rule on its own graph: with no parameter reached outside deferred ops (the segment was recomputed under the
+    deferral) everything else runs now and the deferred ops record their W into the B in progress, in its order;
+    otherwise (one differentiable output) the segment's graph is split like a generic chunk and its W is queued
+    into the B's W in place (:func:`defer_weight_grad`).  So each parameter's gradient of a microbatch is computed
+    once, in B or in W, from the same operands as without the recomputation.
+    """
+    records = _recorder
+    if records is not None and len(outputs) == 1 and outputs[0].grad_fn is not None:
+        graph = _Graph({get_gradient_edge(x).node for x in inputs})
+        if _reaches_weights(graph, outputs[0]):
+            got, work = _generic_step(list(inputs), False, outputs[0], grads[0], graph)
+            records.append(_Record(None, (), tuple(work.held_storages().items()), run=work.run))
+            return got
+    _engine(outputs, grads)
+    return [x.grad for x in inputs]
 
 
 def backward_input_step(input_tensor, output_tensor, output_tensor_grad, config, mode: str = "auto"):

@@ -456,6 +456,13 @@ def run_forward(call: ForwardCall, chunk: ChunkCall, input_tensor, checkpoint_ac
     return [output_tensor], num_tokens
 
 
+recompute_microbatch: list = [None]
+"""The ``checkpoint_activations_microbatch`` of the forward running now (Megatron's partial recomputation by
+microbatch: True -- recompute this microbatch, False -- keep its activations), None outside such a forward or
+without partial recomputation.  Set around ``forward_step_func``; read by the modules marked with
+``engine.runtime.recompute.apply_recompute``."""
+
+
 def _call_forward_step_func(call: ForwardCall, chunk: ChunkCall, checkpoint_activations_microbatch,
                             current_microbatch):
     """``forward_step_func(data_iterator, model[, checkpoint])`` under autocast -> ``(output, loss_func)``."""
@@ -464,7 +471,12 @@ def _call_forward_step_func(call: ForwardCall, chunk: ChunkCall, checkpoint_acti
             if checkpoint_activations_microbatch is None:
                 result = call.forward_step_func(chunk.data_iterator, chunk.model)
             else:
-                result = call.forward_step_func(chunk.data_iterator, chunk.model, checkpoint_activations_microbatch)
+                previous, recompute_microbatch[0] = recompute_microbatch[0], bool(checkpoint_activations_microbatch)
+                try:
+                    result = call.forward_step_func(chunk.data_iterator, chunk.model,
+                                                    checkpoint_activations_microbatch)
+                finally:
+                    recompute_microbatch[0] = previous
     except StopIteration as exc:  # a bare StopIteration would end an enclosing generator / say nothing
         index = 0 if chunk.vp_stage is None else chunk.vp_stage
         where = "" if current_microbatch is None else f" at microbatch {current_microbatch}"

@@ -10,8 +10,8 @@ name and renamed when complete, so a failed export leaves nothing half-written. 
 
 ``--format hf --out DIR``: a Hugging Face folder instead (``config.json``, ``model.safetensors`` and, for BPE runs,
 ``tokenizer.json`` + ``tokenizer_config.json``) that ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``
-loads as ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (:mod:`engine.training.checkpoint.hf`; ``transformers`` is not needed to
-write it).
+loads as the family's Hugging Face architecture (:mod:`engine.training.checkpoint.hf`; ``transformers`` is not
+needed to write it).
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +21,11 @@ from typing import Callable
 
 import torch
 
-from .checkpoint.dcp import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint_meta
+from .checkpoint.dcp import (CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, read_checkpoint_meta,
+                             verify_checkpoint)
+from .checkpoint.integrity import MANIFEST_FILE, refusal, step_of
 from .config import ConfigError, ModelConfig
-from .models.chunk import GPTChunk, build_model_chunks, canonical_module
+from .models.chunk import ModelChunk, build_model_chunks, canonical_module
 from .data.tokenizer import TokenizerError, load_tokenizer
 
 __all__ = ["LoadedModel", "resolve_checkpoint", "load_model", "sample_token", "generate", "model_state_dict",
@@ -34,7 +37,7 @@ class LoadedModel:
     """One model chunk holding the whole GPT (``model``), its settings, the run's tokenizer (None for ``.bin``
     token ids) and the checkpoint it came from."""
 
-    model: GPTChunk
+    model: ModelChunk
     config: ModelConfig
     tokenizer: object | None
     checkpoint: Path
@@ -42,11 +45,12 @@ class LoadedModel:
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint folder (``.metadata`` inside), or the latest complete checkpoint of a run folder.
+    """A checkpoint folder (``step_XXXXXXXX``, or any folder with ``.metadata`` or ``manifest.json`` inside), or
+    the newest checkpoint of a run folder (:func:`load_model` verifies it and refuses it when broken).
 
     A run folder is read where it is, never through the ``logging.run_dir`` written in its ``config.yaml`` (that
-    path is relative to where ``pipecast train`` ran, so for a copied or moved folder it names another run --
-    issue 26): its ``checkpoints/``, else the config's ``checkpoint.dir`` taken relative to this folder when it lay
+    path is relative to where ``pipecast train`` ran, so for a copied or moved folder it names another
+    run): its ``checkpoints/``, else the config's ``checkpoint.dir`` taken relative to this folder when it lay
     inside the run folder, else that ``checkpoint.dir`` as written when it lay outside (the only copy of that run's
     checkpoints), else the folder itself.
 
@@ -54,7 +58,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         CheckpointError: naming the path and what it holds instead.
     """
     p = Path(path)
-    if (p / ".metadata").is_file():
+    if (p / ".metadata").is_file() or (p / MANIFEST_FILE).is_file() or (re.fullmatch(r"step_\d{8}", p.name)
+                                                                       and p.is_dir()):
         return p
     if not p.exists():
         raise CheckpointError(f"{str(p)!r} does not exist; pass a run folder (logging.run_dir) or a checkpoint "
@@ -113,10 +118,17 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
     """Load the model of checkpoint (or run folder) ``path`` into one process (no process group needed).
 
     Raises:
-        CheckpointError: no checkpoint there, unreadable metadata / tensors, or a missing tokenizer file; the
-            message names the path and the fix.
+        CheckpointError: no checkpoint there, a broken one (a file missing, truncated or failing its checksum:
+            :func:`engine.training.checkpoint.dcp.verify_checkpoint`), unreadable metadata / tensors, or a missing
+            tokenizer file; the message names the path and the fix.
     """
     ckpt = resolve_checkpoint(path)
+    problem = verify_checkpoint(ckpt)
+    if problem is not None:
+        older = [p for p in list_checkpoints(ckpt.parent) if step_of(p) < step_of(ckpt)] \
+            if re.fullmatch(r"step_\d{8}", ckpt.name) else []
+        hint = f" such as {str(older[-1])!r}" if older else ""
+        raise CheckpointError(refusal(ckpt, problem, f"pass an older checkpoint folder{hint}, or delete this one"))
     meta = read_checkpoint_meta(ckpt) or {}
     cfg = _model_config(meta, ckpt)
     ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
@@ -124,12 +136,12 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
     state = {"model": canonical_module([chunk]).state_dict()}
     with warnings.catch_warnings():  # DCP warns that it loads without a process group: that is the intent here
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        load_checkpoint(state, ckpt)  # in place, into the chunk's parameters
+        load_checkpoint(state, ckpt, verify=False)  # in place, into the chunk's parameters
     chunk.eval()
     return LoadedModel(chunk.to(device), cfg, _tokenizer(meta, ckpt, cfg), ckpt, int(meta.get("step", 0)))
 
 
-def model_state_dict(model: GPTChunk) -> dict[str, torch.Tensor]:
+def model_state_dict(model: ModelChunk) -> dict[str, torch.Tensor]:
     """Layout-independent parameter names -> tensors of a one-chunk model (the tied embedding once)."""
     return dict(canonical_module([model]).state_dict())
 
@@ -148,7 +160,7 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None, ge
 
 
 @torch.no_grad()
-def generate(model: GPTChunk, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
+def generate(model: ModelChunk, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
              top_k: int | None = 50, seed: int = 1234, on_token: Callable[[int], None] | None = None) -> list[int]:
     """``max_new_tokens`` token ids following ``prompt`` (not included), from a one-chunk model; the context is
     the last ``seq_length`` tokens.  ``on_token(id)`` is called with each new token as it is sampled (to stream

@@ -9,6 +9,10 @@ The config is loaded and validated before any process is started or group create
 so it takes well under a second): a bad config exits with status 2 and one ``error:`` line.  :func:`spawn` is the
 same launcher for Python code (the README example).
 
+Each rank's memory is estimated before any rank starts (:func:`.memory.check_memory`: parameters, gradients,
+optimizer state, activations in flight from the plan): a run that cannot fit the host's available memory (all local
+ranks) or a GPU exits 2 naming the estimate, its parts and what to change (``training.check_memory: false`` skips).
+
 The data is checked the same way before any rank starts (:func:`engine.training.data.corpus.check_data`: files exist,
 not empty, each split long enough, ``.bin`` files whole uint16 tokens, token ids below ``model.vocab_size``);
 under torchrun every process checks it.
@@ -60,7 +64,9 @@ EXIT_PREEMPTED = 143  # 128 + SIGTERM: the run was stopped by SIGTERM (after sav
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config file (e.g. configs/default.yaml)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest complete checkpoint in checkpoint.dir (fresh start if none)")
+                        help="continue from the newest intact checkpoint in checkpoint.dir (fresh start if none; "
+                             "newer broken ones -- a file missing, truncated or failing its checksum -- are named "
+                             "and skipped), or from the step --checkpoint.load_step=N names")
     parser.add_argument("--timeline", metavar="DIR", default=None,
                         help="record every rank's timeline; write a Chrome/Perfetto trace, a Gantt chart and the "
                              "measured vs simulated bubble to DIR")
@@ -140,6 +146,10 @@ def run(args: argparse.Namespace) -> int:
                     check_resume(config, ConfigError)
                 from ..runtime import gloo_io
                 gloo_io.check_environment()
+                from .memory import check_memory  # refuses a run that cannot fit this machine
+                torchrun = under_torchrun()
+                check_memory(config, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if torchrun else None,
+                             own_device=int(os.environ.get("LOCAL_RANK", 0)) if torchrun else None)
             except (ConfigError, TypeError, ValueError, RuntimeError, OSError) as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2

@@ -40,18 +40,15 @@ _BF16_PEAK_TFLOPS = (("H200", 989.0), ("H100 SXM", 989.0), ("H100 PCIe", 756.0),
 
 def flops_parameter_count(cfg: ModelConfig, ffn_hidden_size: int) -> int:
     """``N`` of the FLOPs estimate: the parameters that take part in a matrix multiply per token -- every
-    transformer block (QKV, projection, MLP, both LayerNorms, biases), the final norm and the output head
-    ``[V, h]`` (the tied word embedding counts once, as the head); llama blocks: the q / k / v / o and the three
-    SwiGLU projections and both RMSNorms.  Not counted: the position embedding and an
-    untied input embedding (lookups, no multiply).  nanoGPT's ``get_num_params(non_embedding=True)`` counts the same.
+    transformer block (counted on the modules ``cfg``'s family builds: projections, norms, biases), the final norm
+    and the output head ``[V, h]`` (the tied word embedding counts once, as the head).  Not counted: the input
+    embedding (a lookup, no multiply; also a learned position table).  nanoGPT's
+    ``get_num_params(non_embedding=True)`` counts the same.
     """
-    h, f = cfg.hidden_size, ffn_hidden_size
-    if getattr(cfg, "family", "gpt2") == "llama":  # q, o [h, h]; k, v [h, h * groups / heads]; SwiGLU; RMSNorms
-        kv = h * (cfg.num_query_groups or cfg.num_attention_heads) // cfg.num_attention_heads
-        block = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
-        return cfg.num_layers * block + h + cfg.vocab_size * h
-    block = (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
-    return cfg.num_layers * block + 2 * h + cfg.vocab_size * h
+    from .models.chunk import family_parts  # torch: built on the meta device
+    parts = family_parts(cfg, ffn_hidden_size)
+    count = {name: sum(p.numel() for p in module.parameters()) for name, module in parts.items()}
+    return cfg.num_layers * count["block"] + count["final_norm"] + cfg.vocab_size * cfg.hidden_size
 
 
 def model_flops_per_token(cfg: ModelConfig, ffn_hidden_size: int) -> float:

@@ -35,8 +35,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..model_parallel_config import ModelParallelConfig
 from ..plan.registry import virtual_or_none
 from ..runtime.process_groups import ProcessGroupCollection, build_process_groups
-from .checkpoint.dcp import (CheckpointError, checkpoint_keys, latest_checkpoint, list_checkpoints, load_checkpoint,
-                         read_checkpoint_meta, save_checkpoint)
+from .checkpoint.dcp import (CheckpointError, checkpoint_keys, checkpoint_to_load, latest_checkpoint, list_checkpoints,
+                             load_checkpoint, read_checkpoint_meta, save_checkpoint)
 from .checkpoint.resume import MODEL_MUST_MATCH, refusal_message, resume_differences, run_settings
 from .config import TrainConfig, check_fresh_run, dump_config, validate, validate_world_size
 from .data.corpus import Batches, load_corpus
@@ -679,17 +679,21 @@ class Trainer:
 
     def load(self, path: str | Path | None = None) -> Path | None:
         """Collective: restore model, optimizer, LR schedule, data position and RNG from ``path`` (default: the
-        latest complete checkpoint in ``checkpoint.dir``; None is returned when there is none).
+        checkpoint of ``checkpoint.load_step``, else the newest intact one in ``checkpoint.dir``, each newer broken
+        one named in a warning; None is returned when there is none).  Every rank verifies its share of the files
+        first (:func:`engine.training.checkpoint.dcp.checkpoint_to_load`).
 
         Raises:
-            CheckpointError: a corrupt / truncated checkpoint, or one written for another model (the model settings
-                saved with it differ: each differing field is named with both values).
+            CheckpointError: a broken checkpoint named by ``path`` or ``checkpoint.load_step``, no intact one, or
+                one written for another model (the model settings saved with it differ: each differing field is
+                named with both values).
         """
         from torch.distributed.checkpoint.state_dict import set_state_dict
+        path, skipped = checkpoint_to_load(self.config.checkpoint_dir, self.config.checkpoint.load_step, path)
+        for line in skipped if self.is_log_rank else ():
+            log.warning("%s", line)
         if path is None:
-            path = latest_checkpoint(self.config.checkpoint_dir)
-            if path is None:
-                return None
+            return None
         keys = checkpoint_keys(path)
         warned = self._check_checkpoint_meta(Path(path))
         model_sd, optim_sd, options = self._dcp_state()
@@ -703,7 +707,7 @@ class Trainer:
         rng_key = f"rng.rank{self.rank}.cpu"
         if rng_key in keys:
             target["rng"] = {f"rank{self.rank}": {"cpu": torch.get_rng_state()}}
-        load_checkpoint(target, path)
+        load_checkpoint(target, path, verify=False)
         optim_sd.update(target["optim"])
         if sharded:
             target["model"], optim_sd = reshard_like(target["model"], model_tp), reshard_like(optim_sd, optim_tp)

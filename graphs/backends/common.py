@@ -15,8 +15,10 @@ Static-buffer semantics (as torch's ``torch.cuda.graph`` and TE's ``transformer_
   one persistent buffer per parameter (Megatron's ``main_grad`` approach) that is installed as ``param.grad``: no
   per-microbatch parameter-gradient copy is held and no clone is made (pytorch/pytorch#181723, NVIDIA/TransformerEngine#2937).  Before a
   backward replay a parameter whose ``.grad`` is ``None`` gets the zeroed buffer, one with another ``.grad`` gets
-  the buffer holding its value -- the values eager ``AccumulateGrad`` produces, in the same order.  Post-accumulate
-  grad hooks do not fire for graphed parameters (their gradients never pass through autograd).
+  the buffer holding its value -- the values eager ``AccumulateGrad`` produces, in the same order.  The parameters
+  are no inputs of the replaying autograd function (their gradients never pass through autograd), so the backward
+  replay runs their post-accumulate-grad hooks itself (data-parallel grad sync), once per replay, after the
+  accumulation -- where eager's ``AccumulateGrad`` would.
 
 Split backward (zero-bubble plans, :mod:`graphs.backends.split`): a slot then has three graphs.  Its ``B`` replay
 computes only the input gradients and writes the gradients ``W`` needs into the slot's static buffers
@@ -245,11 +247,25 @@ class ReplaySlot:
         self.backward_event = event  # the backward pass of the current call (set by the dispatcher)
         self.replays = 0
         self.splits = options.defer_weight_grad is not None
+        self.autograd_params = self._autograd_params()
         self.split: layer_split.LayerSplit | None = None  # the cut of the layer's graph (split backward)
         self.static_weight_inputs: list = []  # per intermediate: the gradients B records for W (split backward)
         self.weight_pool: WeightInputPool | None = None  # emulate: the shared sets of W inputs (split backward)
         at = f"{event.microbatch}.{event.chunk} l{event.layer}"  # the action's notation, then the layer
         self._labels = (f"replay F{at}", f"replay B{at}", f"replay W{at}")
+
+    def _autograd_params(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the autograd function takes besides the call's: the parameters only where their gradients
+        pass through autograd (``clone`` / ``alias``).  Accumulated in the graph (``accumulate``, split ``W``),
+        they are no inputs: no ``AccumulateGrad`` node is reached, and the backward runs the post-accumulate-grad
+        hooks itself (:func:`fire_post_accumulate_hooks`).  A layer none of whose inputs needs a gradient then
+        gets one zero-size leaf (never given a gradient), so that its outputs still require grad and its
+        backward runs."""
+        if self.options.param_grads != "accumulate" and not self.splits:
+            return tuple(self.params)
+        if any(self.input_needs_grad) or not self.params:
+            return ()
+        return (torch.zeros(0, requires_grad=True),)
 
     # -- subclass interface ---------------------------------------------------------------------------------
     def capture_forward(self) -> None: raise NotImplementedError
@@ -366,7 +382,7 @@ class ReplaySlot:
     # -- the call the dispatcher makes ----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         tensors = self.spec.flatten(args, kwargs) if kwargs or len(args) != len(self.static_inputs) else args
-        outs = _GraphedPass.apply(self, *tensors, *(() if self.splits else self.params))
+        outs = _GraphedPass.apply(self, *tensors, *self.autograd_params)
         return outs[0] if self.out_struct is None else self.out_struct(outs)
 
     def load_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -419,8 +435,8 @@ class _GraphedPass(torch.autograd.Function):
             _load(slot.static_grad_outputs, grads if all(slot.diff_outputs) else
                   [g for g, d in zip(grads, slot.diff_outputs) if d])
             slot.replay_backward()
-        if not slot.splits and slot.accumulate:  # a replay's writes bypass the dispatcher's version bump
-            torch.autograd.graph.increment_version([buf for _, buf in slot.accumulate])
+        if not slot.splits and slot.accumulate:  # explicitly: no AccumulateGrad node runs for these parameters
+            fire_post_accumulate_hooks([p for p, _ in slot.accumulate])
         if slot.splits:
             ev = ctx.event
             weight = (lambda: slot.run_weight(LayerEvent("W", ev.chunk, ev.microbatch, ev.layer)))
@@ -439,10 +455,8 @@ def _backward_results(slot: ReplaySlot) -> list[torch.Tensor | None]:
         g = next(in_grads) if needs else None
         out.append(None if g is None else g.detach())
     mode = slot.options.param_grads
-    if slot.splits:  # the parameters are no inputs of the autograd function
-        return out
-    if mode == "accumulate":
-        return out + [None] * len(slot.params)
+    if mode == "accumulate" or slot.splits:  # the parameters are no inputs of the autograd function
+        return out + [None] * len(slot.autograd_params)
     for g in slot.static_grad_inputs[n_in:]:
         out.append(None if g is None else (g.clone() if mode == "clone" else g.detach()))
     return out
@@ -451,7 +465,7 @@ def _backward_results(slot: ReplaySlot) -> list[torch.Tensor | None]:
 def walk_capture(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], ReplaySlot],
                  num_warmup_iters: int, warmup_ctx: Callable[[], Any], capture_fwd: Callable[[ReplaySlot], None],
                  capture_bwd: Callable[[ReplaySlot], None],
-                 capture_wgt: Callable[[ReplaySlot], None] | None = None) -> None:
+                 capture_wgt: Callable[[ReplaySlot], None] | None = None, tracker=None) -> None:
     """Warm up, then capture, every slot by walking ``events`` (the rank's per-layer order).
 
     Warmup runs each forward eagerly on the slot's static inputs under a :class:`graphs.hazards.HazardCheck` (a
@@ -460,6 +474,8 @@ def walk_capture(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], R
     ``.grad``), ``max(1, num_warmup_iters)`` times, inside ``warmup_ctx()`` (a side stream on CUDA).  Capture then
     calls ``capture_fwd`` / ``capture_bwd`` / ``capture_wgt`` (split backward's ``W`` events) in exactly the order
     of ``events``, so every slot's buffers are allocated where the runtime will need them (the pool's liveness rule, :mod:`graphs.liveness`).
+    ``tracker`` (a :class:`graphs.accounting.LiveBytes`, ``per_op=False``), if given, follows the capture (not the
+    warmup) and is sampled after every event: the emulate backend's model of the graph pool.
     """
     with warmup_ctx():
         for _ in range(max(1, num_warmup_iters)):
@@ -468,8 +484,11 @@ def walk_capture(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], R
         if ev.kind == "F":
             slot_of(ev).allocate_grad_buffers()
     capturers = {"F": capture_fwd, "B": capture_bwd, "W": capture_wgt}
-    for ev in events:
-        capturers[ev.kind](slot_of(ev))
+    with tracker if tracker is not None else _NULL:
+        for ev in events:
+            capturers[ev.kind](slot_of(ev))
+            if tracker is not None:
+                tracker.sample()
 
 
 def _warmup_round(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], ReplaySlot]) -> None:

@@ -39,7 +39,10 @@ __all__ = ["EmulatedSlot", "warmup_context"]
 
 
 class EmulatedSlot(ReplaySlot):
-    """One emulated graph pair."""
+    """One emulated graph pair.  ``models_pool``: the capture walk follows what it allocates and keeps
+    (``graphs.accounting.pool_bytes``), a stand-in for the graph pool's reserved bytes."""
+
+    models_pool = True
 
     _live: list[torch.Tensor] | None = None
     _trace: CallTrace | None = None
@@ -76,6 +79,7 @@ class EmulatedSlot(ReplaySlot):
     def capture_weight(self) -> None:
         self.split_weight_grads(self._live, self.static_weight_inputs)  # computed, not accumulated (a capture)
         self._live = None
+        self.split = None  # its nodes hold the captured graph (the saved activations): dead after W, as on CUDA
 
     def replay_forward(self) -> None:
         check = self.hazard_check() if self.options.check_replays else None

@@ -9,7 +9,14 @@ strings; the adapter passes exactly what TE expects:
   (``graphs.order.flat_index``); ``sample_kwargs`` alongside when the layers take tensor keyword arguments;
 * ``_order``: the rank's order; ``_num_layers_per_chunk``: ``[L_0, ..., L_{V-1}]`` when supported (TE >= 2.6),
   otherwise the layer counts must be uniform (TE derives them as ``len(sample_args) / V / M``);
-* ``allow_unused_input=True`` and ``num_warmup_iters`` as Megatron passes them;
+* ``allow_unused_input=True``, and ``num_warmup_iters`` by Megatron's rule (:func:`megatron_warmup_iters`);
+* ``_reuse_graph_input_output_buffers=True`` when supported (TE >= 2.6; Megatron passes it from TE 2.7) and the
+  pipeline has one stage: static inputs of passes whose ``[forward, backward]`` windows do not overlap share memory,
+  and a pass's static outputs and grad-inputs return to the graph pool after its backward.  TE assumes a sent input
+  gradient's transfer ends before the chunk's next backward (``transformer_engine/pytorch/graph.py``); pipecast's
+  executor waits a send only once the receiver provably posted its receive or at the step's end
+  (:mod:`engine.runtime.executor`), so with pipeline stages a later replay could overwrite a gradient still in
+  flight to the previous stage.  With one stage nothing is sent and the reuse is safe;
 * ``clone_param_grads_on_return=True`` when supported; older TE returns static aliases as parameter grads
   (NVIDIA/TransformerEngine#2937), so the adapter then registers gradient hooks that clone them while graphs are active.
 
@@ -22,6 +29,7 @@ from __future__ import annotations
 import gc
 import importlib
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -33,7 +41,9 @@ from ..order import flat_index, order_events
 from .common import module_params
 
 __all__ = ["TEBackend", "TEFeatures", "detect_features", "load_make_graphed_callables", "build_te_arguments", "te_capture",
-           "StateGuard", "te_unavailable_reason", "split_backward_reason"]
+           "StateGuard", "te_unavailable_reason", "split_backward_reason", "megatron_warmup_iters"]
+
+MEGATRON_MIN_WARMUPS = 10  # warmup passes per layer, eager steps' microbatches included (Megatron's TECudaGraphHelper)
 
 _FEATURES = ("_order", "_num_layers_per_chunk", "sample_kwargs", "num_warmup_iters", "allow_unused_input",
              "pool", "retain_graph_in_backward", "_reuse_graph_input_output_buffers", "clone_param_grads_on_return")
@@ -98,11 +108,22 @@ def split_backward_reason() -> str:
             "'torch' (pipecast's capture: F, B and W graphs per (chunk, microbatch, layer)) or 'auto'")
 
 
+def megatron_warmup_iters(eager_microbatches: int, captured_microbatches: int) -> int:
+    """Megatron's ``num_warmup_iters`` for TE (``TECudaGraphHelper`` in ``megatron/core/transformer/cuda_graphs.py``):
+    at least one warmup per layer and microbatch inside TE, and at least :data:`MEGATRON_MIN_WARMUPS` per layer
+    counting the ``eager_microbatches`` the eager warmup steps ran before the capture:
+    ``max(1, ceil((10 - eager_microbatches) / captured_microbatches))``."""
+    return max(1, math.ceil((MEGATRON_MIN_WARMUPS - eager_microbatches) / max(1, captured_microbatches)))
+
+
 def build_te_arguments(features: TEFeatures, modules: Sequence[torch.nn.Module], sample_args: Sequence[tuple],
                        sample_kwargs: Sequence[dict] | None, order: Sequence[int], layers_per_chunk: Sequence[int],
                        num_microbatches: int, num_warmup_iters: int = 1, pool=None,
-                       retain_graph_in_backward: bool = False) -> tuple[tuple, dict[str, Any]]:
-    """``(args, kwargs)`` for ``make_graphed_callables`` with this feature set.
+                       retain_graph_in_backward: bool = False, eager_microbatches: int = 0,
+                       reuse_buffers: bool = False) -> tuple[tuple, dict[str, Any]]:
+    """``(args, kwargs)`` for ``make_graphed_callables`` with this feature set.  ``num_warmup_iters`` is raised to
+    :func:`megatron_warmup_iters` (``eager_microbatches``: microbatches the eager steps ran before the capture);
+    ``reuse_buffers``: pass ``_reuse_graph_input_output_buffers=True`` if this TE has it (module docstring).
 
     Raises:
         ValueError: the layout cannot be expressed with the installed TE (no ``_order``; non-uniform layers per
@@ -136,9 +157,12 @@ def build_te_arguments(features: TEFeatures, modules: Sequence[torch.nn.Module],
             raise ValueError(f"len(sample_kwargs)={len(sample_kwargs)} != len(sample_args)={expected}")
         kwargs["sample_kwargs"] = list(sample_kwargs)
     if "num_warmup_iters" in features:
-        kwargs["num_warmup_iters"] = num_warmup_iters
+        kwargs["num_warmup_iters"] = max(num_warmup_iters, megatron_warmup_iters(eager_microbatches,
+                                                                                 num_microbatches))
     if "allow_unused_input" in features:
         kwargs["allow_unused_input"] = True
+    if reuse_buffers and "_reuse_graph_input_output_buffers" in features:
+        kwargs["_reuse_graph_input_output_buffers"] = True
     if "clone_param_grads_on_return" in features:
         kwargs["clone_param_grads_on_return"] = True
     if pool is not None and "pool" in features:
@@ -226,7 +250,8 @@ def _end_te_capture() -> None:
 def te_capture(make_graphed_callables: Callable, modules: Sequence[torch.nn.Module], sample_args: Sequence[tuple],
                sample_kwargs: Sequence[dict] | None, order: Sequence[int], layers_per_chunk: Sequence[int],
                num_microbatches: int, num_warmup_iters: int = 1, pool=None,
-               retain_graph_in_backward: bool = False) -> tuple[tuple[Callable, ...], TEFeatures, dict]:
+               retain_graph_in_backward: bool = False, eager_microbatches: int = 0, reuse_buffers: bool = False
+               ) -> tuple[tuple[Callable, ...], TEFeatures, dict]:
     """Call TE and return ``(callables in flat layout, features, the keyword arguments passed)``.
 
     On any exception every piece of state TE may have changed is restored (see :class:`StateGuard`) and the
@@ -234,7 +259,8 @@ def te_capture(make_graphed_callables: Callable, modules: Sequence[torch.nn.Modu
     """
     features = detect_features(make_graphed_callables)
     args, kwargs = build_te_arguments(features, modules, sample_args, sample_kwargs, order, layers_per_chunk,
-                                      num_microbatches, num_warmup_iters, pool, retain_graph_in_backward)
+                                      num_microbatches, num_warmup_iters, pool, retain_graph_in_backward,
+                                      eager_microbatches, reuse_buffers)
     guard = StateGuard(modules).save()
     guard.clear_grads()
     try:
@@ -272,7 +298,9 @@ class TEBackend:
         fn = load_make_graphed_callables()
         modules = [m for chunk in job.layers.modules for m in chunk]
         callables, features, kwargs = te_capture(fn, modules, sample_args, sample_kwargs, order, job.lpc, n_mb,
-                                                 job.num_warmup_iters, job.pool)
+                                                 job.num_warmup_iters, job.pool,
+                                                 eager_microbatches=job.eager_microbatches,
+                                                 reuse_buffers=job.pp_size == 1)
         job.report.te_kwargs = dict(kwargs)
         job.report.te_features = str(features)
         hooks = []

@@ -33,17 +33,26 @@ import torch
 from .. import decision
 from .common import ReplaySlot
 
-__all__ = ["TorchBackend", "CudaGraphSlot", "warmup_context", "capture_context", "graph_capture", "cuda"]
+__all__ = ["TorchBackend", "CudaGraphSlot", "warmup_context", "capture_context", "graph_capture", "cuda",
+           "FORWARD_CAPTURE_MODE"]
 
 cuda = torch.cuda  # replaced by a fake in CPU tests of the failure paths
+# ``torch.cuda.graph(..., capture_error_mode=)`` of forward captures.  A forward runs on the capturing thread, so
+# "thread_local" still refuses a potentially unsafe CUDA call there, while other threads (a pinned-memory data
+# loader, the NCCL watchdog querying events) may run during the capture instead of invalidating it (Megatron's
+# full-iteration graphs capture so).  Backward and weight-gradient captures keep "global": their kernels are
+# launched from autograd's device thread, which "thread_local" (scoped to the thread that began the capture) would
+# not check, so an illegal call inside a backward would no longer invalidate the capture loudly.
+FORWARD_CAPTURE_MODE = "thread_local"
 
 
 @contextlib.contextmanager
-def graph_capture(graph, pool):
-    """``torch.cuda.graph(graph, pool=pool)`` that always returns the thread to the caller's current stream."""
+def graph_capture(graph, pool, capture_error_mode: str = "global"):
+    """``torch.cuda.graph(graph, pool=pool, capture_error_mode=...)`` that always returns the thread to the
+    caller's current stream."""
     caller = cuda.current_stream()
     try:
-        with cuda.graph(graph, pool=pool):
+        with cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
             yield
     finally:
         cuda.set_stream(caller)
@@ -69,7 +78,7 @@ class CudaGraphSlot(ReplaySlot):
     def capture_forward(self) -> None:
         self.chain_input()
         self.fwd_graph = self._new_graph()
-        with graph_capture(self.fwd_graph, self.pool):
+        with graph_capture(self.fwd_graph, self.pool, FORWARD_CAPTURE_MODE):
             outs = self.run_eager()
         self.diff_outputs = [o.requires_grad for o in outs]
         self._capture_outputs = outs  # keeps the captured autograd graph until the backward is captured
@@ -179,13 +188,16 @@ class TorchBackend:
         return ""
 
     def capture(self, job, capture_slots):
+        pool = []
+
         def prepare(slots):
             cuda.synchronize()
             gc.collect()  # before GC is disabled for the capture: no stale graph may die during it
             cuda.empty_cache()
-            capture_context(slots, job.pool)  # one shared pool for every graph of this rank
+            pool.append(capture_context(slots, job.pool))  # one shared pool for every graph of this rank
 
         graphs = capture_slots(CudaGraphSlot, warmup_context, prepare=prepare)
         graphs.backend = self.name
+        graphs.extra["pool_id"] = pool[0] if pool else None  # graphs.accounting.pool_bytes reads its segments
         cuda.synchronize()
         return graphs

@@ -3,10 +3,13 @@ train`` runs), each job a separate launcher process with a timeout:
 
 * SIGKILL one rank of 4 (pipeline 2 x data 2) mid-training: the launcher exits 1 within 60 s of the kill with an
   ``error:`` line naming the killed rank; every rank process is gone.
-* Exact resume: 20 steps straight == 10 steps (+ checkpoint) + SIGKILL in step 13 + ``--resume`` + the rest,
-  bitwise on CPU (every step loss and every rank's weights); the straight reference is trained from scratch by the
-  resuming job after it finishes.  The first 12 steps of the killed job equal the reference too: two runs (separate
-  processes) with the same seed and config give bitwise-identical losses.
+* Exact resume past a corrupt checkpoint: checkpoints at steps 5 and 10, SIGKILL in step 13, then bytes flipped
+  inside one ``.distcp`` file of step 10 (its size unchanged).  ``--resume`` names step 10 and the file in one
+  warning and falls back to step 5 on every rank: 20 steps straight == 5 steps (+ checkpoint) + ``--resume`` + the
+  rest, bitwise on CPU (every step loss and every rank's weights); the straight reference is trained from scratch
+  by the resuming job after it finishes.  The first 12 steps of the killed job equal the reference too: two runs
+  (separate processes) with the same seed and config give bitwise-identical losses.  The manifest of a 4-rank
+  save lists every file of the folder.
 * A rank raises in its forward step: the launcher exits 1 naming that rank and the exception; no process is left.
 * A rank is stuck (alive, never sends): the peer fails after ``parallel.timeout_s`` naming it (and saying that it
   may be slow rather than dead: raise ``parallel.timeout_s``); the job ends.
@@ -47,7 +50,7 @@ def _error_line(stderr: str) -> str:
 @pytest.mark.timeout(480)
 def test_sigkill_one_of_four_ranks_then_exact_resume(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.txt")
-    layout = {"parallel.pipeline": 2, "parallel.data": 2, "checkpoint.interval": 10, "checkpoint.keep": 3}
+    layout = {"parallel.pipeline": 2, "parallel.data": 2, "checkpoint.interval": 5, "checkpoint.keep": 3}
     overrides = tiny_overrides(corpus, tmp_path / "run", **layout)
     killed_dir, resumed_dir = tmp_path / "killed", tmp_path / "resumed"
     killed_dir.mkdir()
@@ -60,13 +63,26 @@ def test_sigkill_one_of_four_ranks_then_exact_resume(tmp_path):
     line = _error_line(err)
     assert "rank 2" in line and "SIGKILL" in line, line
     assert not any(process_alive(r["pid"]) for r in killed.values()), "a rank process was left behind"
-    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
-    assert "step_00000010" in ckpts and "step_00000020" not in ckpts, ckpts
+    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert ckpts == ["step_00000005", "step_00000010"], ckpts
+
+    # bytes flipped inside the largest payload file of step 10, which every rank's manifest entry covers
+    corrupt = tmp_path / "run" / "checkpoints" / "step_00000010"
+    listed = json.loads((corrupt / "manifest.json").read_text())["files"]
+    assert set(listed) == {f.name for f in corrupt.iterdir()} - {"manifest.json"}
+    payload = max(corrupt.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 8] = bytes(255 - x for x in data[len(data) // 2:len(data) // 2 + 8])
+    payload.write_bytes(bytes(data))
 
     # run 2: --resume to the end, then 20 steps straight from scratch in the same processes (the reference)
     rc, err, _ = _launch({"overrides": overrides, "record_dir": str(resumed_dir), "resume": True,
                           "then_straight": True})
     assert rc == 0, err[-3000:]
+    warned = [ln for ln in err.splitlines() if "is broken" in ln]
+    assert len(warned) == 1 and warned[0].endswith(
+        f"checkpoint {corrupt} is broken: {payload.name} fails its sha256 checksum (its bytes changed after the "
+        f"save); skipped it, resuming from {corrupt.with_name('step_00000005')}"), err[-3000:]
     resumed = read_records(resumed_dir)
     assert sorted(resumed) == [0, 1, 2, 3]
     for rank, rec in resumed.items():
@@ -76,9 +92,9 @@ def test_sigkill_one_of_four_ranks_then_exact_resume(tmp_path):
         assert list(killed[rank]["losses"]) == [str(s) for s in range(1, 13)]
         assert all(killed[rank]["losses"][s] == straight["losses"][s] for s in killed[rank]["losses"]), \
             f"rank {rank}: two runs of the same config differ"
-        # exact resume: 10 steps + SIGKILL + resume + 10 steps == 20 steps straight (losses and weights, bitwise)
-        assert rec["resumed_at"] == 10
-        assert list(rec["losses"]) == [str(s) for s in range(11, 21)]
+        # exact resume: 5 steps + resume past the corrupt step 10 + 15 steps == 20 steps straight (bitwise)
+        assert rec["resumed_at"] == 5
+        assert list(rec["losses"]) == [str(s) for s in range(6, 21)]
         assert [rec["losses"][s] for s in rec["losses"]] == [straight["losses"][s] for s in rec["losses"]], \
             f"rank {rank}: resumed losses differ from the straight run"
         assert rec["digest"] == straight["digest"], f"rank {rank}: resumed weights differ bitwise"

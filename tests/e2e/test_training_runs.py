@@ -94,16 +94,21 @@ def _resume(rank, world, overrides, run_dir):
     from engine import Trainer
     from engine.training.checkpoint.dcp import CheckpointError
     # dropout on: the resumed run must also restore each rank's RNG state to match bitwise
-    config = load_config(None, {**overrides, "logging.run_dir": str(run_dir), "training.steps": 6,
-                                "model.dropout": 0.1})
+    base = {**overrides, "logging.run_dir": str(run_dir), "training.steps": 6, "model.dropout": 0.1}
+    config = load_config(None, base)
     with Trainer(config) as straight:
         straight_steps = [straight.train_step() for _ in range(6)]
         straight_losses = [m["loss"] for m in straight_steps]
         straight_lrs = [m["lr"] for m in straight_steps]
         straight_weights = {k: _digest(v) for k, v in straight.canonical.state_dict().items()}
     with Trainer(config) as first:
-        first.train(steps=3)
+        first.train(steps=2)
+        older = first.save()
+        first.train(steps=1)
         path = first.save()
+    with Trainer(load_config(None, {**base, "checkpoint.load_step": 2})) as named:
+        assert named.load() == older and named.step == 2  # checkpoint.load_step picks it over the newer one
+        from_named = named.train_step()["loss"]
     with Trainer(config) as second:
         assert second.load() == path and second.step == 3
         lr = {"after_load": [g["lr"] for g in second.optimizer.param_groups],
@@ -126,6 +131,9 @@ def _resume(rank, world, overrides, run_dir):
             error = None
         except CheckpointError as exc:
             error = str(exc)
+        assert third.load() == older and third.step == 2  # --resume: the newest intact one, on every rank
+        fallback = third.train_step()["loss"]
+    resumed_losses = {"named": from_named, "fallback": fallback, "tail": resumed_losses}
     return straight_losses, resumed_losses, straight_weights == resumed_weights, lr, error, val_loss
 
 
@@ -133,12 +141,15 @@ def _resume(rank, world, overrides, run_dir):
 def test_checkpoint_resume_is_bitwise(tmp_path):
     results = run_ranks(_resume, 2, tiny(pipeline=2, virtual=2), tmp_path, timeout=100)
     for straight, resumed, same_weights, lr, error, _ in results:
-        assert resumed == straight[3:], "resumed losses differ from the straight run"
+        assert resumed["tail"] == straight[3:], "resumed losses differ from the straight run"
         assert same_weights, "resumed weights differ from the straight run"
         # the LR schedule resumes at step 3: every param group, the scheduler and each resumed step
         assert lr["after_load"] == [lr["straight"][3]] * 2 == lr["scheduler"], lr
         assert lr["resumed"] == lr["straight"][3:], lr
-        assert error is not None and "corrupt, truncated" in error
+        # a truncated checkpoint: refused in one line naming the file; --resume falls back to step 2, as does
+        # checkpoint.load_step=2 beside the intact step 3: both continue the straight run bitwise
+        assert error is not None and "\n" not in error and "is broken: " in error and "is truncated (100 of" in error
+        assert resumed["named"] == resumed["fallback"] == straight[2], resumed
     assert (tmp_path / "config.yaml").is_file()
     # checkpoint names do not depend on the layout: the pp=2 x vp=2 checkpoint loads into pp=1 (this process)
     from engine import Trainer

@@ -113,3 +113,43 @@ def test_host_ops_per_replay(monkeypatch):
     assert c.get("zero_", 0) == n_params  # each gradient buffer is zeroed once per step (grad was None)
     assert c.get("detach", 0) == 2 * slots + 4 * passes  # per slot the output and input-gradient aliases; the
     # driver detaches 4 times per pass
+
+
+def test_pool_segments_sum_the_segments_of_the_graphs_pool_only():
+    from graphs.accounting import pool_segments
+    snapshot = [{"segment_pool_id": (0, 0), "total_size": 20 << 20, "allocated_size": 3 << 20},  # default pool
+                {"segment_pool_id": (1, 7), "total_size": 2 << 20, "allocated_size": 1 << 20},
+                {"segment_pool_id": [1, 7], "total_size": 20 << 20, "allocated_size": 0},
+                {"segment_pool_id": (1, 8), "total_size": 4 << 20, "allocated_size": 4 << 20}]  # another graph pool
+    assert pool_segments(snapshot, (1, 7)) == {"reserved": 22 << 20, "allocated": 1 << 20, "segments": 2}
+
+
+def _split_pool(m: int) -> tuple[dict, dict]:
+    from graphs.accounting import pool_bytes
+    from graphs.local_rank import WeightQueue
+    plan = build_plan("zbv", 2, m, 2)
+    graphed = make_chunks(2, 2)
+    layers = capture(graphed, plan, 0, samples(graphed, m), backend="emulate", defer_weight_grad=WeightQueue().defer)
+    assert layers.active, layers.report
+    out = pool_bytes(layers.graphs), held_bytes(layers.graphs)
+    layers.remove()
+    return out
+
+
+def test_emulated_pool_grows_with_the_microbatch_count_only_by_the_static_buffers(monkeypatch):
+    """The emulate backend's model of the graph pool (what its capture walk allocates and keeps, sampled after every
+    captured pass): from M = 4 to M = 8 it grows by exactly the per-microbatch static buffers -- the activations and
+    B's recorded gradients die at each W's capture, as on CUDA.  A capture that keeps them (planted) grows more."""
+    (p4, h4), (p8, h8) = _split_pool(4), _split_pool(8)
+    assert p4["reserved"] >= p4["allocated"] > 0 and p4["segments"] is None
+    assert p8["reserved"] - p4["reserved"] == h8["total"] - h4["total"]
+    kept = []
+    real = EmulatedSlot.capture_weight
+
+    def keeps_the_activations(self):
+        kept.append(self._live)
+        real(self)
+
+    monkeypatch.setattr(EmulatedSlot, "capture_weight", keeps_the_activations)
+    (q4, _), (q8, _) = _split_pool(4), _split_pool(8)
+    assert q8["reserved"] - q4["reserved"] > 2 * (h8["total"] - h4["total"])

@@ -128,3 +128,29 @@ def test_torch_backend_split_backward_bitwise_equal_eager(schedule, C, M, rank):
             sgd_step(chunks)
     assert bitwise_equal(ref, got) and layers.guard.at_step_boundary and not queue.pending
     layers.remove()
+
+
+def test_torch_backend_hooks_other_shapes_and_pool_bytes():
+    """On a GPU: the backward replays run the post-accumulate-grad hooks with eager's accumulated gradients; a
+    microbatch of another sequence length runs its pass eagerly (bitwise eager's step, guard at the boundary); the
+    graph pool's segments (``graphs.accounting.pool_bytes``) are found and reserve at least what they hold."""
+    from graphs.accounting import pool_bytes
+    plan = build_plan("interleaved", 2, 4, 2, 2)
+    eager = cuda_chunks(2, 2)
+    graphed = copy.deepcopy(eager)
+    layers = capture(graphed, plan, 0, cuda_samples(graphed, 4), backend="torch")
+    assert layers.active, layers.report
+    pool = pool_bytes(layers.graphs)
+    assert pool["segments"] > 0 and pool["reserved"] >= pool["allocated"] > 0, pool
+    fired = {"eager": [], "graphs": []}
+    for name, chunks in (("eager", eager), ("graphs", graphed)):
+        for p in (p for chunk in chunks for layer in chunk for p in layer.parameters()):
+            p.register_post_accumulate_grad_hook(lambda q, f=fired[name]: f.append(q.grad.clone()))
+    data = make_rank_data(2, 4, (S, B, H), device="cuda")
+    data.inputs[1][2], data.grads[1][2] = torch.randn(S + 2, B, H, device="cuda"), torch.randn(S + 2, B, H,
+                                                                                                device="cuda")
+    assert bitwise_equal(run_steps(eager, plan, 0, data, 2), run_steps(graphed, plan, 0, data, 2))
+    assert layers.eager_calls == 2 * 2 and layers.guard.at_step_boundary
+    assert len(fired["eager"]) == len(fired["graphs"]) > 0
+    assert sorted(t.sum().item() for t in fired["eager"]) == sorted(t.sum().item() for t in fired["graphs"])
+    layers.remove()

@@ -84,7 +84,8 @@ class FakeCuda:
         self.current = previous
 
     @contextlib.contextmanager
-    def graph(self, g, pool=None):
+    def graph(self, g, pool=None, stream=None, capture_error_mode="global"):  # torch.cuda.graph's signature
+        g.capture_error_mode = capture_error_mode
         self.empty_cache()
         previous, self.current = self.current, FakeStream("capture")  # stream_ctx.__enter__
         self.capturing = self.allocator_capturing = True  # capture_begin
@@ -184,6 +185,21 @@ def test_graph_capture_returns_to_the_callers_stream_when_capture_end_raises(fak
     assert capture_mod.root_cause(info.value).args == ("illegal op",)
 
 
+def test_forward_graphs_capture_thread_local_and_backward_graphs_global(fake_cuda):
+    """Forward captures tolerate other threads' CUDA calls (``capture_error_mode="thread_local"``); backward
+    captures, whose kernels autograd's device thread launches, keep "global" (``graphs.backends.torch_cuda``)."""
+    import inspect
+    assert "capture_error_mode" in inspect.signature(torch.cuda.graph.__init__).parameters  # the installed torch
+    plan = build_plan("1f1b", 2, 2)
+    graphed = [[Block(), Block()]]
+    layers = capture(graphed, plan, 0, samples(graphed, 2), backend="torch")
+    assert layers.active, layers.report
+    slots = layers.graphs.callables
+    assert [s.fwd_graph.capture_error_mode for s in slots] == ["thread_local"] * 4
+    assert [s.bwd_graph.capture_error_mode for s in slots] == ["global"] * 4
+    layers.remove()
+
+
 def test_gradient_buffers_are_allocated_on_the_callers_stream_not_the_warmup_stream(fake_cuda, monkeypatch):
     """The buffers are read on the caller's stream by every replay; allocated on the warmup side stream, their
     blocks would belong to that stream (issue 24)."""
@@ -222,8 +238,8 @@ def test_a_capture_projected_to_outlast_the_collective_timeout_stops_and_falls_b
     real_graph = fake.graph
 
     @contextlib.contextmanager
-    def slow_graph(g, pool=None):
-        with real_graph(g, pool):
+    def slow_graph(g, pool=None, capture_error_mode="global"):
+        with real_graph(g, pool, capture_error_mode=capture_error_mode):
             yield
         clock.now += clock.step  # each graph: synchronize, empty_cache, capture
 
@@ -246,3 +262,19 @@ def test_a_capture_projected_to_outlast_the_collective_timeout_stops_and_falls_b
         layers = capture(graphed, plan, 0, samples(graphed, 4), backend="torch", timeout_s=50.0)
     assert layers.active and layers.report.seconds == 32.0
     assert any("more than half of the collective timeout" in r.getMessage() for r in caplog.records)
+
+
+def test_tensor_parallel_capture_with_expandable_segments_needs_nccl_graph_register_off(monkeypatch):
+    """NCCL registers graph buffers as contiguous allocations, which expandable segments break: a rank whose graphed
+    layers hold DTensor parameters (tensor-parallel collectives in the graphs) refuses to capture then, with the fix
+    in the reason (NVIDIA/Megatron-LM#5474)."""
+    from graphs import GraphedLayers
+    layers = GraphedLayers([[Block()]])
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    assert capture_mod._nccl_register_problem(layers) is None  # plain parameters: no collective captured
+    layers.modules[0][0].fc1.weight.device_mesh = object()  # what a DTensor parameter carries
+    assert "NCCL_GRAPH_REGISTER=0" in capture_mod._nccl_register_problem(layers)
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")
+    assert capture_mod._nccl_register_problem(layers) is None
+    layers.remove()

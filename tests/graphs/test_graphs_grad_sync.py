@@ -11,6 +11,10 @@ all-reduce from) and bump the buffers' version counters (what its late-change ch
   microbatch's ``W``, later replays change the gradients, and ``finalize_model_grads`` must notice (version
   counters) and reduce again -- the result still equals eager's.
 
+Unsplit graphs (in process): a backward replay accumulates in the graph too, and runs the hooks itself -- not
+through autograd calling a parameter's ``AccumulateGrad`` with an undefined gradient (the parameters are no inputs of
+the replaying function); checked against eager's hook firings, and with the explicit call silenced.
+
 Small on purpose (two gloo ranks, a few seconds): part of the quick loop.
 """
 from __future__ import annotations
@@ -104,3 +108,74 @@ def test_a_w_replay_after_the_launch_is_noticed_and_reduced_again(tmp_path):
     for (calls, equal, _) in run_ranks(_job, 2, True, timeout=50):
         assert calls["async"] == V and calls["sync"] == V  # launched early, then redone synchronously
         assert equal
+
+
+def _hooked(chunks, fired: dict):
+    """Post-accumulate-grad hooks on every parameter recording the gradient each firing sees."""
+    for c, chunk in enumerate(chunks):
+        for l, layer in enumerate(chunk):
+            for n, p in layer.named_parameters():
+                key = (c, l, n)
+                p.register_post_accumulate_grad_hook(lambda q, k=key: fired.setdefault(k, []).append(q.grad.clone()))
+
+
+def _unsplit_run(silence_explicit_hooks: bool, monkeypatch):
+    from engine.plan import build_plan
+    from graphs import capture
+    from graphs.backends import common
+    from graphs.local_rank import make_rank_data, run_rank_step
+    from tests.graphs.test_graphs_emulate import B, H, S, make_chunks, samples
+
+    plan = build_plan("interleaved", 2, 4, 2, 2)
+    eager = make_chunks(2, 2)
+    graphed = copy.deepcopy(eager)
+    layers = capture(graphed, plan, 0, samples(graphed, 4), backend="emulate")
+    assert layers.active, layers.report
+    if silence_explicit_hooks:
+        monkeypatch.setattr(common, "fire_post_accumulate_hooks", lambda params: None)
+    ref, got = {}, {}
+    _hooked(eager, ref)
+    _hooked(graphed, got)
+    data = make_rank_data(2, 4, (S, B, H))
+    run_rank_step(eager, plan, 0, data)
+    run_rank_step(graphed, plan, 0, data)
+    layers.remove()
+    return ref, got
+
+
+def test_unsplit_backward_replays_fire_the_grad_sync_hooks_explicitly(monkeypatch):
+    """Unsplit graphs: each backward replay runs every parameter's post-accumulate-grad hook once, seeing the
+    accumulated gradient eager's ``AccumulateGrad`` hook sees (bitwise, per parameter, in order) -- and only because
+    the replay calls them: with that call silenced no hook fires (no ``AccumulateGrad`` node of a graphed parameter
+    is reached through an undefined gradient)."""
+    import torch
+
+    ref, got = _unsplit_run(False, monkeypatch)
+    assert ref.keys() == got.keys() and all(len(v) == 4 for v in ref.values())  # once per microbatch
+    for key in ref:
+        assert all(torch.equal(a, b) for a, b in zip(ref[key], got[key])), key
+    _, silenced = _unsplit_run(True, monkeypatch)
+    assert silenced == {}
+
+
+def test_a_graphed_layer_whose_inputs_need_no_gradient_still_accumulates(monkeypatch):
+    """The parameters are no inputs of the replaying function: a layer called on a tensor that needs no gradient
+    still gets a backward (through a zero-size anchor leaf) and the eager parameter gradients."""
+    import torch
+
+    from engine.plan import build_plan
+    from graphs import capture
+    from tests.graphs.test_graphs_emulate import B, H, S, make_chunks
+
+    plan = build_plan("1f1b", 1, 1)
+    eager = make_chunks(1, 1)
+    graphed = copy.deepcopy(eager)
+    layers = capture(graphed, plan, 0, [(torch.ones(S, B, H),)], backend="emulate")
+    assert layers.active, layers.report
+    x = torch.randn(S, B, H)
+    for model in (eager, graphed):
+        model[0][0].current_microbatch = 0
+        model[0][0](x).square().sum().backward()
+    for a, b in zip(eager[0][0].parameters(), graphed[0][0].parameters()):
+        assert torch.equal(a.grad, b.grad)
+    layers.remove()

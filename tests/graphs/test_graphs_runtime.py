@@ -34,7 +34,7 @@ class MegatronChunk(nn.Module):
 
 
 class PlainChunk(nn.Module):
-    """Like pipecast's GPTChunk: blocks in ``.layers``; forward runs them (the runtime counts microbatches)."""
+    """Like pipecast's ModelChunk: blocks in ``.layers``; forward runs them (the runtime counts microbatches)."""
 
     def __init__(self, layers):
         super().__init__()
@@ -129,9 +129,9 @@ def test_executor_order_differing_from_plan_vetoes_capture():
     assert not runtime.active and "differ from the interleaved plan at pass" in runtime.disabled_reason
 
 
-def test_graphs_capture_under_the_recorded_autocast_state():
-    """The executor runs forward steps under autocast (bf16 runs): capture must use the same state (cache off) and
-    replay outside it is an error, not a silent fp32/bf16 mix."""
+def test_graphs_capture_under_the_recorded_autocast_state(caplog):
+    """The executor runs forward steps under autocast (bf16 runs): capture must use the same state (cache off); a
+    call outside it runs eagerly (fp32, as asked, with a warning), never a silent fp32/bf16 mix."""
     eager = make_chunks(2, 1)
     graphed = copy.deepcopy(eager)
     runtime = GraphRuntime([MegatronChunk(c) for c in graphed], "interleaved", 2, 1, 2, 2, backend="emulate",
@@ -144,9 +144,10 @@ def test_graphs_capture_under_the_recorded_autocast_state():
             ref, got = run_steps(eager, plan, 1, data, 1), run_steps(graphed, plan, 1, data, 1)
         assert bitwise_equal(ref, got)
     assert runtime.active and str(runtime.layers.graphs.autocast) == "cpu:bfloat16"
-    runtime.layers.guard.reset()
-    with pytest.raises(RuntimeError, match="autocast is 'off'"):
-        run_rank_step(graphed, plan, 1, data)
+    with caplog.at_level(logging.WARNING, logger="pipecast.graphs"):
+        assert bitwise_equal(run_steps(eager, plan, 1, data, 1), run_steps(graphed, plan, 1, data, 1))
+    assert runtime.layers.eager_calls == 8 and runtime.layers.guard.at_step_boundary
+    assert any("autocast is 'off'" in r.getMessage() for r in caplog.records)
 
 
 def test_no_pipelining_shares_one_graph_per_layer():

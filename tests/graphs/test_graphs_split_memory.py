@@ -19,7 +19,7 @@ import torch
 
 from engine.plan import build_plan
 from engine.training.config import ModelConfig
-from engine.training.models.chunk import Block
+from engine.training.models.gpt2.layers import Block
 from graphs import capture, capture_order, layer_events
 from graphs.accounting import held_bytes
 from graphs.backends import torch_cuda

@@ -176,9 +176,11 @@ def test_te_adapter_passes_exactly_what_te_expects(monkeypatch, schedule, pp, vp
     assert list(call["modules"]) == [layer for chunk in graphed for layer in chunk]  # chunk-major, each once
     assert len(call["sample_args"]) == sum(lpc) * m
     assert all(a is b for a, b in zip(call["sample_args"], sample))  # the flat TE layout, untouched
-    assert call["allow_unused_input"] is True and call["num_warmup_iters"] == 2
+    assert call["allow_unused_input"] is True
+    assert call["num_warmup_iters"] == max(2, -(-10 // m))  # Megatron's rule: at least 10 warmups per layer
     assert call["clone_param_grads_on_return"] is True  # B17
-    assert call["_reuse_graph_input_output_buffers"] is False
+    # buffer reuse only without pipeline sends (the executor waits a sent gradient lazily)
+    assert call["_reuse_graph_input_output_buffers"] is (pp == 1)
     assert call["sample_kwargs"] is None and call["pool"] is None
     # one step through the dispatch: the callable of (c, m, l) is the one TE built for that flat index
     data = make_rank_data(vp, m, (S, B, H))
@@ -268,8 +270,14 @@ def test_build_te_arguments_rejects_inconsistent_layouts():
     feats = TEFeatures(frozenset({"_order", "_num_layers_per_chunk", "num_warmup_iters"}))
     mods = [torch.nn.Linear(2, 2) for _ in range(3)]
     args = [(torch.ones(2),)] * 6
-    (m, sa), kw = build_te_arguments(feats, mods, args, None, [1, 2, -2, -1] * 2, [2, 1], 2)
+    (m, sa), kw = build_te_arguments(feats, mods, args, None, [1, 2, -2, -1] * 2, [2, 1], 2, eager_microbatches=8,
+                                     reuse_buffers=True)
     assert kw == {"_order": [1, 2, -2, -1] * 2, "_num_layers_per_chunk": [2, 1], "num_warmup_iters": 1}
+    feats = TEFeatures(frozenset({"_order", "num_warmup_iters", "_reuse_graph_input_output_buffers"}))
+    _, kw = build_te_arguments(feats, mods, args, None, [1, -1] * 2, [3], 2, reuse_buffers=True)
+    assert kw["num_warmup_iters"] == 5 and kw["_reuse_graph_input_output_buffers"] is True  # 10 / M = 2
+    _, kw = build_te_arguments(feats, mods, args, None, [1, -1] * 2, [3], 2, num_warmup_iters=7)
+    assert kw["num_warmup_iters"] == 7 and "_reuse_graph_input_output_buffers" not in kw
     with pytest.raises(ValueError, match="sum\\(L\\)\\*M"):
         build_te_arguments(feats, mods, args[:-1], None, [1, -1], [2, 1], 2)
     with pytest.raises(ValueError, match="modules"):

@@ -25,10 +25,11 @@ DEFAULTS = dict(pp=None, chunks=None, M=4, G=None, batch=True, overlap=False, de
                 layers=1, variable=False, seqs=None, zero_mb=None, moe=False, collect=False, first_val_step=None,
                 ckpt=None, hooks=False, sleep=0.0, dtype="float32", tokens=None, sequence=None, explicit=True,
                 M_by_rank=None, seed=0, func=None, seq_by_dp=None, warmup_flush=False, plant=None, schedule=None,
-                max_in_flight=None, output="plain", csv=None)
+                max_in_flight=None, output="plain", csv=None, costs=None)
 # ``plant`` (negative controls, tests/runtime/test_harness_controls.py): "grad_scale" gives the schedule a grad_scale_func of
 # x * 2 that the reference does not apply; "no_M" multiplies each microbatch's loss by M, cancelling the schedule's
 # division by M (a loss without / M).  Both must make the case fail the equivalence check.
+# ``costs``: the notation of the PassCosts a ``zb`` / ``zbv`` plan is built for (the cost-aware builder).
 # ``csv``: for a ``"torch:<class>"`` schedule, the CSV torch writes at the case's M, filled in by the parent before
 # it spawns (:func:`with_torch_csvs`), so the ranks need not import torch.distributed.pipelining.
 
@@ -252,11 +253,11 @@ def run_case(rank: int, pgc, c: dict) -> dict:
 
 
 def _with_schedule(c, pp):
-    """``forward_backward_pipelining_with_schedule`` for the case's named schedule (``max_in_flight``: a budgeted
-    ``zb`` plan built for each call)."""
+    """``forward_backward_pipelining_with_schedule`` for the case's named schedule (``max_in_flight`` / ``costs``: a
+    budgeted / cost-aware plan built for each call)."""
     def func(**kw):
         schedule = c["schedule"]
-        if c["max_in_flight"] is not None or schedule.startswith(("csv:", "torch:")):
+        if c["max_in_flight"] is not None or c["costs"] is not None or schedule.startswith(("csv:", "torch:")):
             schedule = _named_plan(c, pp, kw["num_microbatches"], c["chunks"] or 1, kw["forward_only"])
         return schedules.forward_backward_pipelining_with_schedule(schedule=schedule, **kw)
     return func
@@ -267,7 +268,7 @@ def _named_plan(c, pp, M, C, forward_only):
     schedule exported to torch's CSV and imported back (``engine.plan.torch_csv``), or ``"torch:<class>"``: the CSV
     torch's schedule class writes (``tests/helpers/torch_schedules.py``; training calls only), imported."""
     name = c["schedule"]
-    kw = dict(max_in_flight=c["max_in_flight"]) if c["max_in_flight"] is not None else {}
+    kw = {k: c[k] for k in ("max_in_flight", "costs") if c[k] is not None}
     if name.startswith("torch:"):
         from engine.plan.torch_csv import plan_from_csv
         if forward_only:

@@ -22,7 +22,9 @@ from tests.helpers.pipeline_jobs import case, run_case
 # in another order than microbatch order differs in fp32 (checked by the job itself, see summation_order).  Scales
 # far apart (1e-6 beside 1e6) would not do: the small terms vanish in either order.
 SCALES = (1.0, 1e3, 1e-2, 1e5, 1e-4, 1e2)
-SUMMATION_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb_h1", 1), ("zbv", 2))
+SUMMATION_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb_h1", 1), ("zbv", 2), ("v_half", 2), ("v_min", 2),
+                       ("zb cost-aware", 1), ("zbv cost-aware", 2))
+COSTS = "forward=1.0 backward=1.4 weight=0.6 transfer=0.3 weight_memory=0.5"  # cost-aware: built for these
 ZBV_CASE = case(schedule="zbv", chunks=2, M=4, dealloc=True)
 
 
@@ -62,9 +64,10 @@ def summation_order(rank: int, world: int, pgc, schedule: str, chunks: int, scal
     gradients differ (``mismatch``: layer -> max |diff|) and those where the reversed order differs from microbatch
     order (``order_sensitive``), which must be non-empty for the comparison to mean anything."""
     M = len(scales)
-    plan = build_plan(schedule, world, M, chunks)
+    name, _, aware = schedule.partition(" ")
+    plan = build_plan(name, world, M, chunks, costs=COSTS if aware else None)
     cfg = ModelParallelConfig(pipeline_model_parallel_size=world,
-                              virtual_pipeline_model_parallel_size=chunks if schedule == "interleaved" else None,
+                              virtual_pipeline_model_parallel_size=chunks if name == "interleaved" else None,
                               pipeline_dtype=torch.float32, hidden_size=8)
     model, _ = tm.build_chunks(cfg, world, rank, chunks, stages=plan.stages_of(rank))
     data = tm.make_data(M, 4, 2, 8, seed=7)

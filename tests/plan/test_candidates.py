@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from engine.plan import Op, build_plan
+from engine.plan.pass_costs import PassCosts
 from engine.plan.candidates import (Candidate, CostModel, LayoutCosts, candidates, peak_memory_bytes, predict,
                                     rank_predictions, virtual_sizes)
 from engine.plan.validate import validate_plan
@@ -68,10 +69,15 @@ def test_the_candidate_set_covers_every_schedule_that_applies(P, L, M):
 def test_candidate_overrides_and_arguments():
     c = Candidate("interleaved", 2, 4)
     assert c.overrides() == {"parallel.schedule": "interleaved", "parallel.virtual": 2,
-                             "parallel.microbatch_group_size_per_vp_stage": 4, "parallel.max_in_flight": None}
+                             "parallel.microbatch_group_size_per_vp_stage": 4, "parallel.max_in_flight": None,
+                             "parallel.schedule_costs": None}
     assert c.arguments() == ["--parallel.schedule=interleaved", "--parallel.virtual=2",
                              "--parallel.microbatch_group_size_per_vp_stage=4"]
     assert Candidate("zb", 1, max_in_flight=3).label == "zb v=1 max_in_flight=3"
+    costed = Candidate("zb", 1, max_in_flight=3, costs=PassCosts(1.0, 2.0, 0.5, 0.1))
+    assert costed.label == "zb v=1 max_in_flight=3 cost-aware"
+    assert costed.overrides()["parallel.schedule_costs"] == str(costed.costs)
+    assert PassCosts.parse(costed.overrides()["parallel.schedule_costs"]) == costed.costs
 
 
 def _uniform(stages: int, F=1.0, B=2.0, W=0.0, A=10, Wb=0, static=100, overhead=0.0, step=0.0) -> LayoutCosts:

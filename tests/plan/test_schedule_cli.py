@@ -210,3 +210,32 @@ def test_a_full_disk_while_writing_an_output_is_one_error_line(option, name, tmp
     line = _one_error_line(capsys.readouterr().err)
     assert f"{option} {tmp_path / name}: cannot be written: No space left on device; free space" in line, line
     assert not (tmp_path / name).exists()
+
+
+def test_cost_aware_builds_the_plan_for_the_given_costs(tmp_path, capsys):
+    from engine.plan.pass_costs import PassCosts
+    out_json = tmp_path / "plan.json"
+    argv = ["schedule", "--schedule", "zb", "--pp", "4", "-m", "8", "--max-in-flight", "8", "--forward-time", "1",
+            "--backward-time", "1.2", "--weight-time", "0.5", "--transfer-time", "0.05", "--weight-memory", "0.4",
+            "--json", str(out_json)]
+    assert main(argv + ["--cost-aware"]) == 0
+    out = capsys.readouterr().out
+    costs = PassCosts(1.0, 1.2, 0.5, 0.05, 0.4)
+    plan = build_plan("zb", 4, 8, max_in_flight=8, costs=costs)
+    assert [r["actions"] for r in json.loads(out_json.read_text())["ranks"]] == [plan.action_labels(r)
+                                                                                 for r in range(4)]
+    assert "the plan is built for these costs (weight_memory 0.4)" in out
+    cost_aware = simulate(plan, **costs.simulation()).makespan
+    assert main(argv) == 0  # the same limits without --cost-aware: the list scheduler's plan, slower here
+    assert json.loads(out_json.read_text())["makespan"] > cost_aware
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--schedule", "zb_h1", "--cost-aware"], "--cost-aware only applies to zbv / zb"),
+    (["--schedule", "1f1b", "--max-pending-w", "3"], "--max-pending-w 3 only applies to zbv / zb"),
+    (["--schedule", "zbv", "--pp", "2", "--max-in-flight", "1", "--cost-aware"], "no order fits max_in_flight"),
+    (["--schedule", "zb", "--weight-memory", "-1"], "--weight-memory: -1.0 must be a finite number >= 0"),
+])
+def test_cost_aware_options_are_checked(argv, message, capsys):
+    assert _exit_code(["schedule", *argv]) == 2
+    assert message in capsys.readouterr().err

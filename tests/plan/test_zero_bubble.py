@@ -136,7 +136,7 @@ def test_program_check_catches_a_send_waited_before_its_receive_is_posted(monkey
     """Negative control: waiting every send right after it was posted (before the receiver provably posted its
     receive) deadlocks on gloo; the program check must say so."""
     from engine.plan import lowering
-    monkeypatch.setattr(lowering, "reap_points", lambda plan, rank, prefetch, batched, recvs: {
+    monkeypatch.setattr(lowering, "reap_points", lambda plan, rank, prefetch, batched, recvs, overlap=False: {
         m: i + 1 for i, a in enumerate(plan.actions[rank]) if (m := plan.output_message(rank, a)) is not None})
     with pytest.raises(PlanError, match="deadlock in the compiled program"):
         validate_programs(build_plan("zbv", 2, 4, 2), prefetch=1)
@@ -167,7 +167,7 @@ def test_budgeted_plans_respect_the_budget_and_trade_memory_for_bubble():
     assert bubbles == sorted(bubbles, reverse=True) and bubbles[0] > bubbles[-1]
     with pytest.raises(ValueError, match="max_in_flight=0 is invalid"):
         build_plan("zb", P, M, max_in_flight=0)
-    with pytest.raises(ValueError, match="for schedule='zb' only"):
+    with pytest.raises(ValueError, match="for schedule=.*'zb' only"):
         build_plan("zb_h1", P, M, max_in_flight=2)
 
 

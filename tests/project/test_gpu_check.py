@@ -2,18 +2,25 @@
 
 * its ``--dry-run`` (emulate backend, tiny sizes) runs in a subprocess with the optional packages blocked (a
   ``sitecustomize`` on ``PYTHONPATH`` installs a meta-path finder raising ``ImportError`` for them, so the GPU
-  machine's "torch, pytest, pyyaml, numpy and nothing else" is what it sees): exit 0 and every check in the JSON;
-* a planted fault -- one emulated forward replay writes a perturbed output -- makes it exit 1, with exactly the
-  perturbed check failing.  Both runs execute the script as ``__main__`` (``runpy``) one after the other in that
-  one subprocess (one interpreter start and import of torch for both); the fault is planted between them;
-* in process: a capture that silently falls back to eager, and one that leaves the caller's GC disabled, are
-  reported as failures by the check's capture wrapper.
+  machine's "torch, pytest, pyyaml, numpy and nothing else" is what it sees): exit 0 and every check in the JSON,
+  written into the ``--out`` folder;
+* planted faults make it exit 1 with exactly their checks failing: one emulated forward replay writes a perturbed
+  output (the first graphs case), replays draw frozen dropout masks (``dropout_rng``), and W captures keep every
+  microbatch's activations, so the graph pool grows with M (``split_memory``);
+* a run with ``git`` missing from ``PATH`` and killed by SIGKILL inside a check leaves its JSON with the checks
+  that finished, the running one in ``in_progress`` and the missing ``git`` under ``commands``.
+  The three runs execute the script as ``__main__`` (``runpy``) one after the other in one subprocess (one
+  interpreter start and import of torch for all); the faults are planted between them, the kill ends it;
+* in process: the time budget skips (and records) checks whose estimate exceeds what is left; the watchdog records
+  the running check and ends the run; a capture that silently falls back to eager, and one that leaves the
+  caller's GC disabled, are reported as failures by the check's capture wrapper.
 """
 from __future__ import annotations
 
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,9 +61,9 @@ sys.meta_path.insert(0, _Block())
 
 
 DRIVER = """
-import json, runpy, sys
+import json, os, runpy, signal, sys, tempfile
 
-script, clean_out, planted_out, codes_out = sys.argv[1:5]
+script, clean_out, planted_out, crash_out, codes_out = sys.argv[1:6]
 
 
 def run(*args):
@@ -69,78 +76,161 @@ def run(*args):
 
 
 codes = {"clean": run("--out", clean_out)}
-from graphs.backends import emulate  # the planted fault: perturb the output of one emulated forward replay
+import torch
+from graphs.backends import emulate
 
-original, calls = emulate.EmulatedSlot.replay_forward, [0]
+replay_forward, capture_weight = emulate.EmulatedSlot.replay_forward, emulate.EmulatedSlot.capture_weight
+calls, frozen, kept = [0], {}, []
 
 
-def replay_forward(self):
-    original(self)
-    calls[0] += 1
+def perturbed_frozen_replay(self):  # (1) one replay writes a perturbed output; (2) every replay of a slot draws its
+    calls[0] += 1                   # first replay's random numbers and leaves the generator alone (pytorch#84614)
+    caller = torch.get_rng_state()
+    torch.set_rng_state(frozen.setdefault(id(self), caller))
+    replay_forward(self)
+    torch.set_rng_state(caller)
     if calls[0] == 3:
         self.static_outputs[0].add_(1e-3)
 
 
-emulate.EmulatedSlot.replay_forward = replay_forward
-codes["planted"] = run("--checks", "graphs", "--out", planted_out)
+def leaking_capture_weight(self):  # (3) the W capture keeps the activations of every microbatch alive
+    kept.append(self._live)
+    capture_weight(self)
+
+
+emulate.EmulatedSlot.replay_forward, emulate.EmulatedSlot.capture_weight = perturbed_frozen_replay, leaking_capture_weight
+codes["planted"] = run("--checks", "graphs_interleaved_fp32,dropout,split_memory", "--out", planted_out)
+emulate.EmulatedSlot.replay_forward, emulate.EmulatedSlot.capture_weight = replay_forward, capture_weight
 with open(codes_out, "w") as f:
     json.dump(codes, f)
+# the crash: git is not on PATH, and the process is killed (SIGKILL, no cleanup) inside the nvtx check
+os.environ["PATH"] = tempfile.mkdtemp()
+from engine.profiling import nvtx_ranges
+nvtx_ranges.NvtxTracer = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+run("--checks", "dropout,nvtx", "--out", crash_out)
 """
+
+RUNS = ("clean", "planted", "crash")
 
 
 @pytest.fixture(scope="module")
 def dry_runs(tmp_path_factory) -> dict:
-    """``{"clean": (exit code, report), "planted": (exit code, report)}`` and the output of the one subprocess."""
+    """``{name: (exit code, report)}`` for :data:`RUNS` and the output of the one subprocess."""
     tmp_path = tmp_path_factory.mktemp("gpu_check")
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]), CUDA_VISIBLE_DEVICES="")
-    outs = {name: tmp_path / f"gpu_check_{name}.json" for name in ("clean", "planted", "codes")}
+    outs = {name: tmp_path / name for name in RUNS}  # --out takes folders (outside the repository)
+    codes_file = tmp_path / "codes.json"
     proc = subprocess.run([sys.executable, "-c", DRIVER, str(ROOT / "benchmarks" / "gpu_check.py"),
-                           *(str(outs[n]) for n in ("clean", "planted", "codes"))], cwd=ROOT, env=env,
+                           *(str(outs[n]) for n in RUNS), str(codes_file)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=420)
-    codes = json.loads(outs["codes"].read_text()) if outs["codes"].exists() else {}
-    runs = {name: (codes.get(name), json.loads(outs[name].read_text()) if outs[name].exists() else {})
-            for name in ("clean", "planted")}
-    return {**runs, "output": proc.stdout[-3000:] + proc.stderr[-3000:], "returncode": proc.returncode}
+    codes = json.loads(codes_file.read_text()) if codes_file.exists() else {}
+    report = {n: outs[n] / "gpu_check_dry_run.json" for n in RUNS}
+    runs = {n: (codes.get(n), json.loads(report[n].read_text()) if report[n].exists() else {}) for n in RUNS}
+    return {**runs, "output": proc.stdout[-3000:] + proc.stderr[-3000:], "returncode": proc.returncode,
+            "files": {n: sorted(p.name for p in outs[n].iterdir()) if outs[n].exists() else [] for n in RUNS}}
 
 
 def _check_names() -> set[str]:
-    from benchmarks.gpu_check import SCHEDULES
+    from benchmarks.gpu_check import SCHEDULES, TRAINER_CASES
     graphs = {f"graphs_{s}_{d}" for s, _ in SCHEDULES for d in ("fp32", "bf16")}
-    return graphs | {"cuda_tests", "split_memory", "capture_seconds", "trainer", "nvtx", "bench_bitwise",
-                     "bench_launch_speedup", "bench_compute_ratio"}
+    return graphs | {name for name, *_ in TRAINER_CASES} | {
+        "dropout_rng", "split_memory", "capture_seconds", "host_syncs", "nvtx", "cuda_tests", "bench_bitwise",
+        "bench_launch_speedup", "bench_compute_ratio"}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(440)
 def test_dry_run_passes_with_optional_packages_blocked(dry_runs):
+    from benchmarks.gpu_check import NEEDS_CUDA, NOT_AVAILABLE
     code, report = dry_runs["clean"]
-    assert dry_runs["returncode"] == 0 and code == 0, dry_runs["output"]
+    assert code == 0, dry_runs["output"]
     assert "is blocked" not in dry_runs["output"]
     checks = report["checks"]
     assert set(checks) == _check_names(), sorted(checks)
     assert report["status"] == "PASS" and report["dry_run"] and report["backend"] == "emulate"
-    assert report["commit"] and report["torch"] == torch.__version__
+    assert report["commit"] and report["torch"] == torch.__version__ and report["in_progress"] is None
+    assert dry_runs["files"]["clean"] == ["cuda_graphs_bench_dry_run.json", "gpu_check_dry_run.json"]
     for name, c in checks.items():
-        assert c["status"] in ("pass", "skipped: needs CUDA"), (name, c)
-    for name in ("graphs_zbv_fp32", "graphs_zb_h1_bf16", "split_memory", "trainer", "bench_bitwise"):
+        assert c["status"] in ("pass", NEEDS_CUDA, NOT_AVAILABLE, "skipped: needs 2 devices"), (name, c)
+    for name in ("graphs_zbv_fp32", "graphs_zb_h1_bf16", "dropout_rng", "split_memory", "trainer_zbv_fp32",
+                 "trainer_1f1b_fp32", "trainer_1f1b_bf16", "bench_bitwise"):
         assert checks[name]["status"] == "pass", name
+    assert checks["trainer_1f1b_recompute"]["status"] == NOT_AVAILABLE  # model.recompute is not in this build
     assert checks["graphs_zbv_fp32"]["graph_vs_eager"]["bitwise"]
     assert checks["graphs_zbv_fp32"]["caller_state"]["gc_enabled"] == "unchanged"
+    assert all(checks["dropout_rng"]["masks_change"]) and all(checks["dropout_rng"]["rng_state_as_eager"])
+    memory = checks["split_memory"]
+    assert memory["pool_reserved_growth_bytes"] <= memory["bound_bytes"]
     assert checks["cuda_tests"]["counts"]["skipped"] > 0  # the subprocess collected the cuda-marked tests
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(440)
-def test_a_perturbed_replay_fails_the_check(dry_runs):
+def test_planted_faults_fail_exactly_their_checks(dry_runs):
+    """A perturbed replay output fails the first graphs case; replays that draw frozen dropout masks fail
+    dropout_rng; activations kept past each W capture (memory growing with M) fail split_memory."""
     code, report = dry_runs["planted"]
     assert code == 1, dry_runs["output"]
-    failed = {n for n, c in report["checks"].items() if c["status"] == "fail"}
-    assert failed == {"graphs_interleaved_fp32"}, failed  # the first case holds the third replay
-    assert not report["checks"]["graphs_interleaved_fp32"]["graph_vs_eager"]["bitwise"]
+    checks = report["checks"]
+    assert set(checks) == {"graphs_interleaved_fp32", "dropout_rng", "split_memory"}  # --checks takes a case
+    failed = {n for n, c in checks.items() if c["status"] == "fail"}
+    assert failed == {"graphs_interleaved_fp32", "dropout_rng", "split_memory"}, failed
+    assert not checks["graphs_interleaved_fp32"]["graph_vs_eager"]["bitwise"]
+    assert not all(checks["dropout_rng"]["masks_change"])
+    memory = checks["split_memory"]
+    assert memory["weight_inputs_bytes"]["4"] == memory["weight_inputs_bytes"]["16"]  # only the pool grows
+    assert memory["pool_reserved_growth_bytes"] > memory["bound_bytes"]
+    assert any("pool_reserved grows by" in f for f in memory["failures"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(440)
+def test_a_killed_run_leaves_the_checks_so_far_and_a_missing_git_is_recorded(dry_runs):
+    code, report = dry_runs["crash"]
+    assert code is None and dry_runs["returncode"] == -signal.SIGKILL, dry_runs["output"]
+    assert report["status"] == "INCOMPLETE" and report["in_progress"] == "nvtx"
+    assert report["checks"]["dropout_rng"]["status"] == "pass" and "nvtx" not in report["checks"]
+    assert report["commit"] is None and report["dirty"] is None
+    assert "git: not found" in report["commands"]["git_commit"]["error"]
+
+
+def _report(tmp_path):
+    from benchmarks import gpu_check
+    return gpu_check.Report(tmp_path / "gpu_check.json", True, {"dry_run": True}, 10.0)
+
+
+def test_the_budget_skips_checks_whose_estimate_exceeds_what_is_left(tmp_path):
+    from benchmarks import gpu_check
+    rep = _report(tmp_path)
+    budget = gpu_check.Budget(10.0, clock=lambda: 0.0)  # 10 s left, whatever the machine's speed
+    gpu_check.run_checks(rep, {"nvtx", "trainer"}, torch.device("cpu"), "emulate", gpu_check.SIZES["dry"], budget,
+                         tmp_path)
+    written = json.loads((tmp_path / "gpu_check.json").read_text())["checks"]
+    assert written["nvtx"]["status"] == gpu_check.NEEDS_CUDA  # estimate 2 s: ran
+    trainer = {n for n in written if n.startswith("trainer_")}
+    assert trainer == {name for name, *_ in gpu_check.TRAINER_CASES}  # estimate 30 s each: skipped, recorded
+    assert all(written[n]["status"] == gpu_check.OVER_BUDGET for n in trainer | {"host_syncs"})
+    assert written["host_syncs"]["kind"] == "goal"
+
+
+def test_the_watchdog_records_the_running_check_and_ends_the_run(tmp_path):
+    from benchmarks import gpu_check
+    rep = _report(tmp_path)
+    rep.add("nvtx", "correctness", "pass")
+    rep.start("trainer_zbv_fp32")
+    exits = []
+    timer = gpu_check.start_watchdog(rep, gpu_check.Budget(0.0, clock=lambda: 0.0), grace_s=0.0,
+                                     exit_fn=exits.append)
+    timer.join(30)
+    written = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert exits == [3] and written["status"] == "INCOMPLETE" and written["in_progress"] == "trainer_zbv_fp32"
+    assert written["checks"]["nvtx"]["status"] == "pass"
+    assert written["checks"]["trainer_zbv_fp32"]["status"] == "fail"
+    assert "time budget" in written["checks"]["trainer_zbv_fp32"]["error"]
 
 
 def _tiny_case():

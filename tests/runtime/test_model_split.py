@@ -68,10 +68,16 @@ PLACEMENTS = {"1f1b": (lambda r: looped_stages(r, 2), None), "interleaved": (lam
               "v": (lambda r: v_stages(r, 2), None)}
 
 
-def _all_chunks(model, placement: str) -> list:
-    """The chunks of both ranks of a 2-rank pipeline, in stage order."""
+def _all_chunks(model, placement: str, layout=None) -> list:
+    """The chunks of both ranks of a 2-rank pipeline, in stage order (``layout``: uneven stages)."""
     stages_of, vp = PLACEMENTS[placement]
-    chunks = [c for r in range(2) for c in split_gpt2(model, _config(2, vp), stages_of(r))]
+    if layout is None:
+        chunks = [c for r in range(2) for c in split_gpt2(model, _config(2, vp), stages_of(r))]
+    else:
+        chunks = [c for r in range(2) for c in split_model(
+            model, layers="transformer.h", stages=stages_of(r), config=_config(2, vp), batch_first=True,
+            first=["transformer.wte", "transformer.wpe", "transformer.drop"], last=["transformer.ln_f", "lm_head"],
+            embed=embed, layout=layout)]
     return sorted(chunks, key=lambda c: c.stage)
 
 
@@ -87,14 +93,23 @@ def test_chunk_state_dict_keys_are_the_unsplit_models():
         assert set(merged) == set(full), placement
 
 
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
-def test_chained_chunks_equal_the_unsplit_model(placement):
+UNEVEN = [("1f1b", "Et*3|tL", [3, 1]), ("1f1b", [1, 3], [1, 3]), ("interleaved", "E|t*2|t|tL", [0, 2, 1, 1]),
+          ("interleaved", [2, 1, 1, 0], [2, 1, 1, 0]), ("v", "Et|t|t*2|L", [1, 1, 2, 0]),
+          ("v", [0, 1, 2, 1], [0, 1, 2, 1])]
+
+
+@pytest.mark.parametrize("placement,layout,counts", [(p, None, None) for p in PLACEMENTS] + UNEVEN)
+def test_chained_chunks_equal_the_unsplit_model(placement, layout, counts):
+    """Equal and uneven stages (a layout string or per-stage counts) under every placement."""
     ref, model = _model(), _model()
     ids, labels = _data(0, False)[0]
     expected = ref(ids)
     F.cross_entropy(expected.flatten(0, 1), labels.flatten()).backward()
     x = None
-    for chunk in _all_chunks(model, placement):
+    chunks = _all_chunks(model, placement, layout)
+    if counts is not None:
+        assert [len(c.body_layers) for c in chunks] == counts
+    for chunk in chunks:
         if not chunk.is_first:
             chunk.set_input_tensor([x])
         x = chunk(ids)
@@ -130,6 +145,20 @@ def test_uneven_split_names_the_numbers():
     assert "3 layers ('transformer.h')" in msg and "num_stages=2" in msg and "pipeline_model_parallel_size=2" in msg
     with pytest.raises(ValueError, match="6 layers .* num_stages=4 .* 2 model chunk"):
         split_gpt2(TinyGPT2(layers=6), _config(2, 2), looped_stages(0, 2, 2))
+
+
+def test_bad_layouts_are_named():
+    """A layout split_model cannot use: errors name the argument, the value and the fix."""
+    cases = [(3, "Et*3|tL", None, r"layout='Et\*3\|tL' places 4 decoder layers \(t\) but len\(transformer.h\)=3"),
+             (4, "Et|t|t|tL", None, r"lists 4 stages but pipeline_model_parallel_size=2 x chunks per rank=1 runs 2: "
+                                   r".* or set chunks per rank=2"),
+             (4, [2, 0, 1, 1], 2, r"stage 1 holds no layer"),
+             (4, "tE|ttL", None, r"has E elsewhere")]
+    for layers, layout, vp, message in cases:
+        with pytest.raises(ValueError, match=message):
+            split_model(TinyGPT2(layers=layers), layers="transformer.h", stages=looped_stages(0, 2, vp or 1),
+                        config=_config(2, vp), first=["transformer.wte", "transformer.wpe", "transformer.drop"],
+                        last=["transformer.ln_f", "lm_head"], layout=layout)
 
 
 def test_bad_paths_and_stages_are_named():

@@ -71,6 +71,26 @@ def _observe_tp():
     }
 
 
+def _observe_ep():
+    """Every expert getter, and each expert group's members (an all-reduce of the global ranks)."""
+    pg = ps.get_pg_collection()
+    return {
+        "ep": (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+               ps.get_expert_model_parallel_src_rank(), pg.ep_ranks),
+        "etp": (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(), pg.expt_tp_ranks),
+        "tp_ep": (ps.get_expert_tensor_and_model_parallel_rank(),
+                  ps.get_expert_tensor_and_model_parallel_world_size(), pg.tp_ep_ranks),
+        "edp": (ps.get_expert_data_parallel_rank(), ps.get_expert_data_parallel_world_size(), pg.expt_dp_ranks),
+        "sums": {name: _members(group) for name, group in (
+            ("ep", ps.get_expert_model_parallel_group()), ("etp", ps.get_expert_tensor_parallel_group()),
+            ("tp_ep", ps.get_expert_tensor_and_model_parallel_group()),
+            ("tp_ep_pp", ps.get_expert_tensor_model_pipeline_parallel_group()),
+            ("edp", ps.get_expert_data_parallel_group()), ("dp", ps.get_data_parallel_group()),
+            ("pp", ps.get_pipeline_model_parallel_group()))},
+        "partial": _error(lambda: ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)),
+    }
+
+
 def _error(fn):
     try:
         fn()
@@ -102,6 +122,12 @@ def _scenarios(rank, world_size):
         out[f"pp{pp}_tp{tp}"] = _observe_tp()
         ps.destroy_model_parallel()
 
+    for pp, tp, ep, etp in ((2, 1, 2, None), (1, 2, 2, 1)):  # Megatron's expert generator, taken from dp ranks
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        out[f"pp{pp}_tp{tp}_ep{ep}_etp{etp}"] = _observe_ep()
+        ps.destroy_model_parallel()
+
     # rejected on every rank before any collective: the world still works afterwards and nothing is initialised
     out["errors"] = {
         "pp3": _error(lambda: ps.initialize_model_parallel(pipeline_model_parallel_size=3)),
@@ -111,8 +137,9 @@ def _scenarios(rank, world_size):
         "pp2_tp4": _error(lambda: ps.initialize_model_parallel(tensor_model_parallel_size=4,
                                                                pipeline_model_parallel_size=2)),
         "cp2": _error(lambda: ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)),
-        "ep2": _error(lambda: ps.initialize_model_parallel(tensor_model_parallel_size=2,
-                                                           expert_model_parallel_size=2)),
+        "ep3": _error(lambda: ps.initialize_model_parallel(expert_model_parallel_size=3)),
+        "pp2_ep4": _error(lambda: ps.initialize_model_parallel(pipeline_model_parallel_size=2,
+                                                               expert_model_parallel_size=4)),
         "vp0": _error(lambda: ps.initialize_model_parallel(pipeline_model_parallel_size=2,
                                                            virtual_pipeline_model_parallel_size=0)),
         "world": _error(lambda: build_process_groups(2, world_size=8)),
@@ -201,6 +228,101 @@ def test_rank_layout_with_tensor_parallel(pp, tp, world):
         assert sorted(r for g in getattr(layout, kind) for r in g) == list(range(world))
 
 
+def _megatron_expert_groups(world, pp, ep, etp):
+    """Megatron's expert generator (order ``tp-cp-ep-dp-pp`` over etp, ep, edp, pp) written as a mesh: rank = index
+    in arange(world) viewed as ``[pp, edp, ep, etp]``; each kind varies its own coordinates (etp fastest)."""
+    edp = world // (pp * ep * etp)
+    mesh = torch.arange(world).reshape(pp, edp, ep, etp)
+    kinds = {"expert_groups": [], "expert_tensor_groups": [], "expert_tensor_and_model_groups": [],
+             "expert_tensor_model_pipeline_groups": [], "expert_data_parallel_groups": []}
+    for r in range(world):
+        s, d, e, t = (int(i) for i in (mesh == r).nonzero()[0])
+        kinds["expert_groups"].append(tuple(mesh[s, d, :, t].tolist()))
+        kinds["expert_tensor_groups"].append(tuple(mesh[s, d, e, :].tolist()))
+        kinds["expert_tensor_and_model_groups"].append(tuple(mesh[s, d].reshape(-1).tolist()))
+        kinds["expert_tensor_model_pipeline_groups"].append(tuple(mesh[:, d].reshape(-1).tolist()))
+        kinds["expert_data_parallel_groups"].append(tuple(mesh[s, :, e, t].tolist()))
+    return kinds
+
+
+EXPERT_LAYOUTS = [(world, pp, tp, ep, etp) for world, pp, tp in ((4, 1, 1), (8, 2, 1), (8, 2, 2), (16, 2, 2),
+                                                                  (16, 4, 1), (8, 1, 4))
+                  for ep in (1, 2, 4) for etp in (None, 1, 2)
+                  if world % (pp * tp) == 0 and world % (pp * ep * (tp if etp is None else etp)) == 0]
+
+
+@pytest.mark.parametrize("world, pp, tp, ep, etp", EXPERT_LAYOUTS)
+def test_expert_layout_follows_megatron_expert_generator(world, pp, tp, ep, etp):
+    layout = rank_layout(pp, world, tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    etp_size = tp if etp is None else etp
+    ref = _megatron_expert_groups(world, pp, ep, etp_size)
+    assert (layout.expert_model_parallel_size, layout.expert_tensor_parallel_size,
+            layout.expert_data_parallel_size) == (ep, etp_size, world // (pp * ep * etp_size))
+    for kind, per_rank in ref.items():
+        for r in range(world):
+            assert layout.group_of(kind, r) == per_rank[r], (kind, r)
+        assert sorted(x for g in getattr(layout, kind) for x in g) == list(range(world)), kind  # a partition
+    # Megatron asserts the pipelines of both generators agree; and with ep 1, etp = tp the expert kinds are the
+    # dense ones (pipecast then creates no extra group)
+    assert layout.expert_tensor_model_pipeline_groups == layout.model_parallel_groups or ep * etp_size != tp
+    if ep == 1 and etp_size == tp:
+        assert layout.expert_data_parallel_groups == layout.data_parallel_groups
+        assert layout.expert_tensor_groups == layout.tensor_groups
+    for r in range(world):
+        s, _, _, _ = layout.expert_coordinates(r)
+        assert s == layout.coordinates(r)[0]  # same pipeline stage in both layouts
+
+
+@pytest.mark.parametrize("world, pp, tp, ep, etp", [(4, 1, 1, 3, None), (8, 2, 1, 8, None), (8, 1, 2, 4, 4),
+                                                    (4, 2, 1, 4, 1)])
+def test_expert_sizes_megatron_refuses(world, pp, tp, ep, etp):
+    with pytest.raises(ValueError, match="expert_model_parallel_size") as err:
+        rank_layout(pp, world, tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    assert "divisible" in str(err.value)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("pp, tp, ep, etp", [(2, 1, 2, None), (1, 2, 2, 1)])
+def test_expert_groups_on_ranks(observed, pp, tp, ep, etp):
+    ref = _megatron_expert_groups(WORLD, pp, ep, tp if etp is None else etp)
+    for rank, o in enumerate(observed):
+        o = o[f"pp{pp}_tp{tp}_ep{ep}_etp{etp}"]
+        ep_g, etp_g = ref["expert_groups"][rank], ref["expert_tensor_groups"][rank]
+        tp_ep, edp = ref["expert_tensor_and_model_groups"][rank], ref["expert_data_parallel_groups"][rank]
+        assert o["ep"] == (ep_g.index(rank), len(ep_g), ep_g[0], ep_g)
+        assert o["etp"] == (etp_g.index(rank), len(etp_g), etp_g)
+        assert o["tp_ep"] == (tp_ep.index(rank), len(tp_ep), tp_ep)
+        assert o["edp"] == (edp.index(rank), len(edp), edp)
+        sums = o["sums"]
+        assert (sums["ep"], sums["etp"], sums["tp_ep"], sums["edp"]) == tuple(map(sum, (ep_g, etp_g, tp_ep, edp)))
+        assert sums["tp_ep_pp"] == sum(ref["expert_tensor_model_pipeline_groups"][rank])
+        assert o["partial"][0] == "ValueError" and "partial_expert_data_parallel" in o["partial"][1]
+    if pp == 2:  # pp2 x ep2 on 4 ranks: the expert pair is the stage's data-parallel pair; no expert replicas
+        assert [o[f"pp{pp}_tp{tp}_ep{ep}_etp{etp}"]["sums"]["ep"] for o in observed] == [1, 1, 5, 5]
+        assert all(o["pp2_tp1_ep2_etpNone"]["edp"][1] == 1 for o in observed)
+
+
+def test_expert_getters_before_initialisation():
+    ps.destroy_model_parallel()
+    assert (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()) == (1, 0)
+    assert (ps.get_expert_data_parallel_world_size(), ps.get_expert_data_parallel_rank()) == (1, 0)
+    assert ps.get_expert_tensor_and_model_parallel_world_size() == 1
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        ps.get_expert_model_parallel_group()
+    assert ps.get_expert_data_parallel_group(check_initialized=False) is None
+    ps.set_tensor_model_parallel_world_size(2)  # Megatron: the expert tensor size falls back to the tensor override
+    ps.set_expert_model_parallel_world_size(4)
+    ps.set_expert_model_parallel_rank(3)
+    assert ps.get_expert_tensor_parallel_world_size() == 2
+    assert (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()) == (4, 3)
+    ps.set_expert_tensor_parallel_world_size(1)
+    assert ps.get_expert_tensor_parallel_world_size() == 1
+    ps.destroy_model_parallel()
+    assert (ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()) == (1, 1)
+    with pytest.warns(DeprecationWarning), pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        ps.get_data_modulo_expert_parallel_group()
+
+
 @pytest.mark.timeout(90)
 def test_pp4_with_virtual_pipeline(observed):
     for rank, o in enumerate(observed):
@@ -226,9 +348,11 @@ def test_invalid_sizes_rejected_on_every_rank_before_any_collective(observed):
         assert errors["pp0"][0] == "ValueError" and "pipeline_model_parallel_size" in errors["pp0"][1]
         assert errors["tp3"][0] == "ValueError" and "tensor_model_parallel_size" in errors["tp3"][1]
         assert errors["pp2_tp4"][0] == "ValueError" and "divisible" in errors["pp2_tp4"][1]
-        for name in ("cp2", "ep2"):
-            assert errors[name][0] == "ValueError" and "not supported" in errors[name][1]
-        assert "context_parallel_size" in errors["cp2"][1] and "expert_model_parallel_size" in errors["ep2"][1]
+        assert errors["cp2"][0] == "ValueError" and "not supported" in errors["cp2"][1]
+        assert "context_parallel_size" in errors["cp2"][1]
+        for name in ("ep3", "pp2_ep4"):  # Megatron: world_size % (etp * ep * pp) != 0
+            assert errors[name][0] == "ValueError" and "expert_model_parallel_size" in errors[name][1]
+            assert "divisible" in errors[name][1]
         assert errors["vp0"][0] == "ValueError"
         assert errors["world"][0] == "ValueError" and "world_size=8" in errors["world"][1]
         assert o["still_uninitialised"] is False and o["world_sum"] == 6  # no rank left inside a collective

@@ -4,8 +4,9 @@
 * A ZB-V step (V placement: rank 1 hands stage 1's output to stage 2 locally, rank 0 holds the first and the last
   stage; split backward) equals the single-process reference and runs the plan's order.
 * Summation order: six microbatches whose loss scales span nine orders of magnitude (``SCALES``), so their
-  gradient contributions sum to different fp32 values in different orders.  Under 1F1B, interleaved 1F1B, ZB-H1
-  and ZB-V every model chunk's ``.grad`` must be bitwise the plain-autograd sum in microbatch order (one backward
+  gradient contributions sum to different fp32 values in different orders.  Under 1F1B, interleaved 1F1B, ZB-H1,
+  ZB-V, V-Half, V-Min and cost-aware ``zb`` / ``zbv`` plans every model chunk's ``.grad`` must be bitwise the
+  plain-autograd sum in microbatch order (one backward
   per microbatch, accumulated into ``.grad``).  A weight-gradient pass (W) that runs the microbatches of a chunk out
   of order passes every tolerance check but fails this one.
 

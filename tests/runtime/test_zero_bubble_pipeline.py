@@ -1,7 +1,8 @@
 """Split-backward schedules on gloo ranks equal the single-process unpipelined reference.
 
 Cases join the shared PP = 2 and PP = 4 jobs of ``tests/helpers/pipeline_jobs.py`` (one spawn per world size): ZB-H1,
-ZB-V (V placement: local hand-over on the last rank, first and last stage on rank 0), budgeted ``zb`` plans and
+ZB-V (V placement: local hand-over on the last rank, first and last stage on rank 0), budgeted ``zb`` plans,
+cost-aware ``zb`` / ``zbv`` plans, V-Half and V-Min, and
 torch's CSV schedules (pipecast's exported and imported back; torch's ZBV, DualPipeV, ZB1P, interleaved 1F1B), at
 M = P, odd M and larger M, every P2P mode, output deallocation on and off, forward-only calls, repeated calls
 accumulating, negotiated shapes; and the grad-sync hooks around each chunk's last W.  The reference
@@ -16,6 +17,7 @@ import pytest
 from tests.helpers.pipeline_jobs import case, check_ranks, register, shared_results
 
 TOL = 1e-5
+COSTS = "forward=1.0 backward=1.4 weight=0.6 transfer=0.3 weight_memory=0.5"  # unequal: orders of their own
 MODES = [dict(batch=True, overlap=False), dict(batch=False, overlap=False), dict(batch=False, overlap=True)]
 
 
@@ -36,6 +38,13 @@ def _grid(pp: int) -> list[dict]:
               case(schedule="zb_h1", M=pp + 1, variable=True, dealloc=True, batch=False),
               case(schedule="zbv", chunks=2, M=2 * pp, layers=2, hidden=16, dealloc=True, mode=3),
               case(schedule="zbv", chunks=2, M=pp, hooks=True),
+              # cost-aware plans (their W per chunk in microbatch order) and the controllable-memory V schedules
+              case(schedule="zb", M=2 * pp, max_in_flight=2 * pp, costs=COSTS, dealloc=True, **MODES[2]),
+              case(schedule="zb", M=pp + 1, max_in_flight=pp, costs=COSTS, batch=False),
+              case(schedule="zbv", chunks=2, M=2 * pp, costs=COSTS, dealloc=True),
+              case(schedule="zbv", chunks=2, M=pp + 1, max_in_flight=pp + 1, costs=COSTS, forward_only=True),
+              case(schedule="v_half", chunks=2, M=2 * pp, dealloc=True), case(schedule="v_min", chunks=2, M=pp + 1),
+              case(schedule="v_min", chunks=2, M=2 * pp, batch=False, dealloc=True),
               case(schedule="zb_h1", M=pp, hooks=True),
               # torch's CSV action grammar, exported and imported back: the imported plans run the same
               case(schedule="csv:zbv", chunks=2, M=2 * pp, dealloc=True), case(schedule="csv:1f1b", M=pp + 1),
@@ -54,7 +63,7 @@ SLICES = {pp: register(pp, GRIDS[pp]) for pp in (2, 4)}
 
 def _label(c: dict) -> str:
     keys = ("schedule", "M", "batch", "overlap", "dealloc", "forward_only", "repeats", "variable", "max_in_flight",
-            "hooks", "chunks", "mode")
+            "hooks", "chunks", "mode", "costs")
     return ",".join(f"{k}={c[k]}" for k in keys if c[k] not in (None, False))
 
 
@@ -67,7 +76,7 @@ def test_split_schedules_equal_the_reference(pp):
         where = f"pp={pp} {_label(c)}"
         check_ranks(where, per_rank, TOL)
         # each call returns M losses from the rank holding the last stage (rank 0 under the V placement), [] elsewhere
-        loss_rank = 0 if c["schedule"].endswith(("zbv", "ZBVZeroBubble", "DualPipeV")) else pp - 1
+        loss_rank = 0 if c["schedule"].endswith(("zbv", "v_half", "v_min", "ZBVZeroBubble", "DualPipeV")) else pp - 1
         for r in per_rank:
             for call in r["calls"]:
                 want = c["M"] if r["pp_rank"] == loss_rank else 0

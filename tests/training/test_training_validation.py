@@ -126,7 +126,7 @@ def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
     written = save_checkpoint(_state(3), tmp_path, step=3, keep=2, meta={"step": 3})
     assert written.is_dir() and written in list_checkpoints(tmp_path)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000207"]
-    assert yaml.safe_load((written / "pipecast.json").read_text()) == {"step": 3}
+    assert yaml.safe_load((written / "pipecast.json").read_text()) == {"step": 3, "manifest": "manifest.json"}
 
 
 def test_check_fresh_run(tmp_path):

@@ -1,11 +1,18 @@
-"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): atomic, resumable, never unpickled.
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): atomic, verified, resumable, never unpickled.
 
-Layout: ``<dir>/step_00000100/`` (a DCP folder: ``.metadata`` + one ``.distcp`` file per writing rank).  A save
-writes into ``<dir>/.step_00000100.tmp`` and rank 0 renames it once every rank has finished (the folder must be
-on a file system all ranks share), so a crash mid-write leaves only a ``.tmp`` folder that is never loaded; the
-previous checkpoint stays valid.  ``keep`` completed checkpoints are kept (never removing the one just written).
-A save may also write ``pipecast.json`` into the folder (:data:`META_FILE`): plain JSON describing the run (the model
-settings a resume must match), read by :func:`read_checkpoint_meta` before any tensor is loaded.
+Layout: ``<dir>/step_00000100/`` (a DCP folder: ``.metadata`` + the ``.distcp`` files the ranks write, however DCP
+lays them out; ``pipecast.json``; ``manifest.json``).  A save writes into ``<dir>/.step_00000100.tmp``; once every
+rank has finished, each rank hashes the files it wrote, rank 0 writes the manifest of every file's size and SHA-256
+(:mod:`.integrity`) and renames the folder (it must be on a file system all ranks share), so a crash mid-write
+leaves only a ``.tmp`` folder that is never loaded; the previous checkpoint stays valid.  ``keep`` checkpoints are
+kept (every ``step_*`` folder counts, broken or not; never removing the one just written).
+A save also writes ``pipecast.json`` into the folder (:data:`META_FILE`): plain JSON describing the run (the model
+settings a resume must match, when given) and naming the manifest, read by :func:`read_checkpoint_meta` before any
+tensor is loaded.
+
+Every load is verified first (:func:`verify_checkpoint`: collective, each rank hashes its share of the files and
+all ranks take the same decision before any rank reads a tensor); a broken checkpoint is refused in one line
+naming the file and what is wrong, and a resume falls back to the newest intact one (:func:`checkpoint_to_load`).
 
 Only tensors are stored (step, scheduler step and RNG states included).  Loading unpickles nothing a file can
 choose: tensors are read by DCP with ``weights_only=True``, and DCP's ``.metadata`` (itself a pickle) is read by
@@ -22,25 +29,18 @@ import json
 import logging
 import os
 import pickle
-import re
 import shutil
 from pathlib import Path
 
 import torch.distributed as dist
 
+from .integrity import (MANIFEST_FILE, META_FILE, CheckpointError, check_checkpoint, checkpoint_folders,
+                        file_digest, is_unverified, manifest_body, pick_checkpoint, refusal)
+
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
-           "checkpoint_keys", "read_checkpoint_meta", "META_FILE"]
+           "checkpoint_keys", "read_checkpoint_meta", "verify_checkpoint", "checkpoint_to_load", "META_FILE"]
 
 log = logging.getLogger("pipecast." + __name__.rsplit(".", 1)[-1])
-_NAME = re.compile(r"^step_(\d{8})$")
-META_FILE = "pipecast.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, corrupt, truncated or does not match the model (or cannot be written); the message
-    names it and the fix (the whole report: ``engine.runtime.spawn.needs_traceback``)."""
-
-    one_line = True
 
 
 def _barrier() -> None:
@@ -52,17 +52,18 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """Completed checkpoints in ``directory`` (a ``.metadata`` file present), oldest first."""
-    d = Path(directory)
-    if not d.is_dir():
-        return []
-    found = [p for p in d.iterdir() if _NAME.match(p.name) and (p / ".metadata").is_file()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+    """Every checkpoint folder (``step_XXXXXXXX``) in ``directory``, intact or broken, oldest first: what
+    ``keep`` counts (:func:`.integrity.checkpoint_folders`)."""
+    return checkpoint_folders(directory)
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The completed checkpoint with the highest step, or None."""
+    """The checkpoint folder with the highest step (intact or not: loading it verifies it), or None."""
     found = list_checkpoints(directory)
     return found[-1] if found else None
 
@@ -71,10 +72,12 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
                     meta: dict | None = None, extra_files: dict[str, str] | None = None) -> Path:
     """Collectively save ``state`` (nested dicts of tensors) as ``<directory>/step_<step>``; returns the path.
 
-    Every rank calls it.  Writes to a temporary folder (with ``meta`` as JSON in :data:`META_FILE` when given, and
-    rank 0's ``extra_files``, ``{file name: text}``, e.g. the run's ``tokenizer.json``),
-    then rank 0 renames it and removes temporary folders left by crashed saves and the oldest checkpoints so that
-    ``keep`` remain -- the one just written always stays, even beside higher-step checkpoints of another run.
+    Every rank calls it.  Writes to a temporary folder: DCP's files, then (:func:`_publish_files`, rank 0)
+    :data:`META_FILE` (``meta`` as JSON, naming the manifest), rank 0's ``extra_files`` (``{file name: text}``, e.g.
+    the run's ``tokenizer.json``) and ``manifest.json`` (every file's size and SHA-256, each rank hashing the files it
+    wrote); then rank 0 renames the folder and removes temporary folders left by crashed saves and the oldest
+    checkpoints so that ``keep`` remain -- the one just written always stays, even beside higher-step checkpoints
+    of another run.
     """
     d = Path(directory)
     final, tmp = d / f"step_{step:08d}", d / f".step_{step:08d}.tmp"
@@ -85,12 +88,11 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
             tmp.mkdir()
         _barrier()
         import torch.distributed.checkpoint as dcp  # heavy (DTensor); only when checkpointing
-        dcp.save(state, storage_writer=_recording_writer(tmp))
-        _barrier()
-        if _rank() == 0 and meta is not None:
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
-        for name, text in ((extra_files or {}).items() if _rank() == 0 else ()):
-            (tmp / name).write_text(text)
+        writer = _recording_writer(tmp)
+        dcp.save(state, storage_writer=writer)
+        digests = _digests_of_every_rank(tmp, writer.written)  # collective: every rank's files are complete
+        if _rank() == 0:
+            _publish_files(tmp, step, digests, meta, extra_files)
     if _rank() == 0:
         if final.exists():
             shutil.rmtree(final)
@@ -104,8 +106,42 @@ def save_checkpoint(state: dict, directory: str | os.PathLike, step: int, keep: 
     return final
 
 
+def _digests_of_every_rank(tmp: Path, written: set[Path]) -> dict[str, dict]:
+    """Collective: ``{file name: file_digest}`` of the files every rank wrote into ``tmp`` (each rank reads back
+    its own).  A rank that cannot read one makes every rank raise the same ``OSError``."""
+    mine, error = {}, None
+    try:
+        mine = {p.name: file_digest(p) for p in sorted(written) if p.parent == tmp}
+    except OSError as exc:
+        error = (exc.errno, exc.strerror or str(exc), exc.filename)
+    everyone = [(mine, error)]
+    if _world() > 1:
+        everyone = [None] * _world()
+        dist.all_gather_object(everyone, (mine, error))
+    failed = next((e for _, e in everyone if e is not None), None)
+    if failed is not None:
+        raise OSError(*failed)
+    return {name: digest for files, _ in everyone for name, digest in files.items()}
+
+
+def _publish_files(tmp: Path, step: int, digests: dict[str, dict], meta: dict | None,
+                   extra_files: dict[str, str] | None) -> None:
+    """Rank 0, before the rename: :data:`META_FILE` (``meta`` plus ``"manifest"``), the extra files, and the manifest
+    of every file in ``tmp`` -- those the ranks hashed, and any other (what DCP wrote outside its file streams)."""
+    (tmp / META_FILE).write_text(json.dumps({**(meta or {}), "manifest": MANIFEST_FILE}, indent=1, sort_keys=True))
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
+    files = dict(digests)
+    for f in sorted(tmp.iterdir()):
+        if f.is_file() and f.name != MANIFEST_FILE and f.name not in files:
+            files[f.name] = file_digest(f)
+    (tmp / MANIFEST_FILE).write_text(manifest_body(files, step))
+
+
 def _recording_writer(path: Path):
-    """DCP's ``FileSystemWriter`` for ``path`` whose write errors keep their cause.
+    """DCP's ``FileSystemWriter`` for ``path`` whose write errors keep their cause, and which records in
+    ``.written`` (a set of paths) every file this rank wrote (renames followed: DCP writes ``.metadata.tmp``, then
+    renames it) -- whatever DCP's file layout, each rank hashes exactly its own files.
 
     torch's zip writer (``torch.save`` into DCP's file stream) turns an ``OSError`` raised by the stream -- a full
     disk -- into ``RuntimeError: [enforce fail at inline_container.cc] ... unexpected pos``, hiding ``No space left
@@ -113,8 +149,34 @@ def _recording_writer(path: Path):
     a failed ``write_data`` / ``finish`` raises that ``OSError`` (the RuntimeError as its cause), which DCP then
     reports in its per-rank failures on every rank."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.filesystem import FileSystem
     errors: list[OSError] = []
+    written: set[Path] = set()
+
+    class _Writer(dcp.FileSystemWriter):
+        def _cause(self, call, *args):
+            try:
+                return call(*args)
+            except Exception as exc:
+                if errors and errors[0] is not exc:
+                    raise errors[0] from exc
+                raise
+
+        def write_data(self, plan, planner):
+            return self._cause(super().write_data, plan, planner)
+
+        def finish(self, metadata, results):
+            return self._cause(super().finish, metadata, results)
+
+    writer = _Writer(str(path))
+    writer.fs = _recording_file_system(errors, written)
+    writer.written = written
+    return writer
+
+
+def _recording_file_system(errors: list[OSError], written: set[Path]):
+    """DCP's ``FileSystem`` whose streams append the first ``OSError`` of a write to ``errors`` (named after the
+    file when it names none) and which adds every file opened for writing to ``written`` (following renames)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
 
     def record(exc: OSError, where) -> None:
         if exc.errno is not None and not any(e is exc or e.__cause__ is exc for e in errors):
@@ -145,6 +207,8 @@ def _recording_writer(path: Path):
     class _FileSystem(FileSystem):
         @contextlib.contextmanager
         def create_stream(self, where, mode):
+            if "w" in mode or "a" in mode:
+                written.add(Path(where))
             try:
                 with super().create_stream(where, mode) as raw:
                     yield _Stream(raw, where)
@@ -152,24 +216,13 @@ def _recording_writer(path: Path):
                 record(exc, where)
                 raise
 
-    class _Writer(dcp.FileSystemWriter):
-        def _cause(self, call, *args):
-            try:
-                return call(*args)
-            except Exception as exc:
-                if errors and errors[0] is not exc:
-                    raise errors[0] from exc
-                raise
+        def rename(self, where, new_path):
+            super().rename(where, new_path)
+            if Path(where) in written:
+                written.discard(Path(where))
+                written.add(Path(new_path))
 
-        def write_data(self, plan, planner):
-            return self._cause(super().write_data, plan, planner)
-
-        def finish(self, metadata, results):
-            return self._cause(super().finish, metadata, results)
-
-    writer = _Writer(str(path))
-    writer.fs = _FileSystem()
-    return writer
+    return _FileSystem()
 
 
 @contextlib.contextmanager
@@ -288,14 +341,61 @@ def checkpoint_keys(path: str | os.PathLike) -> set[str]:
                               f"it or resume from an older one") from None
 
 
-def load_checkpoint(state: dict, path: str | os.PathLike) -> None:
-    """Collectively load ``path`` into ``state`` in place (every rank calls it).
+def verify_checkpoint(path: str | os.PathLike) -> str | None:
+    """Collective over the default group (every rank calls it; one process without ``torch.distributed``): what
+    is wrong with checkpoint ``path`` (:func:`.integrity.check_checkpoint`), or None when it is intact.
+
+    Each rank checks the folder and hashes its share of the manifest's files (:func:`.integrity.share`: about
+    ``1/world`` of the bytes); the verdicts are all-gathered, so every rank returns the same answer (the first
+    problem in rank order) before any rank loads.  A checkpoint written before checksums passes, with a warning
+    (rank 0) that it is loaded unverified.
+    """
+    try:
+        problem = check_checkpoint(path, _rank(), _world())
+    except OSError as exc:
+        problem = f"cannot be read ({type(exc).__name__}: {exc})"
+    if _world() > 1:
+        verdicts = [None] * _world()
+        dist.all_gather_object(verdicts, problem)
+        problem = next((v for v in verdicts if v is not None), None)
+    if problem is None and _rank() == 0 and is_unverified(path):
+        log.warning("checkpoint %s has no %s (written by a pipecast without checksums): loading it unverified",
+                    path, MANIFEST_FILE)
+    return problem
+
+
+def checkpoint_to_load(directory: str | os.PathLike, step: int | None = None,
+                       path: str | os.PathLike | None = None) -> tuple[Path | None, list[str]]:
+    """Collective: the verified checkpoint a resume loads, and the warnings for the broken ones it skipped.
+
+    ``path`` given: that checkpoint.  Else :func:`.integrity.pick_checkpoint` over ``directory`` with
+    :func:`verify_checkpoint`: the checkpoint of ``step`` (``checkpoint.load_step``), or the newest intact one (None
+    when ``directory`` holds none).
 
     Raises:
-        CheckpointError: missing / corrupt / truncated files, or keys the checkpoint lacks (a different model).
+        CheckpointError: the named checkpoint (``path`` or ``step``) is missing or broken, or every checkpoint of
+            ``directory`` is broken (one line naming it and what is wrong).
+    """
+    if path is None:
+        return pick_checkpoint(directory, step, verify_checkpoint)
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise CheckpointError(refusal(path, problem))
+    return Path(path), []
+
+
+def load_checkpoint(state: dict, path: str | os.PathLike, verify: bool = True) -> None:
+    """Collectively load ``path`` into ``state`` in place (every rank calls it), after :func:`verify_checkpoint`
+    (``verify=False``: the caller has verified it, e.g. through :func:`checkpoint_to_load`).
+
+    Raises:
+        CheckpointError: a broken checkpoint (the file and what is wrong), or keys the checkpoint lacks (a
+            different model).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
+    if verify:
+        checkpoint_to_load(Path(path).parent, path=path)
     try:
         dcp.load(state, storage_reader=_safe_reader(path))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises CheckpointException (a

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
-from pathlib import Path
+
+from .integrity import check_checkpoint, pick_checkpoint
 
 __all__ = ["MODEL_MUST_MATCH", "REFUSED", "WARNED", "run_settings", "resume_differences", "refusal_message",
            "check_resume"]
@@ -109,21 +109,19 @@ def refusal_message(path, refused: list[str]) -> str:
             f"micro_batch_size; the parallel layout may change), or start a fresh run in a new logging.run_dir")
 
 
-def _latest(directory: Path) -> Path | None:
-    found = [(int(p.name[5:]), p) for p in directory.iterdir()
-             if re.fullmatch(r"step_\d{8}", p.name) and (p / ".metadata").is_file()] if directory.is_dir() else []
-    return max(found)[1] if found else None
-
-
 def check_resume(config, error: type[Exception] = ValueError) -> list[str]:
-    """Before any rank starts: compare the latest complete checkpoint in ``config.checkpoint_dir`` with
-    ``config``.  Returns the warned lines (empty when nothing to resume or nothing changed); an unreadable
-    ``pipecast.json`` is left to the trainer's load, which names it.
+    """Before any rank starts: find the checkpoint a resume will load -- ``checkpoint.load_step``'s, or the newest
+    one in ``config.checkpoint_dir`` whose files are all there at their written sizes (the ranks then verify the
+    checksums, :func:`engine.training.checkpoint.dcp.checkpoint_to_load`) -- and compare it with ``config``.
+    Returns the warned lines (empty when nothing to resume or nothing changed); an unreadable ``pipecast.json`` is
+    left to the trainer's load, which names it.
 
     Raises:
         error: (the caller's ``ValueError`` class) :func:`refusal_message` when a refused field changed.
+        CheckpointError: the checkpoint of ``checkpoint.load_step`` is missing or broken, or every checkpoint is.
     """
-    path = _latest(config.checkpoint_dir)
+    path, _ = pick_checkpoint(config.checkpoint_dir, config.checkpoint.load_step,
+                              lambda p: check_checkpoint(p, hashes=False))
     if path is None:
         return []
     try:

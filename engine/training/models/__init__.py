@@ -1,45 +1,22 @@
-"""Model families of the YAML trainer (``model.family``): each gives the first stage's embedding (a module with
-``.word``, an ``nn.Embedding``, and optionally ``.pos``), the transformer block (``[s, b, h] -> [s, b, h]``, with
-``reset_parameters(std, num_layers, generator)``) and the final norm.  :class:`engine.training.models.chunk.GPTChunk`
-assembles them into pipeline model chunks; the chunk protocol, the output head and tied embeddings are shared.
+"""Model families of the training recipe (``model.family``) and the model chunks built from them.
 
-``gpt2``: :mod:`.gpt2`; ``llama``: :mod:`.llama`.
+A family is one :class:`FamilySpec` in the registry (:mod:`.registry`): its embedding, block and final norm
+builders, the block's tensor-parallel plan, its checks, its Hugging Face names and ``config.json``, its ``--help``
+line.  :class:`engine.training.models.chunk.ModelChunk` assembles a family's modules into pipeline model chunks;
+the chunk protocol, the output head and tied embeddings are shared by every family.
+
+A new family is one module that builds its modules and calls :func:`register_family` at import (as
+``tests/training/models/tiny_family.py`` does); one inside this package also gets an import line below.  The
+built-in ones, :mod:`.gpt2` and :mod:`.llama`, keep their torch modules in a ``layers`` module beside their entry,
+because a config is loaded (and its family checked) before torch is imported.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from .registry import FamilySpec, HuggingFace, family_names, get_family, hf_value, register_family, unsupported
+from . import gpt2, llama  # noqa: F401 - the built-in families register at import
 
-from torch import nn
+__all__ = ["FamilySpec", "HuggingFace", "register_family", "get_family", "family_names", "unsupported", "hf_value",
+           "DEFAULT_FAMILY"]
 
-from ..config import ModelConfig
-from . import gpt2, llama
-
-__all__ = ["Family", "FAMILIES", "family_of"]
-
-
-@dataclass(frozen=True)
-class Family:
-    """The modules of one model family."""
-
-    name: str
-    embedding: Callable[[ModelConfig], nn.Module]
-    block: Callable[[ModelConfig, int], nn.Module]  # (config, ffn_hidden_size)
-    final_norm: Callable[[ModelConfig], nn.Module]
-
-
-FAMILIES = {
-    "gpt2": Family("gpt2", gpt2.Embedding, gpt2.Block, gpt2.final_norm),
-    "llama": Family("llama", llama.Embedding, llama.Block, llama.final_norm),
-}
-
-
-def family_of(cfg: ModelConfig) -> Family:
-    """The :class:`Family` of ``cfg.family`` (``gpt2`` when the field is absent).
-
-    Raises:
-        ValueError: an unknown family name."""
-    name = getattr(cfg, "family", "gpt2")
-    if name not in FAMILIES:
-        raise ValueError(f"model.family={name!r} is not one of {', '.join(FAMILIES)}")
-    return FAMILIES[name]
+DEFAULT_FAMILY = gpt2.SPEC.name
+"""``model.family`` when a config does not set it."""

@@ -1,11 +1,10 @@
-"""A decoder-only transformer (``model.family``: gpt2 or llama, :mod:`engine.training.models`) split layer-wise into
-pipeline model chunks.
+"""A decoder-only transformer of one model family (``model.family``, :mod:`engine.training.models`) split layer-wise
+into pipeline model chunks.
 
 The model has ``L`` transformer blocks; with ``P`` pipeline ranks and ``V`` model chunks per rank it is cut into
 ``P*V`` virtual pipeline stages of ``L/(P*V)`` consecutive blocks.  Megatron's order (``parallel_state``): model chunk
-``c`` on pipeline rank ``r`` is virtual stage ``c*P + r``.  The token + position embedding lives in the first
-stage (rank 0, chunk 0), the final norm, the output head and the loss in the last (rank ``P-1``, chunk ``V-1``).
-The llama family has no position embedding (rotary positions inside attention).
+``c`` on pipeline rank ``r`` is virtual stage ``c*P + r``.  The family's embedding lives in the first stage (rank
+0, chunk 0), the final norm, the output head and the loss in the last (rank ``P-1``, chunk ``V-1``).
 
 With ``model.tie_embeddings`` input and output embeddings are tied.  With one pipeline rank both stages are one module sharing one
 ``Parameter``; otherwise the last stage holds a copy, initialised bitwise equal from the same seeded generator and
@@ -30,10 +29,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import ModelConfig
-from . import family_of
-from .gpt2 import Block, Embedding
+from .registry import FamilySpec, get_family
 
-__all__ = ["GPTChunk", "Block", "Embedding", "stage_layers", "build_model_chunks", "chunk_stage", "canonical_module"]
+__all__ = ["ModelChunk", "stage_layers", "build_model_chunks", "chunk_stage", "canonical_module", "family_parts",
+           "canonical_names", "canonical_shapes"]
 
 log = logging.getLogger("pipecast." + __name__.rsplit(".", 1)[-1])
 
@@ -82,11 +81,12 @@ def _te_block(cfg: ModelConfig, ffn_hidden_size: int, index: int) -> nn.Module |
                                layer_number=index + 1, device="cuda")
 
 
-class GPTChunk(nn.Module):
-    """One model chunk (virtual pipeline stage) of the GPT, with the Megatron chunk protocol.
+class ModelChunk(nn.Module):
+    """One model chunk (virtual pipeline stage) of a model of ``cfg.family``, with the Megatron chunk protocol.
 
     Attributes:
         config: the ``ModelParallelConfig`` the schedules read (``get_model_config(chunk)``).
+        family: the family's :class:`~engine.training.models.registry.FamilySpec`.
         stage, layer_ids, is_first, is_last: position in the pipeline.
 
     ``set_input_tensor(t)`` stores the activation received from the previous stage (``[s, b, h]``; a one-element
@@ -96,7 +96,7 @@ class GPTChunk(nn.Module):
     """
 
     @property
-    def decoder(self) -> "GPTChunk":
+    def decoder(self) -> "ModelChunk":
         """Megatron's ``model.decoder``: ``set_current_microbatch`` reaches ``decoder.layers`` (this chunk's blocks)."""
         return self
 
@@ -110,8 +110,7 @@ class GPTChunk(nn.Module):
         self.seq_length = cfg.seq_length  # the longest context (sampling windows to it)
         self.layer_ids = stage_layers(cfg.num_layers, num_stages, stage)
         self.input_tensor: torch.Tensor | None = None
-        family = family_of(cfg)
-        self.family = family.name
+        family = self.family = get_family(cfg.family)
         self.embedding = family.embedding(cfg) if self.is_first else None
         blocks = []
         for index in self.layer_ids:
@@ -154,7 +153,7 @@ class GPTChunk(nn.Module):
     def set_input_tensor(self, input_tensor) -> None:
         if isinstance(input_tensor, (list, tuple)):
             if len(input_tensor) != 1:
-                raise ValueError(f"GPTChunk takes one input tensor [s, b, h], got a list of {len(input_tensor)}")
+                raise ValueError(f"ModelChunk takes one input tensor [s, b, h], got a list of {len(input_tensor)}")
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
@@ -188,7 +187,7 @@ class GPTChunk(nn.Module):
 
 def build_model_chunks(cfg: ModelConfig, ffn_hidden_size: int, pp_size: int, pp_rank: int, vp_size: int,
                        seed: int, mp_config=None, device: torch.device | str = "cpu",
-                       stages: Sequence[int] | None = None) -> list[GPTChunk]:
+                       stages: Sequence[int] | None = None) -> list[ModelChunk]:
     """The ``vp_size`` model chunks of pipeline rank ``pp_rank``: chunk ``c`` is virtual stage ``stages[c]``
     (the plan's placement, :meth:`engine.plan.build.Plan.stages_of`; default the looped ``c*P + r``).
 
@@ -201,13 +200,13 @@ def build_model_chunks(cfg: ModelConfig, ffn_hidden_size: int, pp_size: int, pp_
         log.info("model.transformer_engine=true needs CUDA; using torch layers on %s", device)
     if stages is None:
         stages = [chunk_stage(pp_rank, c, pp_size) for c in range(vp_size)]
-    chunks = [GPTChunk(cfg, ffn_hidden_size, stage, num_stages, seed, mp_config, use_te=use_te).to(device)
+    chunks = [ModelChunk(cfg, ffn_hidden_size, stage, num_stages, seed, mp_config, use_te=use_te).to(device)
               for stage in stages]
     _share_tied_ends(chunks)
     return chunks
 
 
-def _share_tied_ends(chunks: list[GPTChunk]) -> None:
+def _share_tied_ends(chunks: list[ModelChunk]) -> None:
     """One rank holding the first and the last stage (V placement): the head uses the embedding's ``Parameter``
     itself (one weight, one gradient: no copy to keep in sync, counted once in norms and the optimizer)."""
     first = next((c for c in chunks if c.is_first), None)
@@ -217,11 +216,11 @@ def _share_tied_ends(chunks: list[GPTChunk]) -> None:
     last.head.word.weight = first.embedding.word.weight
 
 
-def canonical_module(chunks: Iterable[GPTChunk]) -> nn.Module:
+def canonical_module(chunks: Iterable[ModelChunk]) -> nn.Module:
     """A container whose parameter names do not depend on the pipeline layout.
 
     ``layers.<global index>.*``, ``embedding.word.weight`` (also the last stage's tied copy: the two are bitwise
-    equal, so a checkpoint stores one tensor), ``embedding.pos.weight`` (gpt2), ``final_norm.*``,
+    equal, so a checkpoint stores one tensor), ``embedding.pos.weight`` (a learned position embedding), ``final_norm.*``,
     ``output_head.word.weight`` (untied).  Used for checkpoints,
     so a run can be resumed with another pipeline layout.
     """
@@ -240,3 +239,31 @@ def canonical_module(chunks: Iterable[GPTChunk]) -> nn.Module:
                 elif not chunk.tied:
                     root.output_head = chunk.head
     return root
+
+
+def family_parts(cfg: ModelConfig, ffn_hidden_size: int) -> dict[str, nn.Module]:
+    """One ``embedding``, one ``block`` and one ``final_norm`` of ``cfg``'s family on the meta device (parameter
+    names and shapes, no memory, no initialisation)."""
+    family: FamilySpec = get_family(cfg.family)
+    with torch.device("meta"):
+        return {"embedding": family.embedding(cfg), "block": family.block(cfg, ffn_hidden_size),
+                "final_norm": family.final_norm(cfg)}
+
+
+def canonical_names(cfg: ModelConfig, ffn_hidden_size: int) -> list[str]:
+    """Every parameter name of :func:`canonical_module` for the whole model of ``cfg`` (the untied head included
+    when untied), without building it."""
+    return list(canonical_shapes(cfg, ffn_hidden_size))
+
+
+def canonical_shapes(cfg: ModelConfig, ffn_hidden_size: int) -> dict[str, tuple[int, ...]]:
+    """:func:`canonical_names` -> each parameter's shape (the untied head: the word embedding's ``[V, h]``), from
+    the family's parts on the meta device."""
+    parts = family_parts(cfg, ffn_hidden_size)
+    shapes = {f"embedding.{n}": tuple(p.shape) for n, p in parts["embedding"].named_parameters()}
+    shapes |= {f"layers.{i}.{n}": tuple(p.shape) for i in range(cfg.num_layers)
+               for n, p in parts["block"].named_parameters()}
+    shapes |= {f"final_norm.{n}": tuple(p.shape) for n, p in parts["final_norm"].named_parameters()}
+    if not cfg.tie_embeddings:
+        shapes["output_head.word.weight"] = shapes["embedding.word.weight"]
+    return shapes

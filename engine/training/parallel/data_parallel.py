@@ -115,7 +115,7 @@ class GradSync:
         self.buckets = [_Bucket([p for p in c.parameters() if p.requires_grad and not (id(p) in seen or
                                                                                        seen.add(id(p)))])
                         for c in self.chunks]
-        self.tied = tied_weights(self.chunks)  # marked shared_embedding (GPTChunk, engine.split_model)
+        self.tied = tied_weights(self.chunks)  # marked shared_embedding (ModelChunk, engine.split_model)
         self._tied_on_one_rank = tied_on_one_rank
         self._hooks = []
         if overlap and self.dp_size > 1:

@@ -4,13 +4,14 @@ Each model chunk's blocks are parallelised with ``parallelize_module`` on the ``
 ``DeviceMesh`` (:func:`engine.runtime.process_groups.device_mesh`; Megatron's rank order, so the ``T`` ranks of one
 stage are consecutive and adjacent stages pair the same tensor-parallel rank):
 
-* attention: the query / key / value projections column-parallel (each rank owns ``heads / T`` heads, llama also
+* each block follows its family's plan (:attr:`engine.training.models.registry.FamilySpec.tensor_parallel`):
+  attention's query / key / value projections column-parallel (each rank owns ``heads / T`` heads, and
   ``num_query_groups / T`` key / value groups), the output projection row-parallel (one all-reduce of
-  ``[s, b, h]`` in the forward); MLP: ``fc1`` (gpt2) / ``gate_proj``, ``up_proj`` (llama) column-parallel,
-  ``fc2`` / ``down_proj`` row-parallel (Shoeybi et al. 2019, "Megatron-LM", arXiv:1909.08053, section 3).
-  The blocks read the local head count from the tensor shapes, so one block class serves every ``T``.
-* gpt2's fused ``qkv`` (``[3h, h]``, rows ``q | k | v``): a plain ``Shard(0)`` would give rank 0 all of ``q`` and
-  half of ``k``.  The weight and bias are instead distributed with torch's strided sharding
+  ``[s, b, h]`` in the forward); the MLP's input projections column-parallel, its output projection row-parallel
+  (Shoeybi et al. 2019, "Megatron-LM", arXiv:1909.08053, section 3).  The blocks read the local head count from
+  the tensor shapes, so one block class serves every ``T``.
+* a fused ``qkv`` (``[3h, h]``, rows ``q | k | v``; style ``fused_qkv``): a plain ``Shard(0)`` would give rank 0
+  all of ``q`` and half of ``k``.  The weight and bias are instead distributed with torch's strided sharding
   ``_StridedShard(0, split_factor=3)``: the dimension is cut into its three blocks and each block is sharded over
   the ``T`` ranks, so rank ``i`` holds ``[q_i; k_i; v_i]`` (its heads of each block) -- exactly what the local
   ``view(s, b, 3, heads / T, d)`` needs.  The parameter stays one fused ``[3h, h]`` DTensor: its name, global
@@ -95,25 +96,22 @@ def _styles():
     return FusedQKVColwise, col, row, Replicate
 
 
-def _block_plan(block: nn.Module, sequence_parallel: bool = False) -> dict:
-    """The ``parallelize_module`` plan of one block.  With ``sequence_parallel`` (the sequence is dim 0 of
+def _block_plan(plan: dict, sequence_parallel: bool = False) -> dict:
+    """The ``parallelize_module`` plan of one block from its family's plan (submodule -> style,
+    :data:`engine.training.models.registry.TP_STYLES`).  With ``sequence_parallel`` (the sequence is dim 0 of
     ``[s, b, h]``) the norms get ``SequenceParallel(sequence_dim=0)`` (replicated weights, the local shard in,
     a ``Shard(0)`` DTensor out), the column-parallel inputs are declared ``Shard(0)`` (an all-gather along the
     sequence) and the row-parallel outputs ``Shard(0)`` (a reduce-scatter instead of the all-reduce), as in
-    torch's tensor-parallel tutorial."""
+    torch's tensor-parallel tutorial; without it the norms stay plain replicated modules."""
     fused, col, row, _ = _styles()
     cin, rout, norms = {}, {}, {}
     if sequence_parallel:
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import SequenceParallel
         cin, rout = {"input_layouts": Shard(0)}, {"output_layouts": Shard(0)}
-        names = ("ln1", "ln2") if hasattr(block, "qkv") else ("input_layernorm", "post_attention_layernorm")
-        norms = {n: SequenceParallel(sequence_dim=0) for n in names}
-    if hasattr(block, "qkv"):  # gpt2
-        return {**norms, "qkv": fused(**cin), "proj": row(**rout), "fc1": col(**cin), "fc2": row(**rout)}
-    return {**norms, "self_attn.q_proj": col(**cin), "self_attn.k_proj": col(**cin), "self_attn.v_proj": col(**cin),
-            "self_attn.o_proj": row(**rout), "mlp.gate_proj": col(**cin), "mlp.up_proj": col(**cin),
-            "mlp.down_proj": row(**rout)}
+        norms = {n: SequenceParallel(sequence_dim=0) for n, style in plan.items() if style == "norm"}
+    build = {"colwise": lambda: col(**cin), "fused_qkv": lambda: fused(**cin), "rowwise": lambda: row(**rout)}
+    return {**norms, **{n: build[style]() for n, style in plan.items() if style != "norm"}}
 
 
 def _sequence_ends(chunk: nn.Module, tp_mesh) -> None:
@@ -173,7 +171,7 @@ def parallelize_chunks(chunks, tp_mesh, sequence_parallel: bool = False) -> None
         marks = {n: (getattr(p, "shared_embedding", False), getattr(p, "shared_embedding_copy", False))
                  for n, p in chunk.named_parameters(remove_duplicate=False)}
         for block in chunk.layers:
-            parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
+            parallelize_module(block, tp_mesh, _block_plan(chunk.family.tensor_parallel, sequence_parallel))
         if chunk.embedding is not None:
             parallelize_module(chunk.embedding, tp_mesh, {"word": row(input_layouts=replicate())})
         if sequence_parallel:

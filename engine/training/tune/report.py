@@ -1,6 +1,8 @@
 """What ``pipecast tune`` prints and writes: the ranked candidate table, the JSON entries, predicted vs measured."""
 from __future__ import annotations
 
+import shlex
+
 from ...plan.candidates import Candidate, Prediction
 
 __all__ = ["candidate_entry", "print_table", "print_verified"]
@@ -22,11 +24,11 @@ def print_table(ranked: list[Prediction], own: Candidate, budget_bytes: float | 
                 min_gain: float, gain_source: str = "noise") -> None:
     """The ranked table (fitting candidates first, then by predicted step time), the recommendation's overrides
     and where the config's own schedule stands."""
-    print(f"{'#':>3}  {'schedule':<28} {'predicted ms':>12} {'bubble':>7}  {'peak MiB per rank':<24} fits")
+    print(f"{'#':>3}  {'schedule':<36} {'predicted ms':>12} {'bubble':>7}  {'peak MiB per rank':<24} fits")
     for i, p in enumerate(ranked, 1):
         mem = "/".join(f"{b / _MIB:.1f}" for b in p.peak_memory_bytes)
         mark = "  <- config" if p.candidate == own else ""
-        print(f"{i:>3}  {p.candidate.label:<28} {p.predicted_ms:>12.1f} {100 * max(0.0, p.bubble):>6.1f}%  {mem:<24} "
+        print(f"{i:>3}  {p.candidate.label:<36} {p.predicted_ms:>12.1f} {100 * max(0.0, p.bubble):>6.1f}%  {mem:<24} "
               f"{'yes' if p.fits(budget_bytes) else 'no'}{mark}")
     top, mine = ranked[0], next(p for p in ranked if p.candidate == own)
     gain = 100 * (1 - top.predicted_ms / mine.predicted_ms)
@@ -40,7 +42,7 @@ def print_table(ranked: list[Prediction], own: Candidate, budget_bytes: float | 
     else:
         print(f"best: {top.candidate.label}, predicted {top.predicted_ms:.1f} ms per step, {gain:.1f}% faster than "
               f"the config's own ({own.label}, #{ranked.index(mine) + 1}); overrides: "
-              f"{' '.join(top.candidate.arguments())}")
+              f"{shlex.join(top.candidate.arguments())}")
 
 
 def margin_reason(min_gain: float, gain_source: str = "noise") -> str:
@@ -55,9 +57,9 @@ def print_verified(rows: list[dict], own_measuring_ms: float | None = None) -> N
     """Predicted against measured step time of each verified candidate: the error, and the error of its ratio to
     the config's own schedule (free of a machine that runs slower or faster than while measuring); then how the
     config's own step compares between the two phases."""
-    print(f"{'schedule':<28} {'predicted ms':>12} {'measured ms':>12} {'error':>7} {'ratio error':>12}")
+    print(f"{'schedule':<36} {'predicted ms':>12} {'measured ms':>12} {'error':>7} {'ratio error':>12}")
     for r in rows:
-        print(f"{r['label']:<28} {r['predicted_ms']:>12.1f} {r['measured_ms']:>12.1f} {100 * r['error']:>+6.1f}% "
+        print(f"{r['label']:<36} {r['predicted_ms']:>12.1f} {r['measured_ms']:>12.1f} {100 * r['error']:>+6.1f}% "
               f"{100 * r['relative_error']:>+11.1f}%{'  <- config' if r['is_config'] else ''}")
     fastest = min(rows, key=lambda r: r["measured_ms"])
     mine = next(r for r in rows if r["is_config"])

@@ -21,7 +21,7 @@ from ..config import ConfigError, validate_parallel
 __all__ = ["TUNE_FILE", "tune_path", "tuned_for", "check_tuned_for", "read_result", "resolve_tuned"]
 
 TUNE_FILE = "tune.json"
-_TUNED_FIELDS = ("schedule", "virtual", "microbatch_group_size_per_vp_stage", "max_in_flight")
+_TUNED_FIELDS = ("schedule", "virtual", "microbatch_group_size_per_vp_stage", "max_in_flight", "schedule_costs")
 
 
 def tune_path(config) -> Path:
@@ -74,7 +74,11 @@ def _best_fields(best, where: str) -> dict:
     if fields["schedule"] not in names:
         raise ConfigError(f"{where}: its best has parallel.schedule={fields['schedule']!r}, not one of {names}; "
                           f"re-run `pipecast tune CONFIG`")
-    for f in _TUNED_FIELDS[1:]:
+    costs = fields["schedule_costs"]
+    if costs is not None and not isinstance(costs, str):
+        raise ConfigError(f"{where}: its best has parallel.schedule_costs={costs!r}, which must be a string or null; "
+                          f"re-run `pipecast tune CONFIG`")
+    for f in _TUNED_FIELDS[1:-1]:
         value, optional = fields[f], f != "virtual"
         if not (value is None and optional) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{where}: its best has parallel.{f}={value!r}, which must be an integer >= 1"
@@ -95,7 +99,7 @@ def resolve_tuned(config):
     if config.parallel.schedule != "tuned":
         return config
     path, p = tune_path(config), config.parallel
-    for name in ("max_in_flight", "microbatch_group_size_per_vp_stage"):
+    for name in ("max_in_flight", "microbatch_group_size_per_vp_stage", "schedule_costs"):
         if getattr(p, name) is not None:
             raise ConfigError(f"parallel.{name}={getattr(p, name)} is set together with parallel.schedule=tuned, "
                               f"which takes it from {path}; remove it, or name the schedule instead of tuned")

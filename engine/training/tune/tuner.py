@@ -21,9 +21,13 @@ pick the schedule from measured costs and a memory budget.
    overrides of the recommendation, and the config's own schedule is named in it.  The recommendation
    (:func:`choose`) is the top of the table, or the config's own schedule when the top is predicted less than
    ``--min-gain`` faster (default: the measured step noise, :func:`.tune_model.step_noise`).
-3. **Verify** (``--verify``): the best ``--verify-top`` candidates and the config's own schedule run ``--steps``
-   steps each (no recorder; round-robin as above); predicted and measured step time (median over steps of the
-   slowest rank) are printed.
+   Candidates of schedules that take costs (``zb`` at each budget, ``zbv``) are also built for the measured costs
+   (:func:`engine.plan.candidates.cost_aware_candidates`: per ``(rank, chunk)`` ``F``, ``B``, ``W`` and the
+   pending-``W`` / activation bytes, the message latency), labelled ``cost-aware``; the config carries such a
+   plan's costs in ``parallel.schedule_costs``.
+3. **Verify** (``--verify``): the best ``--verify-top`` candidates, the config's own schedule, and the best
+   cost-aware and the best hand-made split-backward shape (ZB-H1, ZB-V, V-Half, V-Min: no budget, no costs) run ``--steps`` steps each (no recorder;
+   round-robin as above); predicted and measured step time (median over steps of the slowest rank) are printed.
 
 The result goes to ``RUN_DIR/tune.json`` (what ``parallel.schedule: tuned`` reads, :mod:`.tune_result`) and to
 ``--json PATH``.  Under ``torchrun`` every process joins the job (as with ``pipecast train``) and global rank 0
@@ -47,7 +51,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ...plan.candidates import Candidate, candidates, predict, rank_predictions, virtual_sizes
+from ...plan.candidates import (Candidate, candidates, cost_aware_candidates, predict, rank_predictions,
+                                virtual_sizes)
+from ...plan.pass_costs import PassCosts
 from ...plan.registry import get_schedule
 from ..config import ConfigError, TrainConfig, load_config, parse_override_args, validate
 from .measure import cost_model, model_from_record, step_times
@@ -148,7 +154,7 @@ def _report(args, config: TrainConfig, result: dict) -> int:
 
 
 _TUNED_KEYS = tuple(f"parallel.{f}" for f in ("schedule", "virtual", "microbatch_group_size_per_vp_stage",
-                                              "max_in_flight"))
+                                              "max_in_flight", "schedule_costs"))
 
 
 def train_hint(args, config: TrainConfig, best: dict) -> str:
@@ -259,7 +265,8 @@ def _own_config(config: TrainConfig) -> TrainConfig:
         except ConfigError as exc:
             print(f"note: {exc}; tuning with parallel.schedule=auto as the config's own schedule", file=sys.stderr)
             config = dataclasses.replace(config, parallel=dataclasses.replace(
-                config.parallel, schedule="auto", max_in_flight=None, microbatch_group_size_per_vp_stage=None))
+                config.parallel, schedule="auto", max_in_flight=None, microbatch_group_size_per_vp_stage=None,
+                schedule_costs=None))
     validate(config)
     return config
 
@@ -290,7 +297,8 @@ def config_candidate(config: TrainConfig) -> Candidate:
     """The config's own schedule as a :class:`Candidate`."""
     p, name = config.parallel, config.schedule_name
     group = p.microbatch_group_size_per_vp_stage if "group_size" in get_schedule(name).options else None
-    return Candidate(name, p.virtual, None if group == p.pipeline else group, p.max_in_flight)
+    costs = None if p.schedule_costs is None else PassCosts.parse(p.schedule_costs)
+    return Candidate(name, p.virtual, None if group == p.pipeline else group, p.max_in_flight, costs=costs)
 
 
 def variant_config(config: TrainConfig, c: Candidate, folder: Path, steps: int) -> TrainConfig:
@@ -341,6 +349,7 @@ def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> 
                           f"{own.virtual}, {'split' if own.splits_backward else 'full'} backward); re-run without "
                           f"--measured")
     P, M = config.parallel.pipeline, config.training.num_microbatches
+    cands = cands + [c for c in cost_aware_candidates(cands, model, P, M) if c not in cands and _valid(config, c)]
     budget = None if args.memory_budget_gib is None else args.memory_budget_gib * 2**30
     ranked = rank_predictions([predict(c, model, P, M) for c in cands], budget)
     measured.setdefault("seconds", time.perf_counter() - t0)
@@ -412,6 +421,10 @@ def _verify(args, config: TrainConfig, ranked, own: Candidate, measured: dict) -
     from .report import print_verified
     chosen = [p for p in ranked[:args.verify_top]]
     chosen += [p for p in ranked if p.candidate == own and p not in chosen]
+    groups = ([p for p in ranked if p.candidate.costs is not None],  # the best cost-aware plan and, beside it,
+              [p for p in ranked if p.candidate.splits_backward and p.candidate.costs is None  # the best hand-made
+               and p.candidate.max_in_flight is None])                                      # split shape
+    chosen += [group[0] for group in groups if group and group[0] not in chosen]
     print(f"verifying {len(chosen)} candidates ({args.warmup} + {args.steps} steps each)", flush=True)
     with tempfile.TemporaryDirectory(prefix="pipecast-tune-") as tmp:
         per_rank = _everywhere(verify_worker, config, [p.candidate for p in chosen], args.steps, args.warmup,

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.training.config import ConfigError, ModelConfig, load_config
-from engine.training.checkpoint.hf import model_fields, write_hf_folder
+from engine.training.checkpoint.hf import write_hf_folder
+from engine.training.config.init_from import model_fields
 from engine.training.models.chunk import build_model_chunks, canonical_module
 
 CASES = [("gpt2", dict(tie_embeddings=True)), ("gpt2", dict(tie_embeddings=False, activation="gelu_tanh")),

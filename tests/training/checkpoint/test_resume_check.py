@@ -1,4 +1,4 @@
-"""Resuming with changed settings (issue 26, item 6): changes that continue another trajectory (model shape, data
+"""Resuming with changed settings: changes that continue another trajectory (model shape, data
 identity, seed, global batch) are refused before any rank starts, naming every changed field old -> new;
 optimisation changes are warned; layout changes and a longer run pass silently."""
 from __future__ import annotations
@@ -82,6 +82,49 @@ def test_the_cli_refuses_a_changed_trajectory_before_any_rank_starts(tmp_path, m
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot resume from '{step}'"), lines
     assert "training.seed: 1234 -> 7" in lines[0] and "global_batch_size: 32 -> 8" in lines[0], lines
     assert run("--optimizer.lr=1e-3", "--parallel.pipeline=1", "--parallel.virtual=1") == "spawned"
+
+
+def test_the_cli_picks_the_checkpoint_a_resume_loads_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    """``checkpoint.load_step`` needs ``--resume`` and an existing step; a structurally broken newest checkpoint
+    (a file missing or truncated) is passed over for the comparison, as the ranks will; all broken: refused."""
+    import warnings
+
+    import torch
+
+    from engine.training.checkpoint.dcp import save_checkpoint
+    meta = _meta(load_config(DEFAULT, [f"logging.run_dir={tmp_path}"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: saving in a single process
+        for step, seed in ((50, 1234), (100, 7)):  # step 100 was written by a run of another seed
+            save_checkpoint({"w": torch.zeros(3)}, tmp_path / "checkpoints", step,
+                            meta={**meta, "run": {**meta["run"], "training.seed": seed}})
+    monkeypatch.setattr(launch, "run_spawned", lambda *a, **k: "spawned")
+    parser = argparse.ArgumentParser()
+    launch.add_arguments(parser)
+
+    def run(*flags):
+        args, extra = parser.parse_known_args([str(DEFAULT), f"--logging.run_dir={tmp_path}", *flags])
+        args.extra = extra
+        capsys.readouterr()
+        return launch.run(args), capsys.readouterr().err
+
+    code, err = run("--resume")
+    assert code == 2 and "training.seed: 7 -> 1234" in err and "step_00000100" in err, err
+    assert run("--resume", "--checkpoint.load_step=50") == ("spawned", "")
+    code, err = run("--checkpoint.load_step=50")
+    assert code == 2 and err.count("\n") == 1 and "add --resume" in err, err
+    code, err = run("--resume", "--checkpoint.load_step=70")
+    assert code == 2 and err.count("\n") == 1 and "no checkpoint of step 70 (its steps: 50, 100)" in err, err
+    newest = tmp_path / "checkpoints" / "step_00000100"
+    payload = next(newest.glob("*.distcp"))
+    payload.write_bytes(payload.read_bytes()[:10])
+    assert run("--resume") == ("spawned", "")  # step 100 is truncated: the ranks will resume from step 50
+    code, err = run("--resume", "--checkpoint.load_step=100")
+    assert code == 2 and err.startswith(f"error: checkpoint {str(newest)!r} is broken: {payload.name} is "
+                                        f"truncated (10 of"), err
+    (tmp_path / "checkpoints" / "step_00000050" / ".metadata").unlink()
+    code, err = run("--resume")
+    assert code == 2 and err.count("\n") == 1 and "no intact checkpoint in" in err, err
 
 
 def _warmup_cosine(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:

@@ -1,7 +1,7 @@
 """Values that pass the type checks but cannot run are refused by :func:`engine.training.config.validate`, before
-any rank starts: every numeric field against its row of ``RANGES``, and every plan a config implies (the training
-step, evaluation's and sampling's forward-only plans) built and validated, an impossible ``max_in_flight`` named
-with the smallest that works (issue 26, item 3)."""
+any rank starts: every numeric field against the range in its own metadata, and every plan a config implies (the
+training step, evaluation's and sampling's forward-only plans) built and validated, an impossible ``max_in_flight``
+named with the smallest that works."""
 from __future__ import annotations
 
 import argparse
@@ -17,10 +17,13 @@ from engine.plan.types import Action, Op, Plan
 from engine.plan.validate import validate_plan
 from engine.training import launch
 from engine.training.config import ConfigError, TrainConfig, load_config
-from engine.training.config.ranges import RANGES
+from engine.training.config.fields import config_fields, field_range
 
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT = ROOT / "configs" / "default.yaml"
+
+
+RANGES = {name: field_range(f) for name, _, f in config_fields(TrainConfig) if field_range(f) is not None}
 
 
 def _numeric_fields() -> set[str]:
@@ -35,7 +38,7 @@ def _numeric_fields() -> set[str]:
     return names
 
 
-def test_every_numeric_field_has_one_range_row():
+def test_every_numeric_field_has_a_range_and_no_other_field_has_one():
     assert set(RANGES) == _numeric_fields()
 
 

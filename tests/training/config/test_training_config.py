@@ -155,3 +155,23 @@ def test_old_schedule_section_is_refused_naming_training(tmp_path):
     with pytest.raises(ConfigError, match=r"now called 'training'.*--training\.steps"):
         load_config(None, ["schedule.steps=5"], check=False)
     assert load_config(None, ["training.steps=5"], check=False).training.steps == 5
+
+
+def test_schedule_costs_build_the_plan_for_them_and_are_checked():
+    """``parallel.schedule_costs`` reaches the builder through the run's one resolution; costs for a schedule that
+    takes none, or that do not parse / fit the sizes, are refused naming the field."""
+    from engine.plan import build_plan
+    from engine.plan.pass_costs import PassCosts
+    costs = "forward=1.0 backward=1.2 weight=0.5 transfer=0.05 weight_memory=0.4"
+    base = {"parallel": {"pipeline": 2, "virtual": 2, "schedule": "zbv"}, "model": {"num_layers": 4}}
+    config = _load({**base, "parallel": {**base["parallel"], "schedule_costs": costs}})
+    plan = config.resolve_schedule().plan(config.training.num_microbatches)
+    want = build_plan("zbv", 2, config.training.num_microbatches, 2, costs=PassCosts.parse(costs))
+    assert plan.actions == want.actions != build_plan("zbv", 2, config.training.num_microbatches, 2).actions
+    for schedule, value, message in [("zb_h1", costs, "parallel.schedule_costs=.* only applies to parallel.schedule="),
+                                     ("zbv", "speed=1", "parallel.schedule_costs='speed=1' is invalid"),
+                                     ("zbv", "forward=1/2/3", "has 3 ranks")]:
+        virtual = 1 if schedule == "zb_h1" else 2
+        with pytest.raises(ConfigError, match=message):
+            _load({**base, "parallel": {"pipeline": 2, "virtual": virtual, "schedule": schedule,
+                                        "schedule_costs": value}})

@@ -246,7 +246,6 @@ BAD = [  # (overrides, words the message must contain)
     ({"model.vocab_size": 257, "parallel.tensor": 2}, ["model.vocab_size=257", "258"]),
     ({"model.family": "llama", "model.num_query_groups": 1, "parallel.tensor": 2},
      ["model.num_query_groups=1"]),
-    ({"parallel.tensor": 2, "cuda_graphs.enabled": True}, ["cuda_graphs.enabled"]),
     ({"parallel.tensor": 0}, ["parallel.tensor=0"]),
     ({"parallel.sequence_parallel": True}, ["parallel.sequence_parallel=true", "parallel.tensor=1"]),
     ({"parallel.sequence_parallel": True, "parallel.tensor": 4, "model.seq_length": 6},

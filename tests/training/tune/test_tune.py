@@ -10,6 +10,7 @@ import yaml
 
 from engine.cli import main
 from engine.plan.candidates import candidates
+from engine.plan.registry import get_schedule
 from engine.training.config import ConfigError, load_config
 from engine.training.tune.result import resolve_tuned
 
@@ -39,7 +40,13 @@ def test_the_result_ranks_every_candidate(tuned):
     path, result, root = tuned
     labels = [c["label"] for c in result["candidates"]]
     expected = {c.label for c in candidates(2, 4, 4)}
-    assert set(labels) == expected and len(labels) == len(expected)
+    hand_made = [label for label in labels if not label.endswith(" cost-aware")]
+    assert set(hand_made) == expected and len(hand_made) == len(expected)
+    # zb at each budget and zbv, built for the measured costs too (the config carries them as schedule_costs)
+    cost_aware = [c for c in result["candidates"] if c["label"].endswith(" cost-aware")]
+    assert cost_aware and all(c["label"][:-len(" cost-aware")] in expected for c in cost_aware)
+    assert all(c["settings"]["parallel.schedule"] in ("zb", "zbv") and c["settings"]["parallel.schedule_costs"]
+               for c in cost_aware)
     times = [c["predicted_ms"] for c in result["candidates"]]
     assert times == sorted(times) and all(t > 0 for t in times)
     top, own = result["candidates"][0], result["config"]
@@ -81,6 +88,11 @@ def test_verify_measures_the_best_and_the_config(tuned):
     rows = result["verified"]
     assert rows[0]["label"] == result["candidates"][0]["label"]  # the top of the table first
     assert any(r["is_config"] for r in rows)
+    # the best cost-aware plan is measured beside the best hand-made split-backward shape
+    labels = [r["label"] for r in rows]
+    assert any(label.endswith(" cost-aware") for label in labels), labels
+    assert any(get_schedule(r["settings"]["parallel.schedule"]).splits_backward and not r["label"].endswith(
+        " cost-aware") and r["settings"]["parallel.max_in_flight"] is None for r in rows), labels
     assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in rows)
 
 
@@ -110,6 +122,7 @@ def test_parallel_schedule_tuned_trains_with_the_best(tuned):
     assert config.parallel.schedule == best["parallel.schedule"]
     assert config.parallel.virtual == best["parallel.virtual"]
     assert config.parallel.max_in_flight == best["parallel.max_in_flight"]
+    assert config.parallel.schedule_costs == best["parallel.schedule_costs"]
     with pytest.raises(ConfigError, match=r"model.hidden_size=32, this config has 64; re-run `pipecast tune"):
         resolve_tuned(load_config(path, {"parallel.schedule": "tuned", "model.hidden_size": 64}))
     with pytest.raises(ConfigError, match="does not exist: run `pipecast tune CONFIG` with this logging.run_dir first"):

@@ -1,7 +1,8 @@
-"""The ``llama`` family: token embedding only (no learned positions), pre-norm blocks with RMSNorm, rotary position
-embeddings on queries and keys, grouped-query attention and a SwiGLU MLP, no biases (Touvron et al. 2023, "LLaMA:
-Open and Efficient Foundation Language Models", arXiv:2302.13971; rotary: Su et al., arXiv:2104.09864; GQA: Ainslie
-et al., arXiv:2305.13245; SwiGLU: Shazeer, arXiv:2002.05202).
+"""The torch modules of the ``llama`` family (its entry: :mod:`engine.training.models.llama`): token embedding only
+(no learned positions), pre-norm blocks with RMSNorm, rotary position embeddings on queries and keys, grouped-query
+attention and a SwiGLU MLP, no biases (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models",
+arXiv:2302.13971; rotary: Su et al., arXiv:2104.09864; GQA: Ainslie et al., arXiv:2305.13245; SwiGLU: Shazeer,
+arXiv:2002.05202).
 
 Module names map 1:1 onto Hugging Face ``LlamaForCausalLM``'s ``model.layers.<i>``: ``input_layernorm``,
 ``self_attn.{q,k,v,o}_proj``, ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``.  Rotary uses the
@@ -12,12 +13,14 @@ whose ``F.rms_norm`` the split backward's layer-level deferral handles (:mod:`en
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+if TYPE_CHECKING:  # annotations only: the config reads the family registry
+    from ...config import ModelConfig
 
 __all__ = ["RMSNorm", "Embedding", "Attention", "MLP", "Block", "final_norm", "rotary_tables", "apply_rotary"]
 

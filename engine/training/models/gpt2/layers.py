@@ -1,19 +1,19 @@
-"""The ``gpt2`` family: token + learned position embedding, pre-norm blocks with LayerNorm, one fused QKV projection,
-causal softmax attention and a GELU MLP, biases everywhere (Radford et al. 2019, "Language Models are Unsupervised
-Multitask Learners"; nanoGPT's ``model.py`` has the same structure).
+"""The torch modules of the ``gpt2`` family (its entry: :mod:`engine.training.models.gpt2`).
 
 Parameter names inside a block: ``ln1``, ``qkv`` (``[3h, h]``: rows ``q | k | v``, each head-major), ``proj``,
-``ln2``, ``fc1``, ``fc2`` (:mod:`engine.training.checkpoint.hf` maps them onto Hugging Face ``GPT2LMHeadModel``).
+``ln2``, ``fc1``, ``fc2`` (the family's entry maps them onto Hugging Face ``GPT2LMHeadModel``).
 """
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+if TYPE_CHECKING:  # annotations only: the config reads the family registry
+    from ...config import ModelConfig
 
 __all__ = ["Embedding", "Block", "final_norm"]
 
@@ -43,7 +43,7 @@ class Block(nn.Module):
         h = cfg.hidden_size
         self.heads = cfg.num_attention_heads
         self.dropout = cfg.dropout
-        self.approximate = "tanh" if getattr(cfg, "activation", "gelu") == "gelu_tanh" else "none"
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
         self.ln1 = nn.LayerNorm(h, eps=cfg.norm_epsilon)
         self.qkv = nn.Linear(h, 3 * h)
         self.proj = nn.Linear(h, h)

@@ -1,0 +1,118 @@
+"""The mixture-of-experts layer: router, SwiGLU experts sharded over the expert-parallel ranks, optional shared
+experts.
+
+``MoELayer(x)`` for ``x`` ``[..., h]`` (e.g. ``[s, b, h]``) returns ``[..., h]``: the ``n`` tokens are routed
+(:class:`~engine.moe.router.TopKRouter`), dispatched to the ranks holding their experts
+(:func:`~engine.moe.dispatch.dispatch`), run through this rank's experts (:class:`GroupedExperts`: a loop over the
+local experts, each a :class:`SwiGLU` on its contiguous rows), combined back with the routing weights
+(:func:`~engine.moe.dispatch.combine`), plus the shared experts' output on every token when the layer has them
+(DeepSeek-MoE; Dai et al., arXiv:2401.06066).  A SwiGLU expert is ``down(silu(gate(x)) * up(x))`` (Shazeer,
+"GLU Variants Improve Transformer", arXiv:2002.05202), the layout of Qwen3-MoE / Mixtral experts.
+
+Every local expert runs on every forward, also on zero rows, so each expert parameter gets a gradient (zero for
+an expert without tokens) on every rank and step, whatever the routing.  Expert parameters carry
+``param.expert_parallel = True`` (:func:`is_expert_parameter`): their gradients are summed over the
+expert-data-parallel group, not the data-parallel one (Megatron marks them ``allreduce = False``).
+
+Not covered: expert tensor parallelism (each expert is whole on its rank: ``expert_tensor_parallel_size`` 1 for
+these layers) and tokens replicated over a tensor-parallel group (with ``tensor_model_parallel_size > 1`` give the
+layer distinct tokens per rank, e.g. sequence parallelism's ``[s/T, b, h]`` shards).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..runtime.process_groups import group_rank, group_size
+from .dispatch import combine, dispatch
+from .router import TopKRouter
+
+__all__ = ["SwiGLU", "GroupedExperts", "MoELayer", "is_expert_parameter", "routers"]
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``: ``gate``, ``up`` ``[f, h]``, ``down`` ``[h, f]``, no biases."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GroupedExperts(nn.Module):
+    """This rank's experts (``self.local[i]`` is global expert ``first + i``); ``forward(rows, counts)`` runs
+    expert ``i`` on the next ``counts[i]`` rows of ``rows`` ``[sum(counts), h]`` and returns the outputs in the same
+    order."""
+
+    def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, first: int = 0):
+        super().__init__()
+        self.first = first
+        self.local = nn.ModuleList(SwiGLU(hidden_size, ffn_hidden_size) for _ in range(num_local_experts))
+        for p in self.local.parameters():
+            p.expert_parallel = True
+
+    def forward(self, rows: torch.Tensor, counts: list) -> torch.Tensor:
+        parts = torch.split(rows, counts)
+        return torch.cat([expert(part) for expert, part in zip(self.local, parts)])
+
+
+class MoELayer(nn.Module):
+    """A mixture-of-experts feed-forward layer (module doc).
+
+    Args:
+        hidden_size: ``h``.
+        ffn_hidden_size: each routed expert's intermediate size.
+        num_experts: ``E``, a multiple of the expert-parallel group's size.
+        top_k: experts per token.
+        shared_ffn_hidden_size: intermediate size of the shared experts (one SwiGLU; 0: none).
+        ep_group: the expert-parallel process group (``ProcessGroupCollection.ep``, or
+            ``parallel_state.get_expert_model_parallel_group()``); None: one rank holds every expert.
+        name: label of this layer's all-to-all spans (e.g. ``"L3"``).
+        **router_options: :class:`~engine.moe.router.TopKRouter`'s keywords (``score_function``,
+            ``normalize_top_k``, ``aux_loss_coeff``, ``expert_bias``, ``capacity_factor``).
+
+    Raises:
+        ValueError: ``num_experts`` not divisible by the expert-parallel size, and the router's checks.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *,
+                 shared_ffn_hidden_size: int = 0, ep_group=None, name: str = "moe", **router_options):
+        super().__init__()
+        ranks = group_size(ep_group)
+        if num_experts % ranks:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size {ranks}; "
+                             "choose a number of experts that is a multiple of expert_model_parallel_size")
+        local = num_experts // ranks
+        self.num_experts, self.ep_group, self.name = num_experts, ep_group, name
+        self.router = TopKRouter(hidden_size, num_experts, top_k, **router_options)
+        self.experts = GroupedExperts(local, hidden_size, ffn_hidden_size, first=group_rank(ep_group) * local)
+        self.shared_experts: Optional[SwiGLU] = (SwiGLU(hidden_size, shared_ffn_hidden_size)
+                                                 if shared_ffn_hidden_size else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])  # [n, h]
+        routing = self.router(tokens)
+        rows, counts, state = dispatch(tokens, routing.experts, self.num_experts, self.ep_group, self.name)
+        out = combine(self.experts(rows, counts), routing.probs, state)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.view(shape)
+
+
+def is_expert_parameter(param: torch.Tensor) -> bool:
+    """Whether ``param`` belongs to a routed expert (reduced over the expert-data-parallel group)."""
+    return bool(getattr(param, "expert_parallel", False))
+
+
+def routers(module: nn.Module) -> list:
+    """``(name, router)`` for every :class:`~engine.moe.router.TopKRouter` in ``module``, in module order (for
+    metrics: ``router.stats()`` / ``router.reset_stats()``)."""
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, TopKRouter)]
