@@ -402,22 +402,24 @@ class LiveSaved:
         meter = self
 
         class Held:
-            __slots__ = ("t", "ptr")
+            __slots__ = ("t", "sizes")
 
             def __init__(self, t):
-                self.t, self.ptr = t, t.untyped_storage().data_ptr()
-                if meter.count.get(self.ptr, 0) == 0:
-                    meter.live += t.untyped_storage().nbytes()
-                    meter.peak = max(meter.peak, meter.live)
-                meter.count[self.ptr] = meter.count.get(self.ptr, 0) + 1
+                self.t, self.sizes = t, storage_sizes(t)  # a wrapper tensor (DTensor): what it wraps
+                for ptr, size in self.sizes.items():
+                    if meter.count.get(ptr, 0) == 0:
+                        meter.live += size
+                    meter.count[ptr] = meter.count.get(ptr, 0) + 1
+                meter.peak = max(meter.peak, meter.live)
 
             def __del__(self):
-                meter.count[self.ptr] -= 1
-                if meter.count[self.ptr] == 0:
-                    meter.live -= self.t.untyped_storage().nbytes()
+                for ptr, size in self.sizes.items():
+                    meter.count[ptr] -= 1
+                    if meter.count[ptr] == 0:
+                        meter.live -= size
 
         def pack(t):
-            return t if t.untyped_storage().data_ptr() in meter.skip else Held(t)
+            return t if not storage_sizes(t).keys() - meter.skip else Held(t)
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t if isinstance(h, Held) else h)
 
 
@@ -429,8 +431,8 @@ def estimate_job(rank: int, world: int, path: str, overrides: list[str], run_dir
     config = load_config(path, overrides + [f"logging.run_dir={run_dir}", "logging.level=WARNING",
                                             "logging.progress_bar=false", "data.max_bytes=300000"])
     with Trainer(config) as tr:
-        meter = LiveSaved({t.untyped_storage().data_ptr() for c in tr.model for t in [*c.parameters(),
-                                                                                      *c.buffers()]})
+        meter = LiveSaved({ptr for c in tr.model for t in [*c.parameters(), *c.buffers()]
+                           for ptr in storage_sizes(t)})
         for chunk in tr.model:
             def forward(*args, _inner=chunk.forward, **kwargs):
                 with meter.hooks():
@@ -487,13 +489,13 @@ RECOMPUTE_BATCH = 4
 def _saved_bytes(chunk, tokens) -> dict:
     """Bytes of the distinct storages one forward of ``chunk`` saves for its backward (parameters excluded), per
     dtype of the saving tensor: ``{"float32": ..., "bfloat16": ...}``."""
-    params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
+    params = {ptr for p in chunk.parameters() for ptr in storage_sizes(p)}
     seen = {}
 
     def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = (str(t.dtype).replace("torch.", ""), st.nbytes())
+        for ptr, size in storage_sizes(t).items():
+            if ptr not in params:
+                seen[ptr] = (str(t.dtype).replace("torch.", ""), size)
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         chunk(tokens)
