@@ -69,6 +69,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import Workload, launch, write_json  # noqa: E402
+from engine.runtime.storage import local_bytes, storage_sizes  # noqa: E402
 
 CASES = [  # pp, model chunks, schedule (None: Megatron's)
     (2, 1, None), (2, 2, None), (4, 1, None), (4, 2, None), (2, 1, "zb_h1"), (2, 2, "zbv"), (4, 1, "zb_h1"),
@@ -96,7 +97,7 @@ class Meter:
     """Live saved activations by (chunk, microbatch) and live output storages of one rank."""
 
     def __init__(self, params):
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.param_ptrs = {ptr for p in params for ptr in storage_sizes(p)}
         self.live: dict[tuple[int, int], int] = {}     # tag -> live saved tensors
         self.peak_tags = 0
         self.outputs: list[tuple[weakref.ref, int]] = []
@@ -118,7 +119,7 @@ class Meter:
                 meter.live[tag] -= 1
 
         def pack(t):
-            if t.untyped_storage().data_ptr() in self.param_ptrs:
+            if not storage_sizes(t).keys() - self.param_ptrs:
                 return t
             return Handle(t)
 
@@ -223,8 +224,7 @@ def _shard_overrides(shard: str, run_dir: str) -> list[str]:
 
 def _nbytes(tensors) -> int:
     """Bytes this rank holds (a DTensor -- ``shard: full`` -- counts its local shard)."""
-    from engine.training.parallel.dtensor import local
-    return sum(local(t).numel() * local(t).element_size() for t in tensors if torch.is_tensor(t))
+    return sum(local_bytes(t) for t in tensors if torch.is_tensor(t))
 
 
 def static_bytes(tr) -> dict:
@@ -306,8 +306,7 @@ TENSOR_LAYOUTS = ((1, False), (2, False), (2, True))  # (parallel.tensor, parall
 
 
 def _local_bytes(t) -> int:
-    from engine.training.parallel.dtensor import local
-    return _nbytes([local(t)]) if torch.is_tensor(t) else 0
+    return _nbytes([t])
 
 
 def tensor_job(rank: int, world: int, tp: int, sp: bool, run_dir: str) -> dict:
@@ -397,22 +396,24 @@ class LiveSaved:
         meter = self
 
         class Held:
-            __slots__ = ("t", "ptr")
+            __slots__ = ("t", "sizes")
 
             def __init__(self, t):
-                self.t, self.ptr = t, t.untyped_storage().data_ptr()
-                if meter.count.get(self.ptr, 0) == 0:
-                    meter.live += t.untyped_storage().nbytes()
-                    meter.peak = max(meter.peak, meter.live)
-                meter.count[self.ptr] = meter.count.get(self.ptr, 0) + 1
+                self.t, self.sizes = t, storage_sizes(t)  # a wrapper tensor (DTensor): what it wraps
+                for ptr, size in self.sizes.items():
+                    if meter.count.get(ptr, 0) == 0:
+                        meter.live += size
+                    meter.count[ptr] = meter.count.get(ptr, 0) + 1
+                meter.peak = max(meter.peak, meter.live)
 
             def __del__(self):
-                meter.count[self.ptr] -= 1
-                if meter.count[self.ptr] == 0:
-                    meter.live -= self.t.untyped_storage().nbytes()
+                for ptr, size in self.sizes.items():
+                    meter.count[ptr] -= 1
+                    if meter.count[ptr] == 0:
+                        meter.live -= size
 
         def pack(t):
-            return t if t.untyped_storage().data_ptr() in meter.skip else Held(t)
+            return t if not storage_sizes(t).keys() - meter.skip else Held(t)
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t if isinstance(h, Held) else h)
 
 
@@ -424,8 +425,8 @@ def estimate_job(rank: int, world: int, path: str, overrides: list[str], run_dir
     config = load_config(path, overrides + [f"logging.run_dir={run_dir}", "logging.level=WARNING",
                                             "logging.progress_bar=false", "data.max_bytes=300000"])
     with Trainer(config) as tr:
-        meter = LiveSaved({t.untyped_storage().data_ptr() for c in tr.model for t in [*c.parameters(),
-                                                                                      *c.buffers()]})
+        meter = LiveSaved({ptr for c in tr.model for t in [*c.parameters(), *c.buffers()]
+                           for ptr in storage_sizes(t)})
         for chunk in tr.model:
             def forward(*args, _inner=chunk.forward, **kwargs):
                 with meter.hooks():
@@ -482,13 +483,13 @@ RECOMPUTE_BATCH = 4
 def _saved_bytes(chunk, tokens) -> dict:
     """Bytes of the distinct storages one forward of ``chunk`` saves for its backward (parameters excluded), per
     dtype of the saving tensor: ``{"float32": ..., "bfloat16": ...}``."""
-    params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
+    params = {ptr for p in chunk.parameters() for ptr in storage_sizes(p)}
     seen = {}
 
     def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = (str(t.dtype).replace("torch.", ""), st.nbytes())
+        for ptr, size in storage_sizes(t).items():
+            if ptr not in params:
+                seen[ptr] = (str(t.dtype).replace("torch.", ""), size)
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         chunk(tokens)

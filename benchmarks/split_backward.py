@@ -37,6 +37,7 @@ from benchmarks.common import Workload, stage_layers, write_json  # noqa: E402
 from engine.model_parallel_config import ModelParallelConfig  # noqa: E402
 from engine.runtime.split_backward import backward_input_step, weight_grad_deferral  # noqa: E402
 from engine.runtime.step import backward_step  # noqa: E402
+from engine.runtime.storage import storage_sizes  # noqa: E402
 
 VARIANTS = ("full", "layer", "generic")
 
@@ -52,7 +53,7 @@ class SavedBytes:
     """Saved-tensor hooks that remember what autograd saves; :meth:`held` counts what is still saved."""
 
     def __init__(self, params):
-        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.params = {ptr for p in params for ptr in storage_sizes(p)}
         self.refs: list = []
 
     def hooks(self):
@@ -68,8 +69,8 @@ class SavedBytes:
         sizes = dict(extra or {})
         for ref in self.refs:
             box = ref()
-            if box is not None and box.t.untyped_storage().data_ptr() not in self.params:
-                sizes[box.t.untyped_storage().data_ptr()] = box.t.untyped_storage().nbytes()
+            if box is not None:
+                sizes.update((ptr, n) for ptr, n in storage_sizes(box.t).items() if ptr not in self.params)
         return sum(sizes.values())
 
 

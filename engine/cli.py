@@ -18,8 +18,17 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with every command-line error as one line, ``pipecast CMD: error: MESSAGE (pipecast CMD --help
+    lists the options)``, exit status 2 -- no usage block above it (the subcommands' parsers are of this class
+    too, and the ``schedule`` command reports its bad values through it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pipecast", description=__doc__)
+    parser = _Parser(prog="pipecast", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     argv = sys.argv[1:] if argv is None else list(argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)

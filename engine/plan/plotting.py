@@ -125,7 +125,7 @@ def plot_timeline(rows: Iterable[Bar | Sequence], path: str | Path, title: str,
             ax.annotate(f"bubble {100 * fraction:.1f}%", xy=(1.01, rank), xycoords=("axes fraction", "data"),
                         va="center", fontsize=8)
     handles = [Patch(facecolor=c, label=_KIND_NAMES.get(k, k)) for k, c in colours.items()
-               if any(s.kind == k for s in spans)]
+               if any(s.kind == k and s.end > s.start for s in spans)]  # a kind drawn (zero-length W: not)
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     path = Path(path)
     fig.savefig(path)

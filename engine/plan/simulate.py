@@ -42,7 +42,7 @@ from .graph import PlanGraph, deadlock_free_segments, memory_levels, plan_graph
 from .plotting import Bar
 from .types import Plan
 
-__all__ = ["Cost", "Simulation", "simulate", "max_buffered_messages", "placed_costs"]
+__all__ = ["Cost", "Simulation", "simulate", "simulate_nominal", "max_buffered_messages", "placed_costs"]
 
 Cost = Union[float, Mapping[tuple[int, int], float], Sequence[Sequence[float]]]
 """A compute cost in time units: one number for every ``(rank, chunk)``, a mapping ``{(rank, chunk): cost}`` (every
@@ -165,6 +165,16 @@ def simulate(plan: Plan, forward_time: Cost = 1.0, backward_time: Cost = 2.0, tr
     levels = memory_levels(plan)
     return Simulation(plan, makespan, busy, tuple(x for x, _ in levels), tuple(w for _, w in levels),
                       float(transfer_time), start, end, graph.base)
+
+
+def simulate_nominal(plan: Plan) -> Simulation:
+    """:func:`simulate` of ``plan`` at nominal costs, before anything is measured: a forward 1, a backward 2 (a
+    split plan: ``B`` 1 and ``W`` 1), no transfer time.  Its ``bubble_overall`` is a run's "simulated bubble" --
+    what ``pipecast train`` prints at start-up and the ``--timeline`` summary repeats beside the simulation at the
+    measured costs -- one definition for both."""
+    if plan.splits_backward:
+        return simulate(plan, 1.0, 1.0, 0.0, 1.0)
+    return simulate(plan)
 
 
 def placed_costs(plan: Plan, per_stage: Sequence[float], overhead: float = 0.0) -> list[list[float]]:

@@ -70,7 +70,7 @@ def plot_measured_timeline(rank_spans: Sequence[Sequence[Span]], path: str | os.
     if simulated is not None:  # one line: plot_timeline leaves room for a one-line title
         sims = (", ".join(f"r{r} {100 * b:.1f}%" for r, b in enumerate(simulated)) if len(simulated) <= 8
                 else f"mean {100 * sum(simulated) / len(simulated):.1f}%")
-        title += f"; bubble measured (right) / simulated: {sims}"
+        title += f"; bubble measured (right) / simulated at the measured costs: {sims}"
     out = plot_timeline(timeline_rows(rank_spans, step), Path(path), title, bubbles=measured, time_unit="ms")
     return {"path": str(out), "step": step, "measured_bubble": measured, "simulated_bubble": simulated,
             "step_ms": (hi - lo) / 1e6}

@@ -5,7 +5,12 @@ Files written to ``DIR`` (``_pipe<k>`` suffix for data-parallel replica ``k > 0`
 
 * ``timeline.json`` -- Chrome / Perfetto trace of all pipeline ranks (open in https://ui.perfetto.dev);
 * ``timeline.png`` -- Gantt chart of the last recorded step, measured bubble per rank beside the simulator's;
-* ``timeline_summary.json`` -- per step: step time (ms) and measured bubble per rank; simulated bubble.
+* ``timeline_summary.json`` -- per step: step time (ms) and measured bubble per rank; the simulated bubble per
+  rank at the measured costs, and overall at nominal costs (``simulated_bubble_nominal``: the figure ``pipecast
+  train`` prints at start-up, :func:`engine.plan.simulate.simulate_nominal`).
+
+A write the operating system refuses (a full disk, where ``write`` names no file) raises an ``OSError`` naming the
+file, which ``pipecast train`` reports as its one line.
 
 Usage inside a training loop (the trainer does this when ``--timeline`` is given)::
 
@@ -76,22 +81,41 @@ class TimelineSession:
         steps = steps_of(rank_spans)
         meta = dict(metadata or {})
         if self.plan is not None:
+            from ..plan.simulate import simulate_nominal
             meta.update(schedule=self.plan.schedule, pp_size=self.plan.pp_size,
-                        num_model_chunks=self.plan.num_model_chunks, num_microbatches=self.plan.num_microbatches)
+                        num_model_chunks=self.plan.num_model_chunks, num_microbatches=self.plan.num_microbatches,
+                        simulated_bubble_nominal=simulate_nominal(self.plan).bubble_overall)
         summary: dict = {"steps": []}
         for s in steps:
             lo, hi = step_window(rank_spans, s)
             summary["steps"].append({"step": s, "step_ms": (hi - lo) / 1e6,
                                      "measured_bubble": measured_bubble(rank_spans, [s])})
-        write_chrome_trace(self.out_dir / f"timeline{self.suffix}.json", rank_spans, meta)
+        trace, png = self.out_dir / f"timeline{self.suffix}.json", self.out_dir / f"timeline{self.suffix}.png"
+        with _naming(trace):
+            write_chrome_trace(trace, rank_spans, meta)
         if steps or any(rank_spans):
             from .gantt import plot_measured_timeline
-            chart = plot_measured_timeline(rank_spans, self.out_dir / f"timeline{self.suffix}.png", self.plan)
+            with _naming(png):
+                chart = plot_measured_timeline(rank_spans, png, self.plan)
             summary.update(chart=chart["path"], chart_step=chart["step"],
                            measured_bubble=chart["measured_bubble"], simulated_bubble=chart["simulated_bubble"])
         summary = {**meta, **summary}  # the measured fields win over metadata of the same name
-        (self.out_dir / f"timeline_summary{self.suffix}.json").write_text(json.dumps(summary, indent=1))
+        path = self.out_dir / f"timeline_summary{self.suffix}.json"
+        with _naming(path):
+            path.write_text(json.dumps(summary, indent=1))
         return summary
+
+
+@contextlib.contextmanager
+def _naming(path: Path):
+    """Re-raise an operating-system error inside the block that names no file (``write`` on a full disk) as one
+    naming ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 class TrainerProfiling:
@@ -130,7 +154,7 @@ class TrainerProfiling:
 
     def _train_step(self) -> dict:
         from ..runtime.tracing import use_tracer
-        step = self.trainer.step
+        step = self.trainer.step + 1  # the step's number as its log line names it ("step 3/3": the 3rd step)
         scope = self.session.step(step) if self.session is not None else contextlib.nullcontext()
         with scope, use_tracer(self.tracer):
             metrics = self._inner()
@@ -154,12 +178,15 @@ class TrainerProfiling:
         summary = self.session.finish({"trained_to_step": self.trainer.step})
         if summary is not None:  # the pipeline's first rank, which is not the logging rank: print
             import sys
-            print(f"timeline: wrote {self.session.out_dir} (bubble per rank measured "
-                  f"{_pct(summary.get('measured_bubble'))}, simulated {_pct(summary.get('simulated_bubble'))})",
+            print(f"timeline: wrote {self.session.out_dir} (step {summary.get('chart_step')}: bubble per rank "
+                  f"measured {_pct(summary.get('measured_bubble'))}, simulated at the measured costs "
+                  f"{_pct(summary.get('simulated_bubble'))}; at nominal costs "
+                  f"{_pct(summary.get('simulated_bubble_nominal'))} overall, the start-up line's figure)",
                   file=sys.stderr, flush=True)
         return summary
 
 
 def _pct(values) -> str:
+    values = [values] if isinstance(values, float) else values
     return "-" if not values else "/".join(f"{100 * v:.1f}%" for v in values)
 

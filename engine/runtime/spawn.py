@@ -10,10 +10,17 @@ Failure behaviour (what the caller sees is one exception whose ``str()`` is one 
 * a rank raises: every rank records the time it raised before it closes its groups, so the rank that raised
   first is blamed, not a peer that then failed on the closed connection; :class:`RankError` names that rank and
   the exception (type and first line, plus the operating-system error under it, e.g. ``No space left on
-  device``); ``.traceback`` holds the rank's traceback.  A rank that recorded a failure but has not exited
+  device``); ``.traceback`` holds the rank's traceback, and ``.one_line`` says that the line is the whole report
+  (:func:`needs_traceback`: a full disk, a bad config or checkpoint -- callers then print the line alone).  A rank
+  that recorded a failure but has not exited
   within :data:`REPORT_GRACE_S` (stuck in its teardown) is reported all the same.
 * a rank dies (a signal, ``os._exit(N)``): :class:`RankError` naming the rank and the signal / status; a rank
   killed by a signal the spawner did not send outranks the peers that raised because it went away.
+* a rank is stopped (``SIGSTOP``, Ctrl-Z: process state ``T``) and a peer times out waiting for it:
+  :class:`RankError` names the stopped rank, with the peer's timeout as the cause (not the waiting peer).
+
+A Python warning that several ranks emit (the same text from the same place) is shown once per job, by the first
+rank that emits it.
 * the job runs past ``timeout_s``: :class:`JobTimeout` naming the ranks still running.
 * SIGINT (Ctrl-C) to the caller, or a rank ended by SIGINT: :class:`Interrupted` (a ``KeyboardInterrupt``).
 * SIGTERM to the caller (what a cluster scheduler sends): it is forwarded to every rank, which gets
@@ -35,6 +42,7 @@ work is done (pytorch/pytorch#190489, #179291).
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import pickle
 import shutil
@@ -47,7 +55,8 @@ import traceback
 from dataclasses import dataclass
 
 __all__ = ["spawn", "exit_process", "RankError", "JobTimeout", "Interrupted", "Terminated", "free_port",
-           "describe_exception", "os_error_under", "teardown", "STOP_GRACE_S", "REPORT_GRACE_S", "TERM_GRACE_S"]
+           "describe_exception", "os_error_under", "needs_traceback", "teardown", "STOP_GRACE_S", "REPORT_GRACE_S",
+           "TERM_GRACE_S", "MACHINE_ERRNOS"]
 
 STOP_GRACE_S = 5.0  # seconds a stopped rank has to exit (after SIGINT) before SIGKILL
 REPORT_GRACE_S = 2.0  # seconds a rank that recorded a failure may take to exit before it is reported anyway
@@ -59,11 +68,12 @@ class RankError(RuntimeError):
     """A spawned rank failed.  ``str()`` is one line: ``rank R failed: Type: message; stopped ranks ...`` (or
     ``rank R (pid P) was killed by SIGKILL; ...``).  Attributes: ``rank``, ``pid``, ``cause`` (the one-line
     cause), ``traceback`` (the rank's formatted traceback, "" when it died without raising), ``exit_code``
-    (negative: the signal), ``signal_name`` (or None), ``stopped`` (the ranks the spawner stopped)."""
+    (negative: the signal), ``signal_name`` (or None), ``stopped`` (the ranks the spawner stopped), ``one_line``
+    (the cause is the whole report, :func:`needs_traceback`: print ``str()`` without the traceback)."""
 
     def __init__(self, rank: int, pid: int | None, cause: str, traceback: str = "", exit_code: int | None = None,
-                 signal_name: str | None = None, stopped: list[int] | tuple = ()):
-        self.rank, self.pid, self.cause, self.traceback = rank, pid, cause, traceback
+                 signal_name: str | None = None, stopped: list[int] | tuple = (), one_line: bool = False):
+        self.rank, self.pid, self.cause, self.traceback, self.one_line = rank, pid, cause, traceback, one_line
         self.exit_code, self.signal_name, self.stopped = exit_code, signal_name, list(stopped)
         others = ", ".join(str(r) for r in self.stopped) or "none"
         head = f"rank {rank} failed: {cause}" if traceback else f"rank {rank} (pid {pid}) {cause}"
@@ -239,10 +249,21 @@ def _ranks(ranks) -> str:
     return ", ".join(str(r) for r in ranks) or "none"
 
 
+def _process_state(pid: int) -> str:
+    """The state letter of process ``pid`` (``/proc``: ``R`` running, ``S`` sleeping, ``T`` stopped, ...), or ``""``."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def _fail(job: _Job) -> None:
-    """Stop every rank and raise the exception for the rank to blame (see :func:`_blame`)."""
+    """Stop every rank and raise the exception for the rank to blame (see :func:`_blame`; a stopped rank a peer
+    timed out waiting for is blamed before that peer)."""
     codes = [p.exitcode for p in job.procs]  # a fresh look: a rank killed by a signal may have just been reaped
     running = [r for r, c in enumerate(codes) if c is None]
+    states = {r: _process_state(job.procs[r].pid) for r in running}  # before the stop wakes them
     _stop(job.procs)
     records = _records(job.record_dir)
     rank = _blame(codes, records)
@@ -253,9 +274,16 @@ def _fail(job: _Job) -> None:
                          f"stopped ranks {_ranks(running)}")
     if codes[rank] == -signal.SIGINT:
         raise Interrupted(sorted(set(running) | {rank}), f" (SIGINT to rank {rank})")
+    frozen = [r for r in running if r != rank and states[r] in ("T", "t")]
+    timed_out = rank in records and ("timed out" in records[rank][2].lower() or "timeout" in records[rank][2].lower())
+    if frozen and timed_out:  # the peer's timeout is the symptom; the stopped rank is the cause
+        others = [r for r in range(len(codes)) if r != frozen[0]]
+        raise RankError(frozen[0], job.procs[frozen[0]].pid, f"was stopped (process state T: SIGSTOP or Ctrl-Z) "
+                        f"and rank {rank} timed out waiting for it: {records[rank][2]}", "", None, None, others,
+                        True)
     if rank in records:
-        _, cause, trace = records[rank]
-        raise RankError(rank, pid, cause, trace or cause, codes[rank], None, stopped)
+        _, one_line, cause, trace = records[rank]
+        raise RankError(rank, pid, cause, trace or cause, codes[rank], None, stopped, one_line)
     code = codes[rank]
     if code is not None and code < 0:
         name = signal.Signals(-code).name
@@ -310,16 +338,17 @@ def _stop(procs, grace: float = STOP_GRACE_S) -> list[int]:
             signal.signal(signal.SIGINT, previous)
 
 
-def _records(record_dir: str) -> dict[int, tuple[int, str, str]]:
-    """rank -> (ns when it raised, one-line cause, traceback) of every rank that recorded a failure."""
+def _records(record_dir: str) -> dict[int, tuple[int, bool, str, str]]:
+    """rank -> (ns when it raised, whether the cause is the whole report, one-line cause, traceback) of every rank
+    that recorded a failure."""
     out = {}
     for name in os.listdir(record_dir):
         if not (name.startswith("failed_") and name[7:].isdigit()):
             continue
         try:
             with open(os.path.join(record_dir, name), encoding="utf-8") as fh:
-                stamp, cause, trace = fh.read().split("\n", 2)
-            out[int(name[7:])] = (int(stamp), cause, trace)
+                stamp, one_line, cause, trace = fh.read().split("\n", 3)
+            out[int(name[7:])] = (int(stamp), one_line == "1", cause, trace)
         except (OSError, ValueError):
             continue
     return out
@@ -348,6 +377,7 @@ def _rank_main(rank: int, setup: _RankSetup, fn, args: tuple) -> None:
     import torch
     import torch.distributed as dist
     torch.set_num_threads(setup.threads or max(1, (os.cpu_count() or 1) // setup.world_size))
+    _warn_once_per_job(setup.record_dir)
     ok = False
     try:
         timeout = datetime.timedelta(seconds=setup.group_timeout_s)
@@ -358,11 +388,31 @@ def _rank_main(rank: int, setup: _RankSetup, fn, args: tuple) -> None:
         _write(setup.record_dir, f"result_{rank}", pickle.dumps(result))
         ok = True
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        text = f"{time.time_ns()}\n{describe_exception(exc)}\n{traceback.format_exc()}"
+        one_line = int(not needs_traceback(exc))
+        text = f"{time.time_ns()}\n{one_line}\n{describe_exception(exc)}\n{traceback.format_exc()}"
         _write(setup.record_dir, f"failed_{rank}", text.encode())
     finally:
         teardown(ok)
     exit_process(0 if ok else 1)
+
+
+def _warn_once_per_job(record_dir: str) -> None:
+    """Show each distinct Python warning (category, text, file and line) once per job: the first rank to emit it
+    claims it with an exclusive marker file in the job's record folder; the other ranks stay quiet about it."""
+    import hashlib
+    import warnings
+    show = warnings.showwarning
+
+    def once(message, category, filename, lineno, file=None, line=None):
+        key = hashlib.sha1(f"{category.__name__}|{message}|{filename}|{lineno}".encode()).hexdigest()[:20]
+        try:
+            os.close(os.open(os.path.join(record_dir, f"warned_{key}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        except OSError:
+            pass  # no record folder: show it
+        show(message, category, filename, lineno, file, line)
+    warnings.showwarning = once
 
 
 def exit_process(code: int) -> None:
@@ -436,6 +486,24 @@ def describe_exception(exc: BaseException, limit: int = 1000) -> str:
     if os_error is not None and (os_error.strerror or str(os_error)) not in line:
         line += f" ({type(os_error).__name__}: {os_error})"
     return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+MACHINE_ERRNOS = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "EFBIG",
+                                                       "EIO", "ENAMETOOLONG") if hasattr(errno, n))
+"""Operating-system errors about the machine rather than the code: a full, read-only or failing disk, a quota,
+a permission, a path too long."""
+
+
+def needs_traceback(exc: BaseException) -> bool:
+    """Whether a failure is reported with its traceback.  Not when its one line (:func:`describe_exception`) is
+    the whole report: an exception whose class says so (``one_line = True``: an error whose message names the
+    field or file, the value and the fix, e.g. ``engine.training``'s ``ConfigError``, ``CheckpointError``,
+    ``WriteError``), or one with an operating-system error about the machine (:data:`MACHINE_ERRNOS`) under it
+    -- a traceback there shows where the write was, not what to do."""
+    if getattr(exc, "one_line", False):
+        return False
+    found = os_error_under(exc)
+    return found is None or found.errno not in MACHINE_ERRNOS
 
 
 def os_error_under(exc: BaseException, depth: int = 0) -> OSError | None:

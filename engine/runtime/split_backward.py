@@ -69,6 +69,7 @@ from torch.autograd.variable import Variable
 from torch.overrides import TorchFunctionMode
 
 from .step import ScheduleContractError, backward_step
+from .storage import storage_sizes
 
 __all__ = ["MODES", "WeightGradWork", "backward_input_step", "weight_grad_deferral", "enable_layer_deferral",
            "defer_weight_grad", "deferring", "segment_backward"]
@@ -108,12 +109,6 @@ def _recording(records: Optional[list]):
         _recorder = previous
 
 
-def _storage_key(t: torch.Tensor) -> tuple:
-    to_local = getattr(t, "to_local", None)  # a DTensor: its local shard's storage
-    storage = (to_local() if to_local is not None else t).untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
-
-
 def _anchor(device: torch.device) -> torch.Tensor:
     """A 0-dim leaf requiring grad: the bridge input of an op whose own input needs no gradient (an embedding),
     so the bridge is a node of the chunk's graph.  Never receives a gradient."""
@@ -126,7 +121,8 @@ def _anchor(device: torch.device) -> torch.Tensor:
 class _Record:
     """What one deferred op's W needs: ``roots()`` -> ``[(GradientEdge, gradient), ...]`` to backpropagate (its
     own graph's output, or a parameter's ``AccumulateGrad`` with a computed weight gradient), ``params`` (the
-    leaves it accumulates into), ``held`` (``(data_ptr, bytes)`` of the storages it keeps alive); or ``run``, a
+    leaves it accumulates into), ``held`` (the tensors it keeps alive, counted only when asked:
+    :meth:`WeightGradWork.held_storages`); or ``run``, a
     callable doing its own W (:func:`defer_weight_grad`)."""
 
     __slots__ = ("roots", "params", "held", "run")
@@ -161,7 +157,7 @@ class _Bridge(torch.autograd.Function):
         with torch.enable_grad():
             out = op(local_in)
         ctx.local_in, ctx.params, ctx.edge = local_in, params, get_gradient_edge(out)
-        ctx.held = () if local_in is None else (_storage_key(local_in),)
+        ctx.held = () if local_in is None else (local_in,)
         return out.detach()
 
     @staticmethod
@@ -171,7 +167,7 @@ class _Bridge(torch.autograd.Function):
         if records is None:  # unsplit backward: everything now, as the plain op would
             _engine([edge], [grad])
             return (None if local_in is None else local_in.grad), None, None, None
-        records.append(_Record(lambda: [(edge, grad)], ctx.params, ctx.held + (_storage_key(grad),)))
+        records.append(_Record(lambda: [(edge, grad)], ctx.params, ctx.held + (grad,)))
         if local_in is None:
             return None, None, None, None
         (grad_in,) = _engine([edge], [grad], [local_in], keep_graph=True, accumulate=False)
@@ -203,7 +199,7 @@ class _LinearBridge(torch.autograd.Function):
                          zip((weight, bias), _linear_weight_grads(x2d, g2d, weight, bias))
                          if p is not None and p.requires_grad]
         params = tuple(p for p in (weight, bias) if p is not None and p.requires_grad)
-        record = _Record(pairs, params, (_storage_key(x), _storage_key(g2d)))
+        record = _Record(pairs, params, (x, g2d))
         if records is None:
             _backward_records([record])
         else:
@@ -433,6 +429,15 @@ class WeightGradWork:
         return {}
 
 
+def _sizes(tensors) -> dict:
+    """``{storage data_ptr: bytes}`` of ``tensors`` (wrapper subclasses such as DTensor counted by what they wrap:
+    :mod:`engine.runtime.storage`)."""
+    sizes: dict = {}
+    for t in tensors:
+        sizes.update(storage_sizes(t))
+    return sizes
+
+
 W_BATCH_BYTES = 64 << 20
 """Layer-mode W backpropagates its records in as few autograd calls as keep the weight gradients computed ahead
 of accumulation under this many bytes (one call costs tens of microseconds; a record's gradients are
@@ -487,7 +492,7 @@ class _LayerWork(WeightGradWork):
         _run_records(records)
 
     def held_storages(self) -> dict:
-        return dict(key for r in self.records for key in r.held)
+        return _sizes(t for r in self.records for t in r.held)
 
 
 class _FullWork(WeightGradWork):
@@ -503,7 +508,7 @@ class _FullWork(WeightGradWork):
         _engine([root], [grad])
 
     def held_storages(self) -> dict:
-        return {} if self.grad is None else dict((_storage_key(self.grad),))
+        return {} if self.grad is None else _sizes([self.grad])
 
 
 class _Capture:
@@ -546,9 +551,8 @@ class _GraphWork(WeightGradWork):
         _run_records(records)
 
     def held_storages(self) -> dict:
-        sizes = dict(key for r in self.records for key in r.held)
-        sizes.update(_storage_key(g) for c in self.captures for g in (c.grads or ()) if g is not None)
-        return sizes
+        return _sizes([*(t for r in self.records for t in r.held),
+                       *(g for c in self.captures for g in (c.grads or ()) if g is not None)])
 
 
 def _replay_intermediates(captures: Sequence[_Capture]) -> dict:

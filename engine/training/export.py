@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .files import WriteError, write_atomically
+from .files import WriteError, check_folder, write_atomically, writing
 
 __all__ = ["add_arguments", "run", "export_checkpoint", "export_hf", "load_exported", "DTYPES", "FORMATS"]
 
@@ -39,20 +39,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(config.json, model.safetensors, tokenizer files) for transformers' from_pretrained")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32",
                         help="tensor dtype in the file (default fp32, the training dtype: bitwise the checkpoint)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace what --out holds: an existing file and its sidecars, or (--format hf) a folder "
+                             "with files in it, which then holds the new files only (refused without it)")
 
 
 def _sidecars(out: Path) -> tuple[Path, Path]:
     return out.with_name(out.stem + ".config.json"), out.with_name(out.stem + ".tokenizer.json")
 
 
-def export_checkpoint(checkpoint, out, dtype: str = "fp32") -> list[Path]:
-    """Write the model of ``checkpoint`` to ``out`` (+ sidecars); returns the paths written.
+def export_checkpoint(checkpoint, out, dtype: str = "fp32", overwrite: bool = False) -> list[Path]:
+    """Write the model of ``checkpoint`` to ``out`` (+ sidecars); returns the paths written.  ``out`` or a sidecar
+    that exists is refused unless ``overwrite``; then the new files replace them and a sidecar of the earlier
+    export that this one does not write (a tokenizer) is removed.
 
     Raises:
         CheckpointError: no / unreadable checkpoint. ValueError: ``out`` is not a ``.safetensors`` path in an
-            existing folder, ``out`` is a folder, or an unknown ``dtype``.  WriteError (an ``OSError``): a file could
-            not be written (read-only or full disk, no permission), naming it and the operating system's reason;
-            no file is left half-written.
+            existing folder, ``out`` is a folder, ``out`` or a sidecar exists without ``overwrite``, or an unknown
+            ``dtype``.  WriteError (an ``OSError``): a file could not be written (read-only or full disk, no
+            permission), naming it and the operating system's reason; no file is left half-written.
     """
     import torch
     from safetensors.torch import save_file
@@ -66,6 +71,11 @@ def export_checkpoint(checkpoint, out, dtype: str = "fp32") -> list[Path]:
         raise ValueError(f"--out={str(out)!r} is a folder; name the file to write, e.g. {str(out / 'model.safetensors')!r}")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    there = [p for p in (out, *_sidecars(out)) if p.exists()]
+    if there and not overwrite:
+        raise ValueError(f"--out={str(out)!r}: {', '.join(repr(str(p)) for p in there)} already exist"
+                         f"{'s' if len(there) == 1 else ''} (an earlier export); pass --overwrite to replace "
+                         f"{'it' if len(there) == 1 else 'them'} or choose another --out")
     loaded = load_model(checkpoint)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     tensors = {k: v.detach().to(torch_dtype).contiguous() for k, v in model_state_dict(loaded.model).items()}
@@ -78,15 +88,22 @@ def export_checkpoint(checkpoint, out, dtype: str = "fp32") -> list[Path]:
               (config_path, lambda p: p.write_text(json.dumps(info, indent=1, sort_keys=True) + "\n"))]
     if getattr(loaded.tokenizer, "kind", None) == "bpe":
         writes.append((tok_path, lambda p: shutil.copyfile(loaded.checkpoint / "tokenizer.json", p)))
-    return write_atomically(writes)
+    written = write_atomically(writes)
+    for stale in set(there) - set(written):  # --overwrite: the earlier export's tokenizer, not this one's
+        with writing(stale, "--out"):
+            stale.unlink(missing_ok=True)
+    return written
 
 
-def export_hf(checkpoint, out, dtype: str = "fp32") -> list[Path]:
-    """Write the model of ``checkpoint`` as a Hugging Face folder ``out``; returns the paths written.
+def export_hf(checkpoint, out, dtype: str = "fp32", overwrite: bool = False) -> list[Path]:
+    """Write the model of ``checkpoint`` as a Hugging Face folder ``out``; returns the paths written.  A folder
+    that holds files is refused unless ``overwrite``; then it is replaced whole
+    (:func:`engine.training.checkpoint.hf.write_hf_folder`).
 
     Raises:
         CheckpointError: no / unreadable checkpoint. ValueError: ``out``'s parent folder is missing, ``out`` is a
-            file, or an unknown ``dtype``.  WriteError: as :func:`export_checkpoint`.
+            file or holds files without ``overwrite``, or an unknown ``dtype``.  WriteError: as
+            :func:`export_checkpoint`.
     """
     from .generate import load_model, model_state_dict
     from .checkpoint.hf import write_hf_folder
@@ -94,6 +111,7 @@ def export_hf(checkpoint, out, dtype: str = "fp32") -> list[Path]:
         raise ValueError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"--out={str(out)!r} is a file; --format hf writes a folder")
+    check_folder(out, overwrite=overwrite)  # before the checkpoint is read
     loaded = load_model(checkpoint)
     cfg = loaded.config
     tokenizer_json = None
@@ -101,7 +119,7 @@ def export_hf(checkpoint, out, dtype: str = "fp32") -> list[Path]:
         tokenizer_json = (loaded.checkpoint / "tokenizer.json").read_text()
     hf_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
     return write_hf_folder(out, cfg, cfg.ffn_hidden_size or 4 * cfg.hidden_size, model_state_dict(loaded.model),
-                           hf_dtype, tokenizer_json)
+                           hf_dtype, tokenizer_json, overwrite)
 
 
 def load_exported(path) -> tuple[dict, dict]:
@@ -118,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     from .checkpoint.dcp import CheckpointError
     try:
         export = export_hf if getattr(args, "format", "safetensors") == "hf" else export_checkpoint
-        written = export(args.checkpoint, args.out, args.dtype)
+        written = export(args.checkpoint, args.out, args.dtype, getattr(args, "overwrite", False))
     except (CheckpointError, ValueError, WriteError) as exc:  # WriteError: an OSError naming path and reason
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -28,7 +29,7 @@ from .models.chunk import ModelChunk, build_model_chunks, canonical_module
 from .data.tokenizer import TokenizerError, load_tokenizer
 
 __all__ = ["LoadedModel", "resolve_checkpoint", "load_model", "sample_token", "generate", "model_state_dict",
-           "encode_prompt", "decode"]
+           "encode_prompt", "decode", "TextStream"]
 
 
 @dataclass
@@ -160,9 +161,10 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None, ge
 
 @torch.no_grad()
 def generate(model: ModelChunk, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
-             top_k: int | None = 50, seed: int = 1234) -> list[int]:
+             top_k: int | None = 50, seed: int = 1234, on_token: Callable[[int], None] | None = None) -> list[int]:
     """``max_new_tokens`` token ids following ``prompt`` (not included), from a one-chunk model; the context is
-    the last ``seq_length`` tokens.
+    the last ``seq_length`` tokens.  ``on_token(id)`` is called with each new token as it is sampled (to stream
+    it, :class:`TextStream`).
 
     Raises:
         ValueError: an empty prompt."""
@@ -178,7 +180,39 @@ def generate(model: ModelChunk, prompt: list[int], max_new_tokens: int, temperat
         token = sample_token(logits, temperature, top_k, generator)
         ids.append(token)
         new.append(token)
+        if on_token is not None:
+            on_token(token)
     return new
+
+
+class TextStream:
+    """Write generated tokens to ``out`` as they come, as text: :func:`decode` of the tokens not yet written,
+    held back while it ends in an unfinished character (U+FFFD: a multi-byte UTF-8 character split over tokens;
+    at most :attr:`HOLD` tokens); :meth:`close` writes what is left.  The text written is :func:`decode` of all the
+    tokens; ids of a run without a tokenizer are written space-separated."""
+
+    HOLD = 8
+
+    def __init__(self, tokenizer, out) -> None:
+        self.tokenizer, self.out, self.pending = tokenizer, out, []
+
+    def __call__(self, token: int) -> None:
+        self.pending.append(token)
+        text = self._text()
+        if not text.endswith("\ufffd") or len(self.pending) >= self.HOLD:
+            self._write(text)
+
+    def close(self) -> None:
+        if self.pending:
+            self._write(self._text())
+
+    def _text(self) -> str:
+        return " " + decode(None, self.pending) if self.tokenizer is None else decode(self.tokenizer, self.pending)
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+        self.pending = []
 
 
 def encode_prompt(tokenizer, text: str, vocab_size: int) -> list[int]:

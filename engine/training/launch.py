@@ -49,13 +49,13 @@ import signal
 import sys
 import time
 
-from ..runtime.spawn import STOP_GRACE_S, Interrupted, RankError, Terminated, teardown
+from ..runtime.spawn import STOP_GRACE_S, Interrupted, RankError, Terminated, needs_traceback, teardown
 from .config import (ConfigError, TrainConfig, check_fresh_run, load_config, parse_override_args, validate,
                      validate_world_size)
 from .tune.result import resolve_tuned
 
-__all__ = ["add_arguments", "run", "run_spawned", "launch_ranks", "train_worker", "summary_line", "under_torchrun",
-           "Interrupted", "EXIT_PREEMPTED", "STOP_GRACE_S"]
+__all__ = ["add_arguments", "run", "run_spawned", "print_rank_error", "launch_ranks", "train_worker", "summary_line",
+           "under_torchrun", "Interrupted", "EXIT_PREEMPTED", "STOP_GRACE_S"]
 
 log = logging.getLogger("pipecast.train")
 
@@ -134,8 +134,10 @@ def run(args: argparse.Namespace) -> int:
                     validate(config)
                 if getattr(args, "print_config", False):
                     return _print_config(config)
+                from .checkpoint.init_from import check_init_weights
                 from .data.corpus import check_data
                 check_data(config)
+                check_init_weights(config)
                 from .outputs import check_outputs, run_lock
                 check_outputs(config, args.timeline)
                 if not under_torchrun():  # locked before torch is imported: a second run is refused at once
@@ -173,7 +175,9 @@ def _print_config(config: TrainConfig) -> int:
 def run_spawned(fn, config: TrainConfig, *args) -> int:
     """:func:`launch_ranks` ``fn(config, *args)`` and turn the outcome into an exit status and one line on stderr.
 
-    0: done.  1: a rank raised or died (``error: rank R failed: Type: message; ...``, after the rank's traceback).
+    0: done.  1: a rank raised or died (``error: rank R failed: Type: message; ...``, after the rank's traceback
+    unless that line is the whole report: a full disk, :func:`print_rank_error`; a one-rank run's such error: its
+    line alone).
     2: bad config / checkpoint in a one-rank run, or the run folder is locked by another run.  130: interrupted
     (``interrupted; stopped ranks ...``).  :data:`EXIT_PREEMPTED` (143): stopped by SIGTERM -- ``preempted:
     saved checkpoint of step N ...`` when every rank saved (``fn`` returned :func:`preempted_result` dicts), else
@@ -183,9 +187,7 @@ def run_spawned(fn, config: TrainConfig, *args) -> int:
     try:
         results = launch_ranks(fn, config, *args)
     except RankError as exc:
-        if exc.traceback and not exc.cause.startswith(f"{CheckpointError.__name__}: "):  # its line says it all
-            print(exc.traceback.rstrip(), file=sys.stderr)
-        print(f"error: {exc}", file=sys.stderr)
+        print_rank_error(exc)
         return 1
     except Terminated as exc:
         print(f"error: {exc}; {_previous_checkpoint(config)}", file=sys.stderr)
@@ -196,7 +198,20 @@ def run_spawned(fn, config: TrainConfig, *args) -> int:
     except KeyboardInterrupt as exc:
         print(str(exc) if isinstance(exc, Interrupted) else "interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a one-rank run in this process: a full disk is one line, as from a spawned rank
+        if needs_traceback(exc):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return _preempted_status(results)
+
+
+def print_rank_error(exc: RankError) -> None:
+    """The report of a failed rank on stderr: its traceback (unless the cause is the whole report:
+    ``exc.one_line``, a full disk or a bad config), then the one ``error:`` line."""
+    if exc.traceback and not exc.one_line:
+        print(exc.traceback.rstrip(), file=sys.stderr)
+    print(f"error: {exc}", file=sys.stderr)
 
 
 def preempted_result(step: int, path) -> dict:

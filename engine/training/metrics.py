@@ -10,6 +10,9 @@ estimate behind the TFLOP/s and MFU numbers.
 
 ``RUN_DIR/loss.png`` (train and validation loss against step) is redrawn at each evaluation and at the end; it is
 written to a temporary file and renamed, so a reader never sees half a PNG.
+
+A file the operating system refuses to write (a full disk) stops the run with one
+:class:`~engine.training.files.WriteError` naming it; a drawing that fails for another reason is logged once.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import os
 from pathlib import Path
 
 from .config import ModelConfig
+from .files import WriteError, write_atomically, writing
 
 __all__ = ["MetricsLog", "model_flops_per_token", "flops_parameter_count", "known_peak_tflops", "plot_losses",
            "read_metrics", "TRAIN_COLOR", "VAL_COLOR"]
@@ -77,7 +81,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 def plot_losses(records: list[dict], path: str | os.PathLike, title: str = "") -> None:
     """Draw train loss (line) and validation loss (points + line) against step into the PNG ``path`` (written to
-    ``path.tmp`` and renamed).  ``records``: metrics lines as in ``metrics.jsonl``."""
+    a hidden temporary and renamed, :func:`~engine.training.files.write_atomically`).  ``records``: metrics lines
+    as in ``metrics.jsonl``.  Raises :class:`~engine.training.files.WriteError` when the file cannot be written."""
     import matplotlib
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
@@ -95,10 +100,7 @@ def plot_losses(records: list[dict], path: str | os.PathLike, title: str = "") -
     ax.grid(alpha=0.3)
     if train or val:
         ax.legend()
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)
+    write_atomically([(Path(path), lambda p: fig.savefig(p, format="png"))], "logging.run_dir")
 
 
 class MetricsLog:
@@ -118,12 +120,14 @@ class MetricsLog:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path, self.png, self.title = self.run_dir / "metrics.jsonl", self.run_dir / "loss.png", title
         self.records: list[dict] = []
+        self._plot_failed = False
         if resume_step is not None and self.path.is_file():
             self.records = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-        os.replace(tmp, self.path)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        with writing(self.path):
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            os.replace(tmp, self.path)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -133,8 +137,9 @@ class MetricsLog:
         """Append one metrics line (non-finite floats are written as null) and flush it."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self.records.append(clean)
-        self._file.write(json.dumps(clean) + "\n")
-        self._file.flush()
+        with writing(self.path):
+            self._file.write(json.dumps(clean) + "\n")
+            self._file.flush()
         if self._tb is not None:
             for key, value in clean.items():
                 if key != "step" and isinstance(value, (int, float)):
@@ -142,13 +147,21 @@ class MetricsLog:
             self._tb.flush()
 
     def plot(self) -> None:
-        """Redraw ``loss.png`` from every line so far (a drawing failure is logged, never fatal)."""
+        """Redraw ``loss.png`` from every line so far.  A write the operating system refuses raises
+        :class:`~engine.training.files.WriteError`; any other drawing failure is logged once, never fatal."""
+        if self._plot_failed:
+            return
         try:
             plot_losses(self.records, self.png, self.title)
+        except WriteError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a plot must never end a training run
-            log.warning("could not draw %s: %s: %s", self.png, type(exc).__name__, exc)
+            self._plot_failed = True
+            log.warning("could not draw %s: %s: %s (no further attempts in this run)", self.png,
+                        type(exc).__name__, exc)
 
     def close(self) -> None:
-        self._file.close()
+        with writing(self.path):
+            self._file.close()
         if self._tb is not None:
             self._tb.close()

@@ -18,14 +18,17 @@ Standard library only (no torch), so the checks take milliseconds.
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import logging
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
 from .config import ConfigError, TrainConfig
+from .files import LogFile
 
 __all__ = ["check_outputs", "run_lock", "LOCK_FILE"]
 
@@ -83,12 +86,27 @@ def _writable_folder(field: str, value: str) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".pipecast-write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        try:
+            probe.write_bytes(b"pipecast write probe\n")  # not empty: a full disk refuses it
+        finally:
+            probe.unlink(missing_ok=True)
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename and str(exc.filename) != value else ""
-        raise ConfigError(f"{field}={value!r} cannot be written: {exc.strerror or exc}{where}; choose a folder "
-                          f"you can write, e.g. under your home or the working directory") from None
+        fix = ("free space there or choose another folder" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else
+               "choose a folder you can write, e.g. under your home or the working directory")
+        raise ConfigError(f"{field}={value!r} cannot be written: {exc.strerror or exc}{where}; {fix}") from None
+
+
+def _write_holder(fh, field: str, value: str) -> None:
+    """Write this process's pid, host and start time into the held lock file (what a refused run names)."""
+    from .files import writing
+    try:
+        with writing(fh.name, field):
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"{os.getpid()}\n{socket.gethostname()}\n{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+    except OSError as exc:  # a WriteError naming the lock file, the reason and the fix
+        raise ConfigError(f"{field}={value!r}: {exc}") from None
 
 
 def _existing_ancestor(path: Path) -> Path | None:
@@ -144,27 +162,37 @@ def _locked(folder: Path, field: str, value: str):
         return
     import fcntl
     folder.mkdir(parents=True, exist_ok=True)
-    fh = open(folder / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held for the block
+    fh = open(folder / LOCK_FILE, "a+b", buffering=0)  # noqa: SIM115 - held for the block; unbuffered: no write at close
     try:
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.seek(0)
-            holder = fh.read().split("\n")
+            holder = fh.read().decode("utf-8", "replace").split("\n")
             pid = holder[0] if holder and holder[0] else "unknown"
             more = f" on {holder[1]} since {holder[2]}" if len(holder) >= 3 and holder[2] else ""
             raise ConfigError(f"{field}={value!r} is in use by another pipecast run (pid {pid}{more}); wait for it "
                               f"to finish (or stop it), or give this run another {field}") from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"{os.getpid()}\n{socket.gethostname()}\n{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        fh.flush()
+        _write_holder(fh, field, value)
         _HELD[folder] = 1
         yield
     finally:
         if _HELD.get(folder) == 1:
             del _HELD[folder]
         fh.close()  # releases the lock
+
+
+class _Stderr(logging.StreamHandler):
+    """Log lines to the ``sys.stderr`` of the moment (not the one when the first trainer of the process was built,
+    which a test's or a notebook's capture may have closed since)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
 
 
 def setup_logging(config: TrainConfig, is_log_rank: bool, run_dir: Path,
@@ -175,7 +203,7 @@ def setup_logging(config: TrainConfig, is_log_rank: bool, run_dir: Path,
     logger = logging.getLogger("pipecast")
     logger.setLevel(getattr(logging, config.logging.level) if is_log_rank else logging.WARNING)
     if not any(getattr(h, "_pipecast", False) for h in logger.handlers):
-        handler = logging.StreamHandler()
+        handler = _Stderr()
         handler._pipecast = True
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
@@ -186,7 +214,7 @@ def setup_logging(config: TrainConfig, is_log_rank: bool, run_dir: Path,
     target = str((run_dir / "train.log").resolve())
     if any(getattr(h, "baseFilename", None) == target for h in logger.handlers):
         return None
-    fh = logging.FileHandler(target)
+    fh = LogFile(target)  # a failed write: one WriteError naming train.log, not a traceback per line
     fh.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     logger.addHandler(fh)
     return fh

@@ -231,13 +231,10 @@ class Trainer:
         return lr_lambda(step, o.lr, o.min_lr, o.warmup_steps, self.config.training.steps)
 
     def simulated_bubble(self) -> float:
-        """Bubble fraction of one training step from the plan simulator (``engine.plan.simulate``; uniform costs,
-        backward = 2 x forward -- split plans: B = W = forward --, no transfer time): idle / makespan over all
-        pipeline ranks."""
-        from ..plan.simulate import simulate
-        if self.plan.splits_backward:
-            return simulate(self.plan, 1.0, 1.0, 0.0, 1.0).bubble_overall
-        return simulate(self.plan).bubble_overall
+        """Bubble fraction of one training step from the plan simulator at nominal costs
+        (:func:`engine.plan.simulate.simulate_nominal`): idle / makespan over all pipeline ranks."""
+        from ..plan.simulate import simulate_nominal
+        return simulate_nominal(self.plan).bubble_overall
 
     @property
     def _reads_tokens(self) -> bool:
@@ -647,7 +644,7 @@ class Trainer:
                        model_state_dict=self.parallelism.reshard_like(target["model"], model_sd),
                        optim_state_dict=self.parallelism.reshard_like(optim_full, optim_sd))
         self.step = int(target["trainer"]["step"])
-        self._load_scheduler(target.get("scheduler"))
+        self._load_scheduler()
         if "rng" in target:
             torch.set_rng_state(target["rng"][f"rank{self.rank}"]["cpu"])
         self._resumed = True
@@ -668,8 +665,6 @@ class Trainer:
         target = {"model": self.parallelism.load_targets(model_sd),
                   "optim": {k: v for k, v in optim_full.items() if k.startswith("state.")},
                   "trainer": {"step": torch.tensor(0, dtype=torch.int64)}}
-        if "scheduler.last_epoch" in keys:
-            target["scheduler"] = _scheduler_tensors(self.lr_scheduler.state_dict())
         if f"rng.rank{self.rank}.cpu" in keys:
             target["rng"] = {f"rank{self.rank}": {"cpu": torch.get_rng_state()}}
         return target, optim_full
@@ -683,15 +678,16 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(self.config, self.run_dir / "config.yaml")
 
-    def _load_scheduler(self, saved: dict | None) -> None:
-        """Restore the LR schedule through ``LambdaLR.load_state_dict`` from the saved tensors (or, for a checkpoint
-        without them, from the step: ``step`` scheduler steps taken), then set each group's LR to it."""
+    def _load_scheduler(self) -> None:
+        """Put the LR schedule at ``self.step`` (``step`` scheduler steps taken) of *this* config's schedule, then
+        set each group's LR to it.  The schedule is a function of the step and the config (``lr_lambda``), so a
+        run resumed with more ``training.steps`` or another ``optimizer.lr`` follows its own schedule from its first
+        step; the scheduler state saved with the checkpoint (the old schedule's last LR and base LR) is
+        not read back.  With an unchanged config the LRs are bitwise those of the run that saved (the same
+        ``base * lr_lambda(step)`` as ``LambdaLR``)."""
         state = self.lr_scheduler.state_dict()
-        if saved is not None:
-            state.update(_scheduler_values(saved))
-        else:
-            lrs = [base * self._lr_multiplier(self.step) for base in self.lr_scheduler.base_lrs]
-            state.update(last_epoch=self.step, _step_count=self.step + 1, _last_lr=lrs)
+        lrs = [base * self._lr_multiplier(self.step) for base in self.lr_scheduler.base_lrs]
+        state.update(last_epoch=self.step, _step_count=self.step + 1, _last_lr=lrs)
         self.lr_scheduler.load_state_dict(state)
         for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
             group["lr"] = lr
@@ -732,11 +728,6 @@ def _scheduler_tensors(state: dict) -> dict:
     """The numeric entries of ``LambdaLR.state_dict()`` as tensors (checkpoints store tensors only)."""
     return {k: torch.tensor(state[k], dtype=torch.int64 if kind is int else torch.float64)
             for k, kind in _SCHEDULER_FIELDS.items() if k in state}
-
-
-def _scheduler_values(tensors: dict) -> dict:
-    """Inverse of :func:`_scheduler_tensors`."""
-    return {k: (int(v) if _SCHEDULER_FIELDS[k] is int else [float(x) for x in v]) for k, v in tensors.items()}
 
 
 def _loss_func(output: torch.Tensor):

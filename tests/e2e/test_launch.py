@@ -258,7 +258,8 @@ def test_second_sigterm_during_the_save_leaves_the_previous_checkpoint(tmp_path)
 @pytest.mark.timeout(120)
 def test_stopped_rank_is_reported_as_the_peers_timeout(tmp_path):
     """Rank 1 is SIGSTOPped: the launcher reports rank 0's timeout naming pipeline rank 1 within
-    ``parallel.timeout_s`` + REPORT_GRACE_S + the stop, not its own SIGKILL of the stopped rank."""
+    ``parallel.timeout_s`` + REPORT_GRACE_S + the stop, not its own SIGKILL of the stopped rank; the line blames
+    the stopped rank 1, with rank 0's timeout as the cause (issue 36: it blamed the waiting rank 0)."""
     from engine.runtime.spawn import REPORT_GRACE_S, STOP_GRACE_S
     timeout_s = 4
     overrides = tiny_overrides(write_corpus(tmp_path / "corpus.txt"), tmp_path / "run",
@@ -269,7 +270,8 @@ def test_stopped_rank_is_reported_as_the_peers_timeout(tmp_path):
     records = read_records(tmp_path)
     assert proc.returncode == 1, err[-3000:]
     line = _error_lines(err)[0]
-    assert line.startswith("error: rank 0 failed") and "pipeline rank 1 (global rank 1)" in line, line
+    assert line.startswith("error: rank 1 (pid ") and "was stopped (process state T" in line, line
+    assert "rank 0 timed out waiting for it" in line and "pipeline rank 1 (global rank 1)" in line, line
     waited = ended - records[1]["fault_at"]
     assert timeout_s <= waited < timeout_s + REPORT_GRACE_S + STOP_GRACE_S + 3, f"ended {waited:.1f}s after"
     assert not any(process_alive(r["pid"]) for r in records.values())
@@ -280,7 +282,7 @@ def test_stopped_rank_is_reported_as_the_peers_timeout(tmp_path):
 def test_disk_full_during_a_save_is_one_line_with_the_cause(tmp_path):
     """Issue 26: the disk fills up after the first checkpoint; the second save named only ``CheckpointException
     ranks:dict_keys([0, 1])``.  One line with the cause and the file, the first checkpoint intact, no partial
-    folder left."""
+    folder left.  Issue 36: that line came after 88 lines and 4 tracebacks; now it is all of stderr."""
     from engine.training.checkpoint.dcp import checkpoint_keys, list_checkpoints
     overrides = tiny_overrides(write_corpus(tmp_path / "corpus.txt"), tmp_path / "run",
                                **{"parallel.pipeline": 2, "training.steps": 4, "checkpoint.interval": 2})
@@ -289,6 +291,7 @@ def test_disk_full_during_a_save_is_one_line_with_the_cause(tmp_path):
     assert proc.returncode == 1, err[-3000:]
     lines = _error_lines(err)
     assert len(lines) == 1 and "No space left on device: '" in lines[0] and ".distcp'" in lines[0], err[-3000:]
+    assert err.strip().splitlines() == lines, err[-3000:]  # no traceback above it (logging.level=WARNING)
     first = tmp_path / "run" / "checkpoints" / "step_00000002"
     assert "cannot save the checkpoint of step 4" in lines[0], lines[0]
     assert f"the previous checkpoint {str(first)!r} is intact" in lines[0], lines[0]

@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 
 def sum_ranks(rank: int, world: int, scale: float) -> dict:
+    import warnings
+    warnings.warn("spawn test: a warning every rank emits", UserWarning, stacklevel=1)  # shown once per job
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
     return {"rank": rank, "sum": t.item() * scale, "pid": os.getpid(), "env_rank": os.environ["RANK"]}

@@ -84,6 +84,25 @@ def test_plot_timeline_generic_spans(tmp_path):
         plot_timeline([Bar(0, 2.0, 1.0, "x", "F")], tmp_path / "x.png", "bad")
 
 
+@pytest.mark.parametrize("schedule", ["dualpipev", "zbv"])
+def test_a_chart_shows_a_legend_entry_only_for_what_it_draws(schedule, tmp_path):
+    """Issue 36: ``--plot`` of a split schedule without ``--weight-time`` drew zero-length W bars and a legend entry
+    for them, with nothing of that colour in the chart.  No W pixel without W work; with ``--weight-time 1`` the W
+    bars and their legend entry are there."""
+    import matplotlib.image
+    from engine.plan.plotting import KIND_COLOURS
+
+    def pixels(path, kind):
+        image = matplotlib.image.imread(path)[..., :3]
+        rgb = [int(KIND_COLOURS[kind][i:i + 2], 16) / 255 for i in (1, 3, 5)]
+        return int((abs(image - rgb).max(axis=-1) < 0.02).sum())
+    for weight, drawn in (("0", False), ("1", True)):
+        path = tmp_path / f"{schedule}_{weight}.png"
+        assert main(["schedule", "--schedule", schedule, "--pp", "2", "--microbatches", "4", "--weight-time",
+                     weight, "--plot", str(path)]) == 0
+        assert pixels(path, "F") > 0 and (pixels(path, "W") > 0) == drawn, (schedule, weight)
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("argv,message", [
     (["--pp", "1000000", "--microbatches", "1"], "--pp 1000000 is more than 16384 pipeline ranks"),
@@ -124,10 +143,10 @@ def test_large_plans_print_a_summary_unless_grid_is_given(capsys):
 
 
 def _one_error_line(err: str) -> str:
-    """The ``error:`` line of argparse's exit (usage lines above it), asserting there is exactly one and no
-    traceback."""
-    lines = [ln for ln in err.splitlines() if "error:" in ln]
-    assert len(lines) == 1 and "Traceback" not in err, err
+    """The ``error:`` line of argparse's exit, asserting it is all of ``err`` (one line, no usage block, no
+    traceback)."""
+    lines = err.splitlines()
+    assert len(lines) == 1 and "error:" in lines[0], err
     return lines[0]
 
 

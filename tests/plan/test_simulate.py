@@ -191,3 +191,15 @@ def test_simulate_matches_reference_on_random_costs():
             start, end = _reference_times(plan, forward, backward, transfer)
             assert list(sim.start) == start and list(sim.end) == end
             assert sim.makespan == max(e[-1] for e in end)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 5)])
+def test_nominal_bubble_is_the_1f1b_closed_form(p, m):
+    """The simulated bubble ``pipecast train`` prints at start-up and the timeline repeats (one definition,
+    :func:`simulate_nominal`): for 1F1B at nominal costs, ``(p-1)/(m+p-1)`` on every rank; a split plan's nominal
+    costs are B = W = 1 (the same total backward of 2)."""
+    from engine.plan.simulate import simulate_nominal
+    assert simulate_nominal(build_plan("1f1b", p, m)).bubble_overall == pytest.approx((p - 1) / (m + p - 1))
+    split = simulate_nominal(build_plan("zb_h1", p, m))
+    assert split.busy == simulate(build_plan("zb_h1", p, m), 1.0, 1.0, 0.0, 1.0).busy
+    assert all(b == 3.0 * m for b in split.busy)  # F 1 + B 1 + W 1 per microbatch: the unsplit 1 + 2

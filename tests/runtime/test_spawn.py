@@ -32,10 +32,12 @@ def _no_rank_left(pid_dir: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_results_come_back_in_rank_order():
+def test_results_come_back_in_rank_order(capfd):
     assert engine.spawn is sp.spawn
     out = sp.spawn(jobs.sum_ranks, 2, args=(10.0,), timeout_s=50)
     assert [r["rank"] for r in out] == [0, 1] and [r["env_rank"] for r in out] == ["0", "1"]
+    # issue 36: a warning every rank emits (torch's DTensor warning under tensor parallelism) is shown once
+    assert capfd.readouterr().err.count("UserWarning: spawn test: a warning every rank emits") == 1
     assert all(r["sum"] == 10.0 for r in out)  # all_reduce of 0 + 1, scaled: the ranks formed one group
     assert sp.spawn(jobs.ends_with_exit, 2, timeout_s=50) == [None, None]  # os._exit(0): no value, no error
 
@@ -56,6 +58,7 @@ def test_a_raise_is_one_line_naming_the_rank_and_cause(tmp_path):
     err = info.value
     assert str(err) == "rank 1 failed: ValueError: injected on rank 1; stopped the other ranks (0)"
     assert err.rank == 1 and "Traceback" in err.traceback and "raise_on" in err.traceback
+    assert not err.one_line  # a failure of the code: its traceback is part of the report
     _no_rank_left(tmp_path)
 
 
@@ -72,10 +75,13 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path):
 @pytest.mark.timeout(60)
 def test_a_stopped_rank_ends_as_the_peers_timeout(tmp_path):
     """Rank 1 SIGSTOPs itself: rank 0's collective times out after ``group_timeout_s`` and is the error reported
-    (not the spawner's SIGKILL of the stopped rank, nor the job timeout)."""
+    (not the spawner's SIGKILL of the stopped rank, nor the job timeout), blaming the stopped rank 1 with rank 0's
+    timeout as the cause (issue 36: it blamed the waiting rank)."""
     with pytest.raises(sp.RankError) as info:  # not the JobTimeout of timeout_s: the peer's timeout is reported
         sp.spawn(jobs.stop_self, 2, args=(1, str(tmp_path)), group_timeout_s=3, timeout_s=50)
-    assert info.value.rank == 0 and "Timed out" in str(info.value), str(info.value)
+    line = str(info.value)
+    assert info.value.rank == 1 and line.startswith("rank 1 (pid ") and "was stopped" in line, line
+    assert "rank 0 timed out waiting for it: " in line and "Timed out" in line and info.value.one_line, line
     _no_rank_left(tmp_path)
 
 
@@ -163,6 +169,33 @@ def test_describe_exception_is_one_line_with_the_os_error_under_it():
     line = sp.describe_exception(dcp)
     assert "\n" not in line and line.endswith("(OSError: [Errno 28] No space left on device: '/ckpt/__0_0.distcp')")
     assert sp.describe_exception(full) == "OSError: [Errno 28] No space left on device: '/ckpt/__0_0.distcp'"
+
+
+def test_only_failures_of_the_code_need_their_traceback():
+    """Issue 36: a full disk printed 88 lines and 4 tracebacks before the one line that said it all.  A failure
+    whose line is the whole report -- an operating-system error about the machine under it, or an error class that
+    says so (``one_line``) -- is reported without the traceback; a failure of the code keeps it."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    class Named(RuntimeError):
+        one_line = True
+
+    def wrapped(code):
+        def fail():
+            try:
+                raise OSError(code, os.strerror(code))
+            except OSError as exc:
+                raise RuntimeError("cannot save") from exc
+        return _raise(fail)
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/ckpt/__0_0.distcp")
+    for machine in (full, wrapped(errno.ENOSPC), wrapped(errno.EROFS), wrapped(errno.EACCES),
+                    CheckpointException("save failed", {0: (full, None)}), Named("bad checkpoint")):
+        assert not sp.needs_traceback(machine), machine
+    for code in (ValueError("bug"), KeyError("x"), FileNotFoundError(errno.ENOENT, "missing"),
+                 wrapped(errno.EBADF)):
+        assert sp.needs_traceback(code), code
 
 
 def test_bad_world_size_is_refused():

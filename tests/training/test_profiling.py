@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -217,7 +218,10 @@ def test_step_profiler_writes_one_trace_per_window(tmp_path):
 # -- pipecast train --timeline -------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 @pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
-def test_pipecast_train_writes_timeline_and_torch_profile(tmp_path):
+def test_pipecast_train_writes_timeline_and_torch_profile(tmp_path, capsys):
+    """The timeline numbers its steps as the log does (issue 36: its chart was one step behind the log's last
+    ``step 2/2``), and repeats the start-up line's simulated bubble (nominal costs) beside the simulation at the
+    measured costs."""
     from engine.cli import main
     run_dir, tl = tmp_path / "run", tmp_path / "timeline"
     status = main(["train", "configs/default.yaml", "--parallel.pipeline=1", "--parallel.virtual=1",
@@ -229,7 +233,10 @@ def test_pipecast_train_writes_timeline_and_torch_profile(tmp_path):
                    "--timeline", str(tl), "--nvtx"])
     assert status == 0
     summary = json.loads((tl / "timeline_summary.json").read_text())
-    assert [s["step"] for s in summary["steps"]] == [0, 1]
+    assert [s["step"] for s in summary["steps"]] == [1, 2] and summary["chart_step"] == 2
+    err = capsys.readouterr().err
+    start_up = re.search(r"simulated bubble (\d+\.\d)%", err).group(1)
+    assert f"timeline: wrote {tl} (step 2:" in err and f"at nominal costs {start_up}% overall" in err, err
     assert summary["schedule"] == "no_pipelining" and summary["num_microbatches"] == 3
     trace = json.loads((tl / "timeline.json").read_text())
     labels = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "compute"]

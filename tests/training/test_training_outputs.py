@@ -228,16 +228,55 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_sample_command(pp1, tmp_path, capsys):
+def test_sample_command(pp1, tmp_path, capsys, monkeypatch):
+    import sys
+
+    from engine.training import generate as gen
     from engine.training.generate import generate, load_model
+    printed = []  # stdout's length at each sampled token: the text is printed as it comes (issue 36)
+    real = gen.sample_token
+    monkeypatch.setattr(gen, "sample_token", lambda *a, **k: printed.append(len(sys.stdout.getvalue())) or real(*a, **k))
     code, out, err = _cli(capsys, "sample", str(pp1[0]), "--prompt", "import ", "--max-new-tokens", "12", "--seed", "3")
     assert code == 0, err
+    assert len(printed) == 12 and printed[-1] > printed[0] > 0, printed
+    monkeypatch.setattr(gen, "sample_token", real)
     loaded = load_model(pp1[0])
     expected = generate(loaded.model, loaded.tokenizer.encode("import "), 12, 0.8, 50, seed=3)
     assert out == "import " + loaded.tokenizer.decode(expected) + "\n" and "sampled 12 tokens" in err
     code, _, err = _cli(capsys, "sample", str(tmp_path), "--max-new-tokens", "2")
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
     assert str(tmp_path) in err
+
+
+def test_sample_streams_the_text_as_tokens_come():
+    """Issue 36: ``pipecast sample`` printed nothing until the last token.  :class:`TextStream` writes each token's
+    text when it is sampled, holding back only a character whose UTF-8 bytes are split over tokens; what it writes
+    is the decoded text (ids of a run without a tokenizer: space-separated)."""
+    import io
+
+    from engine.training.data.tokenizer import ByteTokenizer
+    from engine.training.generate import TextStream
+
+    class Out(io.StringIO):
+        writes: list = []
+
+        def write(self, text):
+            self.writes.append((self.fed, text))
+            return super().write(text)
+    text = "héllo wörld ✓ 😀 done"
+    out = Out()
+    stream = TextStream(ByteTokenizer(), out)
+    for out.fed, byte in enumerate(text.encode(), 1):
+        stream(byte)
+    stream.close()
+    assert out.getvalue() == text and not any("\ufffd" in t for _, t in out.writes)
+    assert [fed for fed, _ in out.writes] == [len(text[:i + 1].encode()) for i in range(len(text))]  # per char
+    ids = io.StringIO()
+    stream = TextStream(None, ids)
+    for token in (17, 42, 5):
+        stream(token)
+    stream.close()
+    assert ids.getvalue() == " 17 42 5"
 
 
 def test_prompt_the_tokenizer_cannot_encode(pp1):
@@ -262,6 +301,40 @@ def test_export_then_load_is_bitwise(pp1, tmp_path):
     export_checkpoint(pp1[0], tmp_path / "half.safetensors", "bf16")
     half, _ = load_exported(tmp_path / "half.safetensors")
     assert all(half[k].dtype == torch.bfloat16 and torch.equal(half[k], state[k].bfloat16()) for k in state)
+
+
+def test_export_replaces_only_when_asked_and_writes_plain_modes(pp1, tmp_path, capsys):
+    """Issue 36: export into a folder with files in it overwrote silently and left stale files beside the new
+    model; model.safetensors was 0600 beside a 0644 config.json.  Now an export over an earlier one (a folder with
+    files, or the file and its sidecars) is one error line naming them and ``--overwrite``, nothing changed; with
+    ``--overwrite`` the folder holds the new files only (a stale tokenizer sidecar is removed), and every file
+    written has the mode a plain write gives: a new one 0o666 less the umask (here 0o027 -> 0o640), a replaced one
+    (and the replaced folder) its own."""
+    import stat
+    hf, single = tmp_path / "hf", tmp_path / "m.safetensors"
+    hf.mkdir()
+    (hf / "old.bin").write_text("an earlier export")
+    stale = tmp_path / "m.tokenizer.json"  # an earlier BPE export's sidecar; this run uses bytes
+    for path in (single, stale):
+        path.write_text("earlier")
+    before = {p: p.read_bytes() for p in (hf / "old.bin", single, stale)}
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in (hf, single)}
+    mask = os.umask(0o027)
+    try:
+        for args, named in ((["--format", "hf", "--out", str(hf)], "(old.bin)"),
+                            (["--out", str(single)], f"'{single}', '{stale}' already exist")):
+            code, _, err = _cli(capsys, "export", str(pp1[0]), *args)
+            assert code == 2 and err.count("\n") == 1 and named in err and "--overwrite" in err, err
+        assert {p: p.read_bytes() for p in before} == before
+        for args in (["--format", "hf", "--out", str(hf)], ["--out", str(single)]):
+            assert _cli(capsys, "export", str(pp1[0]), *args, "--overwrite")[0] == 0
+    finally:
+        os.umask(mask)
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.config.json", "m.safetensors"]
+    for path in (*hf.iterdir(), tmp_path / "m.config.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640, path
+    assert {p: stat.S_IMODE(p.stat().st_mode) for p in modes} == modes
 
 
 def test_sample_and_export_read_the_folder_given_not_the_run_dir_in_its_config(pp1, tmp_path, capsys):
@@ -338,7 +411,7 @@ def test_export_to_a_full_or_read_only_disk_is_one_error_line(pp1, tmp_path, mon
     real_write = Path.write_text
     for code, removal_fails in ((errno.ENOSPC, False), (errno.EROFS, True)):
         def failing_write(self, *args, _code=code, **kwargs):  # the sidecar / config.json, after the weights
-            if self.name.endswith(".tmp"):
+            if ".tmp" in str(self):  # a temporary file, or a file in the temporary folder (--format hf)
                 raise OSError(_code, os.strerror(_code))
             return real_write(self, *args, **kwargs)
 
@@ -354,6 +427,55 @@ def test_export_to_a_full_or_read_only_disk_is_one_error_line(pp1, tmp_path, mon
         assert os.strerror(code) in err and f"{out.stem if fmt == 'hf' else 'm.config'}" in err, err
         if not removal_fails:  # (the patched unlink cannot remove the temporaries it was asked to)
             assert sorted(tmp_path.iterdir()) == [], sorted(tmp_path.iterdir())
+
+
+def _full_disk(monkeypatch, name: str) -> None:
+    """The disk is full for every file whose name ends in ``name``: opening it works, every write fails with
+    ``OSError(ENOSPC)`` naming no file (as ``write(2)`` does); other files are written normally."""
+    import builtins
+    import errno
+    import io
+    real = io.open
+
+    class Full(io.FileIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def full_open(file, mode="r", buffering=-1, encoding=None, *args, **kwargs):
+        if not (isinstance(file, (str, os.PathLike)) and Path(file).name.endswith(name) and set(mode) & set("wax+")):
+            return real(file, mode, buffering, encoding, *args, **kwargs)
+        raw = Full(file, mode.replace("b", "").replace("t", ""))
+        if "b" in mode:
+            return raw if buffering == 0 else (io.BufferedRandom if "+" in mode else io.BufferedWriter)(raw)
+        return io.TextIOWrapper(io.BufferedWriter(raw), encoding=encoding or "utf-8")
+    monkeypatch.setattr(builtins, "open", full_open)
+    monkeypatch.setattr(io, "open", full_open)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,shown,status", [
+    ("config.yaml", "config.yaml", 1), ("train.log", "train.log", 1), ("metrics.jsonl", "metrics.jsonl", 1),
+    (".loss.png.tmp", "loss.png", 1), (".distcp", ".distcp", 2), ("timeline.json", "timeline.json", 1),
+    (".pipecast.lock", ".pipecast.lock", 2),
+])
+def test_a_full_disk_while_training_is_one_error_line(tmp_path, monkeypatch, capsys, name, shown, status):
+    """Issue 36: a full disk printed tracebacks (a checkpoint), ``--- Logging error ---`` per log line (train.log),
+    a bare ``[Errno 28]`` (the run lock) or a warning per evaluation (loss.png).  Every file a run writes: one
+    ``error:`` line naming it and the cause (and, but for the timeline, the fix), nothing else on stderr but the
+    log; no traceback."""
+    run_dir = tmp_path / "run"
+    args = [f"--{k}={v}" for k, v in tiny(run_dir, **{"model.num_layers": 2, "training.steps": 2,
+                                                      "checkpoint.interval": 2, "logging.level": "INFO"}).items()]
+    _full_disk(monkeypatch, name)
+    code, _, err = _cli(capsys, "train", "configs/default.yaml", "--parallel.pipeline=1", "--parallel.virtual=1",
+                        "--logging.sample_every_eval=0", f"--timeline={tmp_path / 'timeline'}", *args)
+    assert code == status, err
+    assert "Traceback" not in err and "Logging error" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip() and not re.match(r"\d\d:\d\d:\d\d ", ln)]  # not the log
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert shown in lines[0] and "No space left on device" in lines[0], err
+    assert "free space" in lines[0] or name == "timeline.json", err
 
 
 # ---- tokenizers and token files -------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ not written (as ``save_pretrained``) and reads the word embedding.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -21,14 +20,13 @@ from pathlib import Path
 from typing import Iterable
 
 from ..config import ConfigError, ModelConfig
-from ..config.init_from import weight_files
-from ..files import WriteError, make_folder, write_atomically
+from ..config.init_from import BUFFERS, weight_files
+from ..files import write_folder
 from ..models import HuggingFace, get_family
 from ..models.chunk import canonical_names
 
 __all__ = ["hf_config", "to_hf_tensors", "load_hf_weights", "write_hf_folder", "hf_tensor_names"]
 
-_BUFFERS = re.compile(r".*(\.attn\.bias|\.attn\.masked_bias|\.rotary_emb\.inv_freq)$")  # old checkpoints' buffers
 
 
 def _hf(family: str) -> HuggingFace:
@@ -80,26 +78,23 @@ def hf_config(cfg: ModelConfig, ffn_hidden_size: int, dtype: str = "float32") ->
 
 
 def write_hf_folder(out: str | os.PathLike, cfg: ModelConfig, ffn_hidden_size: int, state: dict,
-                    dtype: str = "float32", tokenizer_json: str | None = None) -> list[Path]:
+                    dtype: str = "float32", tokenizer_json: str | None = None, overwrite: bool = False) -> list[Path]:
     """Write ``config.json``, ``model.safetensors`` (and, given ``tokenizer_json``, ``tokenizer.json`` +
-    ``tokenizer_config.json``) into folder ``out`` (created if missing; its parent must exist).  Each file is
-    written under a temporary name and renamed when complete.  Returns the paths written.
+    ``tokenizer_config.json``) as the content of folder ``out`` (:func:`engine.training.files.write_folder`: a
+    folder that holds files is refused unless ``overwrite``, then replaced whole once every file is complete, so no
+    stale file of an earlier export stays beside the new ones).  Returns the paths written.
 
     Raises:
-        ValueError: the parent folder of ``out`` does not exist, or ``out`` is a file.
+        ValueError: the parent folder of ``out`` does not exist, ``out`` is a file, or ``out`` holds files and
+            ``overwrite`` is false.
         WriteError: a file or ``out`` could not be written (read-only or full disk, no permission), naming it and
-            the operating system's reason; no file is left half-written.
+            the operating system's reason; ``out`` is left as it was.
         ConfigError: the family has no Hugging Face names."""
     import torch
     from safetensors.torch import save_file
-    out = Path(out)
-    if out.exists() and not out.is_dir():
+    if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"--out={str(out)!r} is a file; --format hf writes a folder (config.json, "
                          f"model.safetensors): pass a folder path")
-    if not out.parent.is_dir():
-        raise ValueError(f"--out={str(out)!r}: folder {str(out.parent)!r} does not exist; create it first")
-    created = not out.exists()
-    make_folder(out)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     tensors = {k: v.detach().to(torch_dtype).contiguous() for k, v in to_hf_tensors(cfg.family, state).items()}
     config = hf_config(cfg, ffn_hidden_size, dtype)
@@ -109,13 +104,7 @@ def write_hf_folder(out: str | os.PathLike, cfg: ModelConfig, ffn_hidden_size: i
         tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_length}
         writes += [("tokenizer.json", lambda p: p.write_text(tokenizer_json)),
                    ("tokenizer_config.json", lambda p: p.write_text(json.dumps(tok_config, indent=2) + "\n"))]
-    try:
-        return write_atomically([(out / name, write) for name, write in writes])
-    except WriteError:
-        if created:  # nothing was written: leave no empty folder behind
-            with contextlib.suppress(OSError):
-                out.rmdir()
-        raise
+    return write_folder(out, writes, overwrite=overwrite)
 
 
 def load_hf_weights(folder: str | os.PathLike, cfg: ModelConfig, names: Iterable[str]) -> dict:
@@ -131,7 +120,7 @@ def load_hf_weights(folder: str | os.PathLike, cfg: ModelConfig, names: Iterable
     prefix = hf.prefix
     stored = {(k if k.startswith(prefix) or k == "lm_head.weight" else prefix + k): k for k in files}
     known = {_hf_name(hf, n)[0] for n in canonical_names(cfg, cfg.ffn_hidden_size or 4 * cfg.hidden_size)}
-    extra = sorted(k for full, k in stored.items() if full not in known and not _BUFFERS.match(k)
+    extra = sorted(k for full, k in stored.items() if full not in known and not BUFFERS.match(k)
                    and not (full == "lm_head.weight" and cfg.tie_embeddings))
     if extra:
         raise ConfigError(f"model.init_from={str(folder)!r}: tensors {extra[:4]} (of {len(extra)}) have no place "

@@ -49,7 +49,10 @@ _BLOCK = 1 << 20
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, corrupt, truncated or does not match the model."""
+    """A checkpoint is missing, corrupt, truncated or does not match the model (or cannot be written); the message
+    names it and the fix (the whole report: ``engine.runtime.spawn.needs_traceback``)."""
+
+    one_line = True
 
 
 def file_digest(path: str | os.PathLike) -> dict:

@@ -6,4 +6,7 @@ __all__ = ["ConfigError"]
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field, its value and the fix."""
+    """A configuration value is invalid; the message names the field, its value and the fix (the whole report: a
+    rank raising it is reported without its traceback, ``engine.runtime.spawn.needs_traceback``)."""
+
+    one_line = True

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from .errors import ConfigError
 from .schema import TrainConfig
 
 __all__ = ["ARCHITECTURE_FIELDS", "read_hf_config", "model_fields", "resolve_init_from", "check_init_from",
-           "weight_files"]
+           "weight_files", "weight_headers", "BUFFERS"]
 
 ARCHITECTURE_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                        "ffn_hidden_size", "vocab_size", "norm_epsilon", "rope_theta", "max_position_embeddings",
@@ -73,8 +75,8 @@ def model_fields(hf: dict, where: str = "config.json") -> dict:
                           f"{' / '.join(family.hf.architectures)} weights for model_type={model_type!r}")
     try:
         fields = family.hf.fields(hf)
-    except ValueError as exc:  # registry.unsupported: "key=value, which ... cannot reproduce (why)"
-        raise ConfigError(f"model.init_from: {where} has {exc}; use a checkpoint without it") from None
+    except ValueError as exc:  # registry.unsupported / hf_value: "key=value, ... (why); the fix"
+        raise ConfigError(f"model.init_from: {where} has {exc}") from None
     return {"family": family.name, **fields}
 
 
@@ -108,11 +110,14 @@ def resolve_init_from(config: TrainConfig, explicit: Iterable[str] = ()) -> Trai
 
 def check_init_from(config: TrainConfig) -> None:
     """Validation of ``model.init_from`` (part of ``validate``): every architecture field equals the folder's
-    (:func:`resolve_init_from` with all fields explicit), the weights file exists, and the data's tokens mean
-    what the checkpoint's vocabulary means.
+    (:func:`resolve_init_from` with all fields explicit), every weights file is whole (its header checked against
+    the file, :func:`weight_headers`: a truncated, damaged or missing file, or a tensor that is not floating point,
+    is refused naming it), and the data's tokens mean what the checkpoint's vocabulary means.  The tensors against
+    the model: :func:`engine.training.checkpoint.init_from.check_init_weights` (the launchers call it beside the
+    data check: it builds the model's parts).
 
     Raises:
-        ConfigError: naming the field, both values and the fix."""
+        ConfigError: naming the field or file, both values and the fix."""
     resolve_init_from(config, ARCHITECTURE_FIELDS)
     folder, d = Path(config.model.init_from), config.data
     weight_files(folder)
@@ -129,22 +134,98 @@ def check_init_from(config: TrainConfig) -> None:
 
 
 def weight_files(folder: Path) -> dict[str, Path]:
-    """Hugging Face tensor name -> the ``.safetensors`` file holding it (one file, or a sharded index).
+    """Hugging Face tensor name -> the ``.safetensors`` file holding it (one file, or a sharded index), every
+    file's header checked (:func:`weight_headers`).
 
     Raises:
-        ConfigError: no ``model.safetensors`` and no readable ``model.safetensors.index.json``."""
+        ConfigError: as :func:`weight_headers`."""
+    return weight_headers(folder)[0]
+
+
+_AGAIN = "copy, download or export (pipecast export --format hf) the folder again"
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+             "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}  # safetensors' dtypes (its format spec)
+BUFFERS = re.compile(r".*(\.attn\.bias|\.attn\.masked_bias|\.rotary_emb\.inv_freq)$")
+"""Names of old checkpoints' buffers (attention masks, rotary frequencies): no parameter takes them."""
+
+
+def weight_headers(folder: Path) -> tuple[dict[str, Path], dict[Path, dict]]:
+    """``({Hugging Face tensor name: the .safetensors file holding it}, {file: its header entries})`` of one file
+    or a sharded index, every file's header read and checked against the file (:func:`_safetensors_header`).
+
+    Raises:
+        ConfigError: no weights file, an unreadable index or one naming a file that lacks the tensor, or a file the
+            header check refuses -- naming it and the fix."""
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map: Any = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise ConfigError(f"model.init_from: {str(index)!r} is not a safetensors index ({exc})") from None
-        return {k: folder / v for k, v in weight_map.items()}
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise ConfigError(f"model.init_from={str(folder)!r} has no model.safetensors (nor a sharded "
-                          f"model.safetensors.index.json); pipecast reads safetensors weights only -- save the "
-                          f"model with save_pretrained(..., safe_serialization=True)")
-    from safetensors import safe_open
-    with safe_open(str(single), framework="pt") as fh:
-        return {k: single for k in fh.keys()}
+    if not index.is_file():
+        single = folder / "model.safetensors"
+        if not single.is_file():
+            raise ConfigError(f"model.init_from={str(folder)!r} has no model.safetensors (nor a sharded "
+                              f"model.safetensors.index.json); pipecast reads safetensors weights only -- save "
+                              f"the model with save_pretrained(..., safe_serialization=True)")
+        header = _safetensors_header(single)
+        return {k: single for k in header}, {single: header}
+    try:
+        weight_map: Any = json.loads(index.read_text())["weight_map"]
+        files = {str(k): folder / str(v) for k, v in weight_map.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"model.init_from: {str(index)!r} is not a safetensors index ({exc}); {_AGAIN}") from None
+    headers = {path: _safetensors_header(path) for path in sorted(set(files.values()))}
+    for name, path in files.items():
+        if name not in headers[path]:
+            raise ConfigError(f"model.init_from: {str(index)!r} places tensor {name!r} in {str(path)!r}, which "
+                              f"does not hold it; {_AGAIN}")
+    return files, headers
+
+
+def _safetensors_header(path: Path) -> dict:
+    """``{tensor name: {"dtype", "shape", "data_offsets"}}`` from the header of the safetensors file ``path``
+    (stdlib: an 8-byte little-endian header size, the JSON header, then the data), checked against the file: the
+    header whole, each entry's bytes ``prod(shape) x itemsize``, floating-point weights, and the file exactly as
+    long as the data the header describes (a truncated copy is shorter).  The format:
+    github.com/huggingface/safetensors (README).
+
+    Raises:
+        ConfigError: naming the file, what is wrong and the fix."""
+    where = f"model.init_from: {str(path)!r}"
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            header = json.loads(fh.read(length).decode("utf-8")) if 2 <= length <= size - 8 else None
+    except FileNotFoundError:
+        raise ConfigError(f"{where} is missing; {_AGAIN}") from None
+    except OSError as exc:
+        raise ConfigError(f"{where} cannot be read: {exc.strerror or exc}; check the file's permissions") from None
+    except ValueError as exc:  # not JSON / not UTF-8
+        raise ConfigError(f"{where} has a damaged header ({exc}); {_AGAIN}") from None
+    if header is None:
+        raise ConfigError(f"{where} is not a whole safetensors file ({size:,} bytes, no complete header); {_AGAIN}")
+    if not isinstance(header, dict):
+        raise ConfigError(f"{where} has a damaged header (a JSON {type(header).__name__}); {_AGAIN}")
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    end = max((_entry_end(where, name, e) for name, e in entries.items()), default=0)
+    ints = [k for k, e in entries.items() if not e["dtype"].startswith(("F", "BF")) and not BUFFERS.match(k)]
+    if ints:
+        raise ConfigError(f"{where}: tensor {ints[0]!r} is {entries[ints[0]]['dtype']}, not floating point; model "
+                          f"weights are F32 / F16 / BF16 -- {_AGAIN}")
+    if size != 8 + length + end:
+        state = "truncated" if size < 8 + length + end else "damaged (longer than its header describes)"
+        raise ConfigError(f"{where} is {state}: {size:,} bytes, its header describes {8 + length + end:,}; "
+                          f"{_AGAIN}")
+    return entries
+
+
+def _entry_end(where: str, name: str, entry) -> int:
+    """The end offset of one header entry's bytes, after checking that they hold ``prod(shape)`` elements."""
+    try:
+        start, end = (int(x) for x in entry["data_offsets"])
+        count = math.prod(int(x) for x in entry["shape"])
+        itemsize = _ITEMSIZE[entry["dtype"]]
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"{where} has a damaged header entry for tensor {name!r} ({entry!r}); {_AGAIN}") from None
+    if not 0 <= start <= end or end - start != count * itemsize:
+        raise ConfigError(f"{where}: tensor {name!r} has {end - start:,} bytes for shape {entry['shape']} of "
+                          f"{entry['dtype']}; the header is damaged -- {_AGAIN}")
+    return end

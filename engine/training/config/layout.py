@@ -9,6 +9,7 @@ import dataclasses
 from ...plan.pass_costs import PassCosts
 from ...plan.registry import get_schedule
 from ...plan.table import validate_interleaved_microbatches
+from ...plan.types import placement_of
 from ..models import get_family
 from .errors import ConfigError
 from .schema import TrainConfig, schedules_taking
@@ -182,7 +183,8 @@ def _validate_shard(config: TrainConfig, spec=None) -> None:
 
     Raises:
         ConfigError: an unknown value; ``optimizer`` / ``full`` with ``parallel.tensor > 1``; ``full`` with
-            ``cuda_graphs.enabled`` or with tied embeddings under a V-placement schedule (``spec``: the schedule's
+            ``cuda_graphs.enabled`` or with tied embeddings whose two ends the placement puts on one rank (a V
+            placement; any placement of several chunks on one pipeline rank) (``spec``: the schedule's
             registry entry, None for ``tuned``: the trainer checks the resolved one).
     """
     shard, p = config.parallel.shard, config.parallel
@@ -203,11 +205,14 @@ def _validate_shard(config: TrainConfig, spec=None) -> None:
                           "addresses of its capture; use parallel.shard=optimizer (ZeRO-1: parameters whole and in "
                           "place, optimizer state sharded) or parallel.shard=none with CUDA graphs, or "
                           "cuda_graphs.enabled=false to keep parallel.shard=full")
-    if spec is not None and spec.placement == "v" and config.model.tie_embeddings and p.pipeline > 1:
-        raise ConfigError(f"parallel.shard=full with parallel.schedule={p.schedule} ({spec.name}, V placement) and "
+    stages = () if spec is None else placement_of(spec.placement, p.pipeline, p.virtual)
+    if config.model.tie_embeddings and len(stages) > 1 and stages[0][0] == stages[-1][0]:
+        raise ConfigError(f"parallel.shard=full with parallel.schedule={p.schedule} ({spec.name}, {spec.placement} "
+                          f"placement) at parallel.pipeline={p.pipeline}, parallel.virtual={p.virtual} and "
                           "model.tie_embeddings=true: the first and the last stage are two chunks of one rank sharing "
                           "one Parameter, which two fully_shard units cannot share; use a looped schedule (1f1b, "
-                          "interleaved, zb_h1), model.tie_embeddings=false, or parallel.shard=optimizer")
+                          "interleaved, zb_h1) on parallel.pipeline >= 2, model.tie_embeddings=false, or "
+                          "parallel.shard=optimizer")
 
 
 def validate_tensor_parallel(config: TrainConfig) -> None:

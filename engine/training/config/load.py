@@ -254,5 +254,8 @@ def _read_config_file(path: Path) -> Any:
 
 
 def dump_config(config: TrainConfig, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML (loadable again with :func:`load_config`)."""
-    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    """Write the resolved config as YAML (loadable again with :func:`load_config`).  Raises
+    :class:`~engine.training.files.WriteError` naming ``path`` when the operating system refuses (a full disk)."""
+    from ..files import writing
+    with writing(path):
+        Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))

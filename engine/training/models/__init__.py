@@ -12,10 +12,10 @@ because a config is loaded (and its family checked) before torch is imported.
 """
 from __future__ import annotations
 
-from .registry import FamilySpec, HuggingFace, family_names, get_family, register_family, unsupported
+from .registry import FamilySpec, HuggingFace, family_names, get_family, hf_value, register_family, unsupported
 from . import gpt2, llama  # noqa: F401 - the built-in families register at import
 
-__all__ = ["FamilySpec", "HuggingFace", "register_family", "get_family", "family_names", "unsupported",
+__all__ = ["FamilySpec", "HuggingFace", "register_family", "get_family", "family_names", "unsupported", "hf_value",
            "DEFAULT_FAMILY"]
 
 DEFAULT_FAMILY = gpt2.SPEC.name

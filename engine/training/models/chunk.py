@@ -32,7 +32,7 @@ from ..config import ModelConfig
 from .registry import FamilySpec, get_family
 
 __all__ = ["ModelChunk", "stage_layers", "build_model_chunks", "chunk_stage", "canonical_module", "family_parts",
-           "canonical_names"]
+           "canonical_names", "canonical_shapes"]
 
 log = logging.getLogger("pipecast." + __name__.rsplit(".", 1)[-1])
 
@@ -253,8 +253,17 @@ def family_parts(cfg: ModelConfig, ffn_hidden_size: int) -> dict[str, nn.Module]
 def canonical_names(cfg: ModelConfig, ffn_hidden_size: int) -> list[str]:
     """Every parameter name of :func:`canonical_module` for the whole model of ``cfg`` (the untied head included
     when untied), without building it."""
+    return list(canonical_shapes(cfg, ffn_hidden_size))
+
+
+def canonical_shapes(cfg: ModelConfig, ffn_hidden_size: int) -> dict[str, tuple[int, ...]]:
+    """:func:`canonical_names` -> each parameter's shape (the untied head: the word embedding's ``[V, h]``), from
+    the family's parts on the meta device."""
     parts = family_parts(cfg, ffn_hidden_size)
-    names = [f"embedding.{n}" for n, _ in parts["embedding"].named_parameters()]
-    names += [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n, _ in parts["block"].named_parameters()]
-    names += [f"final_norm.{n}" for n, _ in parts["final_norm"].named_parameters()]
-    return names + ([] if cfg.tie_embeddings else ["output_head.word.weight"])
+    shapes = {f"embedding.{n}": tuple(p.shape) for n, p in parts["embedding"].named_parameters()}
+    shapes |= {f"layers.{i}.{n}": tuple(p.shape) for i in range(cfg.num_layers)
+               for n, p in parts["block"].named_parameters()}
+    shapes |= {f"final_norm.{n}": tuple(p.shape) for n, p in parts["final_norm"].named_parameters()}
+    if not cfg.tie_embeddings:
+        shapes["output_head.word.weight"] = shapes["embedding.word.weight"]
+    return shapes

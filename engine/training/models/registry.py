@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # annotations only: the config imports this module
     from ..config import ModelConfig
 
-__all__ = ["FamilySpec", "HuggingFace", "TP_STYLES", "register_family", "get_family", "family_names", "unsupported"]
+__all__ = ["FamilySpec", "HuggingFace", "TP_STYLES", "register_family", "get_family", "family_names", "unsupported",
+           "hf_value"]
 
 TP_STYLES = ("colwise", "fused_qkv", "rowwise", "norm")
 """How a block's submodule is split over the tensor-parallel ranks (:attr:`FamilySpec.tensor_parallel`):
@@ -161,4 +162,25 @@ def family_names() -> tuple[str, ...]:
 
 def unsupported(key: str, value, why: str) -> ValueError:
     """The error :attr:`HuggingFace.fields` raises for a ``config.json`` option its family cannot reproduce."""
-    return ValueError(f"{key}={value!r}, which pipecast's model cannot reproduce ({why})")
+    return ValueError(f"{key}={value!r}, which pipecast's model cannot reproduce ({why}); use a checkpoint without "
+                      f"it")
+
+
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", dict: "a JSON object"}
+
+
+def hf_value(hf: dict, key: str, default, kind: type = int):
+    """``hf[key]`` of a ``config.json`` (``default`` when absent or null), checked to be a ``kind`` (``int``;
+    ``float``, which takes integers too; ``bool``; ``dict``): what :attr:`HuggingFace.fields` reads numbers with.
+
+    Raises:
+        ValueError: another type (a damaged or hand-edited file), naming the key and the value."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is float and number:
+        return float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"{key}={value!r}, not {_KINDS[kind]}; fix that value in the file (damaged or hand-edited?)")
+    return value

@@ -38,6 +38,14 @@ from .dtensor import align_grads, local
 __all__ = ["GradSync"]
 
 
+def _versions(g: torch.Tensor) -> tuple:
+    """What an in-place write to ``g`` changes: its version counter and that of its local tensor.  A DTensor's
+    in-place op (autograd accumulating a second contribution into a DTensor ``.grad``) bumps the wrapper's
+    counter only (the local op runs below autograd's version tracking); a write to ``to_local()`` bumps the local
+    one only."""
+    return g._version, local(g)._version
+
+
 class _Bucket:
     """The parameters of one model chunk, reduced as one flat tensor."""
 
@@ -53,11 +61,11 @@ class _Bucket:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         align_grads(self.params)
-        self.snapshot = [(p.grad, local(p.grad)._version) for p in self.params]
+        self.snapshot = [(p.grad, _versions(p.grad)) for p in self.params]
         return torch.cat([local(p.grad).reshape(-1) for p in self.params])  # local shards of DTensor grads
 
     def changed_since_flatten(self) -> bool:
-        return any(p.grad is not g or local(g)._version != v for p, (g, v) in zip(self.params, self.snapshot))
+        return any(p.grad is not g or _versions(g) != v for p, (g, v) in zip(self.params, self.snapshot))
 
     def unflatten(self, flat: torch.Tensor) -> None:
         offset = 0

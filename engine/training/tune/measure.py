@@ -99,8 +99,8 @@ def probe_memory(tr) -> list[dict]:
     """Per model chunk of this rank: ``{"stage", "activation_bytes", "pending_w_bytes", "static_bytes",
     "tied_bytes"}``.
 
-    One microbatch runs forward through the chunk alone (``[s, b, h]`` random input for a non-first stage, the
-    first training microbatch's tokens / labels) with ``torch.autograd.graph.saved_tensors_hooks`` counting the
+    One microbatch runs forward through the chunk alone (a non-first stage: random input of
+    :func:`message_shape`; the first: the first training microbatch's tokens / labels) with ``torch.autograd.graph.saved_tensors_hooks`` counting the
     distinct storages autograd saves that are not parameters; for split-backward plans under the layer-level
     deferral, followed by ``B`` (:func:`~engine.runtime.split_backward.backward_input_step`) and the bytes its
     pending ``W`` holds; the ``W`` is dropped, not run, and gradients are cleared afterwards (data-parallel sync
@@ -122,11 +122,14 @@ def probe_memory(tr) -> list[dict]:
 
 
 def _static_bytes(tr, params) -> int:
+    """This rank's bytes of ``params``, their gradients and optimizer state (a DTensor's local shard)."""
     import torch
+
+    from ...runtime.storage import local_bytes
     total = 0
     for p in params:
-        total += p.nbytes + (p.grad.nbytes if p.grad is not None else p.nbytes)
-        total += sum(t.nbytes for t in tr.optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor))
+        total += local_bytes(p) + local_bytes(p.grad if p.grad is not None else p)
+        total += sum(local_bytes(t) for t in tr.optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor))
     return total
 
 
@@ -134,17 +137,14 @@ def _probe_chunk(tr, chunk, batch: dict) -> tuple[int, int]:
     import torch
 
     from ...runtime.split_backward import backward_input_step, weight_grad_deferral
-    m, s = tr.config.model, tr.config.training
-    x = None if chunk.is_first else torch.randn(m.seq_length, s.micro_batch_size, m.hidden_size, device=tr.device,
-                                               requires_grad=True)
+    from ...runtime.storage import storage_sizes
+    x = None if chunk.is_first else torch.randn(message_shape(tr), device=tr.device, requires_grad=True)
     chunk.set_input_tensor(x)
-    params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
+    params = {ptr for p in chunk.parameters() for ptr in storage_sizes(p)}
     saved: dict[int, int] = {}
 
     def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
+        saved.update((ptr, n) for ptr, n in storage_sizes(t).items() if ptr not in params)
         return t
 
     split = tr.plan.splits_backward
@@ -159,16 +159,24 @@ def _probe_chunk(tr, chunk, batch: dict) -> tuple[int, int]:
     return sum(saved.values()), work.held_bytes()
 
 
+def message_shape(tr) -> tuple:
+    """The ``[s, b, h]`` activation a stage receives (``[s/T, b, h]`` under sequence parallelism)."""
+    from ...runtime.step import get_tensor_shapes
+    (shape,) = get_tensor_shapes(seq_length=tr.config.model.seq_length, decoder_seq_length=None,
+                                 micro_batch_size=tr.config.training.micro_batch_size, config=tr.mp_config,
+                                 tp_group=tr.pg.tp, cp_group=None)
+    return shape
+
+
 def ping_pong(tr, rounds: int = 25, skip: int = 5) -> float | None:
-    """Half the median round trip (ms) of one ``[s, b, h]`` activation between pipeline ranks 0 and 1 of the first
+    """Half the median round trip (ms) of one activation (:func:`message_shape`) between pipeline ranks 0 and 1 of the first
     data-parallel replica (``None`` on other ranks and with one pipeline rank)."""
     import torch
     import torch.distributed as dist
     if tr.pp_size < 2 or tr.dp_rank != 0 or tr.pp_rank > 1:
         return None
-    m, s = tr.config.model, tr.config.training
     dtype = tr.mp_config.pipeline_dtype or torch.float32
-    t = torch.zeros(m.seq_length, s.micro_batch_size, m.hidden_size, dtype=dtype, device=tr.device)
+    t = torch.zeros(message_shape(tr), dtype=dtype, device=tr.device)
     peer = dist.get_global_rank(tr.pg.pp, 1 - tr.pp_rank)
     trips = []
     for _ in range(rounds):

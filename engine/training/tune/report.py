@@ -37,14 +37,20 @@ def print_table(ranked: list[Prediction], own: Candidate, budget_bytes: float | 
     elif top is mine:
         print(f"best: the config's own schedule ({own.label}), predicted {mine.predicted_ms:.1f} ms per step")
     elif chosen is mine:
-        why = (f"less than the measurement noise ({100 * min_gain:.1f}%; --min-gain sets another margin)"
-               if gain_source == "noise" else f"less than --min-gain={100 * min_gain:g}%")
         print(f"best: the config's own schedule ({own.label}): the top, {top.candidate.label}, is predicted only "
-              f"{gain:.1f}% faster, {why}")
+              f"{gain:.1f}% faster, {margin_reason(min_gain, gain_source)}")
     else:
         print(f"best: {top.candidate.label}, predicted {top.predicted_ms:.1f} ms per step, {gain:.1f}% faster than "
               f"the config's own ({own.label}, #{ranked.index(mine) + 1}); overrides: "
               f"{shlex.join(top.candidate.arguments())}")
+
+
+def margin_reason(min_gain: float, gain_source: str = "noise") -> str:
+    """Why a gain does not change the recommendation: below ``min_gain`` (a fraction), the measured noise or the
+    ``--min-gain`` the user gave."""
+    if gain_source == "noise":
+        return f"less than the measurement noise ({100 * min_gain:.1f}%; --min-gain sets another margin)"
+    return f"less than --min-gain={100 * min_gain:g}%"
 
 
 def print_verified(rows: list[dict], own_measuring_ms: float | None = None) -> None:

@@ -111,9 +111,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except RankError as exc:
-        if exc.traceback:
-            print(exc.traceback.rstrip(), file=sys.stderr)
-        print(f"error: {exc}", file=sys.stderr)
+        from ..launch import print_rank_error
+        print_rank_error(exc)
         return 1
     except Terminated as exc:  # SIGTERM: nothing to save (a tune writes its result only at the end)
         print(f"error: {exc}; no tune result was written", file=sys.stderr)
@@ -243,6 +242,8 @@ def _prepare(args) -> tuple[TrainConfig, list[Candidate], Candidate]:
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else config.world_size
     config = validate_world_size(config, world)
     check_data(config)
+    from ..checkpoint.init_from import check_init_weights
+    check_init_weights(config)
     check_outputs(config)
     gloo_io.check_environment()
     own = config_candidate(config)
@@ -363,7 +364,8 @@ def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> 
               "verified": [], "tuned_for": tuned_for(config), "memory_budget_gib": args.memory_budget_gib}
     if args.verify:
         result["verified"] = rows = _verify(args, config, ranked, own, measured)
-        result["best"] = entry(verified_choice(ranked, rows, own, budget, min_gain))
+        result["best"] = entry(verified_choice(ranked, rows, own, budget, min_gain,
+                                               "--min-gain" if args.min_gain is not None else "noise"))
     return result
 
 
@@ -393,17 +395,24 @@ def choose(ranked, own: Candidate, budget_bytes: float | None, min_gain: float):
     return top
 
 
-def verified_choice(ranked, rows: list[dict], own: Candidate, budget_bytes: float | None, min_gain: float):
+def verified_choice(ranked, rows: list[dict], own: Candidate, budget_bytes: float | None, min_gain: float,
+                    gain_source: str = "noise"):
     """The recommendation after ``--verify``: the verified candidate that fits and measured fastest, unless the
-    config's own measured within ``min_gain`` of it; ``None`` when no verified candidate fits."""
+    config's own measured within ``min_gain`` of it (then the line says so, and why); ``None`` when no verified
+    candidate fits."""
+    from .report import margin_reason
     by_label = {p.candidate.label: p for p in ranked}
     fitting = [r for r in rows if by_label[r["label"]].fits(budget_bytes)]
     if not fitting:
         return None
     fastest = min(fitting, key=lambda r: r["measured_ms"])
     mine = next((r for r in fitting if r["is_config"]), None)
-    if mine is not None and mine["measured_ms"] <= fastest["measured_ms"] * (1 + min_gain):
-        fastest = mine
+    if mine is not None and mine is not fastest and mine["measured_ms"] <= fastest["measured_ms"] * (1 + min_gain):
+        gain = 100 * (1 - fastest["measured_ms"] / mine["measured_ms"])
+        print(f"recommendation after verifying: the config's own schedule, {mine['label']} (measured "
+              f"{mine['measured_ms']:.1f} ms): the fastest measured, {fastest['label']} ({fastest['measured_ms']:.1f} "
+              f"ms), is only {gain:.1f}% faster, {margin_reason(min_gain, gain_source)}")
+        return by_label[mine["label"]]
     print(f"recommendation after verifying: {fastest['label']} (measured {fastest['measured_ms']:.1f} ms)")
     return by_label[fastest["label"]]
 

@@ -65,3 +65,98 @@ def test_init_from_sets_fields_and_refuses_disagreement(tmp_path):
     assert (config.model.family, config.model.num_layers, config.model.hidden_size) == ("llama", 2, 32)
     with pytest.raises(ConfigError, match=r"model.num_layers=4 disagrees.*num_layers = 2"):
         load_config(None, base | {"model.num_layers": 4})
+
+
+def _rewrite_header(path, change):
+    """Rewrite the JSON header of the safetensors file ``path`` with ``change(header)`` (the data kept)."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    change(header)
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+
+
+def _retensor(path, change):
+    """Rewrite the safetensors file ``path`` with ``change(tensors)`` (a whole, valid file)."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path)
+
+
+DAMAGE = {  # name -> (damage the folder, words of the one error line)
+    "truncated": (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:5000]),
+                  ["model.safetensors' is truncated: 5,000 bytes", "again"]),
+    "no header": (lambda f: (f / "model.safetensors").write_bytes(b"abc"), ["not a whole safetensors file"]),
+    "bad header": (lambda f: (f / "model.safetensors").write_bytes(b"\x08\0\0\0\0\0\0\0{oops!!}"),
+                   ["model.safetensors' has a damaged header"]),
+    "longer": (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes() + b"x"),
+               ["longer than its header describes"]),
+    "no weights": (lambda f: (f / "model.safetensors").unlink(), ["has no model.safetensors"]),
+    "config not JSON": (lambda f: (f / "config.json").write_text("{oops"), ["config.json' is not readable JSON"]),
+    "config value type": (lambda f: (f / "config.json").write_text(json.dumps(
+        json.loads((f / "config.json").read_text()) | {"num_hidden_layers": "two"})),
+        ["config.json has num_hidden_layers='two', not an integer"]),
+    "rope not an object": (lambda f: (f / "config.json").write_text(json.dumps(
+        json.loads((f / "config.json").read_text()) | {"rope_parameters": [1]})), ["rope_parameters=[1]"]),
+    "wider config": (lambda f: (f / "config.json").write_text(json.dumps(
+        json.loads((f / "config.json").read_text()) | {"intermediate_size": 128})),
+        ["model.safetensors': tensor 'model.layers.0.mlp.gate_proj.weight' has shape [64, 32], but config.json's "
+         "model needs [128, 32]"]),
+    "integer dtype": (lambda f: _rewrite_header(f / "model.safetensors", lambda h: h["model.norm.weight"].update(
+        dtype="I32")), ["tensor 'model.norm.weight' is I32, not floating point"]),
+    "missing tensor": (lambda f: _retensor(f / "model.safetensors", lambda t: t.pop("model.norm.weight")),
+                       ["tensors ['model.norm.weight'] (of 1) are missing"]),
+    "extra tensor": (lambda f: _retensor(f / "model.safetensors", lambda t: t.update(
+        {"model.extra.bias": torch.zeros(3)})), ["tensors ['model.extra.bias'] (of 1) have no place"]),
+    "missing shard": (lambda f: ((f / "model.safetensors").rename(f / "a.safetensors"), (
+        f / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "b.safetensors"}}))),
+        ["b.safetensors' is missing"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_a_damaged_init_from_folder_is_refused_naming_the_file(tmp_path, capsys, case):
+    """Issue 36: a truncated model.safetensors reached the ranks as a raw ``SafetensorError`` traceback (exit 1).
+    Every damage to the folder (weights cut short or longer, a damaged header, a missing file or shard, config.json
+    not JSON or with a value of another type, weights of another shape, an integer dtype, a missing or extra tensor)
+    is a ConfigError from the config check, naming the file (or tensor) and the fix: ``pipecast train`` exits 2
+    with that one line, before any rank starts."""
+    from engine.cli import main
+    from engine.training.checkpoint.init_from import check_init_weights
+    damage, words = DAMAGE[case]
+    folder = _folder(tmp_path / "hf")
+    base = {"model.init_from": str(folder), "model.seq_length": 16, "logging.run_dir": str(tmp_path / "run")}
+    check_init_weights(load_config(None, base))  # intact: accepted
+    damage(folder)
+    with pytest.raises(ConfigError) as info:  # the config check, then (the tensors against the model) the launcher's
+        check_init_weights(load_config(None, base))
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    (tmp_path / "run.yaml").write_text("parallel: {pipeline: 1}\n")
+    assert main(["train", str(tmp_path / "run.yaml"), f"--model.init_from={folder}", "--model.seq_length=16",
+                 f"--logging.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and words[0] in err, err
+
+
+def test_init_from_accepts_both_families_and_a_sharded_folder(tmp_path):
+    """The header checks pass on intact folders: gpt2 (its Conv1D weights stored transposed), llama, and a llama
+    folder split into two shards with an index."""
+    from engine.training.checkpoint.init_from import check_init_weights
+    for family, kw in CASES[:3]:
+        cfg, chunk = _model(family, kw)
+        folder = tmp_path / f"{family}{len(kw)}"
+        write_hf_folder(folder, cfg, 64, dict(canonical_module([chunk]).state_dict()))
+        check_init_weights(load_config(None, {"model.init_from": str(folder), "model.seq_length": 16}))
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(folder / "model.safetensors")
+    names = sorted(tensors)
+    halves = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({k: tensors[k] for k in part}, folder / file)
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: file for file, part in halves.items() for k in part}}))
+    check_init_weights(load_config(None, {"model.init_from": str(folder), "model.seq_length": 16}))

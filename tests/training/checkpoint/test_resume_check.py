@@ -126,3 +126,37 @@ def test_the_cli_picks_the_checkpoint_a_resume_loads_before_any_rank_starts(tmp_
     (tmp_path / "checkpoints" / "step_00000050" / ".metadata").unlink()
     code, err = run("--resume")
     assert code == 2 and err.count("\n") == 1 and "no intact checkpoint in" in err, err
+
+
+def _warmup_cosine(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
+    """The LR of optimizer step ``step`` (0-based), written out here as the README states it: linear warmup to
+    ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr`` at ``total``."""
+    import math
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_resumed_run_follows_its_own_lr_schedule_from_the_first_step(tmp_path):
+    """Issue 36: resuming with more training.steps ran the first resumed step at the saved LR (the old schedule's)
+    and jumped after; the saved base LR also outlived a changed optimizer.lr.  Every resumed step's LR is the new
+    config's schedule at that step (a longer run, and a longer run with another peak LR, warned)."""
+    from engine import Trainer
+    base = {"model.num_layers": 2, "model.hidden_size": 16, "model.num_attention_heads": 2, "model.seq_length": 8,
+            "data.max_bytes": 50_000, "training.micro_batch_size": 1, "training.num_microbatches": 1,
+            "training.eval_interval": 0, "optimizer.warmup_steps": 2, "optimizer.lr": 1e-2, "optimizer.min_lr": 1e-3,
+            "logging.progress_bar": False, "logging.run_dir": str(tmp_path / "run"), "training.steps": 5}
+    with Trainer(load_config(None, base)) as first:
+        first.train(steps=4)
+        first.save()
+    for longer in ({"training.steps": 12}, {"training.steps": 12, "optimizer.lr": 5e-3}):
+        config = load_config(None, {**base, **longer})
+        o = config.optimizer
+        with Trainer(config) as second:
+            assert second.load() is not None and second.step == 4
+            lrs = [second.train_step()["lr"] for _ in range(8)]
+        want = [_warmup_cosine(k, o.lr, o.min_lr, o.warmup_steps, 12) for k in range(4, 12)]
+        assert lrs == pytest.approx(want, rel=1e-12, abs=0), (longer, lrs, want)

@@ -171,9 +171,10 @@ def test_shard_refusals_before_any_process_group():
                                         "model.num_layers=2"]))
     with pytest.raises(ConfigError, match="parallel.shard=full with cuda_graphs.enabled=true.*parallel.shard=optimizer"):
         validate(load_config(None, ["parallel.shard=full", "cuda_graphs.enabled=true", *base]))
-    with pytest.raises(ConfigError, match="parallel.shard=full with parallel.schedule=zbv"):
-        validate(load_config(None, ["parallel.shard=full", "parallel.schedule=zbv", "parallel.virtual=2",
-                                    "model.num_layers=4", "parallel.pipeline=2", "parallel.data=2"]))
+    for pipeline in (2, 1):  # at pipeline 1 too: rank 0 holds both ends (issue 36: fully_shard refused it late)
+        with pytest.raises(ConfigError, match="parallel.shard=full with parallel.schedule=zbv"):
+            validate(load_config(None, ["parallel.shard=full", "parallel.schedule=zbv", "parallel.virtual=2",
+                                        "model.num_layers=4", f"parallel.pipeline={pipeline}", "parallel.data=2"]))
     validate(load_config(None, ["parallel.shard=full", *base]))  # accepted
     validate(load_config(None, ["parallel.shard=full"]))  # data = 1: runs as none (test_fsdp_at_data_1_runs_as_none)
     validate(load_config(None, ["parallel.shard=full", "parallel.schedule=zbv", "parallel.virtual=2",

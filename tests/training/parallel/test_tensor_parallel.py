@@ -3,8 +3,9 @@
 One spawned 4-rank gloo job runs every layout of :data:`LAYOUTS` (tp2 at pp1 = tp2 x dp2; pp2 x tp2 under 1F1B and
 interleaved 1F1B; the llama family with grouped-query attention under pp2 x tp2; both families with
 ``parallel.sequence_parallel`` under pp2 x tp2, whose P2P messages are also counted, and gpt2 with it at tp2 x dp2;
-split backward: gpt2 under ZB-V, llama under ZB-H1, their B and W passes' collectives counted, :data:`SPLIT`) for
-:data:`STEPS` steps
+split backward: gpt2 under ZB-V, llama under ZB-H1, each with and without sequence parallelism, their B and W
+passes' collectives counted, :data:`SPLIT`; gpt2 under DualPipeV with sequence parallelism at tp2 x dp2, whose V
+placement puts both ends of the tied embedding on one rank) for :data:`STEPS` steps
 with grad clipping on (so the tensor-parallel grad norm is exercised); before every optimizer step each rank gathers
 every gradient to its full tensor (``DTensor.full_tensor``) under the canonical (layout-free) names.  The reference
 is the pp1 x tp1 trainer in this process on the same global batch.
@@ -41,8 +42,13 @@ LAYOUTS = {  # name -> (model, parallel overrides); every layout runs on 4 ranks
     "tp2_pp1_sp": (GPT, dict(pipeline=1, tensor=2, sequence_parallel=True)),  # dp 2: overlapped grad reduce
     "pp2_tp2_sp_1f1b": (GPT, dict(pipeline=2, tensor=2, sequence_parallel=True)),
     "llama_pp2_tp2_sp_1f1b": (LLAMA, dict(pipeline=2, tensor=2, sequence_parallel=True)),
+    "pp2_tp2_sp_zbv": (GPT, dict(pipeline=2, virtual=2, tensor=2, sequence_parallel=True, schedule="zbv")),
+    "llama_pp2_tp2_sp_zb_h1": (LLAMA, dict(pipeline=2, tensor=2, sequence_parallel=True, schedule="zb_h1")),
+    "tp2_pp1_sp_dualpipev": (GPT, dict(pipeline=1, virtual=2, tensor=2, sequence_parallel=True,  # dp 2, V placement
+                                       schedule="dualpipev")),  # on one rank: a tied weight shared by two chunks
 }
-SPLIT = ("pp2_tp2_zbv", "llama_pp2_tp2_zb_h1")  # split backward: the B and W passes' collectives are counted
+SPLIT = ("pp2_tp2_zbv", "llama_pp2_tp2_zb_h1", "pp2_tp2_sp_zbv", "llama_pp2_tp2_sp_zb_h1")  # dp 1: at dp 2 a
+# chunk's last W also launches the overlapped data-parallel reduction (a collective by design)  # split backward: the B and W passes' collectives are counted
 GLOBAL_MICROBATCHES = 4
 
 
@@ -207,12 +213,13 @@ def test_zb_h1_gives_the_1f1b_gradients_bitwise(runs):
     runs the same kernels on the same local operands as the unsplit backward, per chunk in microbatch order
     (engine.runtime.split_backward's exactness), and the B-side collectives see the same tensors."""
     for rank, result in enumerate(runs["ranks"]):
-        split, plain = result["llama_pp2_tp2_zb_h1"], result["llama_pp2_tp2_1f1b"]
-        assert split["loss"] == plain["loss"], f"rank {rank}"
-        for step, (got, want) in enumerate(zip(split["grads"], plain["grads"])):
-            assert set(got) == set(want), f"rank {rank} step {step}"
-            for n in got:
-                assert (got[n] == want[n]).all(), f"rank {rank} step {step} {n}"
+        for name in ("llama_pp2_tp2_zb_h1", "llama_pp2_tp2_sp_zb_h1"):
+            split, plain = result[name], result[name.replace("zb_h1", "1f1b")]
+            assert split["loss"] == plain["loss"], f"{name} rank {rank}"
+            for step, (got, want) in enumerate(zip(split["grads"], plain["grads"])):
+                assert set(got) == set(want), f"{name} rank {rank} step {step}"
+                for n in got:
+                    assert (got[n] == want[n]).all(), f"{name} rank {rank} step {step} {n}"
 
 
 @pytest.mark.timeout(170)

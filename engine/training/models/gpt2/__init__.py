@@ -11,7 +11,7 @@ attn.c_proj / ln_2 / mlp.c_fc / mlp.c_proj``, ``final_norm`` -> ``transformer.ln
 """
 from __future__ import annotations
 
-from ..registry import FamilySpec, HuggingFace, register_family, unsupported
+from ..registry import FamilySpec, HuggingFace, hf_value, register_family, unsupported
 
 __all__ = ["SPEC"]
 
@@ -68,12 +68,14 @@ def _hf_fields(hf: dict) -> dict:
                       ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
         if hf.get(key, want) != want:
             raise unsupported(key, hf[key], f"pipecast's gpt2 attention has {key}={want}")
-    hidden = hf.get("n_embd", 768)
-    return {"num_layers": hf.get("n_layer", 12), "hidden_size": hidden, "num_attention_heads": hf.get("n_head", 12),
-            "num_query_groups": None, "ffn_hidden_size": hf.get("n_inner") or 4 * hidden,
-            "vocab_size": hf.get("vocab_size", 50257), "norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
-            "max_position_embeddings": hf.get("n_positions", 1024),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", True)), "activation": _GELU[act]}
+    hidden = hf_value(hf, "n_embd", 768)
+    return {"num_layers": hf_value(hf, "n_layer", 12), "hidden_size": hidden,
+            "num_attention_heads": hf_value(hf, "n_head", 12), "num_query_groups": None,
+            "ffn_hidden_size": hf_value(hf, "n_inner", 0) or 4 * hidden,
+            "vocab_size": hf_value(hf, "vocab_size", 50257),
+            "norm_epsilon": hf_value(hf, "layer_norm_epsilon", 1e-5, float),
+            "max_position_embeddings": hf_value(hf, "n_positions", 1024),
+            "tie_embeddings": hf_value(hf, "tie_word_embeddings", True, bool), "activation": _GELU[act]}
 
 
 def _memory(cfg, ffn_hidden_size: int) -> dict:

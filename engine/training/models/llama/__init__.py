@@ -9,7 +9,7 @@ Hugging Face: ``LlamaForCausalLM`` (``transformers`` ``models/llama/modeling_lla
 """
 from __future__ import annotations
 
-from ..registry import FamilySpec, HuggingFace, register_family, unsupported
+from ..registry import FamilySpec, HuggingFace, hf_value, register_family, unsupported
 
 __all__ = ["SPEC"]
 
@@ -52,13 +52,13 @@ def _hf_config(cfg, ffn_hidden_size: int) -> dict:
 
 def _rope_theta(hf: dict) -> float:
     """``rope_theta`` (transformers 4) or ``rope_parameters.rope_theta`` (5); scaled variants refused."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
+    params = hf_value(hf, "rope_parameters", {}, dict)
+    scaling = hf_value(hf, "rope_scaling", {}, dict)
     for key, value in (("rope_scaling", scaling), ("rope_parameters", params)):
-        kind = (value or {}).get("rope_type", (value or {}).get("type", "default"))
+        kind = value.get("rope_type", value.get("type", "default"))
         if value and kind != "default":
             raise unsupported(key, value, "rotary scaling (YaRN, linear, dynamic, llama3) is not implemented")
-    return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    return hf_value(hf, "rope_theta", hf_value(params, "rope_theta", 10000.0, float), float)
 
 
 def _hf_fields(hf: dict) -> dict:
@@ -68,17 +68,18 @@ def _hf_fields(hf: dict) -> dict:
     for key, want in checks:
         if hf.get(key, want) not in (want,) + ((None,) if key == "pretraining_tp" else ()):
             raise unsupported(key, hf[key], f"pipecast's llama has {key}={want}")
-    hidden, heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
-    if hf.get("head_dim") not in (None, hidden // heads):
+    hidden, heads = hf_value(hf, "hidden_size", 4096), hf_value(hf, "num_attention_heads", 32)
+    if hf_value(hf, "head_dim", None) not in (None, hidden // max(heads, 1)):
         raise unsupported("head_dim", hf["head_dim"], f"pipecast's head size is hidden_size / num_attention_heads "
-                          f"= {hidden // heads}")
-    groups = hf.get("num_key_value_heads") or heads
-    return {"num_layers": hf.get("num_hidden_layers", 32), "hidden_size": hidden, "num_attention_heads": heads,
+                          f"= {hidden // max(heads, 1)}")
+    groups = hf_value(hf, "num_key_value_heads", 0) or heads
+    return {"num_layers": hf_value(hf, "num_hidden_layers", 32), "hidden_size": hidden, "num_attention_heads": heads,
             "num_query_groups": None if groups == heads else groups,
-            "ffn_hidden_size": hf.get("intermediate_size", 11008), "vocab_size": hf.get("vocab_size", 32000),
-            "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": _rope_theta(hf),
-            "max_position_embeddings": hf.get("max_position_embeddings", 2048),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "activation": "gelu"}
+            "ffn_hidden_size": hf_value(hf, "intermediate_size", 11008),
+            "vocab_size": hf_value(hf, "vocab_size", 32000),
+            "norm_epsilon": hf_value(hf, "rms_norm_eps", 1e-6, float), "rope_theta": _rope_theta(hf),
+            "max_position_embeddings": hf_value(hf, "max_position_embeddings", 2048),
+            "tie_embeddings": hf_value(hf, "tie_word_embeddings", False, bool), "activation": "gelu"}
 
 
 def _memory(cfg, ffn_hidden_size: int) -> dict:
