@@ -436,7 +436,7 @@ def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_micr
                   first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
                   force_all_reduce=False, plan: Optional[Plan] = None, agreement=None):
     """Validate (locally, then agreed across the pipeline), build the plan, run the executor.  ``agreement``: a
-    :class:`PipelineSchedule` whose last agreed fingerprint lets an unchanged call skip the agreement."""
+    :class:`PipelineSchedule` whose agreed fingerprints let a call seen before skip the agreement."""
     comm, pgc = _resolve_groups(schedule, p2p_communicator, pg_collection)
     error, call = None, None
     try:
@@ -454,11 +454,11 @@ def _run_schedule(schedule, *, forward_step_func, data_iterator, model, num_micr
             raise error
     else:
         fingerprint = None if error is not None else _fingerprint(call, schedule, num_microbatches, forward_only)
-        if agreement is None or fingerprint is None or fingerprint != agreement.agreed:
+        if agreement is None or fingerprint is None or tuple(fingerprint) not in agreement.agreed:
             agree_comm = comm or (call.comm if call is not None else _communicator(pgc.pp, None))
             _agree(agree_comm, error, fingerprint)
             if agreement is not None:
-                agreement.agreed = fingerprint
+                agreement.agreed.add(tuple(fingerprint))
     if not forward_only and call.config.finalize_model_grads_func is None:
         warn_unsynced_tied_weights(call.models)
     return execute(_program(call, schedule, num_microbatches, forward_only, plan),
@@ -711,10 +711,11 @@ class PipelineSchedule:
     iterators, P2P modes, shapes, the plan that fits: no communication, no host synchronisation), but the
     all-gather by which the pipeline ranks agree on the call and share a rejection runs only when the call's
     fingerprint (schedule, ``num_microbatches``, ``forward_only``, model chunks, group size, variable sequence
-    lengths, activation and gradient shapes, ``pipeline_dtype``) differs from the last one they agreed on: at the
-    first call and at each change of sizes (an evaluation with another microbatch count, sampling with
-    ``micro_batch_size=1``, training again), not at every step.  :attr:`agreed` is that fingerprint (None before
-    the first agreement).
+    lengths, activation and gradient shapes, ``pipeline_dtype``) is one they have not agreed on before: at the
+    first call of each set of sizes (the first training step, the first evaluation with another microbatch count,
+    the first sampling call with ``micro_batch_size=1``), not at every step nor at every return to sizes seen
+    before (a training step after an evaluation).  :attr:`agreed` is the set of those fingerprints (tuples of
+    ints; empty before the first agreement).
 
     Contract, as for any collective: every pipeline rank makes the same sequence of calls, so a change of sizes
     reaches all ranks at the same call.  A rejection raised on some ranks is still raised on every rank when the
@@ -727,7 +728,7 @@ class PipelineSchedule:
     def __init__(self, schedule, *, model, pg_collection=None, p2p_communicator=None):
         self.model, self.pg_collection, self.p2p_communicator = model, pg_collection, p2p_communicator
         self.resolution, self._fixed_plan = _bind_schedule(schedule, model, p2p_communicator)
-        self.agreed: Optional[list[int]] = None
+        self.agreed: set[tuple[int, ...]] = set()
 
     def plan(self, num_microbatches: int, forward_only: bool = False) -> Plan:
         """The plan a call with these sizes runs (built once per sizes by the resolution)."""
