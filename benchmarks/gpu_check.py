@@ -616,7 +616,7 @@ def trainer_run(rank: int, world: int, device_type: str, backend: str, overrides
             runtime = getattr(trainer, "_graphs", None)
             active.append(bool(runtime is not None and runtime.active))
         if count_syncs and device_type == "cuda":
-            syncs = count_host_syncs(trainer.train_step)
+            syncs = count_host_syncs(trainer.step_on_device)  # a step that logs nothing
         report = runtime.layers.report if runtime is not None else None
         return {"losses": losses, "active": active, "backend": report.backend if report else None,
                 "reason": report.reason if report else None, "host_syncs": syncs}  # close releases the graphs

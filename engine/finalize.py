@@ -112,7 +112,7 @@ def _scale_by_tokens(params: Sequence[nn.Parameter], num_tokens: torch.Tensor,
         dist.all_reduce(total, group=pg.pp)
     if group_size(pg.dp_cp) > 1:
         dist.all_reduce(total, group=pg.dp_cp)
-    scale = 1.0 / max(float(total), 1.0)
+    scale = 1.0 / total.clamp(min=1).to(torch.float64)  # on the device: no host read of the count
     for p in params:
         grad_of(p).mul_(scale)
 

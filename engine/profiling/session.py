@@ -120,7 +120,8 @@ def _naming(path: Path):
 
 class TrainerProfiling:
     """Profiling of a :class:`engine.training.trainer.Trainer` run: what ``pipecast train --timeline DIR`` and the
-    ``profile:`` config section turn on, around every ``train_step`` (evaluation steps are not recorded).
+    ``profile:`` config section turn on, around every training step (``step_on_device``; evaluation steps are not
+    recorded).
 
     * ``timeline`` (a folder): a :class:`TimelineSession` over the pipeline group, installed with
       :func:`engine.runtime.tracing.use_tracer` for each training step; files written at :meth:`close` (collective).
@@ -149,17 +150,16 @@ class TrainerProfiling:
         self.tracer = tracers[0] if len(tracers) == 1 else (FanoutTracer(*tracers) if tracers else None)
         trainer.tracer = self.tracer
         self.profiler = StepProfiler.from_config(c.profile, trainer.run_dir / "profile", trainer.rank)
-        self._inner = trainer.train_step
-        trainer.train_step = self._train_step  # instance attribute: the class is untouched
+        self._inner = trainer.step_on_device
+        trainer.step_on_device = self._step  # instance attribute: the class is untouched
 
-    def _train_step(self) -> dict:
+    def _step(self) -> None:
         from ..runtime.tracing import use_tracer
         step = self.trainer.step + 1  # the step's number as its log line names it ("step 3/3": the 3rd step)
         scope = self.session.step(step) if self.session is not None else contextlib.nullcontext()
         with scope, use_tracer(self.tracer):
-            metrics = self._inner()
+            self._inner()
         self.profiler.step()
-        return metrics
 
     def __enter__(self) -> "TrainerProfiling":
         self.profiler.__enter__()
@@ -169,9 +169,9 @@ class TrainerProfiling:
         self.close(failed=exc[0] is not None)
 
     def close(self, failed: bool = False) -> dict | None:
-        """Stop the profiler, restore ``train_step`` and (collective, unless ``failed``) write the timeline."""
+        """Stop the profiler, restore ``step_on_device`` and (collective, unless ``failed``) write the timeline."""
         self.profiler.__exit__(None, None, None)
-        self.trainer.train_step = self._inner
+        self.trainer.step_on_device = self._inner
         self.trainer.tracer = None
         if self.session is None or failed:
             return None

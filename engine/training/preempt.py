@@ -3,8 +3,10 @@
 Cluster schedulers send SIGTERM before they kill a job (Slurm: to every process of the step; torchrun forwards it
 to its workers; ``pipecast train`` forwards it to its ranks).  While :func:`sigterm_requests` is active (the
 trainer's loop), SIGTERM only records the request -- more SIGTERMs change nothing -- and :func:`stop_agreed`,
-called by every rank after every step, tells all ranks at once (a max all-reduce of one flag over the default
-group), so they all stop after the same step even when the signal reached them at different moments.
+called by every rank after each step at which the host reads the step's figures (a logged, evaluated or saved
+step: ``logging.log_interval``; the other steps do not wait on the device, and a flag read would make them),
+tells all ranks at once (a max all-reduce of one flag over the default group), so they all stop after the same
+step even when the signal reached them at different moments.
 """
 from __future__ import annotations
 

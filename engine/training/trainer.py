@@ -11,15 +11,18 @@
   ``no_sync_func`` on the chunks' ``ModelParallelConfig``), the optimizer, the global-norm clip and the
   checkpoint state's gather / scatter; the trainer never asks which layout runs.
 
-One training step (every rank)::
+One training step (every rank; :meth:`Trainer.step_on_device`)::
 
     zero grads -> schedule(forward_step_func, data iterators, chunks, M microbatches)   # the run's plan
                -> finalize_model_grads (data-parallel reduction, tied-embedding sum)    # called by the schedule
-               -> global grad-norm clip -> AdamW step -> LR schedule step
+               -> global grad-norm clip -> loss reduced -> AdamW step (skipped if NaN / inf) -> LR schedule step
 
-The loss is owned by the last pipeline stage (on the last rank, or rank 0 under the V placement); it is averaged
-over data-parallel replicas and broadcast over the pipeline so every rank returns the same metrics.  The log line
-is written by the last stage of data-parallel replica 0 (tensor-parallel rank 0).
+Nothing in it waits on the device: the loss is owned by the last pipeline stage (on the last rank, or rank 0 under
+the V placement); it is summed over data-parallel replicas and broadcast over the pipeline on the device, and the
+NaN / inf check skips the optimizer step on the device (:mod:`engine.training.step_figures`).  The host reads the
+figures only when the loop logs (``logging.log_interval``), evaluates or saves (:meth:`Trainer.read_pending`);
+every rank then raises the same :class:`NonFiniteLossError` if a step diverged.  The log line is written by the
+last stage of data-parallel replica 0 (tensor-parallel rank 0).
 """
 from __future__ import annotations
 
@@ -29,7 +32,6 @@ import logging
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -51,14 +53,11 @@ from .metrics import MetricsLog, known_peak_tflops, model_flops_per_token
 from .models.chunk import build_model_chunks, canonical_module
 from .outputs import setup_logging
 from .seed import set_seed_and_determinism
+from .step_figures import NonFiniteLossError, StepFigures, nonfinite_message
 
 __all__ = ["Trainer", "lr_lambda", "NonFiniteLossError"]
 
 log = logging.getLogger("pipecast.train")
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or the global grad norm of a step is NaN or infinite (the run diverged); raised on every rank."""
 
 
 def lr_lambda(step: int, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
@@ -110,7 +109,8 @@ class Trainer:
         self._build_model()
         self.batches = self._build_batches()
         self.step = 0
-        self.history: list[dict] = []
+        self.history: list[dict] = []  # the figures of every step read so far (read_pending)
+        self._figures = StepFigures(self.device, config.optimizer.check_for_nan_in_loss_and_grad)
         self.val_history: list[tuple[int, float]] = []
         self._graphs = None  # graphs.runtime.GraphRuntime, created by _maybe_capture_graphs when enabled
         self._resumed = False
@@ -310,41 +310,72 @@ class Trainer:
         self._graphs.before_step(self.config.training.num_microbatches,
                                  (self.config.model.seq_length, self.config.training.micro_batch_size))
 
-    def train_step(self) -> dict:
-        """Run one optimizer step; returns ``{step, loss, grad_norm, lr, tokens_per_s, tokens_seen, step_time_s,
-        tflops}`` plus on CUDA ``max_memory_gib``, ``reserved_memory_gib`` and ``mfu`` (same on every rank; ``loss``
-        in nats per token, averaged over the global batch; ``tflops``: model TFLOP/s of the whole job from
-        :func:`~engine.training.metrics.model_flops_per_token`).
-
-        Raises:
-            NonFiniteLossError: NaN / inf loss or grad norm (when ``optimizer.check_for_nan_in_loss_and_grad``); the
-                optimizer step is not applied.
-        """
+    def step_on_device(self) -> None:
+        """Run one optimizer step without waiting on the device: the schedule, the clip and the optimizer step
+        are queued, the loss is reduced on the device (:meth:`_global_sums`), and with
+        ``optimizer.check_for_nan_in_loss_and_grad`` a non-finite loss or grad norm skips the step on the device
+        (:class:`~engine.training.step_figures.StepFigures`: the optimizer's ``found_inf``).  The figures stay on
+        the device until :meth:`read_pending` (the loop calls it when it logs, evaluates or saves).  No host
+        synchronisation on pipecast's side (tests/training/test_host_syncs.py counts them)."""
         self._maybe_capture_graphs()
-        t0 = time.perf_counter()
+        self._figures.start()
         for chunk in self.model:
             chunk.train()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
         store = self._run_schedule(self._data(self.step), self.config.training.num_microbatches, False)
-        grad_norm = float(self.parallelism.clip_grad_norm_(self.config.optimizer.grad_clip))  # read for the log
-        loss = self._global_mean(_loss_sums(store))
-        if self.config.optimizer.check_for_nan_in_loss_and_grad:
-            self._check_finite(loss, grad_norm)
+        norm = self.parallelism.clip_grad_norm_(self.config.optimizer.grad_clip)
+        self.optimizer.found_inf = self._figures.add(self.step + 1, lr, self._global_sums(_loss_sums(store, self.device)),
+                                                     norm)
         self.optimizer.step()
         self.lr_scheduler.step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
         self.step += 1
-        metrics = self._step_metrics(loss, grad_norm, lr, time.perf_counter() - t0)
-        self.history.append(metrics)
+
+    def train_step(self) -> dict:
+        """Run one optimizer step and read its figures (a host sync; :meth:`step_on_device` is the step without
+        it); returns ``{step, loss, grad_norm, lr, tokens_per_s, tokens_seen, step_time_s, tflops}`` plus on CUDA
+        ``max_memory_gib``, ``reserved_memory_gib`` and ``mfu`` (see :meth:`read_pending`).
+
+        Raises:
+            NonFiniteLossError: NaN / inf loss or grad norm (when ``optimizer.check_for_nan_in_loss_and_grad``); the
+                optimizer step is not applied.
+        """
+        self.step_on_device()
+        return self.read_pending()[-1]
+
+    def read_pending(self) -> list[dict]:
+        """Read the figures of every step run since the last read (the host waits for the device here, and only
+        here and in :meth:`evaluate`), append them to :attr:`history` and return them: per step ``{step, loss,
+        grad_norm, lr, tokens_per_s, tokens_seen, step_time_s, tflops}`` (same on every rank; ``loss`` in nats per
+        token, averaged over the global batch; ``step_time_s``: the wall time from the start of the first unread
+        step to this read, divided by the steps read; ``tflops``: model TFLOP/s of the whole job from
+        :func:`~engine.training.metrics.model_flops_per_token`), plus on CUDA ``max_memory_gib``,
+        ``reserved_memory_gib`` and ``mfu``.
+
+        Raises:
+            NonFiniteLossError: a step's loss or grad norm is NaN / inf (``optimizer.check_for_nan_in_loss_and_grad``;
+                every rank raises the same error).  That step and every later one were skipped on the device; the
+                trainer is put back at the step before it (:attr:`step`, LR schedule), nothing was saved; the
+                steps before it are in :attr:`history`.
+        """
+        rows, elapsed = self._figures.read()
+        bad = self._figures.first_nonfinite(rows)
+        per_step = elapsed / max(len(rows), 1)
+        metrics = [self._step_metrics(step, loss, norm, lr, per_step) for step, lr, loss, norm in rows
+                   if bad is None or step < bad[0]]
+        self.history.extend(metrics)
+        if bad is not None:
+            last = self.step
+            self.step = bad[0] - 1
+            self._set_lr_schedule()
+            raise NonFiniteLossError(nonfinite_message(bad[0], bad[2], bad[3], last, self.config.optimizer))
         return metrics
 
-    def _step_metrics(self, loss: float, grad_norm: float, lr: float, dt: float) -> dict:
-        """The metrics :meth:`train_step` returns, for a step of ``dt`` seconds."""
+    def _step_metrics(self, step: int, loss: float, grad_norm: float, lr: float, dt: float) -> dict:
+        """The metrics :meth:`read_pending` returns for step ``step`` of ``dt`` seconds."""
         tokens = self.config.global_batch_size * self.config.model.seq_length
-        metrics = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / dt,
-                   "tokens_seen": self.step * tokens, "step_time_s": dt,
+        metrics = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / dt,
+                   "tokens_seen": step * tokens, "step_time_s": dt,
                    "tflops": self.flops_per_token * tokens / dt / 1e12}
         if self.device.type == "cuda":
             metrics["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -353,30 +384,15 @@ class Trainer:
                 metrics["mfu"] = metrics["tflops"] / (self.peak_tflops * self.config.world_size)
         return metrics
 
-    def _check_finite(self, loss: float, grad_norm: float) -> None:
-        """Megatron's ``check_for_nan_in_loss_and_grad``: both values are global (the same on every rank), so every
-        rank raises the same error before the optimizer step -- the step is not applied and nothing is saved."""
-        if math.isfinite(loss) and math.isfinite(grad_norm):
-            return
-        o = self.config.optimizer
-        what = " and ".join(f"{name} is {value}" for name, value in [("loss", loss), ("grad norm", grad_norm)]
-                            if not math.isfinite(value))
-        clip = (f"optimizer.grad_clip={o.grad_clip} is on" if o.grad_clip > 0 else
-                "enable optimizer.grad_clip (e.g. 1.0)")
-        raise NonFiniteLossError(
-            f"step {self.step + 1}: {what} (loss {loss}, grad norm {grad_norm}); the training diverged, so the step "
-            f"was not applied and no checkpoint was written. Try a lower optimizer.lr (now {o.lr:g}; warmup "
-            f"optimizer.warmup_steps={o.warmup_steps}) and {clip}; resume from the last checkpoint with --resume, "
-            f"or set optimizer.check_for_nan_in_loss_and_grad=false to continue anyway")
-
-    def _global_mean(self, total: torch.Tensor) -> float:
-        """The loss per token of the global batch from this rank's ``[loss sum, tokens]`` (float64, CPU; nonzero
-        on the loss stage only): summed over data-parallel replicas on the loss stage, broadcast over the
-        pipeline group, so every rank returns it."""
-        if self.pp_rank == self.loss_rank:
-            total = _all_reduce_cpu(total, self.pg.dp)
-        total = _broadcast_cpu(total, self.pg.pp_ranks[self.loss_rank], self.pg.pp)
-        return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+    def _global_sums(self, total: torch.Tensor) -> torch.Tensor:
+        """The global batch's ``[loss sum, tokens]`` (float64, on the device) from this rank's (:func:`_loss_sums`,
+        nonzero on the loss stage only): summed over data-parallel replicas on the loss stage, broadcast over the
+        pipeline group, so every rank holds it.  Collective, no host synchronisation."""
+        if self.pp_rank == self.loss_rank and group_size(self.pg.dp) > 1:
+            dist.all_reduce(total, group=self.pg.dp)
+        if group_size(self.pg.pp) > 1:
+            dist.broadcast(total, src=self.pg.pp_ranks[self.loss_rank], group=self.pg.pp)
+        return total
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -384,15 +400,16 @@ class Trainer:
         batches; the same value on every rank."""
         for chunk in self.model:
             chunk.eval()
-        c, total = self.config, torch.zeros(2, dtype=torch.float64)
+        c, total = self.config, torch.zeros(2, dtype=torch.float64, device=self.device)
         m = c.eval_microbatches
         for i in range(c.training.eval_iters):
             data = (self.batches.val(i, c.training.eval_iters, m, self._reads_tokens, self._reads_labels)
                     if self.batches is not None else None)
-            total += _loss_sums(self._run_schedule(data, m, True))
+            total += _loss_sums(self._run_schedule(data, m, True), self.device)
         for chunk in self.model:
             chunk.train()
-        loss = self._global_mean(total)
+        total = self._global_sums(total).tolist()  # the host reads the evaluation's figures
+        loss = total[0] / total[1] if total[1] > 0 else float("nan")
         self.val_history.append((self.step, loss))
         return loss
 
@@ -442,9 +459,10 @@ class Trainer:
         with suspend:
             for _ in range(num_tokens):
                 logits = self._next_token_logits(ids)
-                token = torch.tensor([-1 if logits is None else sample_token(logits, temperature, top_k, generator)],
-                                     dtype=torch.int64)
-                token = _broadcast_cpu(token, self.pg.pp_ranks[self.loss_rank], self.pg.pp)
+                token = torch.full((1,), -1 if logits is None else sample_token(logits, temperature, top_k, generator),
+                                   dtype=torch.int64, device=self.device)
+                if group_size(self.pg.pp) > 1:
+                    dist.broadcast(token, src=self.pg.pp_ranks[self.loss_rank], group=self.pg.pp)
                 ids.append(int(token))
                 new.append(int(token))
         for chunk in self.model:
@@ -482,9 +500,8 @@ class Trainer:
             return []
         with self._progress(start, end) as bar, preempt.sigterm_requests():
             while self.step < end:
-                metrics = self.train_step()
-                self._after_step(metrics, end, bar)
-                if self.step < end and preempt.stop_agreed():  # collective: every rank stops after this step
+                self.step_on_device()
+                if self._after_step(end, bar):  # every rank agreed to stop (SIGTERM) after this step
                     self.preempted = self._save_for_stop()
                     break
         if self._metrics is not None and self.val_history[-1][0] != self.step:
@@ -515,20 +532,33 @@ class Trainer:
             self._log_sample()
         return True
 
-    def _after_step(self, metrics: dict, end: int, bar) -> None:
-        """The log line, evaluation, checkpoint and progress bar after a step of :meth:`train` (up to ``end``)."""
+    def _after_step(self, end: int, bar) -> bool:
+        """After a step of :meth:`train` (up to ``end``): when the step logs, evaluates or saves, the host reads the
+        figures of the steps since the last read (:meth:`read_pending`, which raises on a NaN / inf step), then
+        the log line, evaluation and checkpoint follow, and the ranks agree whether SIGTERM stops them
+        (:func:`engine.training.preempt.stop_agreed`, a collective: only at these steps, where the host waits
+        anyway).  Returns that agreement (False at the other steps, which make no host synchronisation)."""
         c = self.config
-        if self.step % c.logging.log_interval == 0 or self.step == end:
+        logs = self.step % c.logging.log_interval == 0 or self.step == end
+        evaluates = (c.training.eval_interval and self.step % c.training.eval_interval == 0) or \
+            self.step == c.training.steps
+        saves = c.checkpoint.interval and self.step % c.checkpoint.interval == 0
+        if bar is not None:
+            bar.update(1)
+        if not (logs or evaluates or saves):
+            return False
+        metrics = self.read_pending()[-1]
+        if logs:
             self._log_step(metrics)
-        if (c.training.eval_interval and self.step % c.training.eval_interval == 0) or self.step == c.training.steps:
+        if evaluates:
             metrics["val_loss"] = self.evaluate()
             self._log_eval(metrics["val_loss"])
             self._log_sample()
-        if c.checkpoint.interval and self.step % c.checkpoint.interval == 0:
+        if saves:
             self.save()
         if bar is not None:
-            bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+        return self.step < end and preempt.stop_agreed()
 
     def _save_for_stop(self) -> Path:
         """SIGTERM reached a rank: save this step (unless ``checkpoint.interval`` just did) and say so."""
@@ -599,6 +629,7 @@ class Trainer:
             raise RuntimeError("nothing to save before the first training step")
         tok = getattr(self.batches.corpus, "tokenizer", None) if self.batches is not None else None
         extra = {"tokenizer.json": tok.to_str()} if getattr(tok, "kind", None) == "bpe" else None
+        self.read_pending()  # a NaN / inf step not read yet raises here: nothing is saved
         path = save_checkpoint(self.state_dict(), directory or self.config.checkpoint_dir, self.step,
                                self.config.checkpoint.keep, meta=checkpoint_meta(self.config, self.step), extra_files=extra)
         if self.is_log_rank:
@@ -644,7 +675,7 @@ class Trainer:
                        model_state_dict=self.parallelism.reshard_like(target["model"], model_sd),
                        optim_state_dict=self.parallelism.reshard_like(optim_full, optim_sd))
         self.step = int(target["trainer"]["step"])
-        self._load_scheduler()
+        self._set_lr_schedule()
         if "rng" in target:
             torch.set_rng_state(target["rng"][f"rank{self.rank}"]["cpu"])
         self._resumed = True
@@ -678,7 +709,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(self.config, self.run_dir / "config.yaml")
 
-    def _load_scheduler(self) -> None:
+    def _set_lr_schedule(self) -> None:
         """Put the LR schedule at ``self.step`` (``step`` scheduler steps taken) of *this* config's schedule, then
         set each group's LR to it.  The schedule is a function of the step and the config (``lr_lambda``), so a
         run resumed with more ``training.steps`` or another ``optimizer.lr`` follows its own schedule from its first
@@ -732,18 +763,19 @@ def _scheduler_tensors(state: dict) -> dict:
 
 def _loss_func(output: torch.Tensor):
     """Megatron 3-tuple loss contract (``forward_step_calc_loss``): ``(loss sum, token count, {"lm loss": [sum, count]})`` from the
-    per-token losses ``[b, s]``; the schedule divides by the token count and the number of microbatches."""
+    per-token losses ``[b, s]``; the schedule divides by the token count and the number of microbatches.  The count
+    is filled on the device (``torch.tensor(n, device=...)`` would be a blocking host-to-device copy)."""
     total = output.sum()
-    count = torch.tensor(output.numel(), dtype=torch.int, device=output.device)
+    count = torch.full((), output.numel(), dtype=torch.int, device=output.device)
     return total, count, {"lm loss": torch.stack([total.detach().double(), count.double()])}
 
 
-def _loss_sums(store: list) -> torch.Tensor:
-    """``[loss sum, tokens]`` (float64, CPU) of a schedule call's ``forward_data_store`` (empty off the loss
-    stage: zeros)."""
-    total = torch.zeros(2, dtype=torch.float64)
+def _loss_sums(store: list, device: torch.device) -> torch.Tensor:
+    """``[loss sum, tokens]`` (float64, on ``device``) of a schedule call's ``forward_data_store`` (empty off the
+    loss stage: zeros), summed in microbatch order on the device."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
     for entry in store:
-        total += entry["lm loss"].detach().to("cpu", torch.float64)
+        total += entry["lm loss"].detach()
     return total
 
 
@@ -752,26 +784,3 @@ def _process_groups(p) -> ProcessGroupCollection:
     return build_process_groups(p.pipeline, virtual_or_none(p.virtual),
                                 backend=None if p.backend == "auto" else p.backend,
                                 timeout=datetime.timedelta(seconds=p.timeout_s), tensor_model_parallel_size=p.tensor)
-
-
-def _all_reduce_cpu(t: torch.Tensor, group) -> torch.Tensor:
-    """Sum of the CPU tensor ``t`` over ``group`` (unchanged for a group of one)."""
-    if group_size(group) == 1:
-        return t
-    out = t.to(_collective_device(group))
-    dist.all_reduce(out, group=group)
-    return out.cpu()
-
-
-def _broadcast_cpu(t: torch.Tensor, src: int, group) -> torch.Tensor:
-    """The CPU tensor ``t`` of global rank ``src`` on every rank of ``group`` (unchanged for a group of one)."""
-    if group_size(group) == 1:
-        return t
-    out = t.to(_collective_device(group))
-    dist.broadcast(out, src=src, group=group)
-    return out.cpu()
-
-
-def _collective_device(group) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-        else torch.device("cpu")

@@ -524,10 +524,14 @@ class Batches:
         per_rank = num_microbatches * self.b
         mine = offsets[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank].reshape(num_microbatches, self.b)
         window = np.arange(self.s + 1)
+        cuda = self.device.type == "cuda"
         for row in mine:
             sample = torch.from_numpy(tokens[row[:, None] + window].astype(np.int64))  # [b, s + 1]
-            yield {"tokens": sample[:, :-1].to(self.device) if want_tokens else None,
-                   "labels": sample[:, 1:].to(self.device) if want_labels else None}
+            if cuda:  # pinned + non_blocking: the copy queues on the stream instead of waiting for it
+                sample = sample.pin_memory()
+            sample = sample.to(self.device, non_blocking=True)
+            yield {"tokens": sample[:, :-1] if want_tokens else None,
+                   "labels": sample[:, 1:] if want_labels else None}
 
     def train(self, step: int, want_tokens: bool, want_labels: bool) -> Iterator[dict]:
         """The ``M`` microbatches ``{"tokens": [b, s] | None, "labels": [b, s] | None}`` of training step ``step``."""

@@ -81,5 +81,5 @@ def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, pipeline_
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:
             shard = local(g)
-            shard.mul_(coef.to(shard.device))
+            shard.mul_(coef if coef.device == shard.device else coef.to(shard.device))
     return norm

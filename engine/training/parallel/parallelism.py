@@ -135,15 +135,20 @@ class Parallelism:
                         weight_decay: float) -> torch.optim.Optimizer:
         """AdamW over :meth:`parameters` (weight decay on matrices, none on vectors), in the run's shard form:
         ZeRO-1's :class:`~engine.training.parallel.zero1.ShardedAdamW` for ``shard=optimizer``, else
-        ``torch.optim.AdamW`` (on FSDP2's sharded parameters for ``shard=full``).  Call after :meth:`apply`."""
+        ``torch.optim.AdamW`` (on FSDP2's sharded parameters for ``shard=full``).  Fused (``fused=True``, CPU and
+        CUDA; tensor parallelism's DTensor parameters in groups of their own, as the fused kernel takes no mix): its
+        step counts live on the device and it honours the optimizer's ``found_inf`` attribute (the
+        trainer's NaN skip, :mod:`engine.training.step_figures`) without a host read.  Call after :meth:`apply`."""
+        from torch.distributed.tensor import DTensor
         params = self.parameters()
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [{"params": [p for p in params if (p.dim() >= 2) == matrix and isinstance(p, DTensor) == split],
+                   "weight_decay": weight_decay if matrix else 0.0} for matrix in (True, False) for split in (False, True)]
+        groups = [g for g in groups if g["params"]]  # one fused kernel call per group: DTensors and plain apart
         if self.shard == "optimizer":
             from .zero1 import ShardedAdamW
             self.optimizer = ShardedAdamW(groups, self.grad_sync, lr=lr, betas=betas, eps=eps)
         else:
-            self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
+            self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
         return self.optimizer
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

@@ -7,10 +7,10 @@ Megatron-Core ``megatron/core/optimizer/distrib_optimizer.py``.  Built on torch'
   a ``Parameter`` two chunks of one rank share belongs to the first), zero-padded to a multiple of the
   data-parallel size ``dp``.  Data-parallel rank ``r`` owns the contiguous shard ``[r*S, (r+1)*S)``,
   ``S = padded / dp``.  Each parameter's part of the shard is one 1-D leaf tensor (a *piece*); AdamW
-  (``torch.optim.AdamW``, ``foreach=False``) runs on the pieces only, so its ``exp_avg`` / ``exp_avg_sq`` take
+  (``torch.optim.AdamW``, ``fused=True``) runs on the pieces only, so its ``exp_avg`` / ``exp_avg_sq`` take
   ``1/dp`` of the bytes of ``parallel.shard: none`` (within the padding of one shard).  A piece is a view of its
   parameter's storage (fp32 training: no separate master copy).  AdamW is elementwise, so a piece's update is the
-  one the whole parameter would get.
+  one the whole parameter would get (bitwise: the fused kernel's result does not depend on an element's position).
 * **Gradients** (:class:`ShardedGradSync.finalize_model_grads`, the schedules' ``finalize_model_grads_func``):
   the tied word-embedding gradients are summed over the embedding group first (a sum, so it commutes with the
   data-parallel average; Megatron averages first -- the result differs by float rounding only), then each chunk's
@@ -149,7 +149,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 self._pieces.append((shard, p, start, lo, hi, piece))
                 inner_groups[group_of[id(p)]]["params"].append(piece)
         self.inner = torch.optim.AdamW([g for g in inner_groups if g["params"]] or [{"params": []}], lr=lr,
-                                       betas=betas, eps=eps, foreach=False)
+                                       betas=betas, eps=eps, fused=True)
         self._inner_group = [i for i, g in enumerate(inner_groups) if g["params"]]
 
     def _attach_grads(self) -> None:
@@ -168,9 +168,13 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """AdamW on this rank's pieces, then all-gather every chunk's updated shard into the parameters."""
+        """AdamW on this rank's pieces, then all-gather every chunk's updated shard into the parameters.  The
+        optimizer's ``found_inf`` (a 0-dim float tensor, the ``GradScaler`` contract of torch's fused optimizers)
+        goes to the inner AdamW: when it is 1 no piece nor moment changes, so the all-gather writes back the same
+        weights."""
         if closure is not None:
             raise ValueError("ShardedAdamW.step takes no closure")
+        self.inner.found_inf = getattr(self, "found_inf", None)
         self._attach_grads()
         for inner, outer in zip(self.inner.param_groups, self._inner_group):
             inner["lr"] = self.param_groups[outer]["lr"]
