@@ -47,6 +47,7 @@ from .checkpoint.resume import checkpoint_meta, refusal_message, resume_differen
 from .config import TrainConfig, check_fresh_run, dump_config, validate, validate_world_size
 from .config.validated import is_validated
 from .data.corpus import Batches, load_corpus
+from .parallel.dtensor import checkpoint_form
 from .parallel.parallelism import Parallelism
 from . import preempt
 from .metrics import MetricsLog, known_peak_tflops, model_flops_per_token
@@ -611,14 +612,17 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """Everything a resume needs, as nested dicts of tensors: model and AdamW state under layout-independent
-        names and unsharded (gathered by the parallelism: collective), the step (= data position and LR-schedule
-        position) and this rank's RNG states."""
+        names, the step (= data position and LR-schedule position) and this rank's RNG states.  Tensor-parallel
+        and FSDP2 tensors stay ``DTensor`` shards: DCP writes each rank's own shard with its place in the full
+        tensor (no gather; :func:`~engine.training.parallel.dtensor.checkpoint_form`), and reads back any
+        layout's shards (``torch.distributed.checkpoint`` resharding).
+        ZeRO-1's moments are gathered per model chunk (:meth:`ShardedAdamW.state_dict`; collective)."""
         model_sd, optim_sd, _ = self._dcp_state()
-        model_sd, optim_sd = self.parallelism.full_state(model_sd), self.parallelism.full_state(optim_sd)
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
+        return {"model": checkpoint_form(model_sd),
+                "optim": checkpoint_form({k: v for k, v in optim_sd.items() if k.startswith("state.")}),
                 "trainer": {"step": torch.tensor(self.step, dtype=torch.int64)},
                 "scheduler": _scheduler_tensors(self.lr_scheduler.state_dict()),
                 "rng": {f"rank{self.rank}": rng}}
@@ -668,12 +672,10 @@ class Trainer:
             return None
         warned = self._check_checkpoint_meta(Path(path))
         model_sd, optim_sd, options = self._dcp_state()
-        target, optim_full = self._load_target(checkpoint_keys(path), model_sd, optim_sd)
-        load_checkpoint(target, path, verify=False)
-        optim_full.update(target["optim"])
-        set_state_dict(self.canonical, self.optimizer, options=options,  # full tensors cut to this rank's shards
-                       model_state_dict=self.parallelism.reshard_like(target["model"], model_sd),
-                       optim_state_dict=self.parallelism.reshard_like(optim_full, optim_sd))
+        target = self._load_target(checkpoint_keys(path), model_sd, optim_sd)
+        load_checkpoint(checkpoint_form(target), path, verify=False)  # each shard read from any saved layout
+        set_state_dict(self.canonical, self.optimizer, options=options, model_state_dict=target["model"],
+                       optim_state_dict=optim_sd | target["optim"])
         self.step = int(target["trainer"]["step"])
         self._set_lr_schedule()
         if "rng" in target:
@@ -687,18 +689,16 @@ class Trainer:
                             "; ".join(warned))
         return Path(path)
 
-    def _load_target(self, keys, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
-        """What :meth:`load` reads the checkpoint (``keys``: the ones it holds) into: full-shape tensors
-        (checkpoints are unsharded), the LR schedule and this rank's CPU RNG where the checkpoint has them
-        (checkpoints of earlier versions hold the step only).  Also returns the full optimizer state dict that
-        the loaded ``optim`` entries complete."""
-        optim_full = self.parallelism.load_targets(optim_sd)
-        target = {"model": self.parallelism.load_targets(model_sd),
-                  "optim": {k: v for k, v in optim_full.items() if k.startswith("state.")},
+    def _load_target(self, keys, model_sd: dict, optim_sd: dict) -> dict:
+        """What :meth:`load` reads the checkpoint (``keys``: the ones it holds) into: this rank's model and
+        optimizer state (``DTensor`` shards where the run shards them; DCP fills each from whatever layout wrote
+        the checkpoint, sharded or full), the step, and this rank's CPU RNG where the checkpoint has it
+        (checkpoints of earlier versions hold the step only)."""
+        target = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
                   "trainer": {"step": torch.tensor(0, dtype=torch.int64)}}
         if f"rng.rank{self.rank}.cpu" in keys:
             target["rng"] = {f"rank{self.rank}": {"cpu": torch.get_rng_state()}}
-        return target, optim_full
+        return target
 
     def _open_run_files(self) -> None:
         if self._run_files_open:

@@ -1,5 +1,5 @@
 """``DTensor`` helpers every parallelism of the recipe shares (tensor parallel, FSDP2, the gradient sync, the norm
-clip, checkpoints): local shards, gradient placements, DTensor's caches, and the full-tensor form of a state dict.
+clip, ``model.init_from``): local shards, gradient placements, DTensor's caches, full tensors cut to shards.
 
 A tensor that is not a ``DTensor`` passes through every function here unchanged, so callers need not ask which
 layout runs.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["local", "align_grads", "clear_caches", "full_state", "full_templates", "reshard_like"]
+__all__ = ["local", "align_grads", "clear_caches", "reshard_like", "checkpoint_form"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -45,25 +45,9 @@ def clear_caches() -> None:
             cache.cache_clear()
 
 
-def full_state(sd: dict) -> dict:
-    """``sd`` with every DTensor gathered to its full plain tensor (collective over the DTensor's mesh, same key
-    order on every rank).  Checkpoints are written in the unsharded layout: the same keys, shapes and bytes
-    whatever ``parallel.tensor`` / ``parallel.shard`` (DCP de-duplicates the replicated copies), so they load at
-    any layout."""
-    from torch.distributed.tensor import DTensor
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
-
-
-def full_templates(sd: dict) -> dict:
-    """Load targets for :func:`full_state` checkpoints: an empty full-shape plain tensor per DTensor (local)."""
-    from torch.distributed.tensor import DTensor
-    return {k: torch.empty(v.shape, dtype=v.dtype, device=local(v).device) if isinstance(v, DTensor) else v
-            for k, v in sd.items()}
-
-
 def reshard_like(loaded: dict, template: dict) -> dict:
     """The full tensors of ``loaded`` cut to this rank's shards of ``template``'s DTensors (local slicing, no
-    communication: every rank loaded the same full tensors)."""
+    communication: every rank read the same full tensors, e.g. a Hugging Face folder)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
     out = {}
     for k, v in loaded.items():
@@ -71,3 +55,71 @@ def reshard_like(loaded: dict, template: dict) -> dict:
         out[k] = distribute_tensor(v, t.device_mesh, t.placements, src_data_rank=None) \
             if isinstance(t, DTensor) and not isinstance(v, DTensor) else v
     return out
+
+
+def checkpoint_form(sd: dict) -> dict:
+    """``sd`` as DCP saves and loads it without a gather: a ``DTensor`` with a regular placement stays as it is
+    (DCP writes its local shard with its offset, and reads a target shard from whatever shards a checkpoint
+    holds); one sharded by ``_StridedShard`` (tensor parallelism's fused ``qkv``: ``q | k | v`` row blocks, each
+    sharded) becomes :class:`_StridedBlocks`, which hands DCP its local rows as the separate chunks of the full
+    tensor they are (DCP's ``_Checkpointable`` protocol: ``torch/distributed/checkpoint/planner_helpers.py``).
+    Nested dicts are walked; the values keep their storage, so a load into the result fills ``sd``'s tensors."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            v = checkpoint_form(v)
+        elif isinstance(v, DTensor) and any(isinstance(p, _StridedShard) for p in v.placements):
+            v = _StridedBlocks(v)
+        out[k] = v
+    return out
+
+
+class _StridedBlocks(torch.Tensor):
+    """A ``_StridedShard(dim, split_factor=k)`` DTensor on a 1-D mesh for DCP: the full ``dim`` is cut into ``k``
+    blocks of ``n / k``, each sharded evenly over the mesh, so mesh rank ``c``'s local tensor is ``k`` blocks of
+    ``n / (k T)`` rows, block ``j`` at offset ``j n / k + c n / (k T)`` of the full tensor (each one chunk of the
+    saved tensor).  A wrapper of the full shape with no tensor operations: DCP only asks it for its chunks and
+    their tensors (views of the DTensor's local tensor)."""
+
+    @staticmethod
+    def __new__(cls, dt):
+        local = dt.to_local()
+        (placement,) = dt.placements
+        dim, k, n = placement.dim, placement.split_factor, dt.shape[placement.dim]
+        part = n // k // dt.device_mesh.size()
+        self = torch.Tensor._make_wrapper_subclass(cls, dt.shape, dtype=local.dtype, device=local.device)
+        rank = dt.device_mesh.get_local_rank()
+        self._blocks = [(local.narrow(dim, j * part, part), j * (n // k) + rank * part) for j in range(k)]
+        self._dim = dim
+        return self
+
+    def _chunks(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        for block, start in self._blocks:
+            offsets = [0] * block.dim()
+            offsets[self._dim] = start
+            yield block, ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=block.shape)
+
+    def __create_write_items__(self, fqn: str, obj) -> list:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(
+                              block), size=self.shape)) for block, chunk in self._chunks()]
+
+    def __create_chunk_list__(self) -> list:
+        return [chunk for _, chunk in self._chunks()]
+
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        for block, chunk in self._chunks():
+            if chunk.offsets == index.offset:
+                return block
+        raise ValueError(f"{index.fqn}: no local block at offset {list(index.offset)}")
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"{func} on a strided DTensor's checkpoint form: it only hands DCP its blocks")

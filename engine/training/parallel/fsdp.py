@@ -24,10 +24,10 @@ Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel" 
   only accumulate -- here every backward does).
 * **Norm and clipping** (:func:`engine.training.parallel.grad_norm.clip_grad_norm_`): the squares of the local
   gradient shards (the last stage's tied copy left out) summed over the data-parallel and the pipeline group.
-* **Checkpoints** stay layout-free: every ``DTensor`` is gathered to its full tensor before the save and the loaded
-  full tensors are sliced back (:class:`engine.training.parallel.Parallelism`'s ``full_state`` /
-  ``load_targets`` / ``reshard_like``), so a ``shard: full`` checkpoint resumes at any pipeline / data / shard
-  layout and back; ``pipecast export`` reads it.
+* **Checkpoints** stay layout-free without a gather: DCP writes each rank's ``DTensor`` shards with their place
+  in the full tensor and a load reads each target shard from whatever layout wrote them
+  (:meth:`engine.training.trainer.Trainer.state_dict`), so a ``shard: full`` checkpoint resumes at any pipeline /
+  data / shard layout and back; ``pipecast export`` reads it whole in one process.
 
 With ``parallel.data = 1`` the run takes ``shard: full`` as ``none`` (one shard is the whole model).  Not
 supported (refused by ``engine.training.config``): ``parallel.tensor > 1``, CUDA graphs, and a V placement with tied

@@ -9,8 +9,8 @@ device.  The trainer hands it the model chunks and then only calls it; every dec
   on FSDP2's sharded parameters;
 * the one global-norm clip (:func:`engine.training.parallel.grad_norm.clip_grad_norm_`) over this layout's
   gradients;
-* the checkpoint state: gathered to full tensors for the save, the loaded full tensors cut back to this rank's
-  shards (:mod:`engine.training.parallel.dtensor`).
+* full tensors (``model.init_from``) cut to this rank's shards (:mod:`engine.training.parallel.dtensor`);
+  checkpoints need nothing from it: DCP saves and reshards the ``DTensor`` shards themselves.
 
 A new parallelism is a module in this package and a step in :func:`parallelize` (plus, if it changes how
 gradients are reduced or the optimizer state is held, a branch in :meth:`Parallelism._grad_sync` /
@@ -170,20 +170,11 @@ class Parallelism:
             from .fsdp import reshard
             reshard(self.chunks)
 
-    # ---- checkpoint state: saved unsharded, so a checkpoint resumes at any layout ----------------------------
-    @staticmethod
-    def full_state(sd: dict) -> dict:
-        """A state dict to save: every ``DTensor`` gathered to its full tensor (collective over its mesh)."""
-        return dtensor.full_state(sd)
-
-    @staticmethod
-    def load_targets(sd: dict) -> dict:
-        """What a load reads into: a full-shape empty tensor per ``DTensor`` of ``sd`` (local)."""
-        return dtensor.full_templates(sd)
-
+    # ---- checkpoint state: DCP saves the DTensor shards and reshards them at load (trainer.state_dict) --------
     @staticmethod
     def reshard_like(loaded: dict, template: dict) -> dict:
-        """Full tensors ``loaded`` cut to this rank's shards of ``template``'s ``DTensor`` entries (local)."""
+        """Full tensors ``loaded`` cut to this rank's shards of ``template``'s ``DTensor`` entries (local;
+        ``model.init_from``'s Hugging Face tensors)."""
         return dtensor.reshard_like(loaded, template)
 
     def close(self) -> None:

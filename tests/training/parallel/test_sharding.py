@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from engine.training.config import ConfigError, load_config, validate
-from tests.helpers.distributed import run_ranks
+from tests.helpers.distributed import dtensor_collectives, run_ranks
 
 MODEL = dict(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8)
 STEPS, CUT, GLOBAL_MICROBATCHES = 3, 2, 4
@@ -40,6 +40,7 @@ def overrides(run_dir: str, pipeline: int, data: int, **parallel) -> list[str]:
 def _run(config, steps: int, load=None, save_at=None, evaluate=False) -> dict:
     """Train to ``steps`` (optionally resuming from ``load``, saving at ``save_at``, evaluating once mid-run)."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
 
     from engine import Trainer
     from engine.training.parallel.fsdp import full_parameters
@@ -52,7 +53,9 @@ def _run(config, steps: int, load=None, save_at=None, evaluate=False) -> dict:
             out["losses"].append(m["loss"])
             out["norms"].append(m["grad_norm"])
             if save_at == trainer.step:
-                out["saved"] = str(trainer.save())
+                with CommDebugMode() as comm:  # a DTensor gathered whole for the save would count here
+                    out["saved"] = str(trainer.save())
+                out["save_dtensor_collectives"] = dtensor_collectives(comm)
             if evaluate and trainer.step == 1:  # forward-only: shard full must reshard after it
                 out["val_loss"] = trainer.evaluate()
                 out["sharded_after_eval"] = [isinstance(p, DTensor) for p in trainer.canonical.parameters()]
@@ -141,10 +144,11 @@ def test_zero1_matches_pp1_and_resumes_across_layouts(runs):
 def test_fsdp_matches_pp1_split_backward_included_and_resumes_across_layouts(runs):
     """``shard: full``: 1F1B, ZB-H1 (W passes after FSDP's own post-backward point: the reduce-scatter must wait
     for them), interleaved and a resume from pp1 give pp1's losses, norms and weights; each rank holds half of its
-    parameters and of their AdamW moments; the checkpoint resumes at pp1, shard none."""
+    parameters and of their AdamW moments; the save gathers no DTensor; the checkpoint resumes at pp1, shard none."""
     tmp, pp1, results = runs
     _check_against_pp1(results, pp1, "full", ("1f1b", "zb_h1", "interleaved", "from_pp1"))
     assert all(all(r["full"]["1f1b"]["sharded_after_eval"]) for r in results)  # resharded after the forward-only run
+    assert [r["full"]["1f1b"]["save_dtensor_collectives"] for r in results] == [0] * 4  # each rank saves its shards
     for rank in range(4):
         r = results[rank]["full"]["1f1b"]
         full = r["full_param_bytes"]  # this pipeline rank's parameters, unsharded

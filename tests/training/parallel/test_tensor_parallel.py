@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from engine.training.config import load_config
-from tests.helpers.distributed import run_ranks
+from tests.helpers.distributed import dtensor_collectives, run_ranks
 
 STEPS = 2
 TOL = 5e-5  # fp32, other reduction order; measured worst case 8.4e-6 (llama), printed by the test
@@ -94,16 +94,21 @@ def resume_and_step(model: dict, parallel: dict, run_dir, checkpoint, world: int
     """Load ``checkpoint`` (written at another layout) into ``parallel``'s layout and train two steps (the second
     one's loss depends on the restored AdamW state); with ``save_to`` first train :data:`STEPS` steps from scratch
     and save there."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
     from engine import Trainer
     config = load_config(None, {**overrides(model, parallel, run_dir, world), "training.steps": STEPS + 2})
+    out = {}
     with Trainer(config) as trainer:
         if save_to is None:
             trainer.load(checkpoint)
         else:
             for _ in range(STEPS):
                 trainer.train_step()
-            trainer.save(save_to)
-        return {"loss": [trainer.train_step()["loss"] for _ in range(2)]}
+            with CommDebugMode() as comm:  # a DTensor gathered whole for the save would count here
+                trainer.save(save_to)
+            out["save_dtensor_collectives"] = dtensor_collectives(comm)
+        return {**out, "loss": [trainer.train_step()["loss"] for _ in range(2)]}
 
 
 @contextlib.contextmanager
@@ -139,6 +144,7 @@ def _job(rank, world, layouts: dict, run_dir) -> dict:
     tp = dict(pipeline=2, tensor=2)
     out["from_pp1"] = resume_and_step(GPT, tp, f"{run_dir}/from_pp1", f"{run_dir}/ckpt_pp1/step_{STEPS:08d}")
     out["to_pp1"] = resume_and_step(GPT, tp, f"{run_dir}/to_pp1", None, save_to=f"{run_dir}/ckpt_tp")
+    out["tp_to_tp"] = resume_and_step(GPT, tp, f"{run_dir}/tp_to_tp", f"{run_dir}/ckpt_tp/step_{STEPS:08d}")
     return out
 
 
@@ -153,7 +159,10 @@ def runs(tmp_path_factory) -> dict:
                              world=1)
     ref = {"gpt2": train(GPT, dict(pipeline=1), run_dir / "ref_gpt2", world=1),
            "llama": train(LLAMA, dict(pipeline=1), run_dir / "ref_llama", world=1)}
-    return {"ranks": per_rank, "ref": ref, "ref_step": ref_step, "to_pp1": to_pp1}
+    from engine.training.generate import load_model, model_state_dict
+    exports = {name: model_state_dict(load_model(run_dir / name / f"step_{STEPS:08d}").model)
+               for name in ("ckpt_pp1", "ckpt_tp")}  # what pipecast export writes, read in one process
+    return {"ranks": per_rank, "ref": ref, "ref_step": ref_step, "to_pp1": to_pp1, "exports": exports}
 
 
 @pytest.mark.timeout(170)
@@ -165,6 +174,19 @@ def test_checkpoints_resume_across_tensor_layouts(runs):
         assert result["from_pp1"]["loss"] == pytest.approx(want, rel=TOL), f"pp1 -> pp2 x tp2, rank {rank}"
         assert result["to_pp1"]["loss"] == pytest.approx(want, rel=TOL), f"pp2 x tp2 uninterrupted, rank {rank}"
     assert runs["to_pp1"]["loss"] == pytest.approx(want, rel=TOL), "pp2 x tp2 -> pp1"
+
+
+@pytest.mark.timeout(170)
+def test_tensor_parallel_checkpoints_stay_sharded(runs):
+    """The pp2 x tp2 save gathers no DTensor (each rank writes its shards, the fused qkv's row blocks included);
+    resumed at pp2 x tp2 the next losses are bitwise the uninterrupted run's; its export equals pp1's."""
+    for rank, result in enumerate(runs["ranks"]):
+        assert result["to_pp1"]["save_dtensor_collectives"] == 0, rank
+        assert result["tp_to_tp"]["loss"] == result["to_pp1"]["loss"], rank
+    pp1, tp = runs["exports"]["ckpt_pp1"], runs["exports"]["ckpt_tp"]
+    assert set(pp1) == set(tp)
+    for name, want in pp1.items():
+        assert _rel(tp[name], want) <= TOL, name
 
 
 def _rel(got, want) -> float:
