@@ -237,7 +237,8 @@ class CheckpointConfig:
 class LoggingConfig:
     run_dir: str = setting("runs/default", "run folder: config.yaml, train.log, metrics.jsonl, loss.png, "
                            "checkpoints")
-    log_interval: int = setting(1, "log (and write metrics.jsonl) every N steps",
+    log_interval: int = setting(1, "log (and write metrics.jsonl) every N steps; only then does the host read the "
+                                "steps' figures (a NaN / inf step or SIGTERM stops the run there)",
                                 Range(1, MAX_STEPS, "use a positive number of steps"))
     progress_bar: bool | Literal["auto"] = setting("auto", "tqdm bar: true / false / auto (when stderr is a "
                                                    "terminal)")
