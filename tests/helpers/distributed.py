@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from engine.runtime.spawn import free_port, spawn
 
-__all__ = ["run_ranks", "process_alive", "free_port", "dtensor_collectives"]
+__all__ = ["run_ranks", "process_alive", "free_port", "tensor_gathers"]
 
 
 def process_alive(pid: int) -> bool:
@@ -36,7 +36,10 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, pg_timeout: flo
     return spawn(fn, world_size, args=args, timeout_s=timeout, group_timeout_s=max(pg_timeout, 60.0), threads=1)
 
 
-def dtensor_collectives(comm) -> int:
-    """The functional collectives a ``torch.distributed.tensor.debug.CommDebugMode`` counted (what a ``DTensor``
-    redistribution or ``full_tensor`` issues), leaving out the plain ``c10d`` ones (DCP's plan exchange)."""
-    return sum(n for op, n in comm.get_comm_counts().items() if "c10d_functional" in str(op))
+def tensor_gathers(comm) -> int:
+    """The tensor collectives a ``torch.distributed.tensor.debug.CommDebugMode`` counted: functional ones (what a
+    ``DTensor`` redistribution or ``full_tensor`` issues) and ``all_gather_into_tensor`` (``_allgather_base_``),
+    leaving out the object collectives of DCP's plan exchange (``allgather_``, ``gather_``, ``broadcast_``,
+    ``scatter_``)."""
+    return sum(n for op, n in comm.get_comm_counts().items()
+               if "c10d_functional" in str(op) or "_allgather_base_" in str(op))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["local", "align_grads", "clear_caches", "reshard_like", "checkpoint_form"]
+__all__ = ["local", "align_grads", "clear_caches", "reshard_like", "checkpoint_form", "LocalChunks", "strided_chunks",
+           "flat_range_chunks"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -61,8 +62,8 @@ def checkpoint_form(sd: dict) -> dict:
     """``sd`` as DCP saves and loads it without a gather: a ``DTensor`` with a regular placement stays as it is
     (DCP writes its local shard with its offset, and reads a target shard from whatever shards a checkpoint
     holds); one sharded by ``_StridedShard`` (tensor parallelism's fused ``qkv``: ``q | k | v`` row blocks, each
-    sharded) becomes :class:`_StridedBlocks`, which hands DCP its local rows as the separate chunks of the full
-    tensor they are (DCP's ``_Checkpointable`` protocol: ``torch/distributed/checkpoint/planner_helpers.py``).
+    sharded) becomes :class:`LocalChunks` (:func:`strided_chunks`), which hands DCP its local rows as the
+    separate chunks of the full tensor they are.
     Nested dicts are walked; the values keep their storage, so a load into the result fills ``sd``'s tensors."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -71,35 +72,65 @@ def checkpoint_form(sd: dict) -> dict:
         if isinstance(v, dict):
             v = checkpoint_form(v)
         elif isinstance(v, DTensor) and any(isinstance(p, _StridedShard) for p in v.placements):
-            v = _StridedBlocks(v)
+            v = strided_chunks(v)
         out[k] = v
     return out
 
 
-class _StridedBlocks(torch.Tensor):
-    """A ``_StridedShard(dim, split_factor=k)`` DTensor on a 1-D mesh for DCP: the full ``dim`` is cut into ``k``
-    blocks of ``n / k``, each sharded evenly over the mesh, so mesh rank ``c``'s local tensor is ``k`` blocks of
-    ``n / (k T)`` rows, block ``j`` at offset ``j n / k + c n / (k T)`` of the full tensor (each one chunk of the
-    saved tensor).  A wrapper of the full shape with no tensor operations: DCP only asks it for its chunks and
-    their tensors (views of the DTensor's local tensor)."""
+def strided_chunks(dt) -> "LocalChunks":
+    """A ``_StridedShard(dim, split_factor=k)`` DTensor on a 1-D mesh as :class:`LocalChunks`: the full ``dim`` is
+    cut into ``k`` blocks of ``n / k``, each sharded evenly over the mesh, so mesh rank ``c``'s local tensor is
+    ``k`` blocks of ``n / (k T)`` rows, block ``j`` at offset ``j n / k + c n / (k T)`` of the full tensor."""
+    local = dt.to_local()
+    (placement,) = dt.placements
+    dim, k, n = placement.dim, placement.split_factor, dt.shape[placement.dim]
+    part = n // k // dt.device_mesh.size()
+    rank = dt.device_mesh.get_local_rank()
+    blocks = []
+    for j in range(k):
+        offsets = [0] * local.dim()
+        offsets[dim] = j * (n // k) + rank * part
+        blocks.append((local.narrow(dim, j * part, part), offsets))
+    return LocalChunks(dt.shape, blocks, local)
+
+
+def flat_range_chunks(shape, start: int, piece: torch.Tensor) -> "LocalChunks":
+    """The elements ``[start, start + piece.numel())`` of a row-major tensor of ``shape`` (1-D or 2-D), held as
+    the 1-D ``piece`` (ZeRO-1's part of a parameter's moment), as :class:`LocalChunks`: at most three rectangles
+    (the rest of a first row, whole rows, the start of a last row), each a view of ``piece``."""
+    shape = torch.Size(shape)
+    if len(shape) == 1:
+        return LocalChunks(shape, [(piece, [start])] if piece.numel() else [], piece)
+    cols, end, blocks, at = shape[1], start + piece.numel(), [], start
+    while at < end:
+        row, col = divmod(at, cols)
+        if col or end - at < cols:  # a partial row
+            width = min(cols - col, end - at)
+            rows = 1
+        else:
+            width, rows = cols, (end - at) // cols
+        view = piece[at - start:at - start + rows * width].view(rows, width)
+        blocks.append((view, [row, col]))
+        at += rows * width
+    return LocalChunks(shape, blocks, piece)
+
+
+class LocalChunks(torch.Tensor):
+    """What DCP saves of, and loads into, a tensor this rank holds in parts: the full ``shape``, and ``blocks``
+    (tensor, offsets in the full tensor) -- views of this rank's storage, each one chunk of the saved tensor (DCP's
+    ``_Checkpointable`` protocol: ``torch/distributed/checkpoint/planner_helpers.py``).  A rank may hold no block
+    (DCP writes and reads nothing of the key there).  A wrapper with no tensor operations: DCP only asks it for
+    its chunks and their tensors; :attr:`local` is the storage they view."""
 
     @staticmethod
-    def __new__(cls, dt):
-        local = dt.to_local()
-        (placement,) = dt.placements
-        dim, k, n = placement.dim, placement.split_factor, dt.shape[placement.dim]
-        part = n // k // dt.device_mesh.size()
-        self = torch.Tensor._make_wrapper_subclass(cls, dt.shape, dtype=local.dtype, device=local.device)
-        rank = dt.device_mesh.get_local_rank()
-        self._blocks = [(local.narrow(dim, j * part, part), j * (n // k) + rank * part) for j in range(k)]
-        self._dim = dim
+    def __new__(cls, shape, blocks, local):
+        self = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=local.dtype, device=local.device)
+        self._blocks, self.local = blocks, local
         return self
 
     def _chunks(self):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        for block, start in self._blocks:
-            offsets = [0] * block.dim()
-            offsets[self._dim] = start
+        for block, offsets in self._blocks:
             yield block, ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=block.shape)
 
     def __create_write_items__(self, fqn: str, obj) -> list:
@@ -122,4 +153,4 @@ class _StridedBlocks(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise TypeError(f"{func} on a strided DTensor's checkpoint form: it only hands DCP its blocks")
+        raise TypeError(f"{func} on LocalChunks: it only hands DCP its blocks")

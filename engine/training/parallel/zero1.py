@@ -24,8 +24,11 @@ Megatron-Core ``megatron/core/optimizer/distrib_optimizer.py``.  Built on torch'
 * **Norm and clipping** (:meth:`ShardedAdamW.shard_grads` handed to
   :func:`engine.training.parallel.grad_norm.clip_grad_norm_`): the squared norm of this rank's shard (the tied
   copy of the last stage left out) summed over the data-parallel and the pipeline group.
-* **Checkpoints.**  ``state_dict()`` all-gathers the shards into full per-parameter ``exp_avg`` / ``exp_avg_sq``
-  (the format and names of ``torch.optim.AdamW``); ``load_state_dict`` keeps this rank's slice.  DCP's
+* **Checkpoints.**  ``state_dict()`` gives per parameter ``exp_avg`` / ``exp_avg_sq`` of the parameter's shape
+  (the format and names of ``torch.optim.AdamW``), each this rank's piece of it as
+  :class:`~engine.training.parallel.dtensor.LocalChunks` (a flat range of a row-major tensor: at most three
+  rectangles), so DCP writes every rank's pieces without a gather and reads any layout's tensors into them;
+  ``load_state_dict`` takes them (filled in place) or full tensors (keeps this rank's slice).  DCP's
   ``get_state_dict`` / ``set_state_dict`` see a plain AdamW over the model's parameters, so a checkpoint of
   ``shard: optimizer`` resumes under ``shard: none`` and any pipeline layout, and back.
 
@@ -209,56 +212,57 @@ class ShardedAdamW(torch.optim.Optimizer):
         for shard in self.sync.shards:
             shard.grad_shard = None
 
-    def _full_state(self) -> dict:
-        """Per model parameter: ``step``, full ``exp_avg`` / ``exp_avg_sq`` (all-gathered; collective)."""
-        out: dict = {}
-        for shard in self.sync.shards:
-            flats = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                mine = torch.zeros(shard.shard_size, dtype=shard.params[0].dtype, device=shard.params[0].device)
-                for s, _p, _start, lo, hi, piece in self._pieces:
-                    if s is shard and key in self.inner.state[piece]:
-                        mine[lo:hi].copy_(self.inner.state[piece][key])
-                full = torch.empty(shard.padded, dtype=mine.dtype, device=mine.device)
-                _all_gather(full, mine, group=self.sync.pg.dp) if shard.dp_size > 1 else \
-                    full.copy_(mine)
-                flats[key] = full
-            step = self._step_tensor()
-            offset = 0
-            for p in shard.params:
-                out[id(p)] = {"step": step.clone()} | {k: f[offset:offset + p.numel()].view_as(p).clone()
-                                                       for k, f in flats.items()}
-                offset += p.numel()
-        return out
+    def _init_state(self) -> None:
+        """Zero moments and step 0 on every piece AdamW has not stepped yet (what its first step creates), so a
+        load before the first step has storage to read into."""
+        for *_, piece in self._pieces:
+            if "exp_avg" not in self.inner.state[piece]:
+                self.inner.state[piece] = {"step": torch.zeros((), dtype=torch.float32, device=piece.device),
+                                           "exp_avg": torch.zeros_like(piece), "exp_avg_sq": torch.zeros_like(piece)}
 
     def _step_tensor(self) -> torch.Tensor:
         for piece_state in self.inner.state.values():
             return piece_state["step"].detach().clone()
         return torch.tensor(0.0)
 
+    def _in_order(self):
+        """``(index, parameter, start, piece)`` in the state dict's order (``piece`` None where this rank holds no
+        part of the parameter)."""
+        piece_of = {id(p): (start, piece) for _s, p, start, _lo, _hi, piece in self._pieces}
+        params = [p for g in self.param_groups for p in g["params"]]
+        return [(i, p, *piece_of.get(id(p), (0, None))) for i, p in enumerate(params)]
+
     def state_dict(self) -> dict:
-        """``torch.optim.AdamW``'s format over the model's parameters, the state gathered whole (collective)."""
-        full = self._full_state()
-        sd = super().state_dict()
-        index = 0
-        for g in self.param_groups:
-            for p in g["params"]:
-                sd["state"][index] = full[id(p)]
-                index += 1
+        """``torch.optim.AdamW``'s format over the model's parameters, each moment this rank's piece of it as
+        :class:`~engine.training.parallel.dtensor.LocalChunks` of the parameter's shape: DCP writes every rank's
+        pieces and reads any layout's into them, nothing gathered.  Local."""
+        from .dtensor import flat_range_chunks
+        self._init_state()
+        sd, step = super().state_dict(), self._step_tensor()
+        for index, p, start, piece in self._in_order():
+            state = self.inner.state[piece] if piece is not None else {}
+            sd["state"][index] = {"step": step.clone()} | {
+                k: flat_range_chunks(p.shape, start, state.get(k, p.new_empty(0))) for k in ("exp_avg", "exp_avg_sq")}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a full AdamW state dict (any layout's); keep this rank's slice of each tensor."""
-        super().load_state_dict(state_dict)
-        for _shard, p, start, lo, hi, piece in self._pieces:
-            saved = self.state[p]
-            if "exp_avg" not in saved:
+        """Load an AdamW state dict over the model's parameters: :meth:`state_dict`'s form (the moments'
+        ``LocalChunks``, filled by DCP in place) or full tensors (any layout's; this rank keeps its slice)."""
+        from .dtensor import LocalChunks
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        keys = [k for g in state_dict["param_groups"] for k in g["params"]]  # torch's key -> parameter order
+        saved = {i: state_dict["state"][k] for i, k in enumerate(keys) if k in state_dict["state"]}
+        self._init_state()
+        for index, _p, start, piece in self._in_order():
+            if piece is None or "exp_avg" not in saved.get(index, {}):
                 continue
-            n = hi - lo
-            self.inner.state[piece] = {
-                "step": saved["step"].detach().clone().to(torch.float32).reshape(()),
-                "exp_avg": saved["exp_avg"].reshape(-1)[start:start + n].clone(),
-                "exp_avg_sq": saved["exp_avg_sq"].reshape(-1)[start:start + n].clone()}
+            state = self.inner.state[piece]
+            state["step"].copy_(saved[index]["step"].reshape(()))
+            for k in ("exp_avg", "exp_avg_sq"):
+                v = saved[index][k]
+                source = v.local if isinstance(v, LocalChunks) else v.reshape(-1)[start:start + piece.numel()]
+                if source is not state[k]:
+                    state[k].copy_(source)
         self._mark_state()
 
     def state_bytes(self) -> int:

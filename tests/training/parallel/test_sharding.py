@@ -4,7 +4,8 @@ engine.training.parallel.fsdp) against a single-process pp1 run.
 One spawned 4-rank job (pp2 x dp2, shared by the tests through a module fixture) runs, for each of
 ``optimizer`` and ``full``, 1F1B (saving at step 2), ZB-H1 (split backward: W passes deferred) and a run resumed
 from a pp1 checkpoint -- 3 steps each with grad clipping and weight decay on -- plus ``full`` under interleaved
-1F1B (virtual 2).  (``shard: none`` at pp2 x dp2 is checked against autograd in test_trainer_reference.)  A
+1F1B (virtual 2) and, for each, the 1F1B run's step-2 checkpoint resumed at pp2 x dp2 (bitwise the straight run's
+last loss; the save gathered no tensor: ``CommDebugMode``).  (``shard: none`` at pp2 x dp2 is checked against autograd in test_trainer_reference.)  A
 single-process pp1 run (same global batch, ``shard: none``) gives the reference losses, gradient norms and
 parameters, and resumes from each sharded checkpoint.
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from engine.training.config import ConfigError, load_config, validate
-from tests.helpers.distributed import dtensor_collectives, run_ranks
+from tests.helpers.distributed import tensor_gathers, run_ranks
 
 MODEL = dict(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8)
 STEPS, CUT, GLOBAL_MICROBATCHES = 3, 2, 4
@@ -55,7 +56,7 @@ def _run(config, steps: int, load=None, save_at=None, evaluate=False) -> dict:
             if save_at == trainer.step:
                 with CommDebugMode() as comm:  # a DTensor gathered whole for the save would count here
                     out["saved"] = str(trainer.save())
-                out["save_dtensor_collectives"] = dtensor_collectives(comm)
+                out["save_gathers"] = tensor_gathers(comm)
             if evaluate and trainer.step == 1:  # forward-only: shard full must reshard after it
                 out["val_loss"] = trainer.evaluate()
                 out["sharded_after_eval"] = [isinstance(p, DTensor) for p in trainer.canonical.parameters()]
@@ -81,6 +82,8 @@ def _job(rank: int, world: int, run_dir: str, pp1_checkpoint: str) -> dict:
                    "from_pp1": _run(config(shard, "from_pp1"), STEPS, load=pp1_checkpoint)}
            for shard in ("optimizer", "full")}
     out["full"]["interleaved"] = _run(config("full", "interleaved", schedule="interleaved", virtual=2), STEPS)
+    for shard in ("optimizer", "full"):  # the sharded checkpoint resumed at its own layout
+        out[shard]["resumed"] = _run(config(shard, "resumed"), STEPS, load=out[shard]["1f1b"]["saved"])
     return out
 
 
@@ -120,6 +123,15 @@ def _check_against_pp1(results: list, pp1: dict, shard: str, cases) -> None:
             assert (value == results[b][shard]["1f1b"]["params"][name]).all(), name
 
 
+def _check_resumes(tmp, results: list, pp1: dict, shard: str) -> None:
+    """The save of ``shard`` gathered no tensor (each rank wrote its own pieces / shards); resumed at pp2 x dp2
+    its next losses are bitwise the straight run's; then :func:`_check_resume_at_pp1`."""
+    assert [r[shard]["1f1b"]["save_gathers"] for r in results] == [0] * 4
+    straight, resumed = results[2][shard]["1f1b"]["losses"], results[2][shard]["resumed"]["losses"]
+    assert resumed == straight[CUT:], (shard, resumed, straight)
+    _check_resume_at_pp1(tmp, results, pp1, shard)
+
+
 def _check_resume_at_pp1(tmp, results: list, pp1: dict, shard: str) -> None:
     """The pp2 x dp2 checkpoint of ``shard`` resumes in one process (pp1, shard none) with the straight run's last
     loss and final parameters."""
@@ -137,7 +149,7 @@ def test_zero1_matches_pp1_and_resumes_across_layouts(runs):
     for rank in range(4):
         n_params = sum(v.size for v in results[rank]["optimizer"]["1f1b"]["params"].values())
         assert 2 * 4 * n_params / 2 <= results[rank]["optimizer"]["1f1b"]["state_bytes"] < 0.55 * 2 * 4 * n_params
-    _check_resume_at_pp1(tmp, results, pp1, "optimizer")
+    _check_resumes(tmp, results, pp1, "optimizer")
 
 
 @pytest.mark.timeout(400)  # the first test to run also spawns the module's 4-rank job
@@ -148,13 +160,12 @@ def test_fsdp_matches_pp1_split_backward_included_and_resumes_across_layouts(run
     tmp, pp1, results = runs
     _check_against_pp1(results, pp1, "full", ("1f1b", "zb_h1", "interleaved", "from_pp1"))
     assert all(all(r["full"]["1f1b"]["sharded_after_eval"]) for r in results)  # resharded after the forward-only run
-    assert [r["full"]["1f1b"]["save_dtensor_collectives"] for r in results] == [0] * 4  # each rank saves its shards
     for rank in range(4):
         r = results[rank]["full"]["1f1b"]
         full = r["full_param_bytes"]  # this pipeline rank's parameters, unsharded
         assert full / 2 <= r["param_bytes"] < 0.55 * full, rank  # dim-0 rows split in two (torch.chunk)
         assert full <= r["state_bytes"] < 1.1 * full, rank  # two moments of half the parameters, plus steps
-    _check_resume_at_pp1(tmp, results, pp1, "full")
+    _check_resumes(tmp, results, pp1, "full")
     # `pipecast export` of the step-2 checkpoint writes the unsharded model: pp1's step-2 weights
     from engine.training.export import export_checkpoint, load_exported
     exported = {}

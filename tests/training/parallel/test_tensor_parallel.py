@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from engine.training.config import load_config
-from tests.helpers.distributed import dtensor_collectives, run_ranks
+from tests.helpers.distributed import tensor_gathers, run_ranks
 
 STEPS = 2
 TOL = 5e-5  # fp32, other reduction order; measured worst case 8.4e-6 (llama), printed by the test
@@ -107,7 +107,7 @@ def resume_and_step(model: dict, parallel: dict, run_dir, checkpoint, world: int
                 trainer.train_step()
             with CommDebugMode() as comm:  # a DTensor gathered whole for the save would count here
                 trainer.save(save_to)
-            out["save_dtensor_collectives"] = dtensor_collectives(comm)
+            out["save_gathers"] = tensor_gathers(comm)
         return {**out, "loss": [trainer.train_step()["loss"] for _ in range(2)]}
 
 
@@ -181,7 +181,7 @@ def test_tensor_parallel_checkpoints_stay_sharded(runs):
     """The pp2 x tp2 save gathers no DTensor (each rank writes its shards, the fused qkv's row blocks included);
     resumed at pp2 x tp2 the next losses are bitwise the uninterrupted run's; its export equals pp1's."""
     for rank, result in enumerate(runs["ranks"]):
-        assert result["to_pp1"]["save_dtensor_collectives"] == 0, rank
+        assert result["to_pp1"]["save_gathers"] == 0, rank
         assert result["tp_to_tp"]["loss"] == result["to_pp1"]["loss"], rank
     pp1, tp = runs["exports"]["ckpt_pp1"], runs["exports"]["ckpt_tp"]
     assert set(pp1) == set(tp)
