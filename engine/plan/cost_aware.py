@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from .pass_costs import PassCosts
 from .types import Action, Op, Placement
 
-__all__ = ["cost_aware_order", "CostAwareResult"]
+__all__ = ["cost_aware_order", "place_weights", "CostAwareResult"]
 
 _OPS = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
 _EPS = 1e-9
@@ -492,6 +492,24 @@ def cost_aware_order(placement: Placement, pp_size: int, num_microbatches: int, 
         if _better(found, best):
             best = found
     return _result(pb, best)
+
+
+def place_weights(placement: Placement, pp_size: int, num_microbatches: int, costs: PassCosts, max_in_flight,
+                  orders) -> CostAwareResult:
+    """``orders`` (per rank, ``(op, chunk, microbatch)`` with ``op`` in ``"FBW"``; their ``W`` are dropped) with each
+    rank's ``W`` passes placed by the timed pass of step 2 (module doc) with ``alpha = 0``: first in, first out, where
+    the rank would otherwise wait for its next input and ends by its arrival, where the activation budget
+    ``max_in_flight`` (per rank) demands one before an ``F``, and the rest after the rank's last ``B``.
+
+    Raises:
+        ValueError: the orders deadlock, or an ``F`` does not fit ``max_in_flight`` with every pending ``W`` done.
+    """
+    pb = _Problem(placement, pp_size, num_microbatches, costs, max_in_flight, (None,) * pp_size)
+    timed = _evaluate(pb, _strip(_codes(orders, pb.C, pb.M), pb.C, pb.M), (0.0,) * pp_size)
+    if timed is None:
+        raise ValueError(f"the F / B orders deadlock or do not fit max_in_flight={tuple(max_in_flight)}; raise the "
+                         "budget or fix the orders")
+    return _result(pb, timed)
 
 
 def _result(pb: _Problem, timed: _Timed) -> CostAwareResult:
