@@ -33,6 +33,8 @@ Speed and memory are measured here, not in the tests.  Each script prints its fi
 | `cuda_graphs_bench.py` | one GPU: eager vs graph replay (bitwise equality, step time, memory); `--memory-only` on CPU |
 | `gpu_check.py [--dry-run] [--out DIR]` | the first-GPU-run check: GPT-block F/B/W graphs vs eager (interleaved, zb_h1, zbv; fp32 bitwise, bf16 tolerance), caller state, dropout under replay, graph-pool bytes at M = 4 / 16, capture seconds, trainer graphs on/off (zbv, 1f1b, bf16, interleaved pp2), host syncs, cuda tests, bench goals; one JSON rewritten around every check, within a time budget |
 | `collectives_per_step.py` | torch.distributed collectives and P2P messages per trainer phase on 2 gloo ranks (train steps, an evaluation with another microbatch count, the step after it) |
+| `host_syncs.py [--root DIR]` | host syncs per training step (`.item()`, `.tolist()`, `float(t)`, device copies), counted on the CPU at pp1, pp2 x dp2 ZeRO-1 and pp2 x tp2; `--root`: another checkout's trainer |
+| `checkpoint_shards.py` | per rank: bytes of the DCP files it writes and peak extra resident memory during `Trainer.save`, at pp2 x tp2, pp2 x dp2 `shard: full` and `shard: optimizer` |
 | `investigations/p2p_stalls.py`, `investigations/gloo_post_stalls.py` | one-off studies of gloo receive posting and send stalls |
 
 Method on a shared machine: each fresh job builds all engines and steps them round-robin (shuffled order per
