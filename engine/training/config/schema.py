@@ -14,7 +14,7 @@ from ..models import DEFAULT_FAMILY, family_names, get_family
 from .errors import ConfigError
 from .fields import MAX_STEPS, Range, RegisteredName, setting
 
-__all__ = ["ScheduleName", "FamilyName", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig",
+__all__ = ["ScheduleName", "FamilyName", "MoEConfig", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig",
            "TrainingConfig", "CheckpointConfig", "LoggingConfig", "CudaGraphsConfig", "ProfileConfig", "TrainConfig",
            "schedules_taking"]
 
@@ -61,6 +61,44 @@ _COUNT = "use 0 (off) or a number of steps"
 
 
 @dataclass
+class MoEConfig:
+    """A mixture-of-experts MLP (``model.moe``; the layers are :mod:`engine.moe`'s): a top-k router over
+    ``num_experts`` SwiGLU experts, optional shared experts, a load-balancing loss.  Layer ``i`` is a MoE layer when
+    ``i >= first_dense_layers`` and ``i % layer_freq == 0`` (DeepSeek-V3's ``first_k_dense_replace`` /
+    ``moe_layer_freq``); the others keep the family's dense MLP."""
+
+    num_experts: int = setting(8, "routed experts E of each MoE layer (a multiple of parallel.expert)",
+                               Range(1, 1 << 16, "use a positive number of experts, e.g. 8"))
+    top_k: int = setting(2, "experts each token is routed to (<= num_experts)",
+                         Range(1, 1 << 16, "use a positive number of experts per token, e.g. 2"))
+    ffn_hidden_size: int | None = setting(None, "each routed expert's SwiGLU width (null: model.ffn_hidden_size)",
+                                          Range(1, 1 << 22, "use a positive expert width or null"))
+    shared_experts: int = setting(0, "shared experts every token also goes through (DeepSeek-MoE, arXiv:2401.06066): "
+                                  "one SwiGLU of shared_experts x the expert width; 0: none",
+                                  Range(0, 1 << 10, "use 0 (none) or a number of shared experts"))
+    router: Literal["softmax", "sigmoid"] = setting("softmax", "softmax: the top-k of softmax scores (Jiang et al., "
+                                                    "arXiv:2401.04088); sigmoid: DeepSeek-V3's sigmoid affinities, the "
+                                                    "chosen ones normalised to sum to 1")
+    normalize_top_k: bool = setting(True, "softmax router: renormalise the k chosen probabilities to sum to 1 "
+                                    "(sigmoid ones always are)")
+    aux_loss_coeff: float = setting(0.01, "weight of the load-balancing loss (Switch Transformer, arXiv:2101.03961; "
+                                    "its gradient follows the pipeline's loss scale); 0: none",
+                                    Range(0.0, 1e3, "use 0 (none) or a small weight such as 0.01"))
+    capacity_factor: float | None = setting(None, "null: dropless; else each expert takes at most ceil(capacity_factor"
+                                            " x tokens x top_k / num_experts) token slots per forward, the later "
+                                            "ones dropped", Range(0.0, 1e6, "use e.g. 1.25, or null (dropless)",
+                                                                  low_open=True))
+    layer_freq: int = setting(1, "every layer_freq-th layer (index % layer_freq == 0) is a MoE layer (Megatron's "
+                              "--moe-layer-freq)", Range(1, 1 << 16, "use 1 (every layer) or e.g. 2"))
+    first_dense_layers: int = setting(0, "the first N layers keep the dense MLP (DeepSeek-V3's first_k_dense_replace)",
+                                      Range(0, 1 << 16, "use 0 or a number of leading dense layers"))
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether global layer ``index`` holds a MoE MLP."""
+        return index >= self.first_dense_layers and index % self.layer_freq == 0
+
+
+@dataclass
 class ModelConfig:
     """A decoder-only transformer of one registered ``family`` (:mod:`engine.training.models`).  ``init_from``: a
     Hugging Face model folder whose ``config.json`` sets the architecture fields and whose weights start the run
@@ -104,6 +142,8 @@ class ModelConfig:
     activation: Literal["gelu", "gelu_tanh"] = setting("gelu", "the MLP's GELU (families with one): gelu (exact) or "
                                                        "gelu_tanh (the tanh approximation, Hendrycks & Gimpel "
                                                        "arXiv:1606.08415)")
+    moe: MoEConfig | None = setting(None, "a mixture-of-experts MLP in the family's MoE layers (model.moe.*; "
+                                    "families whose FamilySpec has a moe_block); null: dense")
     init_from: str | None = setting(None, "a Hugging Face folder (config.json + model.safetensors) of a registered "
                                     "family to start from: its config sets the architecture fields, its weights the "
                                     "first step")
@@ -147,6 +187,15 @@ class ParallelConfig:
     overlap_p2p_comm: bool = setting(False, "overlap P2P with compute (interleaved only; needs batch_p2p_comm=false)")
     deallocate_pipeline_outputs: bool = setting(True, "free a sent activation's data once sent (Megatron's option)")
     overlap_grad_reduce: bool = setting(True, "start a chunk's data-parallel all-reduce when its last backward ends")
+    expert: int = setting(1, "expert-parallel ranks E (model.moe): each MoE layer's experts are split over E ranks "
+                          "taken from the data-parallel ones (E divides parallel.data and model.moe.num_experts); "
+                          "expert gradients are reduced over the data / E expert-data-parallel ranks",
+                          Range(1, 1 << 16, "use 1 (every rank holds every expert) or a divisor of parallel.data"))
+    overlap_moe_expert_parallel_comm: bool = setting(
+        False, lambda: f"{schedules_taking('overlap_moe_expert_parallel_comm')} only (1f1b: one pipeline rank): run "
+                       "each forward-backward cell's two microbatches taking turns at their expert all-to-alls, so "
+                       "one's all-to-all is in flight while the other computes (engine.runtime.overlap; gradients "
+                       "unchanged)")
     shard: Literal["none", "optimizer", "full"] = setting(
         "none", "none; optimizer: ZeRO-1, AdamW state 1/data per rank; full: FSDP2 per chunk, parameters, gradients "
                 "and AdamW state 1/data per rank between steps (both a no-op at data=1)")
@@ -331,6 +380,7 @@ class TrainConfig:
                               "RUN_DIR/tune.json (run `pipecast tune CONFIG` first); pipecast train does this")
         try:
             return resolve_schedule(p.schedule, p.pipeline, p.virtual, p.microbatch_group_size_per_vp_stage,
-                                    p.max_in_flight, costs=p.schedule_costs)
+                                    p.max_in_flight, costs=p.schedule_costs,
+                                    overlap_moe_expert_parallel_comm=p.overlap_moe_expert_parallel_comm)
         except ValueError as exc:
             raise ConfigError(f"parallel.schedule={p.schedule}: {exc}") from None

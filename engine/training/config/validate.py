@@ -73,6 +73,7 @@ def validate_model_family(m: ModelConfig) -> None:
         family = get_family(m.family)
     except ValueError as exc:  # a config built in Python, not loaded (load_config checks the name first)
         raise ConfigError(str(exc)) from None
+    _validate_moe(m, family)
     why = family.check(m) if family.check is not None else None
     if why is not None:
         raise ConfigError(why)
@@ -81,6 +82,26 @@ def validate_model_family(m: ModelConfig) -> None:
         raise ConfigError(f"model.transformer_engine=true with model.family={m.family}: Transformer Engine's layer "
                           f"(LayerNorm, GELU MLP, biases) does not compute this family's block; set "
                           f"model.transformer_engine=false (or use model.family={' / '.join(able) or '(none)'})")
+
+
+def _validate_moe(m: ModelConfig, family) -> None:
+    """``model.moe`` against the family and itself: a family with a ``moe_block``, ``top_k <= num_experts``, at
+    least one MoE layer."""
+    moe = m.moe
+    if moe is None:
+        return
+    if family.moe_block is None:
+        able = [n for n in family_names() if get_family(n).moe_block is not None]
+        raise ConfigError(f"model.moe is set but model.family={m.family} cannot hold a mixture of experts (its "
+                          f"FamilySpec has no moe_block); use model.family={' / '.join(able) or '(none)'} or remove "
+                          f"model.moe")
+    if moe.top_k > moe.num_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} is above model.moe.num_experts={moe.num_experts}: a token is "
+                          f"routed to at most num_experts experts; lower model.moe.top_k or raise num_experts")
+    if not any(moe.is_moe_layer(i) for i in range(m.num_layers)):
+        raise ConfigError(f"model.moe.first_dense_layers={moe.first_dense_layers} with model.moe.layer_freq="
+                          f"{moe.layer_freq} leaves no MoE layer among model.num_layers={m.num_layers}; lower them "
+                          f"or remove model.moe")
 
 
 def _validate_device(config: TrainConfig) -> None:
