@@ -47,7 +47,7 @@ from .config.validated import is_validated
 from .data.corpus import Batches, load_corpus
 from .parallel.parallelism import Parallelism
 from . import preempt
-from .metrics import MetricsLog, known_peak_tflops, model_flops_per_token
+from .metrics import MetricsLog, RouterMetrics, known_peak_tflops, model_flops_per_token
 from .models.chunk import build_model_chunks, canonical_module
 from .outputs import setup_logging
 from .seed import set_seed_and_determinism
@@ -150,6 +150,9 @@ class Trainer:
                                         stages=self.plan.stages_of(self.pp_rank))
         self.parallelism.apply(self.model, self.mp_config)
         self.canonical = canonical_module(self.model)
+        moe = c.model.moe
+        self.router_metrics = RouterMetrics(self.canonical, c.model.num_layers, moe.num_experts, self.device) \
+            if moe is not None else None
         if c.model.init_from:
             self._init_from_hf()
         o = c.optimizer
@@ -224,7 +227,10 @@ class Trainer:
             batch_p2p_comm=p.batch_p2p_comm, overlap_p2p_comm=p.overlap_p2p_comm,
             deallocate_pipeline_outputs=p.deallocate_pipeline_outputs,
             enable_autocast=bf16, autocast_dtype=torch.bfloat16 if bf16 else None,
-            deterministic_mode=c.training.deterministic)
+            deterministic_mode=c.training.deterministic,
+            expert_model_parallel_size=p.expert, expert_tensor_parallel_size=1,
+            num_moe_experts=c.model.moe.num_experts if c.model.moe is not None else None,  # the aux-loss scale
+            overlap_moe_expert_parallel_comm=p.overlap_moe_expert_parallel_comm)
 
     def _lr_multiplier(self, step: int) -> float:
         o = self.config.optimizer
@@ -325,6 +331,8 @@ class Trainer:
         for chunk in self.model:
             chunk.train()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.router_metrics is not None:
+            self.router_metrics.reset()
         lr = self.optimizer.param_groups[0]["lr"]
         store = self._run_schedule(self._data(self.step), self.config.training.num_microbatches, False)
         grad_norm = float(self.parallelism.clip_grad_norm_(self.config.optimizer.grad_clip))  # read for the log
@@ -519,6 +527,8 @@ class Trainer:
         """The log line, evaluation, checkpoint and progress bar after a step of :meth:`train` (up to ``end``)."""
         c = self.config
         if self.step % c.logging.log_interval == 0 or self.step == end:
+            if self.router_metrics is not None:  # collective; the host reads the routers' counters only here
+                metrics.update(self.router_metrics.collect())
             self._log_step(metrics)
         if (c.training.eval_interval and self.step % c.training.eval_interval == 0) or self.step == c.training.steps:
             metrics["val_loss"] = self.evaluate()
@@ -558,9 +568,11 @@ class Trainer:
             return
         memory = f" | mem {m['max_memory_gib']:.2f} GiB" if "max_memory_gib" in m else ""
         mfu = f" | MFU {100 * m['mfu']:.1f}%" if "mfu" in m else ""
-        log.info("step %d/%d | loss %.4f | grad norm %.3f | lr %.3e | %.0f tokens/s | %.3g TFLOP/s%s | step %.3f s%s",
+        moe = (f" | moe aux {m['moe_aux_loss']:.4f} imbalance {m['moe_load_imbalance']:.2f}"
+               if "moe_aux_loss" in m else "")
+        log.info("step %d/%d | loss %.4f | grad norm %.3f | lr %.3e | %.0f tokens/s | %.3g TFLOP/s%s | step %.3f s%s%s",
                  m["step"], self.config.training.steps, m["loss"], m["grad_norm"], m["lr"], m["tokens_per_s"],
-                 m["tflops"], mfu, m["step_time_s"], memory)
+                 m["tflops"], mfu, m["step_time_s"], memory, moe)
         if self._metrics is not None:
             self._metrics.write({k: v for k, v in m.items() if k != "val_loss"})
 
@@ -751,7 +763,8 @@ def _process_groups(p) -> ProcessGroupCollection:
     """The run's process groups from the ``parallel`` section (collective: every rank creates every group)."""
     return build_process_groups(p.pipeline, virtual_or_none(p.virtual),
                                 backend=None if p.backend == "auto" else p.backend,
-                                timeout=datetime.timedelta(seconds=p.timeout_s), tensor_model_parallel_size=p.tensor)
+                                timeout=datetime.timedelta(seconds=p.timeout_s), tensor_model_parallel_size=p.tensor,
+                                expert_model_parallel_size=p.expert, expert_tensor_parallel_size=1)
 
 
 def _all_reduce_cpu(t: torch.Tensor, group) -> torch.Tensor:

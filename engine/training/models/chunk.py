@@ -32,7 +32,7 @@ from ..config import ModelConfig
 from .registry import FamilySpec, get_family
 
 __all__ = ["ModelChunk", "stage_layers", "build_model_chunks", "chunk_stage", "canonical_module", "family_parts",
-           "canonical_names", "canonical_shapes"]
+           "block_part", "layer_block", "canonical_names", "canonical_shapes"]
 
 log = logging.getLogger("pipecast." + __name__.rsplit(".", 1)[-1])
 
@@ -65,6 +65,14 @@ class OutputHead(nn.Module):
     @property
     def weight(self) -> nn.Parameter:
         return self.word.weight
+
+
+def layer_block(family: FamilySpec, cfg: ModelConfig, ffn_hidden_size: int, index: int) -> nn.Module:
+    """The block of global layer ``index``: the family's ``moe_block`` where ``model.moe`` makes it a MoE layer,
+    else its ``block``."""
+    if cfg.moe is not None and cfg.moe.is_moe_layer(index):
+        return family.moe_block(cfg, index)
+    return family.block(cfg, ffn_hidden_size)
 
 
 def _te_block(cfg: ModelConfig, ffn_hidden_size: int, index: int) -> nn.Module | None:
@@ -116,7 +124,7 @@ class ModelChunk(nn.Module):
         for index in self.layer_ids:
             block = _te_block(cfg, ffn_hidden_size, index) if use_te else None
             if block is None:
-                block = family.block(cfg, ffn_hidden_size)
+                block = layer_block(family, cfg, ffn_hidden_size, index)
                 block.reset_parameters(cfg.init_std, cfg.num_layers, _generator(seed, index + 1))
             blocks.append(block)
         self.layers = nn.ModuleList(blocks)
@@ -243,11 +251,19 @@ def canonical_module(chunks: Iterable[ModelChunk]) -> nn.Module:
 
 def family_parts(cfg: ModelConfig, ffn_hidden_size: int) -> dict[str, nn.Module]:
     """One ``embedding``, one ``block`` and one ``final_norm`` of ``cfg``'s family on the meta device (parameter
-    names and shapes, no memory, no initialisation)."""
+    names and shapes, no memory, no initialisation); with ``model.moe`` also one ``moe_block`` (all experts)."""
     family: FamilySpec = get_family(cfg.family)
     with torch.device("meta"):
-        return {"embedding": family.embedding(cfg), "block": family.block(cfg, ffn_hidden_size),
-                "final_norm": family.final_norm(cfg)}
+        parts = {"embedding": family.embedding(cfg), "block": family.block(cfg, ffn_hidden_size),
+                 "final_norm": family.final_norm(cfg)}
+        if cfg.moe is not None:
+            parts["moe_block"] = family.moe_block(cfg, cfg.moe.first_dense_layers)
+        return parts
+
+
+def block_part(cfg: ModelConfig, index: int) -> str:
+    """The :func:`family_parts` key of global layer ``index``'s block (``"moe_block"`` or ``"block"``)."""
+    return "moe_block" if cfg.moe is not None and cfg.moe.is_moe_layer(index) else "block"
 
 
 def canonical_names(cfg: ModelConfig, ffn_hidden_size: int) -> list[str]:
@@ -262,7 +278,7 @@ def canonical_shapes(cfg: ModelConfig, ffn_hidden_size: int) -> dict[str, tuple[
     parts = family_parts(cfg, ffn_hidden_size)
     shapes = {f"embedding.{n}": tuple(p.shape) for n, p in parts["embedding"].named_parameters()}
     shapes |= {f"layers.{i}.{n}": tuple(p.shape) for i in range(cfg.num_layers)
-               for n, p in parts["block"].named_parameters()}
+               for n, p in parts[block_part(cfg, i)].named_parameters()}
     shapes |= {f"final_norm.{n}": tuple(p.shape) for n, p in parts["final_norm"].named_parameters()}
     if not cfg.tie_embeddings:
         shapes["output_head.word.weight"] = shapes["embedding.word.weight"]

@@ -27,11 +27,15 @@ if TYPE_CHECKING:  # annotations only: the config imports this module
 __all__ = ["FamilySpec", "HuggingFace", "TP_STYLES", "register_family", "get_family", "family_names", "unsupported",
            "hf_value"]
 
-TP_STYLES = ("colwise", "fused_qkv", "rowwise", "norm")
+TP_STYLES = ("colwise", "fused_qkv", "rowwise", "norm", "moe")
 """How a block's submodule is split over the tensor-parallel ranks (:attr:`FamilySpec.tensor_parallel`):
 ``colwise`` (output features sharded), ``fused_qkv`` (a ``[3h, h]`` projection whose ``q``, ``k`` and ``v`` row
-blocks are each sharded), ``rowwise`` (input features sharded, the output all-reduced) and ``norm`` (replicated;
-with ``parallel.sequence_parallel`` it runs on the rank's ``[s/T, b, h]`` sequence shard)."""
+blocks are each sharded), ``rowwise`` (input features sharded, the output all-reduced), ``norm`` (replicated;
+with ``parallel.sequence_parallel`` it runs on the rank's ``[s/T, b, h]`` sequence shard) and ``moe`` (an
+:class:`engine.moe.MoELayer`: it runs on the rank's own sequence shard as a plain tensor -- sequence parallelism
+is required, as in Megatron-Core -- its experts whole and split over ``parallel.expert``, its router and shared
+experts replicated, their gradients summed over the tensor-parallel ranks).  A plan entry whose submodule a block
+does not have (a dense layer's ``mlp.*`` in a MoE layer) is skipped for that block."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,11 @@ class FamilySpec:
             for its backward and one pending ``W`` holds, for the memory estimate (:mod:`engine.training.memory`,
             which names the keys); ``None``: the estimate counts a generic pre-norm attention + MLP block.  The
             parameters are counted on the modules themselves.
+        moe_block: ``moe_block(cfg, layer) -> nn.Module``: the block of global layer ``layer`` when ``model.moe``
+            makes it a mixture-of-experts layer (:meth:`~engine.training.config.MoEConfig.is_moe_layer`), as
+            ``block`` (``[s, b, h] -> [s, b, h]``, ``reset_parameters``) with an :class:`engine.moe.MoELayer`
+            holding all of its experts (the parallelism keeps each rank's share, ``parallel.expert``); ``None``:
+            the family cannot hold ``model.moe`` (refused).
     """
 
     name: str
@@ -99,6 +108,7 @@ class FamilySpec:
     transformer_engine: bool = False
     hf: HuggingFace | None = None
     memory: Callable[[ModelConfig, int], dict] | None = None
+    moe_block: Callable[[ModelConfig, int], Any] | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_]+", self.name):

@@ -3,8 +3,9 @@ device.  The trainer hands it the model chunks and then only calls it; every dec
 ``parallel.tensor`` / ``parallel.shard`` is made here:
 
 * :func:`parallelize` -- tensor parallelism, then (its slot) activation recomputation, then FSDP2, on the chunks;
-* the gradient sync the schedules call (``finalize_model_grads`` / ``no_sync``: data-parallel all-reduce, ZeRO-1's
-  reduce-scatter or FSDP2's, then the tied-embedding sum);
+* the gradient sync the schedules call (``finalize_model_grads`` / ``no_sync``: data-parallel all-reduce -- routed
+  experts' over the expert-data-parallel group --, ZeRO-1's reduce-scatter or FSDP2's, then the tied-embedding
+  sum);
 * the optimizer: ``torch.optim.AdamW``, ZeRO-1's :class:`~engine.training.parallel.zero1.ShardedAdamW`, or AdamW
   on FSDP2's sharded parameters;
 * the one global-norm clip (:func:`engine.training.parallel.grad_norm.clip_grad_norm_`) over this layout's
@@ -34,16 +35,18 @@ __all__ = ["Parallelism", "parallelize"]
 log = logging.getLogger("pipecast.train")
 
 
-def parallelize(chunks: Sequence[nn.Module], *, tp_mesh=None, sequence_parallel: bool = False,
+def parallelize(chunks: Sequence[nn.Module], *, tp_mesh=None, sequence_parallel: bool = False, ep_group=None,
                 dp_mesh=None) -> None:
     """Apply the run's parallelisms to this rank's model chunks, in place (local: every rank built the same full
     initial weights and keeps its part; no collective), in torchtitan's order (``parallelize_llama``):
 
     1. tensor parallelism over ``tp_mesh`` (None: off), ``sequence_parallel`` as configured
        (:func:`engine.training.parallel.tensor_parallel.parallelize_chunks`);
-    2. activation recomputation: the recipe does not offer it yet; it goes here, marking each block with
+    2. expert parallelism over ``ep_group`` (None: every rank keeps every expert): each MoE layer keeps this
+       rank's share of its experts (:meth:`engine.moe.MoELayer.shard_experts`);
+    3. activation recomputation: the recipe does not offer it yet; it goes here, marking each block with
        :func:`engine.runtime.recompute.apply_recompute`;
-    3. FSDP2 over ``dp_mesh`` (None: off; :func:`engine.training.parallel.fsdp.shard_chunks`).
+    4. FSDP2 over ``dp_mesh`` (None: off; :func:`engine.training.parallel.fsdp.shard_chunks`).
 
     Why this order: tensor parallelism replaces each projection's weight by a ``DTensor`` on the ``tp`` mesh and
     installs the redistributions around its module, so a recomputed block must wrap the block as it then runs
@@ -58,6 +61,10 @@ def parallelize(chunks: Sequence[nn.Module], *, tp_mesh=None, sequence_parallel:
     if tp_mesh is not None:
         from .tensor_parallel import parallelize_chunks
         parallelize_chunks(chunks, tp_mesh, sequence_parallel=sequence_parallel)
+    if ep_group is not None:
+        from ...moe import MoELayer
+        for layer in (m for c in chunks for m in c.modules() if isinstance(m, MoELayer)):
+            layer.shard_experts(ep_group)
     if dp_mesh is not None:
         from .fsdp import shard_chunks
         shard_chunks(chunks, dp_mesh)
@@ -67,7 +74,7 @@ class Parallelism:
     """The parallel layout of one run on this rank (see the module docstring).
 
     Args:
-        parallel: the run's ``parallel`` section (``tensor``, ``sequence_parallel``, ``shard``,
+        parallel: the run's ``parallel`` section (``tensor``, ``sequence_parallel``, ``expert``, ``shard``,
             ``overlap_grad_reduce``).
         pg: the run's process groups (``parallel.data`` is their data-parallel size).
         device: this rank's device.
@@ -81,7 +88,7 @@ class Parallelism:
 
     def __init__(self, parallel, pg: ProcessGroupCollection, device: torch.device, *, tied_on_one_rank: bool = False):
         self.pg, self.device = pg, device
-        self.tensor, self.sequence_parallel = parallel.tensor, parallel.sequence_parallel
+        self.tensor, self.sequence_parallel, self.expert = parallel.tensor, parallel.sequence_parallel, parallel.expert
         self.data = pg.data_parallel_size
         self.shard = parallel.shard if self.data > 1 else "none"
         self.overlap_grad_reduce = parallel.overlap_grad_reduce
@@ -94,9 +101,10 @@ class Parallelism:
                      parallel.shard)
 
     def describe(self) -> str:
-        """``tensor=T [sequence parallel] data=D shard=S``, for the start-up line."""
+        """``data=D tensor=T [sequence parallel] [expert=E] shard=S``, for the start-up line."""
         sp = " (sequence parallel)" if self.sequence_parallel and self.tensor > 1 else ""
-        return f"data={self.data} tensor={self.tensor}{sp} shard={self.shard}"
+        ep = f" expert={self.expert}" if self.expert > 1 else ""
+        return f"data={self.data} tensor={self.tensor}{sp}{ep} shard={self.shard}"
 
     def apply(self, chunks: Sequence[nn.Module], config) -> None:
         """:func:`parallelize` ``chunks`` (in place) and build their gradient sync, installed as ``config``'s
@@ -108,7 +116,8 @@ class Parallelism:
             mesh = device_mesh(self.pg, self.device.type)
             tp_mesh = mesh["tp"] if self.tensor > 1 else None
             dp_mesh = mesh["dp"] if self.shard == "full" else None
-        parallelize(chunks, tp_mesh=tp_mesh, sequence_parallel=self.sequence_parallel, dp_mesh=dp_mesh)
+        parallelize(chunks, tp_mesh=tp_mesh, sequence_parallel=self.sequence_parallel,
+                    ep_group=self.pg.ep if self.expert > 1 else None, dp_mesh=dp_mesh)
         self.chunks = list(chunks)
         self.grad_sync = self._grad_sync()
         config.finalize_model_grads_func = self.grad_sync.finalize_model_grads
@@ -154,9 +163,12 @@ class Parallelism:
             grads, counted = self.optimizer.shard_grads()
             return clip_grad_norm_(grads, max_norm, counted=counted, pipeline_group=self.pg.pp,
                                    shard_group=self.pg.dp, device=self.device)
+        from ...moe import is_expert_parameter
         params = [p for p in self.parameters() if p.grad is not None]
         return clip_grad_norm_([p.grad for p in params], max_norm, pipeline_group=self.pg.pp, device=self.device,
-                               counted=[not getattr(p, "shared_embedding_copy", False) for p in params])
+                               counted=[not getattr(p, "shared_embedding_copy", False) for p in params],
+                               experts=[is_expert_parameter(p) for p in params],
+                               expert_group=self.pg.ep if self.expert > 1 else None)
 
     def after_forward_only(self) -> None:
         """After a forward-only schedule call (evaluation, sampling): FSDP2 frees the parameters it gathered (a
