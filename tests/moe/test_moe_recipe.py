@@ -203,8 +203,13 @@ def pp1(tmp_path_factory) -> list:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list:
-    return run_ranks(_job, 4, tmp_path_factory.mktemp("ep"), timeout=300)
+def ep_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ep")
+
+
+@pytest.fixture(scope="module")
+def ranks(ep_dir) -> list:
+    return run_ranks(_job, 4, ep_dir, timeout=300)
 
 
 @pytest.mark.timeout(300)
@@ -268,3 +273,44 @@ def test_bad_settings_are_refused_before_any_rank_starts(case):
             validate_world_size(config, world)
     for word in words:
         assert word in str(err.value), str(err.value)
+
+
+# ---- Hugging Face out and in --------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_hugging_face_export_gives_the_same_greedy_text_and_init_from_reads_it_back(ranks, ep_dir, tmp_path):
+    """The E=2 run's step-2 checkpoint as a Mixtral folder: ``transformers`` loads it (its per-expert tensors) and
+    gives pipecast's logits and greedy text; ``model.init_from`` starts a run from bitwise those weights."""
+    transformers = pytest.importorskip("transformers", reason="optional dependency transformers (dev extra)")
+    from engine import Trainer
+    from engine.training.export import export_hf
+    from engine.training.generate import generate, load_model
+    export_hf(ep_dir / "checkpoints" / "step_00000002", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    ours = load_model(ep_dir / "checkpoints" / "step_00000002").model
+    tokens = torch.tensor([[ord(c) for c in "def f(x)"], [ord(c) for c in "return y"]])  # [b, s]
+    with torch.no_grad():
+        want = hf(tokens).logits  # [b, s, V]
+        got = ours(tokens).transpose(0, 1)  # [s, b, V] -> [b, s, V]
+    diff = (got - want).abs().max().item()
+    print(f"Mixtral export: logits max |diff| {diff:.3g}")
+    assert diff <= 1e-5 * want.abs().max().item()
+    prompt = [ord(c) for c in "def"]
+    text = generate(ours, prompt, MODEL["seq_length"] - len(prompt), temperature=0)
+    assert hf.generate(torch.tensor([prompt]), max_new_tokens=len(text), do_sample=False)[0, 3:].tolist() == text
+    saved = {n: v for r in ranks for n, (v, _) in r["ep2"][2]["params"].items()}
+    more = {"parallel.pipeline": 1, "parallel.virtual": 1,
+            "parallel.schedule": "1f1b", "parallel.data": 1, "parallel.expert": 1, "training.steps": 1,
+            "parallel.overlap_moe_expert_parallel_comm": False}
+    plain = {k: v for k, v in overrides(tmp_path / "init", **more).items() if not k.startswith("model.")}
+    config = load_config(None, plain | {"model.init_from": str(tmp_path / "hf"),  # the architecture: config.json
+                                        "model.seq_length": MODEL["seq_length"]})
+    moe = config.model.moe
+    assert config.model.family == "llama_moe" and (moe.num_experts, moe.top_k) == (MOE["num_experts"], MOE["top_k"])
+    with Trainer(config) as trainer:
+        for name, p in trainer.canonical.named_parameters():
+            assert torch.equal(p.detach(), torch.from_numpy(saved[name])), name
+    with pytest.raises(ConfigError, match=r"model.moe.top_k=1 disagrees .*config.json \(top_k = 2\)"):
+        load_config(None, plain | {"model.init_from": str(tmp_path / "hf"), "model.seq_length": 8,
+                                   "model.moe.top_k": 1})
