@@ -62,7 +62,7 @@ def _steps(trainer, count: int, steps: list | None = None) -> list:
         metrics = trainer.train_step()
         for chunk in trainer.model:
             del chunk.forward
-        steps[-1].update(seen, loss=metrics["loss"], pp_rank=trainer.pp_rank, dp_rank=trainer.dp_rank,
+        steps[-1].update(seen, loss=metrics["loss"], grad_norm=metrics["grad_norm"], pp_rank=trainer.pp_rank, dp_rank=trainer.dp_rank,
                          router=trainer.router_metrics.collect())
     return steps
 
@@ -181,6 +181,8 @@ def check_against_reference(per_rank: list, name: str) -> float:
             r = steps[step]
             where = f"{name} step {step} pp_rank {r['pp_rank']} dp_rank {r['dp_rank']}"
             assert r["loss"] == pytest.approx(ce, rel=1e-6), where
+            assert r["grad_norm"] == pytest.approx(torch.nn.utils.get_total_norm(list(grads.values())).item(),
+                                                   rel=1e-5), where  # experts' squares summed over the group
             assert r["router"]["moe_tokens_per_expert"] == {str(i): counts[i].long().tolist()
                                                             for i in range(MODEL["num_layers"])}, where
             for pname, (_, grad) in r["params"].items():
@@ -256,6 +258,11 @@ BAD = [  # (overrides on the preset, world size or None, words the message must 
     ({"model.moe.top_k": 5}, None, ["model.moe.top_k=5", "model.moe.num_experts=4", "lower"]),
     ({"model.family": "gpt2"}, None, ["model.moe", "model.family=gpt2", "llama_moe"]),
     ({"model.moe": None, "model.family": "llama"}, None, ["parallel.expert=2", "model.moe is not set"]),
+    ({"parallel.data": 1, "parallel.tensor": 2, "parallel.expert": 1}, None, ["parallel.tensor=2", "tensor=1"]),
+    ({"parallel.shard": "optimizer"}, None, ["parallel.shard=optimizer", "parallel.expert=2", "shard=none"]),
+    ({"cuda_graphs.enabled": True}, None, ["cuda_graphs.enabled=true", "enabled=false"]),
+    ({"parallel.schedule": "1f1b", "parallel.virtual": 1}, None,
+     ["overlap_moe_expert_parallel_comm=true", "parallel.schedule=1f1b", "dualpipev"]),
     ({"model.family": "llama_moe", "model.moe": None, "parallel.expert": 1,
       "parallel.overlap_moe_expert_parallel_comm": False}, None, ["model.family=llama_moe", "model.moe"]),
 ]

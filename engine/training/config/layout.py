@@ -224,7 +224,7 @@ def validate_expert_parallel(config: TrainConfig) -> None:
     Raises:
         ConfigError: experts without ``model.moe``; ``E`` not dividing ``model.moe.num_experts`` or
             ``parallel.data``; ``E > 1`` with ``parallel.shard`` optimizer / full; ``model.moe`` with
-            ``parallel.tensor > 1`` but no sequence parallelism, or with CUDA graphs; the overlap without
+            ``parallel.tensor > 1`` or with CUDA graphs; the overlap without
             ``model.moe`` or with a schedule that has no forward-backward cells.
     """
     m, p = config.model, config.parallel
@@ -253,11 +253,11 @@ def validate_expert_parallel(config: TrainConfig) -> None:
 
 def _validate_moe_layout(config: TrainConfig) -> None:
     p = config.parallel
-    if p.tensor > 1 and not p.sequence_parallel:
-        raise ConfigError(f"model.moe with parallel.tensor={p.tensor} needs parallel.sequence_parallel=true (as "
-                          "Megatron-Core): each tensor-parallel rank routes its own sequence shard, else every "
-                          "token would reach its experts once per tensor-parallel rank; set "
-                          "parallel.sequence_parallel=true or parallel.tensor=1")
+    if p.tensor > 1:
+        raise ConfigError(f"model.moe with parallel.tensor={p.tensor} is not available in this version: each "
+                          "tensor-parallel rank would route its own sequence shard, so the load-balancing loss and "
+                          "the router's gradient would depend on the layout; use parallel.tensor=1 (scale out with "
+                          "parallel.data and parallel.expert)")
     if config.cuda_graphs.enabled:
         raise ConfigError("model.moe with cuda_graphs.enabled=true is refused: dropless routing sends each expert "
                           "a data-dependent number of tokens (the all-to-all's splits are read on the host every "

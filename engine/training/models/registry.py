@@ -27,15 +27,11 @@ if TYPE_CHECKING:  # annotations only: the config imports this module
 __all__ = ["FamilySpec", "HuggingFace", "TP_STYLES", "register_family", "get_family", "family_names", "unsupported",
            "hf_value"]
 
-TP_STYLES = ("colwise", "fused_qkv", "rowwise", "norm", "moe")
+TP_STYLES = ("colwise", "fused_qkv", "rowwise", "norm")
 """How a block's submodule is split over the tensor-parallel ranks (:attr:`FamilySpec.tensor_parallel`):
 ``colwise`` (output features sharded), ``fused_qkv`` (a ``[3h, h]`` projection whose ``q``, ``k`` and ``v`` row
-blocks are each sharded), ``rowwise`` (input features sharded, the output all-reduced), ``norm`` (replicated;
-with ``parallel.sequence_parallel`` it runs on the rank's ``[s/T, b, h]`` sequence shard) and ``moe`` (an
-:class:`engine.moe.MoELayer`: it runs on the rank's own sequence shard as a plain tensor -- sequence parallelism
-is required, as in Megatron-Core -- its experts whole and split over ``parallel.expert``, its router and shared
-experts replicated, their gradients summed over the tensor-parallel ranks).  A plan entry whose submodule a block
-does not have (a dense layer's ``mlp.*`` in a MoE layer) is skipped for that block."""
+blocks are each sharded), ``rowwise`` (input features sharded, the output all-reduced) and ``norm`` (replicated;
+with ``parallel.sequence_parallel`` it runs on the rank's ``[s/T, b, h]`` sequence shard)."""
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,6 @@ Mixture-of-experts layers (:mod:`engine.moe`): a routed expert's parameters (``p
 over the expert-data-parallel group ``pg.expt_dp`` (the ranks holding the same experts) in a bucket of their own,
 and scaled by ``1 / data`` like the dense ones -- Megatron-Core's ``DistributedDataParallel`` (expert gradient
 scaling factor ``1 / data``): an expert's gradient already sums the tokens its expert-parallel peers sent it.
-Parameters marked ``tp_partial`` (a MoE layer's router and shared experts under sequence parallelism: replicated,
-but each tensor-parallel rank ran them on its own tokens) are summed over the tensor-parallel group after that.
 
 The global-norm clip of the gradients is :func:`engine.training.parallel.grad_norm.clip_grad_norm_` (every
 layout's); :class:`engine.training.parallel.Parallelism` picks this class or its ZeRO-1 / FSDP2 forms.
@@ -113,7 +111,6 @@ class GradSync:
         self.buckets = [b for c in self.chunks for b in self._chunk_buckets(
             [p for p in c.parameters() if p.requires_grad and not (id(p) in seen or seen.add(id(p)))])]
         self.tied = tied_weights(self.chunks)  # marked shared_embedding (ModelChunk, engine.split_model)
-        self.tp_partial = [p for b in self.buckets for p in b.params if getattr(p, "tp_partial", False)]
         self._tied_on_one_rank = tied_on_one_rank
         self._hooks = []
         if overlap:
@@ -124,7 +121,7 @@ class GradSync:
 
     def _chunk_buckets(self, params: list) -> list[_Bucket]:
         """One chunk's bucket over the data-parallel group, or two when its routed experts are reduced over another
-        group (``pg.expt_dp``: expert parallelism, or experts whole under tensor parallelism; Megatron-Core's
+        group (``pg.expt_dp`` under expert parallelism; Megatron-Core's
         expert gradient reduction, scaled like the dense gradients by ``1 / data``)."""
         expt_dp = self.pg.expt_dp if self.pg.expt_dp is not None else self.pg.dp
         if expt_dp is self.pg.dp:
@@ -165,7 +162,6 @@ class GradSync:
             for bucket in self.buckets:
                 if self.dp_size > 1 or group_size(bucket.group) > 1:
                     self._reduce(bucket)
-            self._sum_tensor_parallel_partial()
             if not self._tied_on_one_rank:  # V placement: one shared Parameter, no embedding-group communication
                 sum_tied_grads(self.tied, self.pg)
 
@@ -184,24 +180,6 @@ class GradSync:
             bucket.flat = bucket.flatten()
         bucket.unflatten(bucket.flat.div_(self.dp_size))
         bucket.reset()
-
-    def _sum_tensor_parallel_partial(self) -> None:
-        """Sum the gradients of parameters marked ``tp_partial`` over the tensor-parallel group: replicated weights
-        that ran on this rank's sequence shard only (a MoE layer's router and shared experts under sequence
-        parallelism; Megatron-Core all-reduces its ``sequence_parallel`` weights the same way)."""
-        if not self.tp_partial or group_size(self.pg.tp) == 1:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.tp_partial]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.pg.tp)
-        offset = 0
-        for p, g in zip(self.tp_partial, grads):
-            summed = flat[offset:offset + g.numel()].view_as(p)
-            offset += g.numel()
-            if p.grad is None:
-                p.grad = summed.clone()
-            else:
-                p.grad.copy_(summed)
 
     def close(self) -> None:
         for h in self._hooks:

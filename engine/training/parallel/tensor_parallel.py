@@ -23,10 +23,6 @@ stage are consecutive and adjacent stages pair the same tensor-parallel rank):
 * the loss: the logits ``[s, b, V/T]`` are gathered (``Replicate``: one all-gather per microbatch, full logits
   on each rank) and the loss is computed in plain torch.  ``loss_parallel`` is not used: it needs the backward
   to run inside its context, and the schedules run each backward long after the forward, outside it.
-* a mixture-of-experts layer (style ``moe``; sequence parallelism required, as in Megatron-Core): it takes this
-  rank's ``[s/T, b, h]`` shard as a plain tensor and routes those tokens (each expert whole on its expert-parallel
-  rank: ``expert_tensor_parallel_size`` 1); its router and shared experts are replicated plain weights marked
-  ``tp_partial``, whose gradients the gradient sync sums over the tensor-parallel ranks.
 * norms, the position embedding and the residual stream stay replicated plain tensors; their gradients are the
   same on every tensor-parallel rank (their inputs and output gradients are), so no extra reduction is needed.
   Activations between stages are the replicated ``[s, b, h]`` plain tensors.
@@ -114,42 +110,8 @@ def _block_plan(plan: dict, sequence_parallel: bool = False) -> dict:
         from torch.distributed.tensor.parallel import SequenceParallel
         cin, rout = {"input_layouts": Shard(0)}, {"output_layouts": Shard(0)}
         norms = {n: SequenceParallel(sequence_dim=0) for n, style in plan.items() if style == "norm"}
-    build = {"colwise": lambda: col(**cin), "fused_qkv": lambda: fused(**cin), "rowwise": lambda: row(**rout),
-             "moe": _moe_input}
+    build = {"colwise": lambda: col(**cin), "fused_qkv": lambda: fused(**cin), "rowwise": lambda: row(**rout)}
     return {**norms, **{n: build[style]() for n, style in plan.items() if style != "norm"}}
-
-
-def _moe_input():
-    """A MoE layer's input under sequence parallelism: this rank's ``[s/T, b, h]`` shard as a plain tensor (the
-    layer routes its own tokens; its experts are whole, split over the expert-parallel ranks)."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput
-    return PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=Shard(0), use_local_output=True)
-
-
-def _mark_moe_partial(block: nn.Module, plan: dict) -> None:
-    """Mark ``tp_partial`` the router and shared-expert weights of the block's ``moe`` submodules: replicated, run
-    on this rank's tokens only, so the gradient sync sums them over the tensor-parallel group
-    (:class:`engine.training.parallel.data_parallel.GradSync`)."""
-    from ...moe import is_expert_parameter
-    for name, style in plan.items():
-        if style == "moe":
-            for p in block.get_submodule(name).parameters():
-                if not is_expert_parameter(p):
-                    p.tp_partial = True
-
-
-def _present(block: nn.Module, plan: dict) -> dict:
-    """The entries of ``plan`` whose submodule ``block`` has (a MoE layer has no dense ``mlp.*``, a dense one no
-    ``moe``)."""
-    out = {}
-    for name, style in plan.items():
-        try:
-            block.get_submodule(name)
-        except AttributeError:
-            continue
-        out[name] = style
-    return out
 
 
 def _sequence_ends(chunk: nn.Module, tp_mesh) -> None:
@@ -192,9 +154,7 @@ def parallelize_chunks(chunks, tp_mesh, sequence_parallel: bool = False) -> None
         marks = {n: (getattr(p, "shared_embedding", False), getattr(p, "shared_embedding_copy", False))
                  for n, p in chunk.named_parameters(remove_duplicate=False)}
         for block in chunk.layers:
-            plan = _present(block, chunk.family.tensor_parallel)
-            parallelize_module(block, tp_mesh, _block_plan(plan, sequence_parallel))
-            _mark_moe_partial(block, plan)
+            parallelize_module(block, tp_mesh, _block_plan(chunk.family.tensor_parallel, sequence_parallel))
         if chunk.embedding is not None:
             parallelize_module(chunk.embedding, tp_mesh, {"word": row(input_layouts=replicate())})
         if sequence_parallel:
