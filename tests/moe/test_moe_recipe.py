@@ -321,3 +321,28 @@ def test_hugging_face_export_gives_the_same_greedy_text_and_init_from_reads_it_b
     with pytest.raises(ConfigError, match=r"model.moe.top_k=1 disagrees .*config.json \(top_k = 2\)"):
         load_config(None, plain | {"model.init_from": str(tmp_path / "hf"), "model.seq_length": 8,
                                    "model.moe.top_k": 1})
+
+
+# ---- pipecast tune: all-to-all costs, the overlap where a schedule has cells ---------------------------------------
+
+def test_tune_takes_the_all_to_all_apart_and_keeps_the_overlap_only_where_cells_are():
+    from engine.plan.candidates import Candidate
+    from engine.profiling.timeline import Span
+    from engine.training.config import validate
+    from engine.training.tune.measure import a2a_per_action_ms
+    from engine.training.tune.tuner import variant_config
+    ms = 1_000_000
+    spans = [Span("compute", "F0.0", 0, 100 * ms), Span("comm", "a2a dispatch", 10 * ms, 30 * ms, depth=1),
+             Span("comm", "a2a combine", 50 * ms, 60 * ms, depth=1), Span("compute", "F1.0", 100 * ms, 150 * ms),
+             Span("comm", "a2a dispatch", 110 * ms, 150 * ms, depth=1), Span("compute", "B0.0", 200 * ms, 300 * ms),
+             Span("comm", "a2a dispatch backward", 290 * ms, 310 * ms, depth=1)]  # ends outside B0.0: not B's
+    got = a2a_per_action_ms([spans, [Span("compute", "F0.0", 0, ms)]])
+    assert got == {("F", 0, 0): pytest.approx(35.0), ("B", 0, 0): 0.0}  # median of 30 and 40; rank 1 has no comm
+    config = load_config(PRESET)
+    assert config.parallel.overlap_moe_expert_parallel_comm
+    for schedule, virtual, overlap in (("dualpipev", 2, True), ("1f1b", 1, False), ("zbv", 2, False)):
+        variant = variant_config(config, Candidate(schedule, virtual), Path("run"), 3)
+        assert variant.parallel.overlap_moe_expert_parallel_comm is overlap, schedule
+        validate(variant)
+        measured = variant_config(config, Candidate(schedule, virtual), Path("run"), 3, overlap=False)
+        assert not measured.parallel.overlap_moe_expert_parallel_comm

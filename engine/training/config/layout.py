@@ -14,7 +14,8 @@ from ..models import get_family
 from .errors import ConfigError
 from .schema import TrainConfig, schedules_taking
 
-__all__ = ["validate_parallel", "validate_tensor_parallel", "validate_expert_parallel", "run_plans", "validate_plans", "validate_world_size"]
+__all__ = ["validate_parallel", "validate_tensor_parallel", "validate_expert_parallel", "has_overlap_cells",
+           "run_plans", "validate_plans", "validate_world_size"]
 
 
 def _validate_schedule(config: TrainConfig) -> None:
@@ -264,6 +265,13 @@ def _validate_moe_layout(config: TrainConfig) -> None:
                           "step), which a captured graph cannot replay; set cuda_graphs.enabled=false")
 
 
+def has_overlap_cells(schedule: str, pipeline: int) -> bool:
+    """Whether registered ``schedule`` on ``pipeline`` ranks takes ``overlap_moe_expert_parallel_comm``: it has
+    forward-backward cells (Megatron-Core refuses the overlap for 1F1B without virtual stages on several ranks)."""
+    spec = get_schedule(schedule)
+    return "overlap_moe_expert_parallel_comm" in spec.options and not (spec.name == "1f1b" and pipeline > 1)
+
+
 def _validate_moe_overlap(config: TrainConfig) -> None:
     """``parallel.overlap_moe_expert_parallel_comm``: a MoE model and a schedule with forward-backward cells
     (Megatron-Core refuses it for 1F1B without virtual stages on several pipeline ranks)."""
@@ -277,7 +285,7 @@ def _validate_moe_overlap(config: TrainConfig) -> None:
     if p.schedule == "tuned":
         return
     spec = get_schedule(config.schedule_name)
-    if "overlap_moe_expert_parallel_comm" not in spec.options or (spec.name == "1f1b" and p.pipeline > 1):
+    if not has_overlap_cells(spec.name, p.pipeline):
         why = ("1F1B without virtual stages has no forward-backward cells on several pipeline ranks (Megatron-Core "
                "refuses it too)" if spec.name == "1f1b" else f"{spec.name} has no forward-backward cells")
         named = p.schedule if p.schedule == spec.name else f"{p.schedule} ({spec.name})"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ...plan.registry import schedule_names
 from ..config import ConfigError, validate
+from ..config.layout import has_overlap_cells
 
 __all__ = ["TUNE_FILE", "tune_path", "tuned_for", "check_tuned_for", "read_result", "resolve_tuned"]
 
@@ -111,6 +112,8 @@ def resolve_tuned(config):
     result = read_result(path)
     check_tuned_for(result["tuned_for"], config, where)
     fields = _best_fields(result["best"], where)
+    if p.overlap_moe_expert_parallel_comm:  # the MoE overlap where the best schedule has cells, else off
+        fields["overlap_moe_expert_parallel_comm"] = has_overlap_cells(fields["schedule"], p.pipeline)
     tuned = dataclasses.replace(config, parallel=dataclasses.replace(p, **fields))
     try:
         validate(tuned)  # the whole run again (cheap): the trainer then takes it as validated

@@ -56,6 +56,7 @@ from ...plan.candidates import (Candidate, candidates, cost_aware_candidates, pr
 from ...plan.pass_costs import PassCosts
 from ...plan.registry import get_schedule
 from ..config import ConfigError, TrainConfig, load_config, parse_override_args, validate
+from ..config.layout import has_overlap_cells
 from .measure import cost_model, model_from_record, step_times
 from .result import resolve_tuned, tune_path, tuned_for
 
@@ -301,11 +302,15 @@ def config_candidate(config: TrainConfig) -> Candidate:
     return Candidate(name, p.virtual, None if group == p.pipeline else group, p.max_in_flight, costs=costs)
 
 
-def variant_config(config: TrainConfig, c: Candidate, folder: Path, steps: int) -> TrainConfig:
+def variant_config(config: TrainConfig, c: Candidate, folder: Path, steps: int,
+                   overlap: bool | None = None) -> TrainConfig:
     """``config`` with candidate ``c``'s schedule, training ``steps`` steps into ``folder``, with no evaluation,
-    checkpoint, samples, TensorBoard, profiler or progress bar."""
+    checkpoint, samples, TensorBoard, profiler or progress bar.  ``parallel.overlap_moe_expert_parallel_comm``:
+    ``overlap`` (None: the config's), kept only where ``c``'s schedule has forward-backward cells."""
     r = dataclasses.replace
     fields = {k.split(".", 1)[1]: v for k, v in c.overrides().items()}
+    overlap = config.parallel.overlap_moe_expert_parallel_comm if overlap is None else overlap
+    fields["overlap_moe_expert_parallel_comm"] = overlap and has_overlap_cells(c.schedule, config.parallel.pipeline)
     return r(config, parallel=r(config.parallel, **fields),
              training=r(config.training, steps=steps, eval_interval=0),
              checkpoint=r(config.checkpoint, dir=str(folder / "checkpoints"), interval=0, save_at_end=False),
@@ -455,9 +460,11 @@ def _shared(folder: str) -> str:
 
 def tune_worker(config: TrainConfig, variants: list[Candidate], steps: int, warmup: int, folder: str,
                 together: bool = True) -> list[dict]:
-    """What every rank runs to measure: :func:`.tune_model.measure_runs` of the variants, recorded."""
+    """What every rank runs to measure: :func:`.tune_model.measure_runs` of the variants, recorded (without the
+    MoE overlap: the all-to-all and compute costs are measured apart, and the overlap simulated)."""
     from .measure import measure_runs
-    cfgs = [variant_config(config, c, Path(folder) / f"measure{i}", warmup + steps) for i, c in enumerate(variants)]
+    cfgs = [variant_config(config, c, Path(folder) / f"measure{i}", warmup + steps, overlap=False)
+            for i, c in enumerate(variants)]
     return measure_runs(cfgs, steps, warmup, True, together, [c.label for c in variants])
 
 
