@@ -125,36 +125,42 @@ def _layers(config: TrainConfig, stage: int) -> int:
 
 
 def _module_parameters(config: TrainConfig) -> dict[str, tuple[int, int, int]]:
-    """``{"block" | "embedding" | "final_norm": (sharded, replicated, tensors)}``: the parameter elements of one
-    module as the family builds it (on the meta device), split by the family's tensor-parallel plan -- ``colwise``
-    and ``fused_qkv`` projections shard weight and bias, ``rowwise`` the weight; the word embedding is
-    vocabulary-parallel; the rest is replicated."""
+    """``{"block" | "moe_block" | "embedding" | "final_norm": (sharded, replicated, tensors)}``: the parameter
+    elements of one module as the family builds it (on the meta device), split by the family's tensor-parallel
+    plan -- ``colwise`` and ``fused_qkv`` projections shard weight and bias, ``rowwise`` the weight; the word
+    embedding is vocabulary-parallel; the rest is replicated; a MoE layer's routed experts are split over the
+    ``parallel.expert`` ranks (each holds ``num_experts / E`` of them)."""
+    from ..moe import is_expert_parameter
     from .models import get_family
     from .models.chunk import family_parts
     plan = get_family(config.model.family).tensor_parallel
     out = {}
     for part, module in family_parts(config.model, config.ffn_hidden_size).items():
-        sharded = replicated = tensors = 0
+        sharded = replicated = tensors = expert = expert_tensors = 0
         for name, param in module.named_parameters():
             owner, _, leaf = name.rpartition(".")
             style = "colwise" if part == "embedding" and owner == "word" else plan.get(owner) if part == "block" \
                 else None
-            if style in ("colwise", "fused_qkv") or (style == "rowwise" and leaf == "weight"):
-                sharded += param.numel()
+            if is_expert_parameter(param):
+                expert, expert_tensors = expert + param.numel(), expert_tensors + 1
+            elif style in ("colwise", "fused_qkv") or (style == "rowwise" and leaf == "weight"):
+                sharded, tensors = sharded + param.numel(), tensors + 1
             else:
-                replicated += param.numel()
-            tensors += 1
-        out[part] = (sharded, replicated, tensors)
+                replicated, tensors = replicated + param.numel(), tensors + 1
+        e = config.parallel.expert
+        out[part] = (sharded, replicated + expert // e, tensors + expert_tensors // e)
     return out
 
 
 def stage_parameters(config: TrainConfig, stage: int) -> tuple[int, int]:
     """``(elements, tensors)`` of the parameters one tensor-parallel rank of virtual stage ``stage`` holds
-    (sharded ``1/T``): its blocks, the embedding on the first stage, the final norm and the output head ``[V, h]``
+    (sharded ``1/T``; routed experts ``1/E``): its blocks, the embedding on the first stage, the final norm and the output head ``[V, h]``
     on the last (with tied embeddings and one stage, the head is the embedding)."""
+    from .models.chunk import block_part, stage_layers
     parts, stages = _module_parameters(config), _num_stages(config)
-    n = _layers(config, stage)
-    counts = [n * x for x in parts["block"]]
+    counts = [0, 0, 0]
+    for index in stage_layers(config.model.num_layers, stages, stage):  # a dense or a MoE block each
+        counts = [x + y for x, y in zip(counts, parts[block_part(config.model, index)])]
     held = (["embedding"] if stage == 0 else []) + (["final_norm"] if stage == stages - 1 else [])
     for part in held:
         counts = [x + y for x, y in zip(counts, parts[part])]

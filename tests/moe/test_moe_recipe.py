@@ -346,3 +346,14 @@ def test_tune_takes_the_all_to_all_apart_and_keeps_the_overlap_only_where_cells_
         validate(variant)
         measured = variant_config(config, Candidate(schedule, virtual), Path("run"), 3, overlap=False)
         assert not measured.parallel.overlap_moe_expert_parallel_comm
+
+
+def test_the_memory_estimate_counts_this_ranks_share_of_the_experts():
+    """The preset's first stage (one MoE layer and the embedding), written out: attention ``4096 + 2048 + 2048 +
+    4096``, two norms ``2 x 64``, the router ``4 x 64``, ``4 / E`` experts of ``3 x 64 x 96``, the word embedding
+    ``256 x 64``."""
+    from engine.training.memory import stage_parameters
+    for expert, experts_here in ((2, 2), (1, 4)):
+        config = load_config(PRESET, {"parallel.expert": expert})
+        want = 12288 + 128 + 256 + experts_here * 3 * 64 * 96 + 256 * 64
+        assert stage_parameters(config, 0) == (want, 4 + 2 + 1 + 3 * experts_here + 1), expert
