@@ -357,3 +357,11 @@ def test_the_memory_estimate_counts_this_ranks_share_of_the_experts():
         config = load_config(PRESET, {"parallel.expert": expert})
         want = 12288 + 128 + 256 + experts_here * 3 * 64 * 96 + 256 * 64
         assert stage_parameters(config, 0) == (want, 4 + 2 + 1 + 3 * experts_here + 1), expert
+
+
+def test_a_resume_may_change_the_expert_parallel_size_but_not_the_experts():
+    from engine.training.checkpoint.resume import checkpoint_meta, resume_differences
+    meta = checkpoint_meta(load_config(PRESET), 10)
+    assert resume_differences(meta, load_config(PRESET, {"parallel.expert": 1})) == ([], [])
+    refused, _ = resume_differences(meta, load_config(PRESET, {"model.moe.num_experts": 8}))
+    assert len(refused) == 1 and "model.moe=" in refused[0] and "'num_experts': 8" in refused[0], refused
