@@ -365,3 +365,13 @@ def test_a_resume_may_change_the_expert_parallel_size_but_not_the_experts():
     assert resume_differences(meta, load_config(PRESET, {"parallel.expert": 1})) == ([], [])
     refused, _ = resume_differences(meta, load_config(PRESET, {"model.moe.num_experts": 8}))
     assert len(refused) == 1 and "model.moe=" in refused[0] and "'num_experts': 8" in refused[0], refused
+
+
+@pytest.mark.parametrize("key,value", [("shared_experts", 1), ("router", "sigmoid"), ("capacity_factor", 1.25),
+                                       ("first_dense_layers", 1), ("normalize_top_k", False)])
+def test_what_mixtral_cannot_express_is_refused_at_export(key, value):
+    from engine.training.models import get_family
+    config = load_config(PRESET, {f"model.moe.{key}": value})
+    with pytest.raises(ValueError, match=rf"model.moe.{key}={value!r} cannot be exported as Hugging Face Mixtral"):
+        get_family("llama_moe").hf.config(config.model, config.ffn_hidden_size)
+    assert get_family("llama_moe").hf.config(load_config(PRESET).model, 172)["num_local_experts"] == 4
