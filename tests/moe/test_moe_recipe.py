@@ -340,7 +340,8 @@ def test_tune_takes_the_all_to_all_apart_and_keeps_the_overlap_only_where_cells_
     assert got == {("F", 0, 0): pytest.approx(35.0), ("B", 0, 0): 0.0}  # median of 30 and 40; rank 1 has no comm
     config = load_config(PRESET)
     assert config.parallel.overlap_moe_expert_parallel_comm
-    for schedule, virtual, overlap in (("dualpipev", 2, True), ("1f1b", 1, False), ("zbv", 2, False)):
+    for schedule, virtual, overlap in (("dualpipev", 2, True), ("1f1b", 1, False), ("zbv", 2, False),
+                                       ("interleaved", 2, False)):  # tune's interleaved plans have no cells
         variant = variant_config(config, Candidate(schedule, virtual), Path("run"), 3)
         assert variant.parallel.overlap_moe_expert_parallel_comm is overlap, schedule
         validate(variant)

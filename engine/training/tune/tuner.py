@@ -56,9 +56,8 @@ from ...plan.candidates import (Candidate, candidates, cost_aware_candidates, pr
 from ...plan.pass_costs import PassCosts
 from ...plan.registry import get_schedule
 from ..config import ConfigError, TrainConfig, load_config, parse_override_args, validate
-from ..config.layout import has_overlap_cells
 from .measure import cost_model, model_from_record, step_times
-from .result import resolve_tuned, tune_path, tuned_for
+from .result import resolve_tuned, tune_path, tuned_for, tuned_overlap
 
 MAX_STEPS = 100_000  # --steps + --warmup per measured layout
 
@@ -306,11 +305,13 @@ def variant_config(config: TrainConfig, c: Candidate, folder: Path, steps: int,
                    overlap: bool | None = None) -> TrainConfig:
     """``config`` with candidate ``c``'s schedule, training ``steps`` steps into ``folder``, with no evaluation,
     checkpoint, samples, TensorBoard, profiler or progress bar.  ``parallel.overlap_moe_expert_parallel_comm``:
-    ``overlap`` (None: the config's), kept only where ``c``'s schedule has forward-backward cells."""
+    ``overlap`` (None: the config's), kept only where ``c``'s plan has forward-backward cells (:func:`.result.
+    tuned_overlap`: the run is the plan the tuner simulated)."""
     r = dataclasses.replace
     fields = {k.split(".", 1)[1]: v for k, v in c.overrides().items()}
     overlap = config.parallel.overlap_moe_expert_parallel_comm if overlap is None else overlap
-    fields["overlap_moe_expert_parallel_comm"] = overlap and has_overlap_cells(c.schedule, config.parallel.pipeline)
+    fields["overlap_moe_expert_parallel_comm"] = overlap and tuned_overlap(config, c.schedule, c.virtual, c.group_size,
+                                                                           c.max_in_flight)
     return r(config, parallel=r(config.parallel, **fields),
              training=r(config.training, steps=steps, eval_interval=0),
              checkpoint=r(config.checkpoint, dir=str(folder / "checkpoints"), interval=0, save_at_end=False),
