@@ -111,4 +111,5 @@ SPEC = register_family(FamilySpec(
     hf=HuggingFace(model_type="gpt2", architectures=("GPT2LMHeadModel", "GPT2Model"), prefix="transformer.",
                    rules=_RULES, config=_hf_config, fields=_hf_fields),
     memory=_memory,
+    attention_core="core",
 ))

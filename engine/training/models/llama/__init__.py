@@ -114,4 +114,5 @@ SPEC = register_family(FamilySpec(
     hf=HuggingFace(model_type="llama", architectures=("LlamaForCausalLM", "LlamaModel"), prefix="model.",
                    rules=_RULES, config=_hf_config, fields=_hf_fields),
     memory=_memory,
+    attention_core="self_attn.core",
 ))
