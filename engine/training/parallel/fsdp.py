@@ -107,9 +107,9 @@ def accumulate_in_fp32(chunk: nn.Module) -> None:
     ``accumulate_unsharded_grad_if_needed``, the same fp32 sum in the same order).  The gathered ``Parameter``
     objects exist from the first all-gather on (FSDP2 keeps them, resizing their storage), so the chunk is gathered
     once here and freed again: collective over its data-parallel group."""
+    from torch.distributed.fsdp import fully_shard
     chunk.unshard()
-    _state, groups = _param_groups(chunk)
-    for group in groups:
+    for group in fully_shard.state(chunk)._fsdp_param_groups:  # the chunk's own (it is a root: no lazy init yet)
         for fsdp_param in group.fsdp_params:
             fsdp_param._unsharded_param.register_post_accumulate_grad_hook(_fp32_accumulate(fsdp_param))
     chunk.reshard()
