@@ -108,7 +108,8 @@ def _generic(cfg, ffn_hidden_size: int) -> dict:
     two-projection MLP (Korthikanti et al. 2022, arXiv:2205.05198, section 4, without dropout masks): the estimate
     of a registered family that gives no ``memory`` (keys: :mod:`engine.training.models.registry`)."""
     h, f, a = cfg.hidden_size, ffn_hidden_size, cfg.num_attention_heads
-    return {"residual": 2 * h + 4, "gathered": 2 * h, "sharded": 4 * h + a + 2 * f, "core": a, "embedding": 0,
+    return {"residual": 2 * h + 4, "gathered": 2 * h, "sharded": 4 * h + a + 2 * f, "core": a, "fp32_sharded": a,
+            "embedding": 0,
             "final_norm": 2 * h + 2, "w_replicated": 8 * h, "w_sharded": 4 * h + 2 * f, "w_embedding": h,
             "w_final_norm": 2 * h}
 
@@ -190,21 +191,24 @@ def activation_bytes(config: TrainConfig, stage: int, device_type: str = "cpu") 
     if stage == 0:
         per_token += 8 + el * c["embedding"]
     if stage == _num_stages(config) - 1:
-        per_token += el * c["final_norm"] + 4 * m.vocab_size + 8
+        per_token += el * c["final_norm"] + (4 - el) * c.get("fp32_final_norm", 0) + 4 * m.vocab_size + 8
     return int(per_token * tokens)
 
 
 def _block_bytes(config: TrainConfig, c: dict, el: int) -> float:
-    """Bytes one block saves per token on one tensor-parallel rank, with ``model.recompute`` (module doc): the
-    attention core's log-sum-exp (``c["core"]`` without dropout) is fp32 at either precision."""
+    """Bytes one block saves per token on one tensor-parallel rank, with ``model.recompute`` (module doc); the
+    family's ``fp32_residual`` / ``fp32_sharded`` elements (an fp32 norm's tensors, the attention's log-sum-exp;
+    ``fp32_final_norm`` for the final norm) are fp32 at either precision; ``core``: what the attention core alone
+    saves, dropped by ``selective``."""
     t, m = config.parallel.tensor, config.model
     sp = t if config.parallel.sequence_parallel else 1
     if m.recompute == "full":
         return el * m.hidden_size / sp
-    core = c.get("core", 0) / t
-    core_bytes = (4 if not m.dropout else el) * core
-    kept = el * (c["residual"] / sp + c["gathered"] + c["sharded"] / t - core) + core_bytes
-    return kept - core_bytes if m.recompute == "selective" else kept
+    kept = el * (c["residual"] / sp + c["gathered"] + c["sharded"] / t)
+    kept += (4 - el) * (c.get("fp32_residual", 0) / sp + c.get("fp32_sharded", 0) / t)  # fp32 at either precision
+    if m.recompute == "selective":
+        kept -= (4 if not m.dropout else el) * c.get("core", 0) / t
+    return kept
 
 
 def pending_w_bytes(config: TrainConfig, stage: int, device_type: str = "cpu") -> int:
