@@ -78,9 +78,11 @@ def train(parallel: dict, model: dict, run_dir, resume_after: int = 0) -> dict:
     from engine import Trainer, load_config
     from engine.runtime.recompute import recomputed_modules
     config = load_config(None, overrides(parallel, model, run_dir))
-    out: dict = {"grads": [], "losses": []}
+    out: dict = {"grads": [], "losses": [], "received": []}
     for first, last in ((0, resume_after), (resume_after, STEPS)) if resume_after else ((0, STEPS),):
         with Trainer(config) as trainer:
+            for chunk in trainer.model:  # the bytes of each activation a stage receives from the one before
+                chunk.set_input_tensor = _recording(chunk.set_input_tensor, out["received"])
             if first:
                 trainer.load(out["saved"])
             trainer.optimizer.register_step_pre_hook(lambda *_, t=trainer: out["grads"].append(
@@ -92,6 +94,15 @@ def train(parallel: dict, model: dict, run_dir, resume_after: int = 0) -> dict:
             out["stages"] = {c.stage: (len(c.layers), sorted({type(m).__name__ for m in recomputed_modules(c)}))
                              for c in trainer.model}
     return out
+
+
+def _recording(set_input_tensor, received: list):
+    def record(tensor):
+        t = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
+        if t is not None:
+            received.append((str(t.dtype), t.untyped_storage().nbytes()))
+        return set_input_tensor(tensor)
+    return record
 
 
 def _job(rank: int, world: int, run_dir: str) -> dict:
@@ -189,6 +200,10 @@ def _stages(layout: str) -> list[str]:
 def test_bf16_under_schedules_and_fsdp(pp1, pp2):
     for name in ("bf16_1f1b", "bf16_interleaved", "bf16_zb_h1_full"):
         assert_equal_grads(merged(pp2, name)["grads"], pp1["bf16"]["grads"], name)
+    # the messages between stages are bf16: half the bytes of fp32's (the same [s, b, h] per microbatch)
+    bf16, fp32 = pp2[1]["bf16_1f1b"]["received"], pp2[1]["1f1b_full"]["received"]
+    assert len(bf16) == len(fp32) == STEPS * 4 and {d for d, _ in bf16} == {"torch.bfloat16"}, bf16
+    assert 2 * sum(n for _, n in bf16) == sum(n for _, n in fp32), (bf16, fp32)
     fsdp = merged(pp2, "bf16_fsdp")["grads"]
     worst = assert_equal_grads(fsdp, pp1["bf16"]["grads"], "bf16 FSDP2 vs bf16 pp1", FSDP_TOL)
     print(f"bf16 FSDP2 vs bf16 on one rank: largest relative gradient difference {worst:.3g}")
