@@ -169,7 +169,7 @@ def test_tune_measures_sharded_parameters(tmp_path, layout):
     (["--memory-budget-gib", "nan"], "--memory-budget-gib=nan must be a number > 0"),
     (["--min-gain", "-5"], "--min-gain=-5.0 must be a percentage in [0, 100)"),
     (["--measured", "/nonexistent/tune.json"], "--measured /nonexistent/tune.json: no such file"),
-    (["--parallel.pipeline=3"], "model.num_layers=4 cannot be split"),
+    (["--parallel.pipeline=3"], "model.num_layers=4 does not split evenly"),
     (["--steps", "99999999999999999999"], "--steps 99999999999999999999 + --warmup 2 is more than 100,000 steps"),
     (["--json", "/proc/pipecast-tune.json"], "--json /proc/pipecast-tune.json: its folder='/proc' cannot be written"),
 ])
