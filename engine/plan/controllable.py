@@ -17,17 +17,25 @@ chunks, ``F``, ``B`` and ``W`` each); rank ``r`` runs microbatch ``j``'s passes 
 Each ``W`` takes the first free slot after its ``B`` (first in, first out, so each chunk's weight gradients run in
 microbatch order).  Then, as in the paper, the repeated blocks are *squeezed*: in slot order, each pass moves to the
 earliest free slot after its input (and its chunk's previous microbatch) where the rank's activation memory -- each
-chunk activation from its ``F`` to its ``W``, as the paper counts it -- stays within the repeated blocks' peak.  A
-rank's order is its passes by slot; the plan carries its peaks of activations held and of pending ``W`` as limits.
+chunk activation from its ``F`` to its ``W``, as the paper counts it -- stays within the repeated blocks' peak.
+The paper then reorders the warmup and the cooldown within that peak; here two orders of each rank's ``F`` and ``B``
+are tried: the squeezed one, and the same with the ``W`` taken out and each ``B`` of the cooldown (in the blocks,
+after the last microbatch's first ``F``) moved to the earliest free slot after its input.  In each, the ``W`` are
+placed by the cost-aware builder's timed pass (:func:`engine.plan.cost_aware.place_weights`, one time unit a pass):
+first in, first out, where the rank would otherwise wait, where the peak demands one, the rest at the end; the order
+with the shorter step (longest rank's span, then makespan) is the plan.  The plan carries its peaks of activations
+held and of pending ``W`` as limits.
 
 With ``F = B = W`` (one slot per chunk pass) and ``M >= P`` the plans have, per rank at most, ``(P+2)//2``
 (V-Half) and ``(P+4)//3`` (V-Min) microbatches of activation memory -- the paper's figures, 1/2 and 1/3 of 1F1B's
-``P`` -- and a bubble (longest rank's span minus its ``6M`` busy slots) of ``(7P - 10)/2`` for even ``P`` and
-``7(P-1)/2`` for odd (V-Half; the paper: about half of 1F1B's ``6(P-1)``) and ``4P - 5`` (V-Min, ``P != 3``; the
-paper: about two thirds of 1F1B's).  Pure: no torch.
+``P`` -- and a bubble (longest rank's span minus its ``6M`` busy slots) of ``3P - 7`` for even ``P >= 4`` and
+``3P - 4`` for odd ``P`` (V-Half; at most half of 1F1B's ``6(P-1)``, the paper's "about half") and ``4P - 7`` when
+``3 | P``, else ``4P - 5`` (V-Min; at most two thirds of 1F1B's, the paper's "about two thirds").  Pure: no torch.
 """
 from __future__ import annotations
 
+from .cost_aware import place_weights
+from .pass_costs import PassCosts
 from .types import Action, Op, Plan, v_placement
 
 __all__ = ["controllable_plan", "block_offsets", "KINDS"]
@@ -35,6 +43,7 @@ __all__ = ["controllable_plan", "block_offsets", "KINDS"]
 KINDS = ("half", "min")
 _PERIOD = 6  # slots of one microbatch on a rank: F, B and W of two chunks
 _PASSES = (("F", 0), ("F", 1), ("B", 1), ("B", 0))  # the passes of a block; W take the free slots
+_UNIT = PassCosts(weight_memory=1.0)  # one slot a pass; a pending W holds its activation (memory from F to W)
 
 
 def block_offsets(kind: str, pp_size: int, rank: int) -> dict[tuple[str, int], int]:
@@ -65,14 +74,29 @@ def controllable_plan(kind: str, name: str, pp_size: int, num_microbatches: int,
     if num_model_chunks != 2:
         raise ValueError(f"{name} runs on the V placement: two model chunks per rank, got {num_model_chunks}")
     P, M = pp_size, num_microbatches
-    actions, peaks = [], []
-    for r, slots in enumerate(_squeeze(kind, P, M)):
-        order = [Action(Op(op), c, j) for _, (op, c, j) in sorted(slots.items())]
-        actions.append(tuple(a for a in order if not forward_only or a.op is Op.FORWARD))
-        peaks.append(_peak(actions[-1]))
-    warmup = tuple(next((i for i, a in enumerate(acts) if a.op is not Op.FORWARD), len(acts)) for acts in actions)
+    blocks = _block(kind, P, M)
+    horizon = max(blocks.values()) + 1
+    cap = [max(_held(blocks, r, M, horizon)) for r in range(P)]
+    squeezed = _squeezed(blocks, P, M, cap)
+    if forward_only:
+        orders = [tuple(Action(Op.FORWARD, c, j) for op, c, j in seq if op == "F") for seq in _orders(squeezed, P)]
+    else:
+        tried = [place_weights(v_placement(P), P, M, _UNIT, cap, _orders(slots, P))
+                 for slots in (squeezed, _backwards_first(squeezed, blocks, P, M))]
+        orders = min(tried, key=lambda found: (found.span, found.makespan)).actions
+    warmup = tuple(next((i for i, a in enumerate(acts) if a.op is not Op.FORWARD), len(acts)) for acts in orders)
+    peaks = [_peak(acts) for acts in orders]
     limits = (None, None) if forward_only else (tuple(x for x, _ in peaks), tuple(w for _, w in peaks))
-    return Plan(name, P, 2, M, M, forward_only, warmup, tuple(actions), v_placement(P), *limits)
+    return Plan(name, P, 2, M, M, forward_only, warmup, tuple(orders), v_placement(P), *limits)
+
+
+def _orders(slots: dict, P: int) -> list[list[tuple[str, int, int]]]:
+    """Per rank, its passes (``(rank, op, chunk, microbatch)`` -> slot) as ``(op, chunk, microbatch)`` in slot
+    order."""
+    out = [[] for _ in range(P)]
+    for (r, op, c, j), _ in sorted(slots.items(), key=lambda item: item[1]):
+        out[r].append((op, c, j))
+    return out
 
 
 def _block(kind: str, P: int, M: int) -> dict:
@@ -96,22 +120,12 @@ def _block(kind: str, P: int, M: int) -> dict:
     return out
 
 
-def _squeeze(kind: str, P: int, M: int) -> list[dict[int, tuple[str, int, int]]]:
-    """Per rank, slot -> ``(op, chunk, microbatch)`` after squeezing the repeated blocks (module doc): in slot order,
-    each pass moves to the earliest free slot after its input and its chunk's previous microbatch where the rank's
-    activations (``F`` to ``W``, as the paper counts them) stay within the blocks' peak."""
-    new = _squeezed(_block(kind, P, M), P, M)
-    out = [dict() for _ in range(P)]
-    for (r, op, c, j), s in new.items():
-        out[r][s] = (op, c, j)
-    return out
-
-
-def _squeezed(original: dict, P: int, M: int) -> dict:
-    """``original`` (key -> slot) with every pass moved as :func:`_squeeze` says."""
+def _squeezed(original: dict, P: int, M: int, cap: list[int]) -> dict:
+    """``original`` (``(rank, op, chunk, microbatch)`` -> slot) squeezed (module doc): in slot order, each pass moves
+    to the earliest free slot after its input and its chunk's previous microbatch where the rank's activations
+    (``F`` to ``W``, as the paper counts them) stay within ``cap[rank]``."""
     horizon = max(original.values()) + 1
     held = [_held(original, r, M, horizon) for r in range(P)]
-    cap = [max(h) for h in held]
     taken = [set() for _ in range(P)]
     new: dict = {}
     for key in sorted(original, key=original.get):
@@ -123,6 +137,24 @@ def _squeezed(original: dict, P: int, M: int) -> dict:
         step = {"F": 1, "B": 0, "W": -1}[op]
         for t in range(s, s_old):
             held[r][t] += step
+        new[key] = s
+        taken[r].add(s)
+    return new
+
+
+def _backwards_first(squeezed: dict, blocks: dict, P: int, M: int) -> dict:
+    """The ``F`` and ``B`` of ``squeezed`` with each ``B`` of the cooldown (in ``blocks``, after the last microbatch's
+    first ``F``) moved, in slot order, to the earliest free slot after its input (a ``B`` adds no activation)."""
+    start = blocks[(0, "F", 0, M - 1)]
+    fb = {key: s for key, s in squeezed.items() if key[1] != "W"}
+    taken = [set() for _ in range(P)]
+    new: dict = {}
+    for key in sorted(fb, key=fb.get):
+        r, op, c, j = key
+        s = fb[key]
+        if op == "B" and blocks[key] > start:
+            lo = max(_after(new, _input(key, P)), _after(new, (r, op, c, j - 1)))
+            s = next((t for t in range(lo, s) if t not in taken[r]), s)
         new[key] = s
         taken[r].add(s)
     return new

@@ -29,8 +29,10 @@ The search (deterministic, bounded by counts, not by time: every rank builds the
 3. *Local search* from the best few: first, while it helps, every ``F`` followed by a ``B`` whose gradient arrived
    before the ``F``'s input trades places with it (the backward chain no longer waits behind a late forward, as
    at the end of the steady phase); then single swaps of adjacent ``F`` / ``B`` of a rank where an action waited
-   and at the end of each rank's warmup (one forward fewer or more), keeping each move that improves the
-   objective; at most :func:`_evaluations` timed passes, by the plan's size.
+   and at the end of each rank's warmup (one forward fewer or more); where a ``W`` filling a gap delayed an input,
+   that pass of that microbatch (its ``F`` or ``B`` chain) with every rank's ``W`` before it made to end by the
+   input's arrival (a delay on the chain otherwise moves on to the next rank); and one rank's ``alpha`` changed;
+   keeping each move that improves the objective; at most :func:`_evaluations` timed passes, by the plan's size.
 
 Objective: the makespan (the step time), then the longest rank's span from its first action to its last (the
 paper's cost).  Each chunk's ``F``, ``B`` and ``W`` run in microbatch order (the sums of 1F1B).  Pure: no torch.
@@ -44,7 +46,7 @@ from dataclasses import dataclass
 from .pass_costs import PassCosts
 from .types import Action, Op, Placement
 
-__all__ = ["cost_aware_order", "CostAwareResult"]
+__all__ = ["cost_aware_order", "place_weights", "CostAwareResult"]
 
 _OPS = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
 _EPS = 1e-9
@@ -105,18 +107,19 @@ class _Timed:
         return self.makespan, self.span
 
 
-def _evaluate(pb: _Problem, fb: list, alpha: tuple | None) -> _Timed | None:
+def _evaluate(pb: _Problem, fb: list, alpha: tuple | None, fit: frozenset = frozenset()) -> _Timed | None:
     """Time the per-rank orders ``fb`` (module doc, step 2): ``alpha`` None runs them as given (they hold their
-    ``W``); else ``fb`` holds ``F`` / ``B`` only and the pass places the ``W`` with rank ``r``'s ``alpha[r]``.  ``None``: the order deadlocks or
-    breaks a limit."""
-    P, M, CM = pb.P, pb.M, pb.C * pb.M
+    ``W``); else ``fb`` holds ``F`` / ``B`` only and the pass places the ``W`` with rank ``r``'s ``alpha[r]``, except
+    that a ``W`` before a pass whose code is in ``fit`` must end by the pass's input's arrival.
+    ``None``: the order deadlocks or breaks a limit."""
+    P, M = pb.P, pb.M
     end = [-1.0] * (2 * pb.S * M)
     state = _RankState(pb)
     blocked: dict[int, int] = {}
     ready = list(range(P - 1, -1, -1))
     while ready:
         r = ready.pop()
-        woken = state.run(r, fb[r], end, blocked, None if alpha is None else alpha[r], CM, M)
+        woken = state.run(r, fb[r], end, blocked, None if alpha is None else alpha[r], fit, M)
         if woken is False:
             return None
         ready.extend(woken)
@@ -125,7 +128,7 @@ def _evaluate(pb: _Problem, fb: list, alpha: tuple | None) -> _Timed | None:
     state.finish()
     spans = [state.clock[r] - state.first[r] for r in range(P)]
     timed = _Timed(state.out, max(state.clock), max(spans), state.waits, state.peak, state.peak_pending)
-    timed.arrive, timed.start = state.arrive, state.start
+    timed.arrive, timed.start, timed.overruns = state.arrive, state.start, state.overruns
     return timed
 
 
@@ -141,10 +144,11 @@ class _RankState:
         self.waits = [[] for _ in range(P)]
         self.arrive = [[] for _ in range(P)]
         self.start = [[] for _ in range(P)]
+        self.overruns = set()  # codes of passes whose input arrived while a W ran
 
-    def run(self, r: int, seq: list, end: list, blocked: dict, alpha, CM: int, M: int):
-        """Run rank ``r`` until its next input is not produced yet; the ranks it woke, or False (a limit broken,
-        or a ``W`` out of first-in first-out order)."""
+    def run(self, r: int, seq: list, end: list, blocked: dict, alpha, fit, M: int):
+        """Run rank ``r`` until its next input is not produced yet (``fit``: as :func:`_evaluate` says); the
+        ranks it woke, or False (a limit broken, or a ``W`` out of first-in first-out order)."""
         pb, info, C = self.pb, self.pb.info[r], self.pb.C
         pending, w_cost, w_mem, out = self.pending[r], pb.w_cost[r], pb.w_mem[r], self.out[r]
         arrivals, starts, waits = self.arrive[r], self.start[r], self.waits[r]
@@ -173,8 +177,11 @@ class _RankState:
                 if not fill or not pending:
                     return False
                 t, mem = self._weight(r, t, mem)
-            while fill and pending and t + w_cost[pending[0][0]] * over <= arrive + _EPS:
+            filled, overrun = t, 1.0 if seq[i] in fit else over
+            while fill and pending and t + w_cost[pending[0][0]] * overrun <= arrive + _EPS:
                 t, mem = self._weight(r, t, mem)
+            if t > filled and t > arrive + _EPS:
+                self.overruns.add(seq[i])
             arrivals.append(arrive)
             if arrive > t + _EPS:
                 waits.append(i)
@@ -387,9 +394,9 @@ def _moves(pb: _Problem, fb: list, timed: _Timed):
                 yield r, j
 
 
-def _local_search(pb: _Problem, fb: list, best: _Timed, alpha: float, budget: int):
+def _local_search(pb: _Problem, fb: list, best: _Timed, alpha: tuple, budget: int) -> _Timed:
     """Step 3 of the module doc: first whole-order repairs (:func:`_ready_first`) while they improve, then single
-    swaps (:func:`_moves`), keeping each that improves the objective, until none does or ``budget`` passes are
+    moves (:func:`_neighbours`), keeping each that improves the objective, until none does or ``budget`` passes are
     spent."""
     while budget > 0:
         trial = _ready_first(pb, fb, best)
@@ -400,23 +407,40 @@ def _local_search(pb: _Problem, fb: list, best: _Timed, alpha: float, budget: in
         if timed is None or not _better(timed, best):
             break
         fb, best = trial, timed
-    improved = True
+    state, improved = (fb, alpha, frozenset()), True
     while improved and budget > 0:
         improved = False
-        for r, i in _moves(pb, fb, best):
-            seq = fb[r][:]
-            seq[i], seq[i + 1] = seq[i + 1], seq[i]
-            if not _held_ok(pb, r, seq):
-                continue
-            trial = fb[:r] + [seq] + fb[r + 1:]
-            timed = _evaluate(pb, trial, alpha)
+        for trial in _neighbours(pb, *state, best):
+            timed = _evaluate(pb, *trial)
             budget -= 1
             if timed is not None and _better(timed, best):
-                fb, best, improved = trial, timed, True
+                state, best, improved = trial, timed, True
                 break
             if budget <= 0:
                 break
     return best
+
+
+def _neighbours(pb: _Problem, fb: list, alpha: tuple, fit: frozenset, timed: _Timed):
+    """The local search's moves from ``(fb, alpha, fit)`` (:func:`_evaluate`'s arguments): the swaps of
+    :func:`_moves` that keep the rank within its budget; where a ``W`` delayed an input, every rank's ``W`` made to
+    end by the input of that pass (``F`` or ``B``) of that microbatch -- a delay on the chain would otherwise move on
+    to the next rank -- besides or instead of those made to so far; one rank's ``alpha`` changed to another of
+    :data:`_ALPHAS`."""
+    for r, i in _moves(pb, fb, timed):
+        seq = fb[r][:]
+        seq[i], seq[i + 1] = seq[i + 1], seq[i]
+        if _held_ok(pb, r, seq):
+            yield fb[:r] + [seq] + fb[r + 1:], alpha, fit
+    C, M = pb.C, pb.M
+    for op, mb in dict.fromkeys((code // M // C, code % M) for code in sorted(timed.overruns)):
+        chain = frozenset((op * C + c) * M + mb for c in range(C))
+        yield fb, alpha, fit | chain
+        yield fb, alpha, chain
+    for r in range(pb.P):
+        for a in _ALPHAS:
+            if a != alpha[r]:
+                yield fb, alpha[:r] + (a,) + alpha[r + 1:], fit
 
 
 def _ready_first(pb: _Problem, fb: list, timed: _Timed) -> list | None:
@@ -492,6 +516,24 @@ def cost_aware_order(placement: Placement, pp_size: int, num_microbatches: int, 
         if _better(found, best):
             best = found
     return _result(pb, best)
+
+
+def place_weights(placement: Placement, pp_size: int, num_microbatches: int, costs: PassCosts, max_in_flight,
+                  orders) -> CostAwareResult:
+    """``orders`` (per rank, ``(op, chunk, microbatch)`` with ``op`` in ``"FBW"``; their ``W`` are dropped) with each
+    rank's ``W`` passes placed by the timed pass of step 2 (module doc) with ``alpha = 0``: first in, first out, where
+    the rank would otherwise wait for its next input and ends by its arrival, where the activation budget
+    ``max_in_flight`` (per rank) demands one before an ``F``, and the rest after the rank's last ``B``.
+
+    Raises:
+        ValueError: the orders deadlock, or an ``F`` does not fit ``max_in_flight`` with every pending ``W`` done.
+    """
+    pb = _Problem(placement, pp_size, num_microbatches, costs, max_in_flight, (None,) * pp_size)
+    timed = _evaluate(pb, _strip(_codes(orders, pb.C, pb.M), pb.C, pb.M), (0.0,) * pp_size)
+    if timed is None:
+        raise ValueError(f"the F / B orders deadlock or do not fit max_in_flight={tuple(max_in_flight)}; raise the "
+                         "budget or fix the orders")
+    return _result(pb, timed)
 
 
 def _result(pb: _Problem, timed: _Timed) -> CostAwareResult:

@@ -176,9 +176,10 @@ def get_schedule(name) -> ScheduleSpec:
     return spec
 
 
-def schedule_names() -> tuple[str, ...]:
-    """The registered schedules, in registration order (built-ins first)."""
-    return tuple(_REGISTRY)
+def schedule_names(*, builtin: bool = False) -> tuple[str, ...]:
+    """The registered schedules, in registration order (built-ins first); ``builtin=True``: pipecast's own only
+    (what every process has, whatever a user registered in this one)."""
+    return tuple(s.name for s in _BUILTINS) if builtin else tuple(_REGISTRY)
 
 
 def config_choices() -> tuple[str, ...]:

@@ -220,6 +220,8 @@ def _watch(job: _Job, timeout_s: float | None) -> None:
                 running = [r for r, p in enumerate(job.procs) if p.exitcode is None]
                 _stop(job.procs)
                 raise JobTimeout(running, timeout_s)
+        if any(p.exitcode != 0 for p in job.procs):  # the last ranks may be reaped after the check in the loop
+            _fail(job)
     except KeyboardInterrupt:
         raise Interrupted(_stop(job.procs)) from None
 

@@ -1,13 +1,14 @@
-"""V-Half and V-Min (pure): valid V-placement plans whose memory and bubble, with ``F = B = W``, are the closed forms
-over a grid of ``P`` and ``M``; the memory is the controllable-memory paper's (Qi et al., NeurIPS 2024,
-arXiv:2405.15362: ``(P+2)//2`` and ``(P+4)//3`` microbatches, 1/2 and 1/3 of 1F1B's ``P``) and the bubble about
-1/2 and 2/3 of 1F1B's ``6(P-1)`` chunk passes.
+"""V-Half and V-Min (pure): valid V-placement plans whose memory and bubble, with ``F = B = W``, are what the
+controllable-memory paper states (Qi et al., NeurIPS 2024, arXiv:2405.15362, and its authors' summary table):
+activation memory ``(p+2)//2`` and ``(p+4)//3`` microbatches (1/2 and 1/3 of 1F1B's ``p``), bubble rate about
+``p/2m`` and ``2p/3m`` against 1F1B's ``p/m`` -- here at most 1/2 and 2/3 of 1F1B's ``(p-1)(T_F+T_B+T_W)`` -- and
+equal to the construction's closed forms over a grid of ``p`` and ``m``.
 
 Bubble and memory come from a unit-cost execution and a memory walk written here (not the project's simulator):
 every pass takes one slot, a pass starts when its rank is free and its input (the neighbour stage's ``F`` or
 ``B`` of the microbatch; the own ``F`` on the last stage) has ended; the bubble is the longest rank's span from
-its first to its last pass minus its ``6M`` busy slots; memory counts a chunk activation from its ``F`` to its
-``W``, as the paper does.
+its first to its last pass minus its ``6M`` busy slots (the paper's bubble rate times that span); memory counts a
+chunk activation from its ``F`` to its ``W``, as the paper does.
 """
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ from engine.plan import Op, build_plan
 from engine.plan.types import v_placement
 from engine.plan.validate import validate_programs
 
-GRID = [(P, M) for P in range(1, 13) for M in (P, P + 1, 2 * P, 3 * P + 2)]
+GRID = [(P, M) for P in range(2, 13) for M in (P, P + 1, 2 * P, 3 * P + 2)] + [(16, 16), (16, 37)]
+PAPER = {  # schedule -> (activation memory in microbatches, share of 1F1B's bubble): the paper's statements
+    "v_half": (lambda P: (P + 2) // 2, 1 / 2),
+    "v_min": (lambda P: (P + 4) // 3, 2 / 3),
+}
 
 
 def _spans(plan) -> list[int]:
@@ -56,28 +61,34 @@ def _memory(acts) -> int:
     return peak
 
 
-def _bubble(name: str, P: int) -> int:
-    if name == "v_half":
-        return (7 * P - 10) // 2 if P % 2 == 0 else 7 * (P - 1) // 2
-    return 6 if P == 3 else 4 * P - 5
+def _closed_form(name: str, P: int, M: int) -> int:
+    """The construction's bubble in slots (engine.plan.controllable's module doc), for ``M >= P >= 2``."""
+    if name == "v_min":
+        return 4 * P - 7 if P % 3 == 0 else 4 * P - 5
+    if P == 2:
+        return 1 if M == 2 else 0
+    return 3 * P - 7 if P % 2 == 0 else 3 * P - 4
 
 
-@pytest.mark.parametrize("name,paper_memory,share", [("v_half", lambda P: (P + 2) // 2, 0.6),
-                                                      ("v_min", lambda P: (P + 4) // 3, 2 / 3)])
-def test_memory_and_bubble_are_the_closed_forms(name, paper_memory, share):
-    """V-Min's bubble stays within the paper's 2/3 of 1F1B's; V-Half's is half of 1F1B's at ``P = 4`` and up to
-    ``(P-1)/2`` slots more beyond (0.58 of 1F1B's for large ``P``; the paper states about half)."""
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_memory_and_bubble_are_the_papers(name):
+    """Memory exactly the paper's; bubble within the paper's share of 1F1B's ``6(P-1)`` slots (a 1F1B stage holds
+    two chunks, so its ``T_F + T_B + T_W`` is 6 slots) and equal to the closed form."""
+    memory, share = PAPER[name]
     for P, M in GRID:
         plan = build_plan(name, P, M, 2)
         assert plan.stage_map == v_placement(P)
-        if P == 1:  # one rank: no pipeline, no bubble
-            assert max(_spans(plan)) == 6 * M
-            continue
         # memory: the paper's figure in chunk activations (two per microbatch), on the fullest rank
-        assert max(_memory(acts) for acts in plan.actions) == 2 * paper_memory(P), (name, P, M)
+        assert max(_memory(acts) for acts in plan.actions) == 2 * memory(P), (name, P, M)
         bubble = max(_spans(plan)) - 6 * M
-        assert bubble == _bubble(name, P), (name, P, M, bubble)
-        assert bubble <= share * 6 * (P - 1)  # 1F1B's (P-1)(F+B+W), a stage being two chunks
+        assert bubble <= share * 6 * (P - 1), (name, P, M, bubble)
+        assert bubble == _closed_form(name, P, M), (name, P, M, bubble)
+
+
+def test_one_rank_has_no_bubble():
+    for name in PAPER:
+        for M in (1, 3):
+            assert max(_spans(build_plan(name, 1, M, 2))) == 6 * M
 
 
 @pytest.mark.parametrize("name", ["v_half", "v_min"])

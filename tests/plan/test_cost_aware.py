@@ -129,6 +129,22 @@ def test_real_costs_beat_the_hand_made_shape():
     assert rate(hand) > 0.05 and rate(sim) < 0.01 and sim.makespan < hand.makespan
 
 
+def test_short_run_reaches_the_lower_bound_of_the_first_stage():
+    """The zero-bubble paper's 1.5B costs at p = 8, m = 24 (arXiv:2401.10241, Table 9) at a 2p budget: the first
+    stage's span cannot be shorter than microbatch 0 reaching the last stage ((p-1)(F+T)), the last stage's m F and
+    m B, the last backward back to stage 0 ((p-1)(T+B)) and its W -- the plan reaches that bound (a W overrunning its
+    gap anywhere on the last backward's way adds to it), at the best step time (the last stage never waits)."""
+    F, B, W, T = 18.522, 18.086, 9.337, 0.601
+    P, M = 8, 24
+    costs = PassCosts(F, B, W, T, weight_memory=32 * 2304 / (34 * 2304 + 5 * 24 * 1024))
+    plan = build_plan("zb", P, M, max_in_flight=2 * P, costs=costs)
+    _check(plan, costs, (2 * P,) * P)
+    sim = simulate(plan, **costs.simulation())
+    spans = [e[-1] - s[0] for s, e in zip(sim.start, sim.end)]
+    assert spans[0] == pytest.approx((P - 1) * (F + T) + M * (F + B) + (P - 1) * (T + B) + W, abs=1e-6)
+    assert sim.makespan == pytest.approx((P - 1) * (F + T) + M * (F + B + W), abs=1e-6)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_property_random_costs_and_sizes(data):

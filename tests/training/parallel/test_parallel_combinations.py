@@ -4,7 +4,7 @@ overlapped data-parallel reduction at pipeline 1 with tensor parallelism were ac
 wrong).
 
 :func:`accepted` walks :data:`AXES` (pipeline, tensor and data sizes of at most 4 ranks, sequence parallelism,
-shard, schedule, virtual) through the config validator (``load_config`` + ``validate_world_size``); each
+shard, the built-in schedules (spawned ranks lack a schedule a test registered in this process), virtual) through the config validator (``load_config`` + ``validate_world_size``); each
 combination is either refused there with a ``ConfigError`` or kept, once per distinct effective run (``auto``
 resolved to its schedule; a shard at ``parallel.data=1`` runs as ``none``).  The kept ones run one training step
 each, on a tiny GPT with tied embeddings, in one spawned job per world size (each rank builds the trainers in
@@ -27,7 +27,7 @@ GLOBAL_MICROBATCHES = (4, 8)  # per step, the first the config accepts (DualPipe
 MODEL = {"model.num_layers": 4, "model.hidden_size": 16, "model.num_attention_heads": 4, "model.seq_length": 8}
 AXES = {
     "pipeline": (1, 2), "tensor": (1, 2), "data": (1, 2), "sequence_parallel": (False, True),
-    "shard": ("none", "optimizer", "full"), "schedule": ("auto", *schedule_names()), "virtual": (1, 2),
+    "shard": ("none", "optimizer", "full"), "schedule": ("auto", *schedule_names(builtin=True)), "virtual": (1, 2),
 }
 MAX_WORLD = 4
 TEXT = str(Path(__file__).resolve().parents[3] / "README.md")  # a small corpus: no walk of the standard library

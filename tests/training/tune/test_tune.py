@@ -72,7 +72,7 @@ def test_measurements_are_consistent_across_layouts(tuned):
         assert all(x > 0 for x in e["forward_ms"] + e["backward_ms"])
         assert all((x > 0) == split for x in e["weight_ms"])
         assert all((x > 0) == split for x in e["pending_w_bytes"])
-        assert e["step_overhead_ms"] > 0
+        assert e["step_overhead_ms"] >= 0  # clamped at 0: a fast step may end inside the schedule's window
     for split in (False, True):
         one, two = layouts[(1, split)], layouts[(2, split)]
         for k in range(2):
