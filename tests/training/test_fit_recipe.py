@@ -14,7 +14,10 @@ optimizer step every rank records its gradients under the canonical names (under
   under 1F1B, interleaved 1F1B, ZB-H1, ZB-V and DualPipeV (the split-backward and V-placement ones included) gives
   the pp1 fp32 gradients bit for bit, every stage holding the layout's layers and every block (or attention core)
   marked; bf16 under 1F1B, interleaved 1F1B and ZB-H1 gives the pp1 bf16 gradients bit for bit (the same fp32
-  accumulation order), bf16 under FSDP2 (``data: 2, shard: full``) is within :data:`FSDP_TOL` of pp1 bf16.
+  accumulation order), bf16 under FSDP2 (``data: 2``) is within :data:`FSDP_TOL` of pp1 bf16, under ZeRO-1 its
+  losses within 1e-6;
+  tensor parallelism (``tensor: 2``) with full recomputation and sequence parallelism is within :data:`TP_TOL` of
+  pp1 fp32, with bf16 and selective recomputation within :data:`BF16_TOL`.
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ BF16_TOL = 0.02
 """bf16 against fp32, the first step's gradients (the same weights): max |diff| / max |ref| of each gradient (bf16
 keeps 8 significant bits, 2^-9 relative per rounding, a few dozen roundings deep).  After an AdamW step the weights
 themselves differ (AdamW's first update is about ``lr * sign(grad)``), so later steps compare losses only."""
+TP_TOL = 5e-5
+"""fp32 under ``parallel.tensor: 2`` against pp1: the row-parallel projections' partial sums add in another order
+(as in ``tests/training/parallel/test_parallel_combinations.py``)."""
 FSDP_TOL = 1e-5
 """bf16 under FSDP2 against bf16 on one rank: the same per-microbatch bf16 gradients, summed in fp32 in another
 order (each replica's two microbatches, then the reduce-scatter's average)."""
@@ -50,6 +56,9 @@ RUNS = {
     "bf16_interleaved": ({"pipeline": 2, "virtual": 2}, {"precision": "bf16", "pipeline_layout": "Et|t*2|t*2|tL"}),
     "bf16_zb_h1_full": ({"pipeline": 2, "schedule": "zb_h1"}, {"precision": "bf16", "recompute": "full"}),
     "bf16_fsdp": ({"data": 2, "shard": "full"}, {"precision": "bf16"}),
+    "bf16_zero1": ({"data": 2, "shard": "optimizer"}, {"precision": "bf16"}),
+    "bf16_tp2_selective": ({"tensor": 2}, {"precision": "bf16", "recompute": "selective"}),
+    "tp2_sp_full": ({"tensor": 2, "sequence_parallel": True}, {"recompute": "full"}),
 }
 
 
@@ -181,7 +190,7 @@ def test_bf16_resume_is_exact(pp1):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", [n for n in RUNS if not n.startswith("bf16")])
+@pytest.mark.parametrize("name", [n for n in RUNS if not n.startswith(("bf16", "tp2"))])
 def test_recompute_and_layouts_under_every_schedule_give_pp1_bits(pp1, pp2, name):
     run = merged(pp2, name)
     _, model = RUNS[name]
@@ -207,3 +216,19 @@ def test_bf16_under_schedules_and_fsdp(pp1, pp2):
     fsdp = merged(pp2, "bf16_fsdp")["grads"]
     worst = assert_equal_grads(fsdp, pp1["bf16"]["grads"], "bf16 FSDP2 vs bf16 pp1", FSDP_TOL)
     print(f"bf16 FSDP2 vs bf16 on one rank: largest relative gradient difference {worst:.3g}")
+    for r in pp2:  # ZeRO-1: each replica's .grad is its own until the reduce-scatter; the losses tell the update
+        assert r["bf16_zero1"]["losses"] == pytest.approx(pp1["bf16"]["losses"], rel=1e-6, abs=0)
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_with_recompute_and_bf16(pp1, pp2):
+    """``parallel.tensor: 2``: full recomputation with sequence parallelism within :data:`TP_TOL` of the pp1 fp32
+    gradients (tensor parallelism sums in another order); bf16 with selective recomputation within
+    :data:`BF16_TOL` of them (first step) -- every block's attention core marked on both ranks."""
+    tp = merged(pp2, "tp2_sp_full")
+    assert tp["stages"] == {0: (6, ["Block"])}
+    worst = assert_equal_grads(tp["grads"], pp1["fp32"]["grads"], "tp2 sp full", TP_TOL)
+    bf16 = merged(pp2, "bf16_tp2_selective")
+    assert bf16["stages"] == {0: (6, ["CoreAttention"])}
+    worst_bf16 = assert_equal_grads(bf16["grads"][:1], pp1["fp32"]["grads"][:1], "tp2 bf16 selective", BF16_TOL)
+    print(f"tensor 2: largest relative gradient difference fp32 {worst:.3g}, bf16 {worst_bf16:.3g}")
