@@ -442,8 +442,10 @@ def estimate_job(rank: int, world: int, path: str, overrides: list[str], run_dir
 FIT_CASES = tuple(("configs/default.yaml", [f"model.precision={p}", f"model.recompute={r}"])
                   for p in ("fp32", "bf16") for r in ("none", "selective", "full")) + (
     ("configs/default.yaml", ["model.precision=bf16", "model.recompute=full", "model.num_layers=6",
-                              "model.pipeline_layout=Et|t*2|t*2|tL"]),)
-"""``--fit``: the default config at precision x recompute, and an uneven layout (issue 33's memory table)."""
+                              "model.pipeline_layout=Et|t*2|t*2|tL"]),
+    ("configs/default.yaml", ["model.recompute=full", "model.recompute_kept_microbatches=2"]),)
+"""``--fit``: the default config at precision x recompute, an uneven layout, and partial recomputation (issue 33's
+memory table)."""
 
 
 def estimate_main(out: str | None, cases=ESTIMATE_CASES, name: str = "memory_estimate") -> int:

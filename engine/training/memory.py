@@ -21,7 +21,8 @@ the same):
   ``full`` keeps each block's input ``[s, b, h]`` (``h`` per token) instead of the block's tensors,
   ``selective`` drops what the attention core alone saves (the log-sum-exp; with dropout the scores,
   probabilities and mask); the recomputed forward's tensors live only inside one backward (Korthikanti et al.,
-  2022, arXiv:2205.05198, sec. 5).  Stages hold the layers ``model.pipeline_layout`` gives them.
+  2022, arXiv:2205.05198, sec. 5); ``model.recompute_kept_microbatches: N``: ``N`` of the in-flight microbatches
+  at the peak keep theirs (:func:`_kept_bytes`).  Stages hold the layers ``model.pipeline_layout`` gives them.
 * **working**: one microbatch's transients beyond what it saves -- the backward's gradient of the largest layer
   tensors, and on the loss stage the ``[s, b, V]`` logits and their gradient.
 * **graphs** (``cuda_graphs.enabled``, roughly): each captured ``(chunk, microbatch)`` graph's static input and
@@ -259,6 +260,19 @@ def _working(config: TrainConfig, stages: list[int], device_type: str) -> int:
     return tokens * (2 * el * largest + loss)
 
 
+def _kept_bytes(config: TrainConfig, plan, rank: int, in_flight: int, device_type: str) -> int:
+    """What ``model.recompute_kept_microbatches: N`` adds to a rank's peak: of its ``in_flight`` microbatches at
+    the peak the first ``min(N, in_flight)`` keep their activations (Megatron's partial recomputation), each
+    holding a whole microbatch's over a recomputed one's (the rank's heaviest stage)."""
+    m = config.model
+    if m.recompute == "none" or not m.recompute_kept_microbatches:
+        return 0
+    whole = dataclasses.replace(config, model=dataclasses.replace(m, recompute="none"))
+    extra = max(activation_bytes(whole, s, device_type) - activation_bytes(config, s, device_type)
+                for s in plan.stages_of(rank))
+    return min(m.recompute_kept_microbatches, in_flight) * extra
+
+
 def estimate(config: TrainConfig, device_type: str = "cpu") -> Estimate:
     """The :class:`Estimate` of a validated ``config`` (``parallel.schedule`` resolved) on ``device_type``.
     Pure arithmetic over the training step's plan (:meth:`engine.plan.resolve.ResolvedSchedule.plan`)."""
@@ -266,6 +280,7 @@ def estimate(config: TrainConfig, device_type: str = "cpu") -> Estimate:
     lc = layout_bytes(config, device_type)
     activations = peak_memory_bytes(plan, dataclasses.replace(lc, static_bytes=(0,) * plan.num_stages))
     in_flight = [x for x, _ in memory_levels(plan)]
+    activations = [a + _kept_bytes(config, plan, r, in_flight[r], device_type) for r, a in enumerate(activations)]
     ranks = []
     for rank in range(plan.pp_size):
         stages = list(plan.stages_of(rank))

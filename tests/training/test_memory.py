@@ -219,3 +219,16 @@ def test_the_gpu_budget_is_read_from_the_device():
         with pytest.raises(ConfigError, match="GPU memory per rank"):
             check_memory(load_config(None, HUGE, check=False), device_type="cuda", own_device=own,
                          host_bytes=1 << 50)
+
+
+def test_partial_recomputation_keeps_the_first_microbatches_whole():
+    """``model.recompute_kept_microbatches: N``: N of a rank's in-flight microbatches at its peak hold a whole
+    microbatch's activations, the rest the recomputed ones'; N at or above the in-flight count is no recomputation."""
+    base = {"parallel.pipeline": 4, "model.num_layers": 8, "training.num_microbatches": 8}
+    none, full = (estimate(_config(**base, **{"model.recompute": r})) for r in ("none", "full"))
+    for kept in (1, 2, 8):
+        partial = estimate(_config(**base, **{"model.recompute": "full", "model.recompute_kept_microbatches": kept}))
+        for n, f, p in zip(none.ranks, full.ranks, partial.ranks):
+            k = min(kept, f.in_flight)
+            assert p.activations == f.activations + k * (n.per_microbatch - f.per_microbatch), (kept, p.pipeline_rank)
+            assert (p.activations == n.activations) == (kept >= f.in_flight)
