@@ -560,11 +560,11 @@ def recompute_main(out: str | None) -> int:
     full = [r for r in rows if r["recompute"] == "full"]
     by = {(r["precision"], r["recompute"]): r["saved_bytes_per_layer"] for r in rows}
     stats = next(r["fp32_saved_bytes_per_layer"] for r in rows if r["precision"] == "bfloat16" and
-                 r["recompute"] == "none")  # fp32 tensors a bf16 forward saves: the norms' mean and rstd
+                 r["recompute"] == "none")  # fp32 tensors a bf16 forward saves: the attention's log-sum-exp
     goals = [{"goal": "full recomputation saves exactly the layer input (s*b*h elements) per layer and microbatch",
               "value": max(r["saved_bytes_per_layer"] / r["layer_input_bytes"] for r in full),
               "met": all(r["saved_bytes_per_layer"] == r["layer_input_bytes"] for r in full)},
-             {"goal": "bf16 activations saved per layer are half of fp32's (the norms' fp32 statistics kept whole)",
+             {"goal": "bf16 activations saved per layer are half of fp32's (the attention's fp32 log-sum-exp kept whole)",
               "value": by[("bfloat16", "none")] / by[("float32", "none")],
               "met": (by[("bfloat16", "none")] - stats) * 2 + stats == by[("float32", "none")]}]
     for g in goals:
