@@ -21,8 +21,8 @@ the same):
   ``full`` keeps each block's input ``[s, b, h]`` (``h`` per token) instead of the block's tensors,
   ``selective`` drops what the attention core alone saves (the log-sum-exp; with dropout the scores,
   probabilities and mask); the recomputed forward's tensors live only inside one backward (Korthikanti et al.,
-  2022, arXiv:2205.05198, sec. 5); ``model.recompute_kept_microbatches: N``: ``N`` of the in-flight microbatches
-  at the peak keep theirs (:func:`_kept_bytes`).  Stages hold the layers ``model.pipeline_layout`` gives them.
+  2022, arXiv:2205.05198, sec. 5); ``model.recompute_kept_microbatches: N``: a rank's forwards ``i`` with ``i mod
+  (warmup + 1) < N`` keep theirs (:func:`_partial_peak`).  Stages hold the layers ``model.pipeline_layout`` gives them.
 * **working**: one microbatch's transients beyond what it saves -- the backward's gradient of the largest layer
   tensors, and on the loss stage the ``[s, b, V]`` logits and their gradient.
 * **graphs** (``cuda_graphs.enabled``, roughly): each captured ``(chunk, microbatch)`` graph's static input and
@@ -260,17 +260,31 @@ def _working(config: TrainConfig, stages: list[int], device_type: str) -> int:
     return tokens * (2 * el * largest + loss)
 
 
-def _kept_bytes(config: TrainConfig, plan, rank: int, in_flight: int, device_type: str) -> int:
-    """What ``model.recompute_kept_microbatches: N`` adds to a rank's peak: of its ``in_flight`` microbatches at
-    the peak the first ``min(N, in_flight)`` keep their activations (Megatron's partial recomputation), each
-    holding a whole microbatch's over a recomputed one's (the rank's heaviest stage)."""
+def _partial_peak(config: TrainConfig, plan, rank: int, lc: LayoutCosts, device_type: str) -> int:
+    """A rank's peak activation and pending-``W`` bytes under ``model.recompute_kept_microbatches: N``, walked over
+    its action order as :func:`engine.plan.candidates.peak_memory_bytes` walks it: its ``i``-th forward keeps a
+    whole microbatch's activations when ``i mod (warmup + 1) < N`` (Megatron's partial recomputation, as the
+    executor flags each forward), a recomputed one's otherwise."""
+    from ..plan.types import Op
     m = config.model
-    if m.recompute == "none" or not m.recompute_kept_microbatches:
-        return 0
     whole = dataclasses.replace(config, model=dataclasses.replace(m, recompute="none"))
-    extra = max(activation_bytes(whole, s, device_type) - activation_bytes(config, s, device_type)
-                for s in plan.stages_of(rank))
-    return min(m.recompute_kept_microbatches, in_flight) * extra
+    window, kept = plan.warmup[rank] + 1, m.recompute_kept_microbatches
+    held: dict = {}
+    level = peak = forwards = 0
+    for a in plan.actions[rank]:
+        s = plan.stage(rank, a.chunk)
+        pending = lc.pending_w_bytes[s] if plan.splits_backward else 0
+        if a.op is Op.FORWARD:
+            held[(a.chunk, a.microbatch)] = (activation_bytes(whole, s, device_type) if forwards % window < kept
+                                             else lc.activation_bytes[s])
+            level += held[(a.chunk, a.microbatch)]
+            forwards += 1
+        elif a.op is Op.BACKWARD:
+            level += pending - held.pop((a.chunk, a.microbatch))
+        else:
+            level -= lc.pending_w_bytes[s]
+        peak = max(peak, level)
+    return peak
 
 
 def estimate(config: TrainConfig, device_type: str = "cpu") -> Estimate:
@@ -280,7 +294,8 @@ def estimate(config: TrainConfig, device_type: str = "cpu") -> Estimate:
     lc = layout_bytes(config, device_type)
     activations = peak_memory_bytes(plan, dataclasses.replace(lc, static_bytes=(0,) * plan.num_stages))
     in_flight = [x for x, _ in memory_levels(plan)]
-    activations = [a + _kept_bytes(config, plan, r, in_flight[r], device_type) for r, a in enumerate(activations)]
+    if config.model.recompute != "none" and config.model.recompute_kept_microbatches:
+        activations = [_partial_peak(config, plan, r, lc, device_type) for r in range(plan.pp_size)]
     ranks = []
     for rank in range(plan.pp_size):
         stages = list(plan.stages_of(rank))

@@ -232,3 +232,12 @@ def test_partial_recomputation_keeps_the_first_microbatches_whole():
             k = min(kept, f.in_flight)
             assert p.activations == f.activations + k * (n.per_microbatch - f.per_microbatch), (kept, p.pipeline_rank)
             assert (p.activations == n.activations) == (kept >= f.in_flight)
+    # interleaved (pipeline 2 x virtual 2, 4 microbatches): the flag goes by the rank's forward index, so rank 1's
+    # three in-flight forwards at its peak (indices 0-2, window 3) keep 2; none of the measured bytes differ
+    # (benchmarks/memory.py --fit: rank 1 holds what no recomputation holds)
+    default = {"parallel.pipeline": 2, "parallel.virtual": 2, "training.num_microbatches": 4}
+    none = estimate(_config(**default))
+    partial = estimate(_config(**default, **{"model.recompute": "full", "model.recompute_kept_microbatches": 2}))
+    full = estimate(_config(**default, **{"model.recompute": "full"}))
+    assert full.ranks[0].activations < partial.ranks[0].activations < none.ranks[0].activations
+    assert partial.ranks[1].activations == none.ranks[1].activations
