@@ -144,15 +144,15 @@ class Trainer:
         c, p = self.config, self.config.parallel
         first, last = (self.plan.stage_location(s)[0] for s in (0, self.plan.num_stages - 1))
         self.mp_config = self._model_parallel_config()
-        self.parallelism = Parallelism(p, self.pg, self.device, tied_on_one_rank=first == last)
+        self.parallelism = Parallelism(p, self.pg, self.device, tied_on_one_rank=first == last, model=c.model)
         self.model = build_model_chunks(c.model, c.ffn_hidden_size, p.pipeline, self.pp_rank, p.virtual,
                                         c.training.seed, self.mp_config, self.device,
                                         stages=self.plan.stages_of(self.pp_rank))
         self.parallelism.apply(self.model, self.mp_config)
-        self.canonical = canonical_module(self.model)
+        self.canonical = canonical_module(self.parallelism.state_chunks)  # what the optimizer steps (fp32)
         moe = c.model.moe
-        self.router_metrics = RouterMetrics(self.canonical, c.model.num_layers, moe.num_experts, self.device) \
-            if moe is not None else None
+        self.router_metrics = (RouterMetrics(canonical_module(self.model), c.model.num_layers, moe.num_experts,
+                                             self.device) if moe is not None else None)  # the chunks that run
         if c.model.init_from:
             self._init_from_hf()
         o = c.optimizer
@@ -217,17 +217,14 @@ class Trainer:
 
     def _model_parallel_config(self) -> ModelParallelConfig:
         c, p = self.config, self.config.parallel
-        bf16 = c.model.precision == "bf16" and self.device.type == "cuda"
-        return ModelParallelConfig(
+        return ModelParallelConfig(  # precision (pipeline_dtype) and recomputation: set by Parallelism.apply
             pipeline_model_parallel_size=p.pipeline, tensor_model_parallel_size=p.tensor,
             sequence_parallel=p.sequence_parallel,  # the schedules then send [s / tensor, b, h]
             virtual_pipeline_model_parallel_size=virtual_or_none(p.virtual),
             microbatch_group_size_per_vp_stage=p.microbatch_group_size_per_vp_stage,
             pipeline_dtype=torch.float32, hidden_size=c.model.hidden_size,
             batch_p2p_comm=p.batch_p2p_comm, overlap_p2p_comm=p.overlap_p2p_comm,
-            deallocate_pipeline_outputs=p.deallocate_pipeline_outputs,
-            enable_autocast=bf16, autocast_dtype=torch.bfloat16 if bf16 else None,
-            deterministic_mode=c.training.deterministic,
+            deallocate_pipeline_outputs=p.deallocate_pipeline_outputs, deterministic_mode=c.training.deterministic,
             expert_model_parallel_size=p.expert, expert_tensor_parallel_size=1,
             num_moe_experts=c.model.moe.num_experts if c.model.moe is not None else None,  # the aux-loss scale
             overlap_moe_expert_parallel_comm=p.overlap_moe_expert_parallel_comm)
@@ -259,9 +256,11 @@ class Trainer:
                        self.dp_rank, self.dp_size, c.training.seed, c.model.vocab_size, self.device)
 
     # ---- one step ---------------------------------------------------------------------------------------------
-    def _forward_step(self, data_iterator, model):
-        """``forward_step_func(data_iterator, model) -> (output, loss_func)``: only the first stage reads tokens,
-        only the last reads labels (their chunks get an iterator; the others get None)."""
+    def _forward_step(self, data_iterator, model, checkpoint_activations_microbatch=None):
+        """``forward_step_func(data_iterator, model[, checkpoint_activations_microbatch]) -> (output, loss_func)``:
+        only the first stage reads tokens, only the last reads labels (their chunks get an iterator; the others get
+        None).  The recomputation flag reaches the recomputed modules through the schedule
+        (:data:`engine.runtime.step.recompute_microbatch`)."""
         batch = next(data_iterator) if data_iterator is not None else {}
         return model(batch.get("tokens"), batch.get("labels")), _loss_func
 
@@ -422,7 +421,7 @@ class Trainer:
         n = len(window)
         tokens = torch.tensor([window + [0] * (s - n)], dtype=torch.int64, device=self.device)
 
-        def step(data_iterator, model):
+        def step(data_iterator, model, *_):
             if data_iterator is not None:
                 next(data_iterator)
             return model(tokens if model.is_first else None), lambda out, non_loss_data=False: out[n - 1, 0].float()

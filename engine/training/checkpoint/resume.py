@@ -17,15 +17,17 @@ resuming config, field by field, and sorts each change into one of three kinds:
     ``global batch`` draws of that step, so another size gives other samples and another gradient scale.
 
 * **warned** -- the same data and model, optimised differently; plausible on purpose (lowering the learning rate
-  of a diverging run, a longer warmup, other evaluation sizes): every ``optimizer.*`` field, ``model.dropout``,
-  ``model.norm_epsilon``, ``model.rope_theta``, ``model.activation``, and the sequences per evaluation
+  of a diverging run, a longer warmup, other evaluation sizes, bf16 from here on): every ``optimizer.*`` field,
+  ``model.dropout``, ``model.norm_epsilon``, ``model.rope_theta``, ``model.activation``, ``model.precision`` (the
+  checkpoint holds fp32 weights either way), and the sequences per evaluation
   (``data x eval microbatches x micro_batch_size x eval_iters``: validation losses before and after are then
   over other windows, not comparable).
 
 * **allowed silently** -- everything else: the layout (``parallel.pipeline`` / ``virtual`` / ``data`` /
-  ``expert`` / ``schedule``; checkpoints are layout-free), ``micro_batch_size`` and ``num_microbatches`` while their product
-  with ``data`` (the global batch) stays, ``training.steps`` (continuing a finished run longer is the common case),
-  intervals, logging, checkpointing, CUDA graphs, profiling.
+  ``expert`` / ``schedule``, ``model.pipeline_layout``; checkpoints are layout-free), ``model.recompute`` (the same
+  gradients), ``micro_batch_size`` and ``num_microbatches`` while their product with ``data`` (the global batch)
+  stays, ``training.steps`` (continuing a finished run longer is the common case), intervals, logging,
+  checkpointing, CUDA graphs, profiling.
 
 Checkpoints written before ``run`` was saved are compared on the model only.  Pure (JSON and the config; no
 torch): :func:`check_resume` runs before any rank starts.
@@ -47,7 +49,7 @@ REFUSED = ("data.source", "data.paths", "data.suffixes", "data.tokenizer", "data
            "data.split_block_bytes", "data.max_bytes", "training.seed", "global_batch_size")
 WARNED = ("optimizer.lr", "optimizer.min_lr", "optimizer.warmup_steps", "optimizer.weight_decay", "optimizer.beta1",
           "optimizer.beta2", "optimizer.eps", "optimizer.grad_clip", "model.dropout", "model.norm_epsilon",
-          "model.rope_theta", "model.activation", "eval_sequences")
+          "model.rope_theta", "model.activation", "model.precision", "eval_sequences")
 
 
 def _get(config, dotted: str):

@@ -92,16 +92,14 @@ def _refuse_te_layers_with_split(config: TrainConfig, spec) -> None:
 
 
 def validate_parallel(config: TrainConfig) -> None:
-    """The ``parallel`` section against the model and schedule sizes (part of :func:`validate`)."""
-    m, p, s = config.model, config.parallel, config.training
+    """The ``parallel`` section against the model and schedule sizes (part of :func:`validate`): the pipeline
+    layout (``model.pipeline_layout`` or the even split, :attr:`~.schema.TrainConfig.layout`) fits
+    ``parallel.pipeline x parallel.virtual`` stages and ``model.num_layers``."""
+    p, s = config.parallel, config.training
     validate_tensor_parallel(config)
     validate_expert_parallel(config)
     _validate_schedule(config)
-    chunks = p.pipeline * p.virtual
-    if m.num_layers % chunks:
-        raise ConfigError(f"model.num_layers={m.num_layers} cannot be split into parallel.pipeline x "
-                          f"parallel.virtual = {p.pipeline} x {p.virtual} = {chunks} model chunks of equal size; "
-                          f"use a multiple of {chunks} layers or change the pipeline / virtual sizes")
+    config.layout  # noqa: B018 - model.pipeline_layout (or the even split) against the stages: ConfigError
     if p.overlap_p2p_comm and p.batch_p2p_comm:
         raise ConfigError("parallel.overlap_p2p_comm=true needs parallel.batch_p2p_comm=false (Megatron: the two "
                           "are mutually exclusive)")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from ...plan.layout import PipelineLayout, resolve_layout
 from ...plan.registry import auto_schedule, config_choices, get_schedule, schedule_names, virtual_or_none
 from ...plan.resolve import ResolvedSchedule, resolve_schedule
 from ..models import DEFAULT_FAMILY, family_names, get_family
@@ -56,6 +57,8 @@ def _family_help() -> str:
     return f"{named} (a family is added with engine.training.models.register_family)"
 
 
+_LAYOUT_FIELDS = {"layout": "model.pipeline_layout", "num_layers": "model.num_layers", "pipeline": "parallel.pipeline",
+                  "virtual": "parallel.virtual"}
 _STEPS = f"use a step count in [1, {MAX_STEPS:_}]"
 _COUNT = "use 0 (off) or a number of steps"
 
@@ -105,7 +108,8 @@ class ModelConfig:
     (:mod:`.init_from`)."""
 
     family: FamilyName = setting(DEFAULT_FAMILY, _family_help)
-    num_layers: int = setting(4, "transformer blocks; must divide into parallel.pipeline x parallel.virtual chunks",
+    num_layers: int = setting(4, "transformer blocks; split evenly into parallel.pipeline x parallel.virtual chunks, "
+                              "or as model.pipeline_layout places them",
                               Range(1, 1 << 16, "use a positive number of transformer blocks"))
     hidden_size: int = setting(128, "width h; pipeline messages are [seq_length, micro_batch_size, hidden_size]",
                                Range(1, 1 << 20, "use a positive width such as 128 or 768"))
@@ -129,8 +133,22 @@ class ModelConfig:
     transformer_engine: bool = setting(False, "Transformer Engine layers when importable and on CUDA, for families "
                                        "whose block they compute (not with a split-backward schedule such as zb_h1 "
                                        "/ zbv: refused)")
-    precision: Literal["fp32", "bf16"] = setting("fp32", "bf16: autocast on CUDA (parameters and pipeline messages "
-                                                 "stay fp32)")
+    precision: Literal["fp32", "bf16"] = setting(
+        "fp32", "bf16: mixed precision as Megatron-LM and torchtitan train -- bf16 parameters, activations and "
+                "pipeline messages, gradients summed over the step's microbatches in fp32, AdamW on fp32 master "
+                "weights (what checkpoints keep), the loss in fp32 (engine.training.parallel.precision)")
+    recompute: Literal["none", "full", "selective"] = setting(
+        "none", "activation recomputation (Korthikanti et al., arXiv:2205.05198): full keeps each block's input and "
+                "recomputes the block in its backward; selective recomputes the attention core only")
+    recompute_kept_microbatches: int | None = setting(
+        None, "with model.recompute: of each window of a rank's in-flight microbatches (its warmup + 1 forwards) "
+              "the first N keep their activations and the rest recompute (Megatron's "
+              "num_microbatches_with_partial_activation_checkpoints); null: every microbatch recomputes",
+        Range(0, 1 << 24, "use the microbatches per window that keep their activations, or null (all recompute)"))
+    pipeline_layout: str | None = setting(
+        None, "the layers of each virtual pipeline stage in Megatron's notation (--pipeline-model-parallel-layout): "
+              "stages separated by '|', E embedding, t decoder layer, L output head and loss, x*N repeats, e.g. "
+              "'Et*3|t*4|t*4|t*3L' (parallel.pipeline x parallel.virtual stages, stage order); null: an even split")
     num_query_groups: int | None = setting(None, "key / value heads of grouped-query attention, dividing the "
                                            "attention heads (null: one per head)",
                                            Range(1, 1 << 16, "use a divisor of num_attention_heads or null"))
@@ -364,6 +382,21 @@ class TrainConfig:
         if p.schedule != "auto":
             return p.schedule
         return auto_schedule(p.pipeline, virtual_or_none(p.virtual))
+
+    @property
+    def layout(self) -> PipelineLayout:
+        """The layers of each virtual pipeline stage: ``model.pipeline_layout``, or the even split of
+        ``model.num_layers`` over ``parallel.pipeline x parallel.virtual`` stages (:mod:`engine.plan.layout`).
+
+        Raises:
+            ConfigError: a layout that does not fit the run, naming the field, its value and the fix.
+        """
+        p = self.parallel
+        try:
+            return resolve_layout(self.model.pipeline_layout, num_layers=self.model.num_layers, pp_size=p.pipeline,
+                                  virtual=p.virtual, names=_LAYOUT_FIELDS)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
 
     def resolve_schedule(self) -> ResolvedSchedule:
         """The run's one :class:`~engine.plan.resolve.ResolvedSchedule` (schedule, sizes and options; it gives

@@ -24,10 +24,11 @@ def validate(config: TrainConfig) -> None:
 
     Checks: every numeric field against the range in its metadata (:func:`.fields.check_ranges`: finite, within
     what the code represents); ``hidden_size`` divisible by heads; the family's fields
-    (:func:`validate_model_family`); ``model.init_from`` (:func:`.init_from.check_init_from`); ``num_layers``
-    divisible into ``pipeline x virtual`` model chunks; the microbatch counts Megatron's schedule accepts
-    (interleaved: ``P <= G <= M`` and ``M mod G`` in ``{0} U [P, G)``, Megatron-Core 0.16.1); every plan the run
-    builds, built and validated (:func:`.layout.validate_plans`); sequence length and vocabulary; data paths.
+    (:func:`validate_model_family`); recomputation (:func:`_validate_recompute`); ``model.init_from``
+    (:func:`.init_from.check_init_from`); ``num_layers`` split into ``pipeline x virtual`` model chunks (evenly,
+    or as ``model.pipeline_layout`` places them); the microbatch counts Megatron's schedule accepts (interleaved:
+    ``P <= G <= M`` and ``M mod G`` in ``{0} U [P, G)``, Megatron-Core 0.16.1); every plan the run builds, built
+    and validated (:func:`.layout.validate_plans`); sequence length and vocabulary; data paths.
 
     Raises:
         ConfigError (ValueError) / RuntimeError naming field, value and fix.
@@ -41,6 +42,7 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is too small for byte-level data "
                           f"(data.source={config.data.source!r}); set model.vocab_size >= 256")
     validate_model_family(m)
+    _validate_recompute(config)
     if m.init_from:
         check_init_from(config)
     validate_parallel(config)
@@ -102,6 +104,30 @@ def _validate_moe(m: ModelConfig, family) -> None:
         raise ConfigError(f"model.moe.first_dense_layers={moe.first_dense_layers} with model.moe.layer_freq="
                           f"{moe.layer_freq} leaves no MoE layer among model.num_layers={m.num_layers}; lower them "
                           f"or remove model.moe")
+
+
+def _validate_recompute(config: TrainConfig) -> None:
+    """``model.recompute`` and ``model.recompute_kept_microbatches`` (the parallelism's recomputation slot,
+    :func:`engine.training.parallel.parallelism.parallelize`).
+
+    Raises:
+        ConfigError: kept microbatches without recomputation; ``selective`` for a family whose block names no
+            attention core (:attr:`~engine.training.models.registry.FamilySpec.attention_core`); recomputation of
+            Transformer Engine layers.
+    """
+    m = config.model
+    if m.recompute_kept_microbatches is not None and m.recompute == "none":
+        raise ConfigError(f"model.recompute_kept_microbatches={m.recompute_kept_microbatches} needs model.recompute="
+                          "full or selective (it says which microbatches keep their activations); set one, or remove "
+                          "model.recompute_kept_microbatches")
+    if m.recompute == "selective" and get_family(m.family).attention_core is None:
+        raise ConfigError(f"model.recompute=selective with model.family={m.family}: the family's block names no "
+                          "attention core module to recompute (FamilySpec.attention_core); use model.recompute=full "
+                          "or none")
+    if m.recompute != "none" and m.transformer_engine:
+        raise ConfigError(f"model.recompute={m.recompute} with model.transformer_engine=true: Transformer Engine "
+                          "layers bring their own recomputation, not wired here; set model.transformer_engine=false "
+                          "or model.recompute=none")
 
 
 def _validate_device(config: TrainConfig) -> None:

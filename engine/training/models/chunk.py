@@ -2,7 +2,8 @@
 into pipeline model chunks.
 
 The model has ``L`` transformer blocks; with ``P`` pipeline ranks and ``V`` model chunks per rank it is cut into
-``P*V`` virtual pipeline stages of ``L/(P*V)`` consecutive blocks.  Megatron's order (``parallel_state``): model chunk
+``P*V`` virtual pipeline stages of ``L/(P*V)`` consecutive blocks, or of the counts ``model.pipeline_layout`` gives
+each stage (a lighter first and last stage for a vocabulary-heavy model, :mod:`engine.plan.layout`).  Megatron's order (``parallel_state``): model chunk
 ``c`` on pipeline rank ``r`` is virtual stage ``c*P + r``.  The family's embedding lives in the first stage (rank
 0, chunk 0), the final norm, the output head and the loss in the last (rank ``P-1``, chunk ``V-1``).
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ...plan.layout import parse_layout
 from ..config import ModelConfig
 from .registry import FamilySpec, get_family
 
@@ -49,8 +51,12 @@ def chunk_stage(pp_rank: int, chunk: int, pp_size: int) -> int:
     return chunk * pp_size + pp_rank
 
 
-def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
-    """Global indices of the transformer blocks of virtual stage ``stage`` (equal contiguous slices)."""
+def stage_layers(num_layers: int, num_stages: int, stage: int, layout: str | None = None) -> range:
+    """Global indices of the transformer blocks of virtual stage ``stage``: consecutive, as the pipeline layout
+    ``layout`` (``model.pipeline_layout``, checked by the config: :mod:`engine.plan.layout`) places them, or equal
+    slices when it is None."""
+    if layout:
+        return parse_layout(layout).layers(stage)
     per = num_layers // num_stages
     return range(stage * per, (stage + 1) * per)
 
@@ -116,7 +122,7 @@ class ModelChunk(nn.Module):
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.tied = cfg.tie_embeddings
         self.seq_length = cfg.seq_length  # the longest context (sampling windows to it)
-        self.layer_ids = stage_layers(cfg.num_layers, num_stages, stage)
+        self.layer_ids = stage_layers(cfg.num_layers, num_stages, stage, cfg.pipeline_layout)
         self.input_tensor: torch.Tensor | None = None
         family = self.family = get_family(cfg.family)
         self.embedding = family.embedding(cfg) if self.is_first else None

@@ -92,6 +92,9 @@ class FamilySpec:
             ``block`` (``[s, b, h] -> [s, b, h]``, ``reset_parameters``) with an :class:`engine.moe.MoELayer`
             holding all of its experts (the parallelism keeps each rank's share, ``parallel.expert``); ``None``:
             the family cannot hold ``model.moe`` (refused).
+        attention_core: the dotted name, inside a block, of its attention core module (scores, softmax, dropout
+            and weighted sum of values, no parameters; e.g. :class:`~engine.training.models.attention.CoreAttention`):
+            what ``model.recompute: selective`` recomputes (``None``: the block has none, selective is refused).
     """
 
     name: str
@@ -105,6 +108,7 @@ class FamilySpec:
     hf: HuggingFace | None = None
     memory: Callable[[ModelConfig, int], dict] | None = None
     moe_block: Callable[[ModelConfig, int], Any] | None = None
+    attention_core: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_]+", self.name):

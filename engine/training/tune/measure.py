@@ -104,14 +104,18 @@ def probe_memory(tr) -> list[dict]:
     distinct storages autograd saves that are not parameters; for split-backward plans under the layer-level
     deferral, followed by ``B`` (:func:`~engine.runtime.split_backward.backward_input_step`) and the bytes its
     pending ``W`` holds; the ``W`` is dropped, not run, and gradients are cleared afterwards (data-parallel sync
-    off).  ``static_bytes``: the chunk's parameters, gradients and optimizer state; ``tied_bytes``: that of a tied
-    word embedding on the first stage (0 otherwise).
+    off).  ``static_bytes``: the chunk's parameters, gradients and optimizer state (under ``model.precision: bf16``
+    the bf16 parameters and their fp32 masters with theirs); ``tied_bytes``: that of a tied word embedding on the
+    first stage (0 otherwise).
     """
+    from ...runtime.storage import local_bytes
     batch = next(iter(tr.batches.train(0, True, True))) if tr.batches is not None else {}
     out = []
     for index, chunk in enumerate(tr.model):
-        static = _static_bytes(tr, chunk.parameters())
-        tied = _static_bytes(tr, [chunk.embedding.word.weight]) if (
+        state = tr.parallelism.state_chunks[index]  # bf16: the fp32 masters the optimizer steps, beside the chunk's
+        static = _static_bytes(tr, state.parameters()) + (
+            sum(local_bytes(p) for p in chunk.parameters()) if state is not chunk else 0)
+        tied = _static_bytes(tr, [state.embedding.word.weight]) if (
             chunk.is_first and tr.config.model.tie_embeddings) else 0
         with tr.parallelism.grad_sync.no_sync():
             act, held = _probe_chunk(tr, chunk, batch)

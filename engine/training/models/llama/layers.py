@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention import CoreAttention
+
 if TYPE_CHECKING:  # annotations only: the config reads the family registry
     from ...config import ModelConfig
 
@@ -77,7 +79,7 @@ class Attention(nn.Module):
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         self.heads, self.groups = heads, cfg.num_query_groups or heads
         self.head_dim = h // heads
-        self.dropout = cfg.dropout
+        self.core = CoreAttention(cfg.dropout)
         self.q_proj = nn.Linear(h, heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(h, self.groups * self.head_dim, bias=False)
         self.v_proj = nn.Linear(h, self.groups * self.head_dim, bias=False)
@@ -103,8 +105,7 @@ class Attention(nn.Module):
             rep = heads // groups
             k = k[:, :, None].expand(b, groups, rep, s, d).reshape(b, heads, s, d)
             v = v[:, :, None].expand(b, groups, rep, s, d).reshape(b, heads, s, d)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = self.core(q, k, v)  # [b, nh, s, d]
         return self.o_proj(y.permute(2, 0, 1, 3).reshape(s, b, heads * d))
 
 
