@@ -128,4 +128,5 @@ SPEC = register_family(FamilySpec(
                    rules=_RULES, config=_hf_config, fields=_hf_fields),
     memory=_memory,
     moe_block=lambda cfg, layer: _layers().MoEBlock(cfg, layer),
+    attention_core=LLAMA.attention_core,  # llama's attention in every block, MoE or dense
 ))
