@@ -52,6 +52,7 @@ Measured inside the ranks, without touching the engine:
     python benchmarks/memory.py --tensor   # pp2 x tp1 / tp2 / tp2 + sequence_parallel, bytes per rank
     python benchmarks/memory.py --estimate # engine.training.memory's estimate against measured bytes per rank
     python benchmarks/memory.py --recompute  # saved bytes per layer: fp32 / bf16 x none / selective / full
+    python benchmarks/memory.py --fit      # --estimate for model.precision x model.recompute, uneven layout
 
 """
 from __future__ import annotations
@@ -230,6 +231,7 @@ def _nbytes(tensors) -> int:
 def static_bytes(tr) -> dict:
     """A trainer's parameter, gradient (and ZeRO-1 gradient shard) and optimizer-state bytes on this rank."""
     params = list({id(p): p for c in tr.model for p in c.parameters() if p.requires_grad}.values())
+    masters = [] if tr.parallelism.masters is None else tr.parallelism.parameters()  # bf16: the fp32 masters
     if tr.parallelism.shard == "optimizer":
         state = tr.optimizer.state_bytes()
         shards = tr.parallelism.grad_sync.shards
@@ -240,7 +242,7 @@ def static_bytes(tr) -> dict:
         grad_shard = padding = 0
         if tr.parallelism.shard == "full":  # slack of torch.chunk's dim-0 split: one row per parameter
             padding = sum(p.numel() // max(p.shape[0], 1) * 4 for p in params)
-    return {"param_bytes": _nbytes(params), "grad_bytes": _nbytes(p.grad for p in params),
+    return {"param_bytes": _nbytes(params) + _nbytes(masters), "grad_bytes": _nbytes(p.grad for p in params + masters),
             "grad_shard_bytes": grad_shard, "state_bytes": state, "padding_bytes": padding}
 
 
@@ -437,14 +439,24 @@ def estimate_job(rank: int, world: int, path: str, overrides: list[str], run_dir
         return {"rank": rank, "pp_rank": tr.pp_rank, **static_bytes(tr), "activation_peak_bytes": meter.peak}
 
 
-def estimate_main(out: str | None) -> int:
-    """The ``--estimate`` table: :func:`engine.training.memory.estimate` against measured bytes per rank."""
+FIT_CASES = tuple(("configs/default.yaml", [f"model.precision={p}", f"model.recompute={r}"])
+                  for p in ("fp32", "bf16") for r in ("none", "selective", "full")) + (
+    ("configs/default.yaml", ["model.precision=bf16", "model.recompute=full", "model.num_layers=6",
+                              "model.pipeline_layout=Et|t*2|t*2|tL"]),
+    ("configs/default.yaml", ["model.recompute=full", "model.recompute_kept_microbatches=2"]),)
+"""``--fit``: the default config at precision x recompute, an uneven layout, and partial recomputation (issue 33's
+memory table)."""
+
+
+def estimate_main(out: str | None, cases=ESTIMATE_CASES, name: str = "memory_estimate") -> int:
+    """The ``--estimate`` table (``--fit``: :data:`FIT_CASES`): :func:`engine.training.memory.estimate` against
+    measured bytes per rank."""
     import tempfile
 
     from engine.training.config import load_config
     from engine.training.memory import estimate
     rows = []
-    for path, overrides in ESTIMATE_CASES:
+    for path, overrides in cases:
         config = load_config(path, overrides)
         est = estimate(config, "cpu")
         with tempfile.TemporaryDirectory() as tmp:
@@ -472,8 +484,9 @@ def estimate_main(out: str | None) -> int:
              {"goal": "parameter / gradient / optimizer bytes exact with parallel.shard none",
               "value": float(all(r["static_exact"] for r in rows if "zero1" not in r["config"])),
               "met": all(r["static_exact"] for r in rows if "zero1" not in r["config"])}]
-    path = write_json("memory_estimate", {"rows": rows, "goals": goals}, out)
+    path = write_json(name, {"rows": rows, "goals": goals}, out)
     print(f"wrote {path} (measured / predicted bytes)")
+    return 0 if all(g["met"] for g in goals) else 1
 
 
 RECOMPUTE_SIZES = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=256)
@@ -547,11 +560,11 @@ def recompute_main(out: str | None) -> int:
     full = [r for r in rows if r["recompute"] == "full"]
     by = {(r["precision"], r["recompute"]): r["saved_bytes_per_layer"] for r in rows}
     stats = next(r["fp32_saved_bytes_per_layer"] for r in rows if r["precision"] == "bfloat16" and
-                 r["recompute"] == "none")  # fp32 tensors a bf16 forward saves: the norms' mean and rstd
+                 r["recompute"] == "none")  # fp32 tensors a bf16 forward saves: the attention's log-sum-exp
     goals = [{"goal": "full recomputation saves exactly the layer input (s*b*h elements) per layer and microbatch",
               "value": max(r["saved_bytes_per_layer"] / r["layer_input_bytes"] for r in full),
               "met": all(r["saved_bytes_per_layer"] == r["layer_input_bytes"] for r in full)},
-             {"goal": "bf16 activations saved per layer are half of fp32's (the norms' fp32 statistics kept whole)",
+             {"goal": "bf16 activations saved per layer are half of fp32's (the attention's fp32 log-sum-exp kept whole)",
               "value": by[("bfloat16", "none")] / by[("float32", "none")],
               "met": (by[("bfloat16", "none")] - stats) * 2 + stats == by[("float32", "none")]}]
     for g in goals:
@@ -571,10 +584,13 @@ def main(argv=None) -> int:
     ap.add_argument("--estimate", action="store_true",
                     help="only engine.training.memory's estimate against measured bytes per rank (presets)")
     ap.add_argument("--recompute", action="store_true", help="only the recomputation x precision table (1 process)")
+    ap.add_argument("--fit", action="store_true", help="only the estimate against measured bytes per rank for "
+                    "model.precision x model.recompute and an uneven model.pipeline_layout")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if args.estimate:
-        return estimate_main(args.out)
+    if args.estimate or args.fit:
+        return estimate_main(args.out, FIT_CASES if args.fit else ESTIMATE_CASES,
+                             "memory_fit" if args.fit else "memory_estimate")
     if args.recompute:
         return recompute_main(args.out)
     if args.sharding:

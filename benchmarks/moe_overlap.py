@@ -211,8 +211,8 @@ def run_overlap(args) -> dict:
              f"other microbatch's compute per rank {[h for h, _ in counts]} of {[n for _, n in counts]}")
     draw(rank_spans, out / "moe_overlap_timeline.png", title)
     summary = {"step_ms_off": 1e3 * median(off), "step_ms_on": 1e3 * median(on), "steps_ms_off": [1e3 * t for t in off],
-               "steps_ms_on": [1e3 * t for t in on], "hidden_all_to_alls": counts, "trace": str(trace),
-               "picture": str(out / "moe_overlap_timeline.png")}
+               "steps_ms_on": [1e3 * t for t in on], "hidden_all_to_alls": counts, "trace": trace.name,
+               "picture": "moe_overlap_timeline.png"}  # beside the JSON (no machine's path in a result)
     print(f"DualPipeV pp2 x ep2 on CPU: median step {summary['step_ms_off']:.1f} ms overlap off, "
           f"{summary['step_ms_on']:.1f} ms on ({args.steps} steps each); hidden all-to-alls {counts}")
     return summary

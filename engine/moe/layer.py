@@ -7,7 +7,8 @@ experts.
 local experts, each a :class:`SwiGLU` on its contiguous rows), combined back with the routing weights
 (:func:`~engine.moe.dispatch.combine`), plus the shared experts' output on every token when the layer has them
 (DeepSeek-MoE; Dai et al., arXiv:2401.06066).  A SwiGLU expert is ``down(silu(gate(x)) * up(x))`` (Shazeer,
-"GLU Variants Improve Transformer", arXiv:2002.05202), the layout of Qwen3-MoE / Mixtral experts.
+"GLU Variants Improve Transformer", arXiv:2002.05202), the expert layout of open mixture-of-experts language
+models (Jiang et al. 2024, arXiv:2401.04088).
 
 Every local expert runs on every forward, also on zero rows, so each expert parameter gets a gradient (zero for
 an expert without tokens) on every rank and step, whatever the routing.  Expert parameters carry
@@ -47,16 +48,31 @@ class SwiGLU(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """This rank's experts (``self.local[i]`` is global expert ``first + i``); ``forward(rows, counts)`` runs
-    expert ``i`` on the next ``counts[i]`` rows of ``rows`` ``[sum(counts), h]`` and returns the outputs in the same
-    order."""
+    """This rank's experts, each registered under its global index (``getattr(self, "5")`` is global expert 5), so
+    parameter names (``5.gate_proj.weight``) do not depend on the expert-parallel size: a checkpoint or a Hugging
+    Face folder names expert ``e`` the same whatever the layout.  ``local[i]`` is global expert ``first + i``;
+    ``forward(rows, counts)`` runs local expert ``i`` on the next ``counts[i]`` rows of ``rows`` ``[sum(counts), h]``
+    and returns the outputs in the same order."""
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, first: int = 0):
         super().__init__()
         self.first = first
-        self.local = nn.ModuleList(SwiGLU(hidden_size, ffn_hidden_size) for _ in range(num_local_experts))
-        for p in self.local.parameters():
+        for i in range(num_local_experts):
+            self.add_module(str(first + i), SwiGLU(hidden_size, ffn_hidden_size))
+        for p in self.parameters():
             p.expert_parallel = True
+
+    @property
+    def local(self) -> list:
+        """This rank's experts in global order (local expert ``i`` first)."""
+        return list(self.children())
+
+    def keep(self, first: int, count: int) -> None:
+        """Drop every expert but global experts ``first .. first + count - 1`` (local, no communication)."""
+        for name in list(self._modules):
+            if not first <= int(name) < first + count:
+                del self._modules[name]
+        self.first = first
 
     def forward(self, rows: torch.Tensor, counts: list) -> torch.Tensor:
         parts = torch.split(rows, counts)
@@ -95,6 +111,26 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(local, hidden_size, ffn_hidden_size, first=group_rank(ep_group) * local)
         self.shared_experts: Optional[SwiGLU] = (SwiGLU(hidden_size, shared_ffn_hidden_size)
                                                  if shared_ffn_hidden_size else None)
+
+    def shard_experts(self, ep_group) -> None:
+        """Keep this rank's share of the experts of a layer built with all of them (``ep_group`` None), so that every
+        expert-parallel layout holds the same weights when each process builds the whole layer from one seeded
+        init: rank ``j`` of the group keeps experts ``j*E/P .. (j+1)*E/P - 1`` and dispatches over ``ep_group``.
+        Local (no communication).
+
+        Raises:
+            ValueError: the layer is sharded already, or ``num_experts`` is not divisible by the group's size.
+        """
+        if self.ep_group is not None or len(self.experts.local) != self.num_experts:
+            raise ValueError(f"MoELayer {self.name}: shard_experts needs a layer holding all {self.num_experts} "
+                             f"experts (it holds {len(self.experts.local)}); build it with ep_group=None")
+        ranks = group_size(ep_group)
+        if self.num_experts % ranks:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by the expert-parallel size {ranks}; "
+                             "choose a number of experts that is a multiple of expert_model_parallel_size")
+        local = self.num_experts // ranks
+        self.experts.keep(group_rank(ep_group) * local, local)
+        self.ep_group = ep_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -3,7 +3,7 @@
 Scores (:class:`TopKRouter`):
 
 * ``"softmax"`` -- ``p = softmax(x W^T)`` over the ``E`` experts; the ``k`` largest are chosen and, with
-  ``normalize_top_k`` (Mixtral / Qwen3-MoE), renormalised to sum to 1 per token;
+  ``normalize_top_k`` (Jiang et al., arXiv:2401.04088), renormalised to sum to 1 per token;
 * ``"sigmoid"`` -- DeepSeek-V3's affinities ``s = sigmoid(x W^T)``; the ``k`` largest of ``s + b`` are chosen, where
   ``b`` is a per-expert bias that no gradient touches (auxiliary-loss-free balancing: Wang et al., "Auxiliary-Loss-
   Free Load Balancing Strategy for Mixture-of-Experts", arXiv:2408.15664; DeepSeek-AI, arXiv:2412.19437, sec.

@@ -55,6 +55,7 @@ class Candidate:
     max_in_flight: int | None = None    # zb: per-rank limit on in-flight activations
     pipeline_layout: str | None = None  # model.pipeline_layout (engine.plan.layout); None: the even split
     costs: PassCosts | None = None      # zb / zbv: the plan is built for these (measured) costs
+    recompute: str | None = None        # model.recompute (its costs: the tuner's); None: the config's own
 
     @property
     def splits_backward(self) -> bool:
@@ -72,18 +73,21 @@ class Candidate:
         extra = (f" G={self.group_size}" if self.group_size is not None else "") + (
             f" max_in_flight={self.max_in_flight}" if self.max_in_flight is not None else "") + (
             f" {self.pipeline_layout}" if self.pipeline_layout is not None else "") + (
-            " cost-aware" if self.costs is not None else "")
+            " cost-aware" if self.costs is not None else "") + (
+            f" recompute={self.recompute}" if self.recompute is not None else "")
         return f"{self.schedule} v={self.virtual}{extra}"
 
     def overrides(self) -> dict:
-        """The config values of this candidate (``None``: the field's default; ``model.pipeline_layout`` only when
-        the candidate has one; ``parallel.schedule_costs`` always, so that a variant clears the config's own)."""
+        """The config values of this candidate (``None``: the field's default; ``model.pipeline_layout`` and
+        ``model.recompute`` only when the candidate has one; ``parallel.schedule_costs`` always, so that a variant clears the config's own)."""
         out = {"parallel.schedule": self.schedule, "parallel.virtual": self.virtual,
                "parallel.microbatch_group_size_per_vp_stage": self.group_size,
                "parallel.max_in_flight": self.max_in_flight,
                "parallel.schedule_costs": None if self.costs is None else str(self.costs)}
         if self.pipeline_layout is not None:
             out["model.pipeline_layout"] = self.pipeline_layout
+        if self.recompute is not None:
+            out["model.recompute"] = self.recompute
         return out
 
     def arguments(self) -> list[str]:

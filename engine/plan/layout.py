@@ -20,7 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-__all__ = ["KINDS", "PipelineLayout", "parse_layout", "resolve_layout", "stage_costs", "kind_costs", "LAYOUT_NAMES"]
+__all__ = ["KINDS", "PipelineLayout", "parse_layout", "resolve_layout", "stage_costs", "kind_costs", "LAYOUT_NAMES",
+           "lighter_ends"]
 
 KINDS = {"E": "the embedding", "t": "a decoder layer", "L": "the output head and loss"}
 """Layer kinds of a layout and what each stands for."""
@@ -255,6 +256,31 @@ def _suggest(num_layers: int, stages: int) -> str:
     body[0] = "E" + body[0]
     body[-1] = body[-1] + "L"
     return str(PipelineLayout(tuple(body)))
+
+
+def lighter_ends(num_layers: int, num_stages: int) -> list[PipelineLayout]:
+    """A few uneven layouts to rank beside the even one (what a vocabulary-heavy model wants: the embedding's and
+    the output head's stages lighter; Megatron's ``--decoder-first-pipeline-num-layers`` /
+    ``--decoder-last-pipeline-num-layers``): the first stage, the last stage, and both, holding one decoder layer
+    fewer, the layers moved to the middle stages (the middle ones first).  Empty when the even layout has fewer
+    than 3 stages or fewer than 2 layers per stage.
+
+    Raises:
+        ValueError: ``num_layers`` does not split evenly into ``num_stages`` (:meth:`PipelineLayout.even`).
+    """
+    even = PipelineLayout.even(num_layers, num_stages)
+    per = num_layers // num_stages
+    if num_stages < 3 or per < 2:
+        return []
+    middle = sorted(range(1, num_stages - 1), key=lambda s: abs(2 * s - (num_stages - 1)))
+    out = []
+    for ends in ((0,), (num_stages - 1,), (0, num_stages - 1)):
+        counts = list(even.layer_counts)
+        for k, end in enumerate(ends):
+            counts[end] -= 1
+            counts[middle[k % len(middle)]] += 1
+        out.append(_as_layout(counts, "layout"))
+    return out
 
 
 # ---- costs --------------------------------------------------------------------------------------------------------

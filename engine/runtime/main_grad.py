@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-__all__ = ["MainGrad", "attach_main_grad", "grad_of"]
+__all__ = ["MainGrad", "attach_main_grad", "grad_of", "add_grad"]
 
 
 def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
@@ -30,16 +30,21 @@ def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
     return p.grad if main is None else main
 
 
+def add_grad(main: torch.Tensor, g: torch.Tensor) -> None:
+    """``main += g`` in ``main``'s dtype (fp32 += bf16: an exact upcast, then one fp32 rounding); a ``DTensor``
+    gradient laid out otherwise than ``main`` is redistributed to ``main``'s placements first."""
+    placements = getattr(main, "placements", None)
+    if placements is not None and tuple(g.placements) != tuple(placements):
+        g = g.redistribute(main.device_mesh, placements)
+    main.add_(g)
+
+
 def _accumulate(p: torch.Tensor) -> None:
-    """Post-accumulate-grad hook: ``main_grad += grad`` (an exact upcast, then one fp32 rounding), ``grad = None``."""
+    """Post-accumulate-grad hook: ``main_grad += grad`` (:func:`add_grad`), ``grad = None``."""
     g = p.grad
     if g is None:
         return
-    main = p.main_grad
-    placements = getattr(main, "placements", None)
-    if placements is not None and tuple(g.placements) != tuple(placements):  # a DTensor gradient laid out otherwise
-        g = g.redistribute(main.device_mesh, placements)
-    main.add_(g)
+    add_grad(p.main_grad, g)
     p.grad = None
 
 

@@ -24,7 +24,7 @@ import torch
 from .checkpoint.dcp import (CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, read_checkpoint_meta,
                              verify_checkpoint)
 from .checkpoint.integrity import MANIFEST_FILE, refusal, step_of
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig, MoEConfig
 from .models.chunk import ModelChunk, build_model_chunks, canonical_module
 from .data.tokenizer import TokenizerError, load_tokenizer
 
@@ -100,6 +100,8 @@ def _model_config(meta: dict, path: Path) -> ModelConfig:
                               f"written by pipecast train (or by an older version): sample or export needs them")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = ModelConfig(**{k: v for k, v in saved.items() if k in fields})
+    if isinstance(cfg.moe, dict):  # JSON: the model.moe section as a mapping
+        cfg = dataclasses.replace(cfg, moe=MoEConfig(**cfg.moe))
     return dataclasses.replace(cfg, ffn_hidden_size=saved.get("ffn_hidden_size") or cfg.ffn_hidden_size,
                                dropout=0.0, transformer_engine=False)
 

@@ -5,18 +5,24 @@ Per pipeline rank, in bytes (:func:`estimate`; every data-parallel and tensor-pa
 the same):
 
 * **parameters, gradients, optimizer state**: the stage's parameters (:func:`stage_parameters`, counted on the
-  family's modules built on the meta device; the layers its tensor-parallel plan shards ``1/T``), fp32
-  (``model.precision: bf16`` is autocast: parameters stay fp32), each with an fp32 gradient and AdamW's two moments
-  plus one step scalar per parameter tensor.  ``parallel.shard: optimizer`` (ZeRO-1, data > 1) keeps ``1/D`` of the
-  moments and a ``1/D`` reduce-scattered gradient shard; ``full`` (FSDP2) keeps ``1/D`` of everything between steps
-  and gathers each chunk's parameters and gradients whole for the step (counted: the peak is in the step).
+  family's modules built on the meta device; the layers its tensor-parallel plan shards ``1/T``), fp32, each with
+  an fp32 gradient and AdamW's two moments plus one step scalar per parameter tensor; under ``model.precision:
+  bf16`` a bf16 copy of each parameter beside its fp32 master (:mod:`engine.training.parallel.precision`; the bf16
+  gradients are added into the fp32 ones as autograd writes them: transient).  ``parallel.shard: optimizer``
+  (ZeRO-1, data > 1) keeps ``1/D`` of the moments and a ``1/D`` reduce-scattered gradient shard; ``full`` (FSDP2)
+  keeps ``1/D`` of everything between steps and gathers each chunk's parameters (bf16 ones under bf16) and fp32
+  gradients whole for the step (counted: the peak is in the step).
 * **activations**: the plan's peak over its action order of the bytes held by in-flight microbatches -- ``F`` adds
   one microbatch's saved activations of the stage (:func:`activation_bytes`), ``B`` releases them and, under a
   split backward, adds what its pending ``W`` holds (:func:`pending_w_bytes`), ``W`` releases that -- computed by
   :func:`engine.plan.candidates.peak_memory_bytes`, the tuner's memory model, on a :class:`LayoutCosts` built from
-  the model's shape instead of measured (:func:`layout_bytes`).  Elements are 2 bytes under ``bf16`` on CUDA
-  (autocast saves the projections' bf16 inputs) for the projection and attention tensors, 4 otherwise; norm
-  statistics, the residual stream and the loss's log-probabilities are fp32.
+  the model's shape instead of measured (:func:`layout_bytes`).  Elements are 2 bytes under ``bf16``, 4 under
+  fp32; the attention's log-sum-exp and the loss's log-probabilities are fp32 either way.  ``model.recompute``:
+  ``full`` keeps each block's input ``[s, b, h]`` (``h`` per token) instead of the block's tensors,
+  ``selective`` drops what the attention core alone saves (the log-sum-exp; with dropout the scores,
+  probabilities and mask); the recomputed forward's tensors live only inside one backward (Korthikanti et al.,
+  2022, arXiv:2205.05198, sec. 5); ``model.recompute_kept_microbatches: N``: a rank's forwards ``i`` with ``i mod
+  (warmup + 1) < N`` keep theirs (:func:`_partial_peak`).  Stages hold the layers ``model.pipeline_layout`` gives them.
 * **working**: one microbatch's transients beyond what it saves -- the backward's gradient of the largest layer
   tensors, and on the loss stage the ``[s, b, V]`` logits and their gradient.
 * **graphs** (``cuda_graphs.enabled``, roughly): each captured ``(chunk, microbatch)`` graph's static input and
@@ -103,7 +109,8 @@ def _generic(cfg, ffn_hidden_size: int) -> dict:
     two-projection MLP (Korthikanti et al. 2022, arXiv:2205.05198, section 4, without dropout masks): the estimate
     of a registered family that gives no ``memory`` (keys: :mod:`engine.training.models.registry`)."""
     h, f, a = cfg.hidden_size, ffn_hidden_size, cfg.num_attention_heads
-    return {"residual": 2 * h + 4, "gathered": 2 * h, "sharded": 4 * h + a + 2 * f, "embedding": 0,
+    return {"residual": 2 * h + 4, "gathered": 2 * h, "sharded": 4 * h + a + 2 * f, "core": a, "fp32_sharded": a,
+            "embedding": 0,
             "final_norm": 2 * h + 2, "w_replicated": 8 * h, "w_sharded": 4 * h + 2 * f, "w_embedding": h,
             "w_final_norm": 2 * h}
 
@@ -120,41 +127,47 @@ def _num_stages(config: TrainConfig) -> int:
 
 
 def _layers(config: TrainConfig, stage: int) -> int:
-    from .models.chunk import stage_layers
-    return len(stage_layers(config.model.num_layers, _num_stages(config), stage))
+    """Decoder layers of virtual stage ``stage`` (``model.pipeline_layout`` or the even split)."""
+    return config.layout.layer_counts[stage]
 
 
 def _module_parameters(config: TrainConfig) -> dict[str, tuple[int, int, int]]:
-    """``{"block" | "embedding" | "final_norm": (sharded, replicated, tensors)}``: the parameter elements of one
-    module as the family builds it (on the meta device), split by the family's tensor-parallel plan -- ``colwise``
-    and ``fused_qkv`` projections shard weight and bias, ``rowwise`` the weight; the word embedding is
-    vocabulary-parallel; the rest is replicated."""
+    """``{"block" | "moe_block" | "embedding" | "final_norm": (sharded, replicated, tensors)}``: the parameter
+    elements of one module as the family builds it (on the meta device), split by the family's tensor-parallel
+    plan -- ``colwise`` and ``fused_qkv`` projections shard weight and bias, ``rowwise`` the weight; the word
+    embedding is vocabulary-parallel; the rest is replicated; a MoE layer's routed experts are split over the
+    ``parallel.expert`` ranks (each holds ``num_experts / E`` of them)."""
+    from ..moe import is_expert_parameter
     from .models import get_family
     from .models.chunk import family_parts
     plan = get_family(config.model.family).tensor_parallel
     out = {}
     for part, module in family_parts(config.model, config.ffn_hidden_size).items():
-        sharded = replicated = tensors = 0
+        sharded = replicated = tensors = expert = expert_tensors = 0
         for name, param in module.named_parameters():
             owner, _, leaf = name.rpartition(".")
             style = "colwise" if part == "embedding" and owner == "word" else plan.get(owner) if part == "block" \
                 else None
-            if style in ("colwise", "fused_qkv") or (style == "rowwise" and leaf == "weight"):
-                sharded += param.numel()
+            if is_expert_parameter(param):
+                expert, expert_tensors = expert + param.numel(), expert_tensors + 1
+            elif style in ("colwise", "fused_qkv") or (style == "rowwise" and leaf == "weight"):
+                sharded, tensors = sharded + param.numel(), tensors + 1
             else:
-                replicated += param.numel()
-            tensors += 1
-        out[part] = (sharded, replicated, tensors)
+                replicated, tensors = replicated + param.numel(), tensors + 1
+        e = config.parallel.expert
+        out[part] = (sharded, replicated + expert // e, tensors + expert_tensors // e)
     return out
 
 
 def stage_parameters(config: TrainConfig, stage: int) -> tuple[int, int]:
     """``(elements, tensors)`` of the parameters one tensor-parallel rank of virtual stage ``stage`` holds
-    (sharded ``1/T``): its blocks, the embedding on the first stage, the final norm and the output head ``[V, h]``
+    (sharded ``1/T``; routed experts ``1/E``): its blocks, the embedding on the first stage, the final norm and the output head ``[V, h]``
     on the last (with tied embeddings and one stage, the head is the embedding)."""
+    from .models.chunk import block_part, stage_layers
     parts, stages = _module_parameters(config), _num_stages(config)
-    n = _layers(config, stage)
-    counts = [n * x for x in parts["block"]]
+    counts = [0, 0, 0]
+    for index in stage_layers(config.model.num_layers, stages, stage):  # a dense or a MoE block each
+        counts = [x + y for x, y in zip(counts, parts[block_part(config.model, index)])]
     held = (["embedding"] if stage == 0 else []) + (["final_norm"] if stage == stages - 1 else [])
     for part in held:
         counts = [x + y for x, y in zip(counts, parts[part])]
@@ -164,8 +177,10 @@ def stage_parameters(config: TrainConfig, stage: int) -> tuple[int, int]:
     return sharded // config.parallel.tensor + replicated, tensors
 
 
-def _element_bytes(config: TrainConfig, device_type: str) -> int:
-    return 2 if config.model.precision == "bf16" and device_type == "cuda" else 4
+def _element_bytes(config: TrainConfig, device_type: str = "cpu") -> int:
+    """Bytes of an activation element (parameters and activations are bf16 under ``model.precision: bf16`` on
+    every device)."""
+    return 2 if config.model.precision == "bf16" else 4
 
 
 def _tokens(config: TrainConfig) -> int:
@@ -178,15 +193,29 @@ def activation_bytes(config: TrainConfig, stage: int, device_type: str = "cpu") 
     ``1/T`` under sequence parallelism, the sharded part ``1/T`` under tensor parallelism), on the first stage
     the token ids (int64) and the embedding's, on the last the final norm's, the ``[s, b, V]`` fp32
     log-probabilities and the labels (int64).  ``[s, b]`` tokens per microbatch."""
-    c, p, tokens = _counts(config), config.parallel, _tokens(config)
-    el, t = _element_bytes(config, device_type), p.tensor
-    residual = c["residual"] / (t if p.sequence_parallel else 1)
-    per_token = _layers(config, stage) * (4 * residual + el * (c["gathered"] + c["sharded"] / t))
+    c, m, tokens, el = _counts(config), config.model, _tokens(config), _element_bytes(config, device_type)
+    per_token = _layers(config, stage) * _block_bytes(config, c, el)
     if stage == 0:
         per_token += 8 + el * c["embedding"]
     if stage == _num_stages(config) - 1:
-        per_token += 4 * c["final_norm"] + 4 * config.model.vocab_size + 8
+        per_token += el * c["final_norm"] + (4 - el) * c.get("fp32_final_norm", 0) + 4 * m.vocab_size + 8
     return int(per_token * tokens)
+
+
+def _block_bytes(config: TrainConfig, c: dict, el: int) -> float:
+    """Bytes one block saves per token on one tensor-parallel rank, with ``model.recompute`` (module doc); the
+    family's ``fp32_residual`` / ``fp32_sharded`` elements (an fp32 norm's tensors, the attention's log-sum-exp;
+    ``fp32_final_norm`` for the final norm) are fp32 at either precision; ``core``: what the attention core alone
+    saves, dropped by ``selective``."""
+    t, m = config.parallel.tensor, config.model
+    sp = t if config.parallel.sequence_parallel else 1
+    if m.recompute == "full":
+        return el * m.hidden_size / sp
+    kept = el * (c["residual"] / sp + c["gathered"] + c["sharded"] / t)
+    kept += (4 - el) * (c.get("fp32_residual", 0) / sp + c.get("fp32_sharded", 0) / t)  # fp32 at either precision
+    if m.recompute == "selective":
+        kept -= (4 if not m.dropout else el) * c.get("core", 0) / t
+    return kept
 
 
 def pending_w_bytes(config: TrainConfig, stage: int, device_type: str = "cpu") -> int:
@@ -205,16 +234,18 @@ def pending_w_bytes(config: TrainConfig, stage: int, device_type: str = "cpu") -
 
 
 def _static(config: TrainConfig, elements: int, tensors: int) -> tuple[int, int, int]:
-    """``(parameters, gradients, optimizer)`` bytes of ``elements`` fp32 parameters in ``tensors`` tensors under
-    ``parallel.shard`` (module docstring)."""
+    """``(parameters, gradients, optimizer)`` bytes of ``elements`` parameters in ``tensors`` tensors under
+    ``parallel.shard`` and ``model.precision`` (module docstring)."""
     p, d = config.parallel, config.data_parallel_size
     shard = p.shard if d > 1 else "none"
     moments, steps = 8 * elements, 4 * tensors
-    if shard == "optimizer":
-        return 4 * elements, 4 * elements + 4 * elements // d, moments // d + steps
+    compute = _element_bytes(config) * elements  # the parameters the chunks run: fp32, or bf16 beside fp32 masters
     if shard == "full":
-        return 4 * elements + 4 * elements // d, 4 * elements + 4 * elements // d, moments // d + steps
-    return 4 * elements, 4 * elements, moments + steps
+        return compute + 4 * elements // d, 4 * elements + 4 * elements // d, moments // d + steps
+    masters = 4 * elements if compute != 4 * elements else 0
+    if shard == "optimizer":
+        return compute + masters, 4 * elements + 4 * elements // d, moments // d + steps
+    return compute + masters, 4 * elements, moments + steps
 
 
 def layout_bytes(config: TrainConfig, device_type: str = "cpu") -> LayoutCosts:
@@ -235,6 +266,33 @@ def _working(config: TrainConfig, stages: list[int], device_type: str) -> int:
     return tokens * (2 * el * largest + loss)
 
 
+def _partial_peak(config: TrainConfig, plan, rank: int, lc: LayoutCosts, device_type: str) -> int:
+    """A rank's peak activation and pending-``W`` bytes under ``model.recompute_kept_microbatches: N``, walked over
+    its action order as :func:`engine.plan.candidates.peak_memory_bytes` walks it: its ``i``-th forward keeps a
+    whole microbatch's activations when ``i mod (warmup + 1) < N`` (Megatron's partial recomputation, as the
+    executor flags each forward), a recomputed one's otherwise."""
+    from ..plan.types import Op
+    m = config.model
+    whole = dataclasses.replace(config, model=dataclasses.replace(m, recompute="none"))
+    window, kept = plan.warmup[rank] + 1, m.recompute_kept_microbatches
+    held: dict = {}
+    level = peak = forwards = 0
+    for a in plan.actions[rank]:
+        s = plan.stage(rank, a.chunk)
+        pending = lc.pending_w_bytes[s] if plan.splits_backward else 0
+        if a.op is Op.FORWARD:
+            held[(a.chunk, a.microbatch)] = (activation_bytes(whole, s, device_type) if forwards % window < kept
+                                             else lc.activation_bytes[s])
+            level += held[(a.chunk, a.microbatch)]
+            forwards += 1
+        elif a.op is Op.BACKWARD:
+            level += pending - held.pop((a.chunk, a.microbatch))
+        else:
+            level -= lc.pending_w_bytes[s]
+        peak = max(peak, level)
+    return peak
+
+
 def estimate(config: TrainConfig, device_type: str = "cpu") -> Estimate:
     """The :class:`Estimate` of a validated ``config`` (``parallel.schedule`` resolved) on ``device_type``.
     Pure arithmetic over the training step's plan (:meth:`engine.plan.resolve.ResolvedSchedule.plan`)."""
@@ -242,6 +300,8 @@ def estimate(config: TrainConfig, device_type: str = "cpu") -> Estimate:
     lc = layout_bytes(config, device_type)
     activations = peak_memory_bytes(plan, dataclasses.replace(lc, static_bytes=(0,) * plan.num_stages))
     in_flight = [x for x, _ in memory_levels(plan)]
+    if config.model.recompute != "none" and config.model.recompute_kept_microbatches:
+        activations = [_partial_peak(config, plan, r, lc, device_type) for r in range(plan.pp_size)]
     ranks = []
     for rank in range(plan.pp_size):
         stages = list(plan.stages_of(rank))

@@ -8,6 +8,11 @@ estimate behind the TFLOP/s and MFU numbers.
   ``reserved_memory_gib`` and ``mfu`` (fraction of ``logging.peak_tflops`` x number of GPUs);
 * an evaluation: ``step``, ``val_loss``.
 
+With ``model.moe`` a logged training step also has the routers' statistics of that step (:class:`RouterMetrics`):
+``moe_aux_loss`` (the load-balancing loss per MoE layer and forward, unscaled, averaged), ``moe_load_imbalance``
+(over the MoE layers the largest ``max / mean`` of the token slots per expert: 1 is perfect balance) and
+``moe_tokens_per_expert`` (``{layer: [token slots of each expert]}``, summed over the data-parallel ranks).
+
 ``RUN_DIR/loss.png`` (train and validation loss against step) is redrawn at each evaluation and at the end; it is
 written to a temporary file and renamed, so a reader never sees half a PNG.
 
@@ -25,8 +30,8 @@ from pathlib import Path
 from .config import ModelConfig
 from .files import WriteError, write_atomically, writing
 
-__all__ = ["MetricsLog", "model_flops_per_token", "flops_parameter_count", "known_peak_tflops", "plot_losses",
-           "read_metrics", "TRAIN_COLOR", "VAL_COLOR"]
+__all__ = ["MetricsLog", "RouterMetrics", "model_flops_per_token", "flops_parameter_count", "known_peak_tflops",
+           "plot_losses", "read_metrics", "TRAIN_COLOR", "VAL_COLOR"]
 
 log = logging.getLogger("pipecast." + __name__.rsplit(".", 1)[-1])
 
@@ -41,14 +46,20 @@ _BF16_PEAK_TFLOPS = (("H200", 989.0), ("H100 SXM", 989.0), ("H100 PCIe", 756.0),
 def flops_parameter_count(cfg: ModelConfig, ffn_hidden_size: int) -> int:
     """``N`` of the FLOPs estimate: the parameters that take part in a matrix multiply per token -- every
     transformer block (counted on the modules ``cfg``'s family builds: projections, norms, biases), the final norm
-    and the output head ``[V, h]`` (the tied word embedding counts once, as the head).  Not counted: the input
+    and the output head ``[V, h]`` (the tied word embedding counts once, as the head); of a MoE layer's routed
+    experts the ``top_k`` a token goes through.  Not counted: the input
     embedding (a lookup, no multiply; also a learned position table).  nanoGPT's
     ``get_num_params(non_embedding=True)`` counts the same.
     """
-    from .models.chunk import family_parts  # torch: built on the meta device
+    from ..moe import is_expert_parameter
+    from .models.chunk import block_part, family_parts  # torch: built on the meta device
     parts = family_parts(cfg, ffn_hidden_size)
     count = {name: sum(p.numel() for p in module.parameters()) for name, module in parts.items()}
-    return cfg.num_layers * count["block"] + count["final_norm"] + cfg.vocab_size * cfg.hidden_size
+    if "moe_block" in parts:  # a token goes through top_k of the routed experts
+        routed = sum(p.numel() for p in parts["moe_block"].parameters() if is_expert_parameter(p))
+        count["moe_block"] -= routed - routed * cfg.moe.top_k // cfg.moe.num_experts
+    blocks = sum(count[block_part(cfg, i)] for i in range(cfg.num_layers))
+    return blocks + count["final_norm"] + cfg.vocab_size * cfg.hidden_size
 
 
 def model_flops_per_token(cfg: ModelConfig, ffn_hidden_size: int) -> float:
@@ -165,3 +176,43 @@ class MetricsLog:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class RouterMetrics:
+    """The mixture-of-experts routers' statistics of one training step, for the log (module doc).
+
+    ``canonical``: this rank's layout-independent view of its model chunks
+    (:func:`engine.training.models.chunk.canonical_module`; its routers are ``layers.<i>.*.router``);
+    ``num_layers`` / ``num_experts`` / ``device``: the model's.  :meth:`reset` before each step's schedule (no
+    host read); :meth:`collect` at a logged step only: one all-reduce of a ``[L, E + 2]`` table over every rank,
+    then one host read.
+    """
+
+    def __init__(self, canonical, num_layers: int, num_experts: int, device):
+        from ..moe import routers
+        self.routers = [(int(name.split(".")[1]), r) for name, r in routers(canonical)]
+        self.shape, self.device = (num_layers, num_experts + 2), device
+
+    def reset(self) -> None:
+        """Clear every router's counters (local)."""
+        for _, router in self.routers:
+            router.reset_stats()
+
+    def collect(self) -> dict:
+        """Collective over the default group: ``{"moe_aux_loss", "moe_load_imbalance", "moe_tokens_per_expert"}``
+        of the forwards since :meth:`reset`, the same on every rank."""
+        import torch
+        import torch.distributed as dist
+        table = torch.zeros(self.shape, dtype=torch.float64, device=self.device)  # [L, tokens per expert, aux, n]
+        for layer, router in self.routers:
+            stats = router.stats()
+            table[layer, :-2] = stats.tokens_per_expert.to(table)
+            table[layer, -2] = stats.aux_loss.to(table)
+            table[layer, -1] = stats.forwards
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(table)
+        rows = {i: row for i, row in enumerate(table.cpu().tolist()) if row[-1] > 0}  # the host read
+        tokens = {str(i): [int(x) for x in row[:-2]] for i, row in rows.items()}
+        imbalance = max((max(t) / (sum(t) / len(t)) for t in tokens.values() if sum(t)), default=1.0)
+        aux = sum(row[-2] / row[-1] for row in rows.values()) / max(1, len(rows))
+        return {"moe_aux_loss": aux, "moe_load_imbalance": imbalance, "moe_tokens_per_expert": tokens}

@@ -50,7 +50,7 @@ from .data.corpus import Batches, load_corpus
 from .parallel.dtensor import checkpoint_form
 from .parallel.parallelism import Parallelism
 from . import preempt
-from .metrics import MetricsLog, known_peak_tflops, model_flops_per_token
+from .metrics import MetricsLog, RouterMetrics, known_peak_tflops, model_flops_per_token
 from .models.chunk import build_model_chunks, canonical_module
 from .outputs import setup_logging
 from .seed import set_seed_and_determinism
@@ -145,12 +145,15 @@ class Trainer:
         c, p = self.config, self.config.parallel
         first, last = (self.plan.stage_location(s)[0] for s in (0, self.plan.num_stages - 1))
         self.mp_config = self._model_parallel_config()
-        self.parallelism = Parallelism(p, self.pg, self.device, tied_on_one_rank=first == last)
+        self.parallelism = Parallelism(p, self.pg, self.device, tied_on_one_rank=first == last, model=c.model)
         self.model = build_model_chunks(c.model, c.ffn_hidden_size, p.pipeline, self.pp_rank, p.virtual,
                                         c.training.seed, self.mp_config, self.device,
                                         stages=self.plan.stages_of(self.pp_rank))
         self.parallelism.apply(self.model, self.mp_config)
-        self.canonical = canonical_module(self.model)
+        self.canonical = canonical_module(self.parallelism.state_chunks)  # what the optimizer steps (fp32)
+        moe = c.model.moe
+        self.router_metrics = (RouterMetrics(canonical_module(self.model), c.model.num_layers, moe.num_experts,
+                                             self.device) if moe is not None else None)  # the chunks that run
         if c.model.init_from:
             self._init_from_hf()
         o = c.optimizer
@@ -215,17 +218,17 @@ class Trainer:
 
     def _model_parallel_config(self) -> ModelParallelConfig:
         c, p = self.config, self.config.parallel
-        bf16 = c.model.precision == "bf16" and self.device.type == "cuda"
-        return ModelParallelConfig(
+        return ModelParallelConfig(  # precision (pipeline_dtype) and recomputation: set by Parallelism.apply
             pipeline_model_parallel_size=p.pipeline, tensor_model_parallel_size=p.tensor,
             sequence_parallel=p.sequence_parallel,  # the schedules then send [s / tensor, b, h]
             virtual_pipeline_model_parallel_size=virtual_or_none(p.virtual),
             microbatch_group_size_per_vp_stage=p.microbatch_group_size_per_vp_stage,
             pipeline_dtype=torch.float32, hidden_size=c.model.hidden_size,
             batch_p2p_comm=p.batch_p2p_comm, overlap_p2p_comm=p.overlap_p2p_comm,
-            deallocate_pipeline_outputs=p.deallocate_pipeline_outputs,
-            enable_autocast=bf16, autocast_dtype=torch.bfloat16 if bf16 else None,
-            deterministic_mode=c.training.deterministic)
+            deallocate_pipeline_outputs=p.deallocate_pipeline_outputs, deterministic_mode=c.training.deterministic,
+            expert_model_parallel_size=p.expert, expert_tensor_parallel_size=1,
+            num_moe_experts=c.model.moe.num_experts if c.model.moe is not None else None,  # the aux-loss scale
+            overlap_moe_expert_parallel_comm=p.overlap_moe_expert_parallel_comm)
 
     def _lr_multiplier(self, step: int) -> float:
         o = self.config.optimizer
@@ -254,9 +257,11 @@ class Trainer:
                        self.dp_rank, self.dp_size, c.training.seed, c.model.vocab_size, self.device)
 
     # ---- one step ---------------------------------------------------------------------------------------------
-    def _forward_step(self, data_iterator, model):
-        """``forward_step_func(data_iterator, model) -> (output, loss_func)``: only the first stage reads tokens,
-        only the last reads labels (their chunks get an iterator; the others get None)."""
+    def _forward_step(self, data_iterator, model, checkpoint_activations_microbatch=None):
+        """``forward_step_func(data_iterator, model[, checkpoint_activations_microbatch]) -> (output, loss_func)``:
+        only the first stage reads tokens, only the last reads labels (their chunks get an iterator; the others get
+        None).  The recomputation flag reaches the recomputed modules through the schedule
+        (:data:`engine.runtime.step.recompute_microbatch`)."""
         batch = next(data_iterator) if data_iterator is not None else {}
         return model(batch.get("tokens"), batch.get("labels")), _loss_func
 
@@ -323,6 +328,8 @@ class Trainer:
         for chunk in self.model:
             chunk.train()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.router_metrics is not None:
+            self.router_metrics.reset()
         lr = self.optimizer.param_groups[0]["lr"]
         store = self._run_schedule(self._data(self.step), self.config.training.num_microbatches, False)
         norm = self.parallelism.clip_grad_norm_(self.config.optimizer.grad_clip)
@@ -432,7 +439,7 @@ class Trainer:
         n = len(window)
         tokens = torch.tensor([window + [0] * (s - n)], dtype=torch.int64, device=self.device)
 
-        def step(data_iterator, model):
+        def step(data_iterator, model, *_):
             if data_iterator is not None:
                 next(data_iterator)
             return model(tokens if model.is_first else None), lambda out, non_loss_data=False: out[n - 1, 0].float()
@@ -550,6 +557,8 @@ class Trainer:
             return False
         metrics = self.read_pending()[-1]
         if logs:
+            if self.router_metrics is not None:  # collective; the host reads the routers' counters only here
+                metrics.update(self.router_metrics.collect())
             self._log_step(metrics)
         if evaluates:
             metrics["val_loss"] = self.evaluate()
@@ -589,9 +598,11 @@ class Trainer:
             return
         memory = f" | mem {m['max_memory_gib']:.2f} GiB" if "max_memory_gib" in m else ""
         mfu = f" | MFU {100 * m['mfu']:.1f}%" if "mfu" in m else ""
-        log.info("step %d/%d | loss %.4f | grad norm %.3f | lr %.3e | %.0f tokens/s | %.3g TFLOP/s%s | step %.3f s%s",
+        moe = (f" | moe aux {m['moe_aux_loss']:.4f} imbalance {m['moe_load_imbalance']:.2f}"
+               if "moe_aux_loss" in m else "")
+        log.info("step %d/%d | loss %.4f | grad norm %.3f | lr %.3e | %.0f tokens/s | %.3g TFLOP/s%s | step %.3f s%s%s",
                  m["step"], self.config.training.steps, m["loss"], m["grad_norm"], m["lr"], m["tokens_per_s"],
-                 m["tflops"], mfu, m["step_time_s"], memory)
+                 m["tflops"], mfu, m["step_time_s"], memory, moe)
         if self._metrics is not None:
             self._metrics.write({k: v for k, v in m.items() if k != "val_loss"})
 
@@ -615,8 +626,8 @@ class Trainer:
         names, the step (= data position and LR-schedule position) and this rank's RNG states.  Tensor-parallel
         and FSDP2 tensors stay ``DTensor`` shards: DCP writes each rank's own shard with its place in the full
         tensor (no gather; :func:`~engine.training.parallel.dtensor.checkpoint_form`), and reads back any
-        layout's shards (``torch.distributed.checkpoint`` resharding).
-        ZeRO-1's moments are gathered per model chunk (:meth:`ShardedAdamW.state_dict`; collective)."""
+        layout's shards (``torch.distributed.checkpoint`` resharding); ZeRO-1's moments are this rank's pieces
+        (:meth:`~engine.training.parallel.zero1.ShardedAdamW.state_dict`).  Local."""
         model_sd, optim_sd, _ = self._dcp_state()
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
@@ -783,4 +794,5 @@ def _process_groups(p) -> ProcessGroupCollection:
     """The run's process groups from the ``parallel`` section (collective: every rank creates every group)."""
     return build_process_groups(p.pipeline, virtual_or_none(p.virtual),
                                 backend=None if p.backend == "auto" else p.backend,
-                                timeout=datetime.timedelta(seconds=p.timeout_s), tensor_model_parallel_size=p.tensor)
+                                timeout=datetime.timedelta(seconds=p.timeout_s), tensor_model_parallel_size=p.tensor,
+                                expert_model_parallel_size=p.expert, expert_tensor_parallel_size=1)

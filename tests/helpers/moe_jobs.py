@@ -48,37 +48,22 @@ class Block(nn.Module):
 
 
 def make_block(index: int, ep_group=None, **moe) -> Block:
-    """Block ``index`` with its seeded weights; with ``ep_group`` only this rank's experts (copied from the full
-    block, so every expert-parallel layout holds the same weights)."""
+    """Block ``index`` with its seeded weights; with ``ep_group`` only this rank's experts (built whole, then
+    :meth:`~engine.moe.MoELayer.shard_experts`, so every expert-parallel layout holds the same weights)."""
     with torch.random.fork_rng():
         torch.manual_seed(1000 + index)
-        full = Block(index, **moe)
+        block = Block(index, **moe)
         with torch.no_grad():
-            full.norm.weight.uniform_(0.5, 1.5)
-    if ep_group is None:
-        return full
-    mine = Block(index, ep_group, **moe)
-    with torch.no_grad():
-        state = {k: v for k, v in full.state_dict().items() if ".experts." not in k}
-        mine.load_state_dict(state, strict=False)
-        first = mine.moe.experts.first
-        for i, ex in enumerate(mine.moe.experts.local):
-            ex.load_state_dict(full.moe.experts.local[first + i].state_dict())
-    return mine
+            block.norm.weight.uniform_(0.5, 1.5)
+    if ep_group is not None:
+        block.moe.shard_experts(ep_group)
+    return block
 
 
 def canonical_grads(blocks: dict) -> dict:
-    """``{"<block>.<param>": grad}`` with local expert ``i`` named by its global index (zeros for no gradient)."""
-    out = {}
-    for index, block in blocks.items():
-        first = block.moe.experts.first
-        for name, p in block.named_parameters():
-            if ".experts.local." in name:
-                head, tail = name.split(".experts.local.")
-                i, rest = tail.split(".", 1)
-                name = f"{head}.experts.{first + int(i)}.{rest}"
-            out[f"{index}.{name}"] = (torch.zeros_like(p) if p.grad is None else p.grad).detach().clone()
-    return out
+    """``{"<block>.<param>": grad}`` (experts are named by their global index; zeros for no gradient)."""
+    return {f"{index}.{name}": (torch.zeros_like(p) if p.grad is None else p.grad).detach().clone()
+            for index, block in blocks.items() for name, p in block.named_parameters()}
 
 
 def make_items(dp_rank: int) -> list:

@@ -217,3 +217,12 @@ def test_grid_of_small_layouts_is_exhaustive():
         except ValueError:
             ok = False
         assert ok == (counts[1] > 0), counts
+
+
+def test_lighter_ends_moves_a_layer_from_each_end_to_the_middle():
+    from engine.plan.layout import lighter_ends
+    assert [str(x) for x in lighter_ends(8, 4)] == ["Et|t*3|t*2|t*2L", "Et*2|t*3|t*2|tL", "Et|t*3|t*3|tL"]
+    assert [str(x) for x in lighter_ends(12, 3)] == ["Et*3|t*5|t*4L", "Et*4|t*5|t*3L", "Et*3|t*6|t*3L"]
+    for layouts in (lighter_ends(8, 4), lighter_ends(12, 3), lighter_ends(10, 5)):
+        assert all(x.num_layers == layouts[0].num_layers and not x.is_even() for x in layouts)
+    assert lighter_ends(8, 2) == [] and lighter_ends(4, 4) == []  # no middle stage / one layer per stage

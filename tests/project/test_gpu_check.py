@@ -157,9 +157,8 @@ def test_dry_run_passes_with_optional_packages_blocked(dry_runs):
     for name, c in checks.items():
         assert c["status"] in ("pass", NEEDS_CUDA, NOT_AVAILABLE, "skipped: needs 2 devices"), (name, c)
     for name in ("graphs_zbv_fp32", "graphs_zb_h1_bf16", "dropout_rng", "split_memory", "trainer_zbv_fp32",
-                 "trainer_1f1b_fp32", "trainer_1f1b_bf16", "bench_bitwise"):
+                 "trainer_1f1b_fp32", "trainer_1f1b_bf16", "trainer_1f1b_recompute", "bench_bitwise"):
         assert checks[name]["status"] == "pass", name
-    assert checks["trainer_1f1b_recompute"]["status"] == NOT_AVAILABLE  # model.recompute is not in this build
     assert checks["graphs_zbv_fp32"]["graph_vs_eager"]["bitwise"]
     assert checks["graphs_zbv_fp32"]["caller_state"]["gc_enabled"] == "unchanged"
     assert all(checks["dropout_rng"]["masks_change"]) and all(checks["dropout_rng"]["rng_state_as_eager"])

@@ -21,6 +21,8 @@ from engine.training.config import ConfigError, load_config
 from engine.training.memory import (RANK_OVERHEAD_BYTES, activation_bytes, check_memory, estimate, pending_w_bytes,
                                     stage_parameters)
 
+from engine.training.models import get_family
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"model.num_layers": 4, "model.hidden_size": 32, "model.num_attention_heads": 4, "model.seq_length": 16,
          "model.vocab_size": 300, "training.micro_batch_size": 3, "training.num_microbatches": 4,
@@ -77,6 +79,12 @@ def _saved_and_held(config, stage):
     m, b = config.model, config.training.micro_batch_size
     mp = ModelParallelConfig(pipeline_dtype=torch.float32, hidden_size=m.hidden_size)
     chunk = ModelChunk(m, config.ffn_hidden_size, stage, config.parallel.pipeline * config.parallel.virtual, 0, mp)
+    dtype = torch.bfloat16 if m.precision == "bf16" else torch.float32
+    chunk.to(dtype)
+    if m.recompute != "none":
+        from engine.runtime.recompute import apply_recompute
+        core = get_family(m.family).attention_core
+        apply_recompute([b if m.recompute == "full" else b.get_submodule(core) for b in chunk.layers])
     skip = {t.untyped_storage().data_ptr() for t in [*chunk.parameters(), *chunk.buffers()]}
     saved = {}
 
@@ -84,7 +92,7 @@ def _saved_and_held(config, stage):
         if t.untyped_storage().data_ptr() not in skip:
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
-    x = None if chunk.is_first else torch.randn(m.seq_length, b, m.hidden_size, requires_grad=True)
+    x = None if chunk.is_first else torch.randn(m.seq_length, b, m.hidden_size, dtype=dtype, requires_grad=True)
     chunk.set_input_tensor(x)
     tokens = torch.randint(0, m.vocab_size, (b, m.seq_length), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), weight_grad_deferral():
@@ -108,6 +116,29 @@ def test_activation_and_pending_w_bytes_match_what_autograd_holds(family, dropou
         if not dropout:  # the deferral's held bytes do not depend on dropout (its masks are autograd's)
             predicted = pending_w_bytes(config, stage)
             assert abs(predicted - held) <= 0.03 * held, (stage, predicted, held)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("precision,recompute", [("bf16", "none"), ("fp32", "selective"), ("fp32", "full"),
+                                                 ("bf16", "selective"), ("bf16", "full")])
+def test_precision_recompute_and_layout_in_the_activation_bytes(family, precision, recompute):
+    """``model.precision`` / ``model.recompute`` as the trainer applies them (bf16 chunks; each block or its
+    attention core recomputed), stages of an uneven ``model.pipeline_layout``: within 1% of what autograd saves; and
+    bf16's parameters are a bf16 copy beside the fp32 masters (gradients and AdamW state unchanged)."""
+    extra = {"model.num_query_groups": 2} if family == "llama" else {}
+    config = _config(**{"model.family": family, "model.precision": precision, "model.recompute": recompute,
+                        "model.num_layers": 6, "parallel.pipeline": 3, "model.pipeline_layout": "Et|t*3|t*2L",
+                        **extra})
+    for stage in (0, 1, 2):
+        saved, _ = _saved_and_held(config, stage)
+        predicted = activation_bytes(config, stage)
+        # 1%, or gpt2's [s] int64 position indices (not counted) where full recomputation leaves little else
+        assert abs(predicted - saved) <= max(0.01 * saved, 8 * config.model.seq_length), (stage, predicted, saved)
+    fp32 = estimate(_config(**{"model.family": family, "model.num_layers": 6, "parallel.pipeline": 3,
+                               "model.pipeline_layout": "Et|t*3|t*2L", **extra}))
+    for mine, ref in zip(estimate(config).ranks, fp32.ranks):
+        assert mine.parameters == (ref.parameters * 3 // 2 if precision == "bf16" else ref.parameters)
+        assert (mine.gradients, mine.optimizer) == (ref.gradients, ref.optimizer)
 
 
 def test_a_family_without_memory_counts_gets_the_generic_block_estimate():
@@ -188,3 +219,25 @@ def test_the_gpu_budget_is_read_from_the_device():
         with pytest.raises(ConfigError, match="GPU memory per rank"):
             check_memory(load_config(None, HUGE, check=False), device_type="cuda", own_device=own,
                          host_bytes=1 << 50)
+
+
+def test_partial_recomputation_keeps_the_first_microbatches_whole():
+    """``model.recompute_kept_microbatches: N``: N of a rank's in-flight microbatches at its peak hold a whole
+    microbatch's activations, the rest the recomputed ones'; N at or above the in-flight count is no recomputation."""
+    base = {"parallel.pipeline": 4, "model.num_layers": 8, "training.num_microbatches": 8}
+    none, full = (estimate(_config(**base, **{"model.recompute": r})) for r in ("none", "full"))
+    for kept in (1, 2, 8):
+        partial = estimate(_config(**base, **{"model.recompute": "full", "model.recompute_kept_microbatches": kept}))
+        for n, f, p in zip(none.ranks, full.ranks, partial.ranks):
+            k = min(kept, f.in_flight)
+            assert p.activations == f.activations + k * (n.per_microbatch - f.per_microbatch), (kept, p.pipeline_rank)
+            assert (p.activations == n.activations) == (kept >= f.in_flight)
+    # interleaved (pipeline 2 x virtual 2, 4 microbatches): the flag goes by the rank's forward index, so rank 1's
+    # three in-flight forwards at its peak (indices 0-2, window 3) keep 2; none of the measured bytes differ
+    # (benchmarks/memory.py --fit: rank 1 holds what no recomputation holds)
+    default = {"parallel.pipeline": 2, "parallel.virtual": 2, "training.num_microbatches": 4}
+    none = estimate(_config(**default))
+    partial = estimate(_config(**default, **{"model.recompute": "full", "model.recompute_kept_microbatches": 2}))
+    full = estimate(_config(**default, **{"model.recompute": "full"}))
+    assert full.ranks[0].activations < partial.ranks[0].activations < none.ranks[0].activations
+    assert partial.ranks[1].activations == none.ranks[1].activations

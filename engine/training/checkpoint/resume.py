@@ -7,7 +7,8 @@ resuming config, field by field, and sorts each change into one of three kinds:
 * **refused** -- the run would continue on another trajectory than the one the checkpoint belongs to, which a
   user resuming "the same run" almost certainly did not intend:
 
-  - the model shape (:data:`MODEL_MUST_MATCH`, ``ffn_hidden_size`` resolved): the parameters would not fit;
+  - the model shape (:data:`MODEL_MUST_MATCH`, ``ffn_hidden_size`` resolved, ``model.moe``): the parameters would
+    not fit;
   - the data identity (``data.source``, ``data.paths`` as absolute paths, ``data.suffixes``, ``data.tokenizer``,
     ``data.val_fraction``, ``data.split_block_bytes``, ``data.max_bytes``) and the tokenizer kind: other tokens;
   - ``training.seed``: step ``N``'s samples are drawn from ``seed`` and ``N``
@@ -16,15 +17,17 @@ resuming config, field by field, and sorts each change into one of three kinds:
     ``global batch`` draws of that step, so another size gives other samples and another gradient scale.
 
 * **warned** -- the same data and model, optimised differently; plausible on purpose (lowering the learning rate
-  of a diverging run, a longer warmup, other evaluation sizes): every ``optimizer.*`` field, ``model.dropout``,
-  ``model.norm_epsilon``, ``model.rope_theta``, ``model.activation``, and the sequences per evaluation
+  of a diverging run, a longer warmup, other evaluation sizes, bf16 from here on): every ``optimizer.*`` field,
+  ``model.dropout``, ``model.norm_epsilon``, ``model.rope_theta``, ``model.activation``, ``model.precision`` (the
+  checkpoint holds fp32 weights either way), and the sequences per evaluation
   (``data x eval microbatches x micro_batch_size x eval_iters``: validation losses before and after are then
   over other windows, not comparable).
 
 * **allowed silently** -- everything else: the layout (``parallel.pipeline`` / ``virtual`` / ``data`` /
-  ``schedule``; checkpoints are layout-free), ``micro_batch_size`` and ``num_microbatches`` while their product
-  with ``data`` (the global batch) stays, ``training.steps`` (continuing a finished run longer is the common case),
-  intervals, logging, checkpointing, CUDA graphs, profiling.
+  ``expert`` / ``schedule``, ``model.pipeline_layout``; checkpoints are layout-free), ``model.recompute`` (the same
+  gradients), ``micro_batch_size`` and ``num_microbatches`` while their product with ``data`` (the global batch)
+  stays, ``training.steps`` (continuing a finished run longer is the common case), intervals, logging,
+  checkpointing, CUDA graphs, profiling.
 
 Checkpoints written before ``run`` was saved are compared on the model only.  Pure (JSON and the config; no
 torch): :func:`check_resume` runs before any rank starts.
@@ -46,7 +49,7 @@ REFUSED = ("data.source", "data.paths", "data.suffixes", "data.tokenizer", "data
            "data.split_block_bytes", "data.max_bytes", "training.seed", "global_batch_size")
 WARNED = ("optimizer.lr", "optimizer.min_lr", "optimizer.warmup_steps", "optimizer.weight_decay", "optimizer.beta1",
           "optimizer.beta2", "optimizer.eps", "optimizer.grad_clip", "model.dropout", "model.norm_epsilon",
-          "model.rope_theta", "model.activation", "eval_sequences")
+          "model.rope_theta", "model.activation", "model.precision", "eval_sequences")
 
 
 def _get(config, dotted: str):
@@ -74,6 +77,14 @@ def run_settings(config) -> dict:
     return out
 
 
+def _model_settings(config) -> dict:
+    """The settings that fix parameter names and shapes: :data:`MODEL_MUST_MATCH`, ``ffn_hidden_size`` resolved
+    and ``moe`` (the ``model.moe`` section as a mapping, or None; ``parallel.expert`` is layout and may change)."""
+    moe = config.model.moe
+    return {k: getattr(config.model, k) for k in MODEL_MUST_MATCH} | {
+        "ffn_hidden_size": config.ffn_hidden_size, "moe": None if moe is None else dataclasses.asdict(moe)}
+
+
 def checkpoint_meta(config, step: int) -> dict:
     """The meta saved beside a checkpoint's tensors (``pipecast.json``): what a resume must match (``model``: the
     settings that fix parameter names and shapes, ``ffn_hidden_size`` resolved; ``run``: :func:`run_settings`),
@@ -82,7 +93,7 @@ def checkpoint_meta(config, step: int) -> dict:
     ``none`` for ``.bin`` token files)."""
     kind = "none" if config.data.source == "bin" else config.data.tokenizer
     model = {"ffn_hidden_size": config.ffn_hidden_size}
-    return {"step": step, "model": {k: getattr(config.model, k) for k in MODEL_MUST_MATCH} | model,
+    return {"step": step, "model": _model_settings(config),
             "model_config": dataclasses.asdict(config.model) | model,
             "tokenizer": {"kind": kind} | ({"file": "tokenizer.json"} if kind == "bpe" else {}),
             "seed": config.training.seed, "run": run_settings(config)}
@@ -96,7 +107,7 @@ def resume_differences(meta: dict | None, config) -> tuple[list[str], list[str]]
     refused, warned = [], []
     saved_model = meta.get("model")
     if isinstance(saved_model, dict):
-        ours = {k: getattr(config.model, k) for k in MODEL_MUST_MATCH} | {"ffn_hidden_size": config.ffn_hidden_size}
+        ours = _model_settings(config)
         refused += [f"checkpoint has model.{k}={saved_model[k]!r}, the config has {ours[k]!r}"
                     for k in ours if k in saved_model and saved_model[k] != ours[k]]
     saved_tok = (meta.get("tokenizer") or {}).get("kind")

@@ -16,11 +16,11 @@ from .errors import ConfigError
 from .layout import run_plans, validate_parallel, validate_plans, validate_tensor_parallel, validate_world_size
 from .load import (ConfigLoader, apply_overrides, config_from_dict, config_to_dict, dump_config, load_config,
                    parse_override_args)
-from .schema import (CheckpointConfig, CudaGraphsConfig, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig,
-                     ParallelConfig, ProfileConfig, TrainConfig, TrainingConfig)
+from .schema import (CheckpointConfig, CudaGraphsConfig, DataConfig, LoggingConfig, ModelConfig, MoEConfig,
+                     OptimizerConfig, ParallelConfig, ProfileConfig, TrainConfig, TrainingConfig)
 from .validate import check_fresh_run, validate, validate_model_family
 
-__all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "TrainingConfig",
+__all__ = ["ConfigError", "ModelConfig", "MoEConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "TrainingConfig",
            "CheckpointConfig", "LoggingConfig", "CudaGraphsConfig", "ProfileConfig", "TrainConfig",
            "load_config", "config_from_dict", "config_to_dict", "apply_overrides", "parse_override_args",
            "validate", "validate_parallel", "validate_tensor_parallel", "validate_plans", "run_plans",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Literal, Union
 
 __all__ = ["Range", "RegisteredName", "setting", "field_help", "field_range", "config_fields", "type_name",
-           "check_ranges", "MAX_STEPS", "MAX_TOKENS_PER_STEP"]
+           "subsection_type", "field_value", "check_ranges", "MAX_STEPS", "MAX_TOKENS_PER_STEP"]
 
 MAX_STEPS = 10**9  # the upper bound of training.steps (at one step per millisecond: 11 days)
 MAX_TOKENS_PER_STEP = 1 << 40  # data x num_microbatches x micro_batch_size x seq_length
@@ -81,15 +81,43 @@ def field_range(f: dataclasses.Field) -> Range | None:
     return f.metadata.get("range")
 
 
+def subsection_type(tp):
+    """The dataclass of a field annotated ``SomeConfig`` or ``SomeConfig | None`` (a subsection such as
+    ``model.moe``), else ``None``."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return next((a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), None)
+    return None
+
+
 def config_fields(config_type) -> Iterator[tuple[str, object, dataclasses.Field]]:
     """``(section.field, annotation, field)`` of every field of ``config_type`` (a config class whose fields are
-    the section dataclasses), in dataclass order."""
+    the section dataclasses), in dataclass order; a subsection field (``model.moe``) is followed by its own fields
+    (``model.moe.num_experts``, ...)."""
     sections = typing.get_type_hints(config_type)
     for section in dataclasses.fields(config_type):
-        cls = sections[section.name]
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            yield f"{section.name}.{f.name}", hints[f.name], f
+        yield from _fields_of(sections[section.name], section.name)
+
+
+def _fields_of(cls, prefix: str):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        yield f"{prefix}.{f.name}", hints[f.name], f
+        sub = subsection_type(hints[f.name])
+        if sub is not None:
+            yield from _fields_of(sub, f"{prefix}.{f.name}")
+
+
+def field_value(config, dotted: str):
+    """The value of field ``dotted`` (``section.field`` or ``section.sub.field``) of ``config`` (None under a null
+    subsection)."""
+    value = config
+    for part in dotted.split("."):
+        if value is None:
+            return None
+        value = getattr(value, part)
+    return value
 
 
 def type_name(tp) -> str:
@@ -110,6 +138,23 @@ def _show(value) -> str:
     return repr(value) if not isinstance(value, int) or abs(value) < 10**6 else f"{value:_}"
 
 
+def _check_section(values, where: str, error) -> None:
+    """:func:`check_ranges` over one section (and its non-null subsections)."""
+    for f in dataclasses.fields(values):
+        value, name = getattr(values, f.name), f"{where}.{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_section(value, name, error)
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise error(f"{name}={value!r} is not a finite number; use a finite value")
+        rule = field_range(f)
+        why = rule.violation(value) if rule is not None else None
+        if why is not None:
+            raise error(f"{name}={_show(value)} {why}; {rule.fix}")
+
+
 def check_ranges(config, error: type[Exception] = ValueError) -> None:
     """Check every numeric field of ``config`` (a :class:`~engine.training.config.TrainConfig`) against the range
     in its metadata, in dataclass order; ``None`` (null) values are left to the field's meaning.
@@ -119,17 +164,7 @@ def check_ranges(config, error: type[Exception] = ValueError) -> None:
             field, its value, the bound and the fix.
     """
     for section in dataclasses.fields(config):
-        values = getattr(config, section.name)
-        for f in dataclasses.fields(values):
-            value, where = getattr(values, f.name), f"{section.name}.{f.name}"
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if isinstance(value, float) and not math.isfinite(value):
-                raise error(f"{where}={value!r} is not a finite number; use a finite value")
-            rule = field_range(f)
-            why = rule.violation(value) if rule is not None else None
-            if why is not None:
-                raise error(f"{where}={_show(value)} {why}; {rule.fix}")
+        _check_section(getattr(config, section.name), section.name, error)
     s, m = config.training, config.model
     tokens = (config.parallel.data or 1) * s.num_microbatches * s.micro_batch_size * m.seq_length
     if tokens > MAX_TOKENS_PER_STEP:

@@ -8,13 +8,15 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
-from .fields import config_fields, field_help, type_name
+from .fields import config_fields, field_help, field_value, type_name
 from .schema import TrainConfig
 
 __all__ = ["field_rows", "help_text", "markdown_table"]
 
 
 def _shown(value) -> str:
+    if dataclasses.is_dataclass(value):
+        return "{...}"  # a subsection that is set: its fields follow
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -25,8 +27,7 @@ def field_rows(config: TrainConfig | None = None) -> list[tuple[str, str, str, s
     for name, hint, f in config_fields(TrainConfig):
         value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if config is not None:
-            section, key = name.split(".")
-            value = getattr(getattr(config, section), key)
+            value = field_value(config, name)
         rows.append((name, type_name(hint), _shown(value), field_help(f)))
     return rows
 

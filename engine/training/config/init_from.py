@@ -98,14 +98,38 @@ def resolve_init_from(config: TrainConfig, explicit: Iterable[str] = ()) -> Trai
     m = config.model
     where = str(Path(m.init_from) / "config.json")
     fields = model_fields(read_hf_config(m.init_from), where)
+    given_moe = explicit.get("moe") if isinstance(explicit, dict) else None  # the raw section: its keys were given
     explicit = set(explicit)
     heads = fields["num_attention_heads"]
+    moe = fields.pop("moe", None)
     for name, value in fields.items():
         if name in explicit and not _same(name, getattr(m, name), value, heads):
             raise ConfigError(f"model.{name}={getattr(m, name)!r} disagrees with model.init_from's {where} "
                               f"({name} = {value!r}); remove model.{name} from the config (it comes from "
                               f"config.json) or set it to {value!r}")
+    if moe is not None:
+        fields["moe"] = _moe_section(m.moe if "moe" in explicit else None, moe, where,
+                                     set(given_moe) if isinstance(given_moe, dict) else set())
     return dataclasses.replace(config, model=dataclasses.replace(m, **fields))
+
+
+def _moe_section(given, hf_moe: dict, where: str, named: set):
+    """``model.moe`` from a family's ``moe`` fields of ``config.json`` (``hf_moe``): those fields over the
+    config's own section when it has one, whose ``named`` keys (given in the YAML or as overrides) must agree
+    (``aux_loss_coeff``, a training weight, stays the config's when named).
+
+    Raises:
+        ConfigError: a ``model.moe`` field that disagrees with ``config.json``."""
+    from .schema import MoEConfig
+    if given is None:
+        return MoEConfig(**hf_moe)
+    taken = {k: v for k, v in hf_moe.items() if not (k == "aux_loss_coeff" and k in named)}
+    for key, value in taken.items():
+        if key in named and not _same(key, getattr(given, key), value, 0):
+            raise ConfigError(f"model.moe.{key}={getattr(given, key)!r} disagrees with model.init_from's {where} "
+                              f"({key} = {value!r}); remove it from model.moe (it comes from config.json) or set "
+                              f"it to {value!r}")
+    return dataclasses.replace(given, **taken)
 
 
 def check_init_from(config: TrainConfig) -> None:

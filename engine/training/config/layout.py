@@ -14,7 +14,8 @@ from ..models import get_family
 from .errors import ConfigError
 from .schema import TrainConfig, schedules_taking
 
-__all__ = ["validate_parallel", "validate_tensor_parallel", "run_plans", "validate_plans", "validate_world_size"]
+__all__ = ["validate_parallel", "validate_tensor_parallel", "validate_expert_parallel", "has_overlap_cells",
+           "run_plans", "validate_plans", "validate_world_size"]
 
 
 def _validate_schedule(config: TrainConfig) -> None:
@@ -91,15 +92,14 @@ def _refuse_te_layers_with_split(config: TrainConfig, spec) -> None:
 
 
 def validate_parallel(config: TrainConfig) -> None:
-    """The ``parallel`` section against the model and schedule sizes (part of :func:`validate`)."""
-    m, p, s = config.model, config.parallel, config.training
+    """The ``parallel`` section against the model and schedule sizes (part of :func:`validate`): the pipeline
+    layout (``model.pipeline_layout`` or the even split, :attr:`~.schema.TrainConfig.layout`) fits
+    ``parallel.pipeline x parallel.virtual`` stages and ``model.num_layers``."""
+    p, s = config.parallel, config.training
     validate_tensor_parallel(config)
+    validate_expert_parallel(config)
     _validate_schedule(config)
-    chunks = p.pipeline * p.virtual
-    if m.num_layers % chunks:
-        raise ConfigError(f"model.num_layers={m.num_layers} cannot be split into parallel.pipeline x "
-                          f"parallel.virtual = {p.pipeline} x {p.virtual} = {chunks} model chunks of equal size; "
-                          f"use a multiple of {chunks} layers or change the pipeline / virtual sizes")
+    config.layout  # noqa: B018 - model.pipeline_layout (or the even split) against the stages: ConfigError
     if p.overlap_p2p_comm and p.batch_p2p_comm:
         raise ConfigError("parallel.overlap_p2p_comm=true needs parallel.batch_p2p_comm=false (Megatron: the two "
                           "are mutually exclusive)")
@@ -215,6 +215,84 @@ def _validate_shard(config: TrainConfig, spec=None) -> None:
                           "parallel.shard=optimizer")
 
 
+def validate_expert_parallel(config: TrainConfig) -> None:
+    """``parallel.expert`` and ``parallel.overlap_moe_expert_parallel_comm`` against the model and the layout
+    (every rank, before any collective; the layers: :mod:`engine.moe`, the parallelism:
+    :mod:`engine.training.parallel.parallelism`).
+
+    Raises:
+        ConfigError: experts without ``model.moe``; ``E`` not dividing ``model.moe.num_experts`` or
+            ``parallel.data``; ``E > 1`` with ``parallel.shard`` optimizer / full; ``model.moe`` with
+            ``parallel.tensor > 1`` or with CUDA graphs; the overlap without
+            ``model.moe`` or with a schedule that has no forward-backward cells.
+    """
+    m, p = config.model, config.parallel
+    e, moe = p.expert, m.moe
+    if e > 1 and moe is None:
+        raise ConfigError(f"parallel.expert={e} but model.moe is not set: there are no experts to split; set "
+                          f"model.moe (with a family that holds one) or parallel.expert=1")
+    if moe is not None and moe.num_experts % e:
+        raise ConfigError(f"parallel.expert={e} does not divide model.moe.num_experts={moe.num_experts}: each "
+                          f"expert-parallel rank holds num_experts / expert of them; use a divisor of "
+                          f"{moe.num_experts}")
+    if p.data is not None and p.data % e:
+        raise ConfigError(f"parallel.expert={e} does not divide parallel.data={p.data}: the expert-parallel ranks "
+                          f"are taken from the data-parallel ones; use a divisor of {p.data} or more data replicas")
+    if e > 1 and p.shard != "none":
+        why = ("ZeRO-1 reduce-scatters one flat buffer over the data-parallel group, while expert gradients are "
+               "reduced over the expert-data-parallel group" if p.shard == "optimizer" else
+               "fully_shard would shard the experts over the data-parallel mesh; they need their own "
+               "expert-data-parallel mesh")
+        raise ConfigError(f"parallel.shard={p.shard} with parallel.expert={e} is not available in this version "
+                          f"({why}); use parallel.shard=none with expert parallelism, or parallel.expert=1")
+    if moe is not None:
+        _validate_moe_layout(config)
+    _validate_moe_overlap(config)
+
+
+def _validate_moe_layout(config: TrainConfig) -> None:
+    p = config.parallel
+    if p.tensor > 1:
+        raise ConfigError(f"model.moe with parallel.tensor={p.tensor} is not available in this version: each "
+                          "tensor-parallel rank would route its own sequence shard, so the load-balancing loss and "
+                          "the router's gradient would depend on the layout; use parallel.tensor=1 (scale out with "
+                          "parallel.data and parallel.expert)")
+    if config.cuda_graphs.enabled:
+        raise ConfigError("model.moe with cuda_graphs.enabled=true is refused: dropless routing sends each expert "
+                          "a data-dependent number of tokens (the all-to-all's splits are read on the host every "
+                          "step), which a captured graph cannot replay; set cuda_graphs.enabled=false")
+
+
+def has_overlap_cells(schedule: str, pipeline: int) -> bool:
+    """Whether registered ``schedule`` on ``pipeline`` ranks takes ``overlap_moe_expert_parallel_comm``: it has
+    forward-backward cells (Megatron-Core refuses the overlap for 1F1B without virtual stages on several ranks)."""
+    spec = get_schedule(schedule)
+    return "overlap_moe_expert_parallel_comm" in spec.options and not (spec.name == "1f1b" and pipeline > 1)
+
+
+def _validate_moe_overlap(config: TrainConfig) -> None:
+    """``parallel.overlap_moe_expert_parallel_comm``: a MoE model and a schedule with forward-backward cells
+    (Megatron-Core refuses it for 1F1B without virtual stages on several pipeline ranks)."""
+    p = config.parallel
+    if not p.overlap_moe_expert_parallel_comm:
+        return
+    takers = schedules_taking("overlap_moe_expert_parallel_comm")
+    if config.model.moe is None:
+        raise ConfigError("parallel.overlap_moe_expert_parallel_comm=true but model.moe is not set: there is no "
+                          "expert all-to-all to overlap; set model.moe or the field to false")
+    if p.schedule == "tuned":
+        return
+    spec = get_schedule(config.schedule_name)
+    if not has_overlap_cells(spec.name, p.pipeline):
+        why = ("1F1B without virtual stages has no forward-backward cells on several pipeline ranks (Megatron-Core "
+               "refuses it too)" if spec.name == "1f1b" else f"{spec.name} has no forward-backward cells")
+        named = p.schedule if p.schedule == spec.name else f"{p.schedule} ({spec.name})"
+        raise ConfigError(f"parallel.overlap_moe_expert_parallel_comm=true with parallel.schedule={named} at "
+                          f"parallel.pipeline={p.pipeline}: {why}; use parallel.schedule=dualpipev, "
+                          f"or interleaved (parallel.virtual >= 2) -- the schedules with cells: {takers} -- or set "
+                          f"it to false")
+
+
 def validate_tensor_parallel(config: TrainConfig) -> None:
     """Pure checks of ``parallel.tensor`` (every rank, before any collective; the layers:
     :mod:`engine.training.parallel.tensor_parallel`).
@@ -287,6 +365,16 @@ def validate_world_size(config: TrainConfig, world_size: int) -> TrainConfig:
         raise ConfigError(f"world size {world_size} != parallel.pipeline x parallel.data = {p.pipeline} x {p.data}"
                           f" = {p.pipeline * p.data}; start {p.pipeline * p.data} ranks or set parallel.data="
                           f"{data}")
+    return _with_data(config, data)
+
+
+def _with_data(config: TrainConfig, data: int) -> TrainConfig:
+    """``config`` with ``parallel.data`` resolved to ``data``, checked against ``parallel.expert``."""
+    p = config.parallel
+    if data % p.expert:
+        raise ConfigError(f"parallel.expert={p.expert} does not divide the data-parallel size {data} (world size / "
+                          f"(pipeline x tensor)): the expert-parallel ranks are taken from the data-parallel ones; "
+                          f"start more ranks or use a divisor of {data}")
     return dataclasses.replace(config, parallel=dataclasses.replace(p, data=data))
 
 
@@ -302,4 +390,4 @@ def _validate_world_size_tp(config: TrainConfig, world_size: int) -> TrainConfig
         raise ConfigError(f"world size {world_size} != parallel.pipeline x parallel.data x parallel.tensor = "
                           f"{p.pipeline} x {p.data} x {p.tensor} = {mp * p.data}; start {mp * p.data} ranks or set "
                           f"parallel.data={data}")
-    return dataclasses.replace(config, parallel=dataclasses.replace(p, data=data))
+    return _with_data(config, data)

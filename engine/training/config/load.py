@@ -4,6 +4,7 @@ against the dataclasses of :mod:`.schema`, ``model.init_from`` resolved (:mod:`.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -16,7 +17,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from .errors import ConfigError
-from .fields import RegisteredName, type_name
+from .fields import RegisteredName, subsection_type, type_name
 from .init_from import resolve_init_from
 from .schema import TrainConfig
 from .validate import validate
@@ -63,7 +64,11 @@ def _yaml_load(text: str):
 
 
 def _coerce(value: Any, tp, where: str):
-    """Check ``value`` against the annotation ``tp``; ints are accepted for floats.  Returns the value."""
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats; a mapping for a subsection
+    (``model.moe``) is built into its dataclass.  Returns the value."""
+    sub = subsection_type(tp)
+    if sub is not None and isinstance(value, (dict, sub)):
+        return value if isinstance(value, sub) else _build_section(sub, value, where)
     if isinstance(tp, type) and issubclass(tp, RegisteredName):
         if value not in tp.choices():
             raise ConfigError(f"{where}={value!r} is not allowed; use one of {type_name(tp)}{tp.hint}")
@@ -171,12 +176,18 @@ def apply_overrides(data: dict, overrides: list[str] | dict[str, Any] | None) ->
     items = overrides.items() if isinstance(overrides, dict) else [_split_override(o) for o in overrides]
     for dotted, value in items:
         parts = dotted.split(".")
-        if len(parts) != 2 or not all(parts):
-            raise ConfigError(f"override {dotted!r} must name section.key (e.g. training.steps)")
-        section, key = parts
-        if not isinstance(data.setdefault(section, {}), dict):
-            raise TypeError(f"config section {section!r} is not a mapping; cannot set {dotted}")
-        data[section][key] = value
+        if len(parts) not in (2, 3) or not all(parts):
+            raise ConfigError(f"override {dotted!r} must name section.key (e.g. training.steps) or "
+                              f"section.subsection.key (e.g. model.moe.num_experts)")
+        where = data
+        for i, part in enumerate(parts[:-1]):
+            if where.get(part) is None:
+                where[part] = {}
+            where = where[part]
+            if not isinstance(where, dict):
+                raise TypeError(f"config {'section' if i == 0 else 'subsection'} {'.'.join(parts[:i + 1])!r} is not "
+                                f"a mapping; cannot set {dotted}")
+        where[parts[-1]] = copy.deepcopy(value)  # a mapping value (model.moe) must not alias the caller's
     return data
 
 

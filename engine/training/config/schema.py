@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from ...plan.layout import PipelineLayout, resolve_layout
 from ...plan.registry import auto_schedule, config_choices, get_schedule, schedule_names, virtual_or_none
 from ...plan.resolve import ResolvedSchedule, resolve_schedule
 from ..models import DEFAULT_FAMILY, family_names, get_family
 from .errors import ConfigError
 from .fields import MAX_STEPS, Range, RegisteredName, setting
 
-__all__ = ["ScheduleName", "FamilyName", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig",
+__all__ = ["ScheduleName", "FamilyName", "MoEConfig", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig",
            "TrainingConfig", "CheckpointConfig", "LoggingConfig", "CudaGraphsConfig", "ProfileConfig", "TrainConfig",
            "schedules_taking"]
 
@@ -56,8 +57,48 @@ def _family_help() -> str:
     return f"{named} (a family is added with engine.training.models.register_family)"
 
 
+_LAYOUT_FIELDS = {"layout": "model.pipeline_layout", "num_layers": "model.num_layers", "pipeline": "parallel.pipeline",
+                  "virtual": "parallel.virtual"}
 _STEPS = f"use a step count in [1, {MAX_STEPS:_}]"
 _COUNT = "use 0 (off) or a number of steps"
+
+
+@dataclass
+class MoEConfig:
+    """A mixture-of-experts MLP (``model.moe``; the layers are :mod:`engine.moe`'s): a top-k router over
+    ``num_experts`` SwiGLU experts, optional shared experts, a load-balancing loss.  Layer ``i`` is a MoE layer when
+    ``i >= first_dense_layers`` and ``i % layer_freq == 0`` (DeepSeek-V3's ``first_k_dense_replace`` /
+    ``moe_layer_freq``); the others keep the family's dense MLP."""
+
+    num_experts: int = setting(8, "routed experts E of each MoE layer (a multiple of parallel.expert)",
+                               Range(1, 1 << 16, "use a positive number of experts, e.g. 8"))
+    top_k: int = setting(2, "experts each token is routed to (<= num_experts)",
+                         Range(1, 1 << 16, "use a positive number of experts per token, e.g. 2"))
+    ffn_hidden_size: int | None = setting(None, "each routed expert's SwiGLU width (null: model.ffn_hidden_size)",
+                                          Range(1, 1 << 22, "use a positive expert width or null"))
+    shared_experts: int = setting(0, "shared experts every token also goes through (DeepSeek-MoE, arXiv:2401.06066): "
+                                  "one SwiGLU of shared_experts x the expert width; 0: none",
+                                  Range(0, 1 << 10, "use 0 (none) or a number of shared experts"))
+    router: Literal["softmax", "sigmoid"] = setting("softmax", "softmax: the top-k of softmax scores (Jiang et al., "
+                                                    "arXiv:2401.04088); sigmoid: DeepSeek-V3's sigmoid affinities, the "
+                                                    "chosen ones normalised to sum to 1")
+    normalize_top_k: bool = setting(True, "softmax router: renormalise the k chosen probabilities to sum to 1 "
+                                    "(sigmoid ones always are)")
+    aux_loss_coeff: float = setting(0.01, "weight of the load-balancing loss (Switch Transformer, arXiv:2101.03961; "
+                                    "its gradient follows the pipeline's loss scale); 0: none",
+                                    Range(0.0, 1e3, "use 0 (none) or a small weight such as 0.01"))
+    capacity_factor: float | None = setting(None, "null: dropless; else each expert takes at most ceil(capacity_factor"
+                                            " x tokens x top_k / num_experts) token slots per forward, the later "
+                                            "ones dropped", Range(0.0, 1e6, "use e.g. 1.25, or null (dropless)",
+                                                                  low_open=True))
+    layer_freq: int = setting(1, "every layer_freq-th layer (index % layer_freq == 0) is a MoE layer (Megatron's "
+                              "--moe-layer-freq)", Range(1, 1 << 16, "use 1 (every layer) or e.g. 2"))
+    first_dense_layers: int = setting(0, "the first N layers keep the dense MLP (DeepSeek-V3's first_k_dense_replace)",
+                                      Range(0, 1 << 16, "use 0 or a number of leading dense layers"))
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether global layer ``index`` holds a MoE MLP."""
+        return index >= self.first_dense_layers and index % self.layer_freq == 0
 
 
 @dataclass
@@ -67,7 +108,8 @@ class ModelConfig:
     (:mod:`.init_from`)."""
 
     family: FamilyName = setting(DEFAULT_FAMILY, _family_help)
-    num_layers: int = setting(4, "transformer blocks; must divide into parallel.pipeline x parallel.virtual chunks",
+    num_layers: int = setting(4, "transformer blocks; split evenly into parallel.pipeline x parallel.virtual chunks, "
+                              "or as model.pipeline_layout places them",
                               Range(1, 1 << 16, "use a positive number of transformer blocks"))
     hidden_size: int = setting(128, "width h; pipeline messages are [seq_length, micro_batch_size, hidden_size]",
                                Range(1, 1 << 20, "use a positive width such as 128 or 768"))
@@ -91,8 +133,22 @@ class ModelConfig:
     transformer_engine: bool = setting(False, "Transformer Engine layers when importable and on CUDA, for families "
                                        "whose block they compute (not with a split-backward schedule such as zb_h1 "
                                        "/ zbv: refused)")
-    precision: Literal["fp32", "bf16"] = setting("fp32", "bf16: autocast on CUDA (parameters and pipeline messages "
-                                                 "stay fp32)")
+    precision: Literal["fp32", "bf16"] = setting(
+        "fp32", "bf16: mixed precision as Megatron-LM and torchtitan train -- bf16 parameters, activations and "
+                "pipeline messages, gradients summed over the step's microbatches in fp32, AdamW on fp32 master "
+                "weights (what checkpoints keep), the loss in fp32 (engine.training.parallel.precision)")
+    recompute: Literal["none", "full", "selective"] = setting(
+        "none", "activation recomputation (Korthikanti et al., arXiv:2205.05198): full keeps each block's input and "
+                "recomputes the block in its backward; selective recomputes the attention core only")
+    recompute_kept_microbatches: int | None = setting(
+        None, "with model.recompute: of each window of a rank's in-flight microbatches (its warmup + 1 forwards) "
+              "the first N keep their activations and the rest recompute (Megatron's "
+              "num_microbatches_with_partial_activation_checkpoints); null: every microbatch recomputes",
+        Range(0, 1 << 24, "use the microbatches per window that keep their activations, or null (all recompute)"))
+    pipeline_layout: str | None = setting(
+        None, "the layers of each virtual pipeline stage in Megatron's notation (--pipeline-model-parallel-layout): "
+              "stages separated by '|', E embedding, t decoder layer, L output head and loss, x*N repeats, e.g. "
+              "'Et*3|t*4|t*4|t*3L' (parallel.pipeline x parallel.virtual stages, stage order); null: an even split")
     num_query_groups: int | None = setting(None, "key / value heads of grouped-query attention, dividing the "
                                            "attention heads (null: one per head)",
                                            Range(1, 1 << 16, "use a divisor of num_attention_heads or null"))
@@ -104,6 +160,8 @@ class ModelConfig:
     activation: Literal["gelu", "gelu_tanh"] = setting("gelu", "the MLP's GELU (families with one): gelu (exact) or "
                                                        "gelu_tanh (the tanh approximation, Hendrycks & Gimpel "
                                                        "arXiv:1606.08415)")
+    moe: MoEConfig | None = setting(None, "a mixture-of-experts MLP in the family's MoE layers (model.moe.*; "
+                                    "families whose FamilySpec has a moe_block); null: dense")
     init_from: str | None = setting(None, "a Hugging Face folder (config.json + model.safetensors) of a registered "
                                     "family to start from: its config sets the architecture fields, its weights the "
                                     "first step")
@@ -147,6 +205,15 @@ class ParallelConfig:
     overlap_p2p_comm: bool = setting(False, "overlap P2P with compute (interleaved only; needs batch_p2p_comm=false)")
     deallocate_pipeline_outputs: bool = setting(True, "free a sent activation's data once sent (Megatron's option)")
     overlap_grad_reduce: bool = setting(True, "start a chunk's data-parallel all-reduce when its last backward ends")
+    expert: int = setting(1, "expert-parallel ranks E (model.moe): each MoE layer's experts are split over E ranks "
+                          "taken from the data-parallel ones (E divides parallel.data and model.moe.num_experts); "
+                          "expert gradients are reduced over the data / E expert-data-parallel ranks",
+                          Range(1, 1 << 16, "use 1 (every rank holds every expert) or a divisor of parallel.data"))
+    overlap_moe_expert_parallel_comm: bool = setting(
+        False, lambda: f"{schedules_taking('overlap_moe_expert_parallel_comm')} only (1f1b: one pipeline rank): run "
+                       "each forward-backward cell's two microbatches taking turns at their expert all-to-alls, so "
+                       "one's all-to-all is in flight while the other computes (engine.runtime.overlap; gradients "
+                       "unchanged)")
     shard: Literal["none", "optimizer", "full"] = setting(
         "none", "none; optimizer: ZeRO-1, AdamW state 1/data per rank; full: FSDP2 per chunk, parameters, gradients "
                 "and AdamW state 1/data per rank between steps (both a no-op at data=1)")
@@ -317,6 +384,21 @@ class TrainConfig:
             return p.schedule
         return auto_schedule(p.pipeline, virtual_or_none(p.virtual))
 
+    @property
+    def layout(self) -> PipelineLayout:
+        """The layers of each virtual pipeline stage: ``model.pipeline_layout``, or the even split of
+        ``model.num_layers`` over ``parallel.pipeline x parallel.virtual`` stages (:mod:`engine.plan.layout`).
+
+        Raises:
+            ConfigError: a layout that does not fit the run, naming the field, its value and the fix.
+        """
+        p = self.parallel
+        try:
+            return resolve_layout(self.model.pipeline_layout, num_layers=self.model.num_layers, pp_size=p.pipeline,
+                                  virtual=p.virtual, names=_LAYOUT_FIELDS)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
+
     def resolve_schedule(self) -> ResolvedSchedule:
         """The run's one :class:`~engine.plan.resolve.ResolvedSchedule` (schedule, sizes and options; it gives
         every plan of the run).
@@ -332,6 +414,7 @@ class TrainConfig:
                               "RUN_DIR/tune.json (run `pipecast tune CONFIG` first); pipecast train does this")
         try:
             return resolve_schedule(p.schedule, p.pipeline, p.virtual, p.microbatch_group_size_per_vp_stage,
-                                    p.max_in_flight, costs=p.schedule_costs)
+                                    p.max_in_flight, costs=p.schedule_costs,
+                                    overlap_moe_expert_parallel_comm=p.overlap_moe_expert_parallel_comm)
         except ValueError as exc:
             raise ConfigError(f"parallel.schedule={p.schedule}: {exc}") from None

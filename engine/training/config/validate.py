@@ -24,10 +24,11 @@ def validate(config: TrainConfig) -> None:
 
     Checks: every numeric field against the range in its metadata (:func:`.fields.check_ranges`: finite, within
     what the code represents); ``hidden_size`` divisible by heads; the family's fields
-    (:func:`validate_model_family`); ``model.init_from`` (:func:`.init_from.check_init_from`); ``num_layers``
-    divisible into ``pipeline x virtual`` model chunks; the microbatch counts Megatron's schedule accepts
-    (interleaved: ``P <= G <= M`` and ``M mod G`` in ``{0} U [P, G)``, Megatron-Core 0.16.1); every plan the run
-    builds, built and validated (:func:`.layout.validate_plans`); sequence length and vocabulary; data paths.
+    (:func:`validate_model_family`); recomputation (:func:`_validate_recompute`); ``model.init_from``
+    (:func:`.init_from.check_init_from`); ``num_layers`` split into ``pipeline x virtual`` model chunks (evenly,
+    or as ``model.pipeline_layout`` places them); the microbatch counts Megatron's schedule accepts (interleaved:
+    ``P <= G <= M`` and ``M mod G`` in ``{0} U [P, G)``, Megatron-Core 0.16.1); every plan the run builds, built
+    and validated (:func:`.layout.validate_plans`); sequence length and vocabulary; data paths.
 
     Raises:
         ConfigError (ValueError) / RuntimeError naming field, value and fix.
@@ -41,6 +42,7 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is too small for byte-level data "
                           f"(data.source={config.data.source!r}); set model.vocab_size >= 256")
     validate_model_family(m)
+    _validate_recompute(config)
     if m.init_from:
         check_init_from(config)
     validate_parallel(config)
@@ -73,6 +75,7 @@ def validate_model_family(m: ModelConfig) -> None:
         family = get_family(m.family)
     except ValueError as exc:  # a config built in Python, not loaded (load_config checks the name first)
         raise ConfigError(str(exc)) from None
+    _validate_moe(m, family)
     why = family.check(m) if family.check is not None else None
     if why is not None:
         raise ConfigError(why)
@@ -81,6 +84,50 @@ def validate_model_family(m: ModelConfig) -> None:
         raise ConfigError(f"model.transformer_engine=true with model.family={m.family}: Transformer Engine's layer "
                           f"(LayerNorm, GELU MLP, biases) does not compute this family's block; set "
                           f"model.transformer_engine=false (or use model.family={' / '.join(able) or '(none)'})")
+
+
+def _validate_moe(m: ModelConfig, family) -> None:
+    """``model.moe`` against the family and itself: a family with a ``moe_block``, ``top_k <= num_experts``, at
+    least one MoE layer."""
+    moe = m.moe
+    if moe is None:
+        return
+    if family.moe_block is None:
+        able = [n for n in family_names() if get_family(n).moe_block is not None]
+        raise ConfigError(f"model.moe is set but model.family={m.family} cannot hold a mixture of experts (its "
+                          f"FamilySpec has no moe_block); use model.family={' / '.join(able) or '(none)'} or remove "
+                          f"model.moe")
+    if moe.top_k > moe.num_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} is above model.moe.num_experts={moe.num_experts}: a token is "
+                          f"routed to at most num_experts experts; lower model.moe.top_k or raise num_experts")
+    if not any(moe.is_moe_layer(i) for i in range(m.num_layers)):
+        raise ConfigError(f"model.moe.first_dense_layers={moe.first_dense_layers} with model.moe.layer_freq="
+                          f"{moe.layer_freq} leaves no MoE layer among model.num_layers={m.num_layers}; lower them "
+                          f"or remove model.moe")
+
+
+def _validate_recompute(config: TrainConfig) -> None:
+    """``model.recompute`` and ``model.recompute_kept_microbatches`` (the parallelism's recomputation slot,
+    :func:`engine.training.parallel.parallelism.parallelize`).
+
+    Raises:
+        ConfigError: kept microbatches without recomputation; ``selective`` for a family whose block names no
+            attention core (:attr:`~engine.training.models.registry.FamilySpec.attention_core`); recomputation of
+            Transformer Engine layers.
+    """
+    m = config.model
+    if m.recompute_kept_microbatches is not None and m.recompute == "none":
+        raise ConfigError(f"model.recompute_kept_microbatches={m.recompute_kept_microbatches} needs model.recompute="
+                          "full or selective (it says which microbatches keep their activations); set one, or remove "
+                          "model.recompute_kept_microbatches")
+    if m.recompute == "selective" and get_family(m.family).attention_core is None:
+        raise ConfigError(f"model.recompute=selective with model.family={m.family}: the family's block names no "
+                          "attention core module to recompute (FamilySpec.attention_core); use model.recompute=full "
+                          "or none")
+    if m.recompute != "none" and m.transformer_engine:
+        raise ConfigError(f"model.recompute={m.recompute} with model.transformer_engine=true: Transformer Engine "
+                          "layers bring their own recomputation, not wired here; set model.transformer_engine=false "
+                          "or model.recompute=none")
 
 
 def _validate_device(config: TrainConfig) -> None:

@@ -2,7 +2,8 @@
 into pipeline model chunks.
 
 The model has ``L`` transformer blocks; with ``P`` pipeline ranks and ``V`` model chunks per rank it is cut into
-``P*V`` virtual pipeline stages of ``L/(P*V)`` consecutive blocks.  Megatron's order (``parallel_state``): model chunk
+``P*V`` virtual pipeline stages of ``L/(P*V)`` consecutive blocks, or of the counts ``model.pipeline_layout`` gives
+each stage (a lighter first and last stage for a vocabulary-heavy model, :mod:`engine.plan.layout`).  Megatron's order (``parallel_state``): model chunk
 ``c`` on pipeline rank ``r`` is virtual stage ``c*P + r``.  The family's embedding lives in the first stage (rank
 0, chunk 0), the final norm, the output head and the loss in the last (rank ``P-1``, chunk ``V-1``).
 
@@ -28,11 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ...plan.layout import parse_layout
 from ..config import ModelConfig
 from .registry import FamilySpec, get_family
 
 __all__ = ["ModelChunk", "stage_layers", "build_model_chunks", "chunk_stage", "canonical_module", "family_parts",
-           "canonical_names", "canonical_shapes"]
+           "block_part", "layer_block", "canonical_names", "canonical_shapes"]
 
 log = logging.getLogger("pipecast." + __name__.rsplit(".", 1)[-1])
 
@@ -49,8 +51,12 @@ def chunk_stage(pp_rank: int, chunk: int, pp_size: int) -> int:
     return chunk * pp_size + pp_rank
 
 
-def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
-    """Global indices of the transformer blocks of virtual stage ``stage`` (equal contiguous slices)."""
+def stage_layers(num_layers: int, num_stages: int, stage: int, layout: str | None = None) -> range:
+    """Global indices of the transformer blocks of virtual stage ``stage``: consecutive, as the pipeline layout
+    ``layout`` (``model.pipeline_layout``, checked by the config: :mod:`engine.plan.layout`) places them, or equal
+    slices when it is None."""
+    if layout:
+        return parse_layout(layout).layers(stage)
     per = num_layers // num_stages
     return range(stage * per, (stage + 1) * per)
 
@@ -65,6 +71,14 @@ class OutputHead(nn.Module):
     @property
     def weight(self) -> nn.Parameter:
         return self.word.weight
+
+
+def layer_block(family: FamilySpec, cfg: ModelConfig, ffn_hidden_size: int, index: int) -> nn.Module:
+    """The block of global layer ``index``: the family's ``moe_block`` where ``model.moe`` makes it a MoE layer,
+    else its ``block``."""
+    if cfg.moe is not None and cfg.moe.is_moe_layer(index):
+        return family.moe_block(cfg, index)
+    return family.block(cfg, ffn_hidden_size)
 
 
 def _te_block(cfg: ModelConfig, ffn_hidden_size: int, index: int) -> nn.Module | None:
@@ -108,7 +122,7 @@ class ModelChunk(nn.Module):
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.tied = cfg.tie_embeddings
         self.seq_length = cfg.seq_length  # the longest context (sampling windows to it)
-        self.layer_ids = stage_layers(cfg.num_layers, num_stages, stage)
+        self.layer_ids = stage_layers(cfg.num_layers, num_stages, stage, cfg.pipeline_layout)
         self.input_tensor: torch.Tensor | None = None
         family = self.family = get_family(cfg.family)
         self.embedding = family.embedding(cfg) if self.is_first else None
@@ -116,7 +130,7 @@ class ModelChunk(nn.Module):
         for index in self.layer_ids:
             block = _te_block(cfg, ffn_hidden_size, index) if use_te else None
             if block is None:
-                block = family.block(cfg, ffn_hidden_size)
+                block = layer_block(family, cfg, ffn_hidden_size, index)
                 block.reset_parameters(cfg.init_std, cfg.num_layers, _generator(seed, index + 1))
             blocks.append(block)
         self.layers = nn.ModuleList(blocks)
@@ -243,11 +257,19 @@ def canonical_module(chunks: Iterable[ModelChunk]) -> nn.Module:
 
 def family_parts(cfg: ModelConfig, ffn_hidden_size: int) -> dict[str, nn.Module]:
     """One ``embedding``, one ``block`` and one ``final_norm`` of ``cfg``'s family on the meta device (parameter
-    names and shapes, no memory, no initialisation)."""
+    names and shapes, no memory, no initialisation); with ``model.moe`` also one ``moe_block`` (all experts)."""
     family: FamilySpec = get_family(cfg.family)
     with torch.device("meta"):
-        return {"embedding": family.embedding(cfg), "block": family.block(cfg, ffn_hidden_size),
-                "final_norm": family.final_norm(cfg)}
+        parts = {"embedding": family.embedding(cfg), "block": family.block(cfg, ffn_hidden_size),
+                 "final_norm": family.final_norm(cfg)}
+        if cfg.moe is not None:
+            parts["moe_block"] = family.moe_block(cfg, cfg.moe.first_dense_layers)
+        return parts
+
+
+def block_part(cfg: ModelConfig, index: int) -> str:
+    """The :func:`family_parts` key of global layer ``index``'s block (``"moe_block"`` or ``"block"``)."""
+    return "moe_block" if cfg.moe is not None and cfg.moe.is_moe_layer(index) else "block"
 
 
 def canonical_names(cfg: ModelConfig, ffn_hidden_size: int) -> list[str]:
@@ -262,7 +284,7 @@ def canonical_shapes(cfg: ModelConfig, ffn_hidden_size: int) -> dict[str, tuple[
     parts = family_parts(cfg, ffn_hidden_size)
     shapes = {f"embedding.{n}": tuple(p.shape) for n, p in parts["embedding"].named_parameters()}
     shapes |= {f"layers.{i}.{n}": tuple(p.shape) for i in range(cfg.num_layers)
-               for n, p in parts["block"].named_parameters()}
+               for n, p in parts[block_part(cfg, i)].named_parameters()}
     shapes |= {f"final_norm.{n}": tuple(p.shape) for n, p in parts["final_norm"].named_parameters()}
     if not cfg.tie_embeddings:
         shapes["output_head.word.weight"] = shapes["embedding.word.weight"]

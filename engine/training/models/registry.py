@@ -87,6 +87,14 @@ class FamilySpec:
             for its backward and one pending ``W`` holds, for the memory estimate (:mod:`engine.training.memory`,
             which names the keys); ``None``: the estimate counts a generic pre-norm attention + MLP block.  The
             parameters are counted on the modules themselves.
+        moe_block: ``moe_block(cfg, layer) -> nn.Module``: the block of global layer ``layer`` when ``model.moe``
+            makes it a mixture-of-experts layer (:meth:`~engine.training.config.MoEConfig.is_moe_layer`), as
+            ``block`` (``[s, b, h] -> [s, b, h]``, ``reset_parameters``) with an :class:`engine.moe.MoELayer`
+            holding all of its experts (the parallelism keeps each rank's share, ``parallel.expert``); ``None``:
+            the family cannot hold ``model.moe`` (refused).
+        attention_core: the dotted name, inside a block, of its attention core module (scores, softmax, dropout
+            and weighted sum of values, no parameters; e.g. :class:`~engine.training.models.attention.CoreAttention`):
+            what ``model.recompute: selective`` recomputes (``None``: the block has none, selective is refused).
     """
 
     name: str
@@ -99,6 +107,8 @@ class FamilySpec:
     transformer_engine: bool = False
     hf: HuggingFace | None = None
     memory: Callable[[ModelConfig, int], dict] | None = None
+    moe_block: Callable[[ModelConfig, int], Any] | None = None
+    attention_core: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_]+", self.name):

@@ -19,6 +19,11 @@ gradients without autograd; they run these hooks and bump the gradient buffers' 
 (``graphs.backends.common.fire_post_accumulate_hooks``), so overlap and the late-change check hold with graphs,
 split-backward ``W`` graphs included.
 
+Mixture-of-experts layers (:mod:`engine.moe`): a routed expert's parameters (``param.expert_parallel``) are reduced
+over the expert-data-parallel group ``pg.expt_dp`` (the ranks holding the same experts) in a bucket of their own,
+and scaled by ``1 / data`` like the dense ones -- Megatron-Core's ``DistributedDataParallel`` (expert gradient
+scaling factor ``1 / data``): an expert's gradient already sums the tokens its expert-parallel peers sent it.
+
 The global-norm clip of the gradients is :func:`engine.training.parallel.grad_norm.clip_grad_norm_` (every
 layout's); :class:`engine.training.parallel.Parallelism` picks this class or its ZeRO-1 / FSDP2 forms.
 """
@@ -32,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...finalize import sum_tied_grads, tied_weights
+from ...moe import is_expert_parameter
 from ...runtime.process_groups import ProcessGroupCollection, group_size
 from .dtensor import align_grads, local
 
@@ -47,10 +53,11 @@ def _versions(g: torch.Tensor) -> tuple:
 
 
 class _Bucket:
-    """The parameters of one model chunk, reduced as one flat tensor."""
+    """Parameters of one model chunk reduced as one flat tensor over ``group`` (the data-parallel group; the
+    expert-data-parallel one for routed experts)."""
 
-    def __init__(self, params: list[nn.Parameter]):
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], group=None):
+        self.params, self.group = params, group
         self.ready: set[int] = set()
         self.handle = None
         self.flat: torch.Tensor | None = None
@@ -101,16 +108,27 @@ class GradSync:
         self.tracer = tracer
         self.sync_enabled = True
         seen: set = set()  # a Parameter two chunks share (V placement's tied ends) belongs to the first's bucket
-        self.buckets = [_Bucket([p for p in c.parameters() if p.requires_grad and not (id(p) in seen or
-                                                                                       seen.add(id(p)))])
-                        for c in self.chunks]
+        self.buckets = [b for c in self.chunks for b in self._chunk_buckets(
+            [p for p in c.parameters() if p.requires_grad and not (id(p) in seen or seen.add(id(p)))])]
         self.tied = tied_weights(self.chunks)  # marked shared_embedding (ModelChunk, engine.split_model)
         self._tied_on_one_rank = tied_on_one_rank
         self._hooks = []
-        if overlap and self.dp_size > 1:
+        if overlap:
             for bucket in self.buckets:
-                for i, p in enumerate(bucket.params):
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(bucket, i)))
+                if group_size(bucket.group) > 1:
+                    for i, p in enumerate(bucket.params):
+                        self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(bucket, i)))
+
+    def _chunk_buckets(self, params: list) -> list[_Bucket]:
+        """One chunk's bucket over the data-parallel group, or two when its routed experts are reduced over another
+        group (``pg.expt_dp`` under expert parallelism; Megatron-Core's
+        expert gradient reduction, scaled like the dense gradients by ``1 / data``)."""
+        expt_dp = self.pg.expt_dp if self.pg.expt_dp is not None else self.pg.dp
+        if expt_dp is self.pg.dp:
+            return [_Bucket(params, self.pg.dp)]
+        dense = [p for p in params if not is_expert_parameter(p)]
+        experts = [p for p in params if is_expert_parameter(p)]
+        return [_Bucket(dense, self.pg.dp)] + ([_Bucket(experts, expt_dp)] if experts else [])
 
     def _hook(self, bucket: _Bucket, index: int):
         def on_grad(_param: torch.Tensor) -> None:
@@ -119,7 +137,7 @@ class GradSync:
             bucket.ready.add(index)
             if len(bucket.ready) == len(bucket.params):
                 bucket.flat = bucket.flatten()
-                bucket.handle = dist.all_reduce(bucket.flat, group=self.pg.dp, async_op=True)
+                bucket.handle = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
         return on_grad
 
     @contextlib.contextmanager
@@ -141,19 +159,27 @@ class GradSync:
         span = self.tracer.span("sync", "finalize grads") if self.tracer else contextlib.nullcontext()
         with span:
             align_grads(p for b in self.buckets for p in b.params)  # parallel.tensor > 1: grads laid out as params
-            if self.dp_size > 1:
-                for bucket in self.buckets:
-                    if bucket.handle is not None:
-                        bucket.handle.wait()
-                        if bucket.changed_since_flatten():  # gradients moved on after the launch: redo
-                            bucket.handle = None
-                    if bucket.handle is None:
-                        bucket.flat = bucket.flatten()
-                        dist.all_reduce(bucket.flat, group=self.pg.dp)
-                    bucket.unflatten(bucket.flat.div_(self.dp_size))
-                    bucket.reset()
+            for bucket in self.buckets:
+                if self.dp_size > 1 or group_size(bucket.group) > 1:
+                    self._reduce(bucket)
             if not self._tied_on_one_rank:  # V placement: one shared Parameter, no embedding-group communication
                 sum_tied_grads(self.tied, self.pg)
+
+    def _reduce(self, bucket: _Bucket) -> None:
+        """Sum ``bucket`` over its group (waiting for an overlapped launch, redone if a gradient changed after it)
+        and divide by the data-parallel size."""
+        if group_size(bucket.group) > 1:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                if bucket.changed_since_flatten():  # gradients moved on after the launch: redo
+                    bucket.handle = None
+            if bucket.handle is None:
+                bucket.flat = bucket.flatten()
+                dist.all_reduce(bucket.flat, group=bucket.group)
+        else:
+            bucket.flat = bucket.flatten()
+        bucket.unflatten(bucket.flat.div_(self.dp_size))
+        bucket.reset()
 
     def close(self) -> None:
         for h in self._hooks:

@@ -47,7 +47,7 @@ from ...finalize import sum_tied_grads
 from ...runtime.process_groups import ProcessGroupCollection
 from .data_parallel import GradSync
 
-__all__ = ["shard_chunks", "FSDPGradSync", "reshard", "full_parameters"]
+__all__ = ["shard_chunks", "accumulate_in_fp32", "FSDPGradSync", "reshard", "full_parameters"]
 
 
 def _accumulate_mode(chunk, on: bool) -> None:
@@ -57,16 +57,20 @@ def _accumulate_mode(chunk, on: bool) -> None:
     chunk.set_is_last_backward(not on)
 
 
-def shard_chunks(chunks: Sequence[nn.Module], dp_mesh) -> None:
+def shard_chunks(chunks: Sequence[nn.Module], dp_mesh, param_dtype: torch.dtype | None = None) -> None:
     """``fully_shard`` each chunk in place over ``dp_mesh`` (the 1-D ``dp`` sub-mesh).  Local: every data-parallel
     rank built the same full initial weights and keeps its rows.  Keeps the ``shared_embedding`` /
     ``shared_embedding_copy`` marks (on the new ``DTensor`` parameters) and leaves each chunk in accumulate mode.
+    ``param_dtype`` (``model.precision: bf16``): torchtitan's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)``
+    -- the fp32 shards are the master weights, the gathered parameters ``param_dtype`` -- with each microbatch's
+    gradient added into FSDP's fp32 accumulator as autograd writes it (:func:`accumulate_in_fp32`; collective: one
+    all-gather per chunk).
 
     Raises:
         ConfigError: two chunks share a ``Parameter`` (a V placement's tied ends; the config check refuses it
             before any collective, this one covers ``parallel.schedule=tuned``).
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ..config import ConfigError
     seen: set[int] = set()
@@ -84,10 +88,40 @@ def shard_chunks(chunks: Sequence[nn.Module], dp_mesh) -> None:
     for chunk in chunks:
         marks = {n: (getattr(p, "shared_embedding", False), getattr(p, "shared_embedding_copy", False))
                  for n, p in chunk.named_parameters()}
-        fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=False)
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+        fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
         for n, p in chunk.named_parameters():
             p.shared_embedding, p.shared_embedding_copy = marks.get(n, (False, False))
         _accumulate_mode(chunk, True)
+        if param_dtype is not None:
+            accumulate_in_fp32(chunk)
+
+
+def accumulate_in_fp32(chunk: nn.Module) -> None:
+    """Make every microbatch's low-precision gradient of ``chunk`` (``fully_shard`` with a ``param_dtype``) go into
+    FSDP's fp32 unsharded accumulator as soon as autograd wrote it.  FSDP does this itself only in its
+    post-backward hook, which fires when a backward pass of the chunk ends -- in a split (B / W) schedule before the
+    ``W`` passes, so several microbatches' weight gradients would first be summed in bf16.  A
+    post-accumulate-grad hook on each gathered parameter upcasts the first gradient of the step into the
+    accumulator and adds the later ones (FSDP2's ``FSDPParam.to_accumulated_grad_if_needed`` /
+    ``accumulate_unsharded_grad_if_needed``, the same fp32 sum in the same order).  The gathered ``Parameter``
+    objects exist from the first all-gather on (FSDP2 keeps them, resizing their storage), so the chunk is gathered
+    once here and freed again: collective over its data-parallel group."""
+    from torch.distributed.fsdp import fully_shard
+    chunk.unshard()
+    for group in fully_shard.state(chunk)._fsdp_param_groups:  # the chunk's own (it is a root: no lazy init yet)
+        for fsdp_param in group.fsdp_params:
+            fsdp_param._unsharded_param.register_post_accumulate_grad_hook(_fp32_accumulate(fsdp_param))
+    chunk.reshard()
+
+
+def _fp32_accumulate(fsdp_param):
+    def hook(_param) -> None:
+        if fsdp_param.unsharded_accumulated_grad is None:
+            fsdp_param.to_accumulated_grad_if_needed()
+        else:
+            fsdp_param.accumulate_unsharded_grad_if_needed()
+    return hook
 
 
 def _param_groups(chunk) -> tuple:

@@ -7,7 +7,10 @@ Each rank holds a part of the model's gradients, in one of three forms, all hand
 * a ``DTensor`` (tensor parallelism, FSDP2): the squares of its local shard are summed over the process group of
   every mesh dimension it is sharded on (``Shard`` / ``_StridedShard``; a ``Replicate`` dimension adds nothing);
 * a plain tensor that is this rank's piece of a flat buffer split over ``shard_group`` (ZeRO-1's reduced gradient
-  shards): its squares are summed over that group.
+  shards): its squares are summed over that group;
+* a routed expert's gradient under expert parallelism: the other ranks of ``expert_group`` hold the other experts
+  of the layer, so its squares are summed over that group too (Megatron-Core sums the expert gradients' squares
+  over the expert-tensor x expert x pipeline group).
 
 The sums are then summed over the pipeline group (each stage holds other parameters).  The clip is
 ``torch.nn.utils.clip_grads_with_norm_``'s rule, ``g *= min(1, max_norm / (norm + 1e-6))``, applied to the local
@@ -38,7 +41,8 @@ def _sharded_over(grad: torch.Tensor, shard_group) -> tuple:
 
 @torch.no_grad()
 def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, pipeline_group=None,
-                    counted: Sequence[bool] | None = None, shard_group=None, device=None) -> torch.Tensor:
+                    counted: Sequence[bool] | None = None, shard_group=None, device=None,
+                    experts: Sequence[bool] | None = None, expert_group=None) -> torch.Tensor:
     """Global L2 norm of the whole model's gradients, then scale ``grads`` in place so it is at most ``max_norm``.
 
     Args:
@@ -51,6 +55,8 @@ def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, pipeline_
         shard_group: the group over which plain ``grads`` are pieces of one flat buffer (ZeRO-1), or None.
         device: where the norm is computed and reduced (NCCL needs the GPU); default the first gradient's device
             (CPU when this rank holds none).
+        experts: per gradient, True for a routed expert's (default: none is); their squares are also summed over
+            ``expert_group`` (the expert-parallel group), whose ranks hold the layer's other experts.
 
     Returns:
         The norm before clipping: an fp32 scalar tensor on the gradients' device, the same on every rank (no host
@@ -63,10 +69,12 @@ def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, pipeline_
     counted = [True] * len(grads) if counted is None else list(counted)
     if device is None:
         device = local(grads[0]).device if grads else torch.device("cpu")
+    experts = [False] * len(grads) if experts is None else list(experts)
     parts: dict[tuple, list[torch.Tensor]] = {}
-    for g, c in zip(grads, counted):
+    for g, c, e in zip(grads, counted, experts):
         if c:
-            parts.setdefault(_sharded_over(g, shard_group), []).append(local(g))
+            over = _sharded_over(g, shard_group) + ((expert_group,) if e and expert_group is not None else ())
+            parts.setdefault(over, []).append(local(g))
     total = torch.zeros((), dtype=torch.float32, device=device)
     for groups, tensors in parts.items():
         sq = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]).pow(2).sum()

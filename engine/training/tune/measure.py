@@ -104,14 +104,18 @@ def probe_memory(tr) -> list[dict]:
     distinct storages autograd saves that are not parameters; for split-backward plans under the layer-level
     deferral, followed by ``B`` (:func:`~engine.runtime.split_backward.backward_input_step`) and the bytes its
     pending ``W`` holds; the ``W`` is dropped, not run, and gradients are cleared afterwards (data-parallel sync
-    off).  ``static_bytes``: the chunk's parameters, gradients and optimizer state; ``tied_bytes``: that of a tied
-    word embedding on the first stage (0 otherwise).
+    off).  ``static_bytes``: the chunk's parameters, gradients and optimizer state (under ``model.precision: bf16``
+    the bf16 parameters and their fp32 masters with theirs); ``tied_bytes``: that of a tied word embedding on the
+    first stage (0 otherwise).
     """
+    from ...runtime.storage import local_bytes
     batch = next(iter(tr.batches.train(0, True, True))) if tr.batches is not None else {}
     out = []
     for index, chunk in enumerate(tr.model):
-        static = _static_bytes(tr, chunk.parameters())
-        tied = _static_bytes(tr, [chunk.embedding.word.weight]) if (
+        state = tr.parallelism.state_chunks[index]  # bf16: the fp32 masters the optimizer steps, beside the chunk's
+        static = _static_bytes(tr, state.parameters()) + (
+            sum(local_bytes(p) for p in chunk.parameters()) if state is not chunk else 0)
+        tied = _static_bytes(tr, [state.embedding.word.weight]) if (
             chunk.is_first and tr.config.model.tie_embeddings) else 0
         with tr.parallelism.grad_sync.no_sync():
             act, held = _probe_chunk(tr, chunk, batch)
@@ -208,8 +212,9 @@ def cost_model(config, variants: list[Candidate], per_rank: list[list[dict]]) ->
         record[c.label] = {"virtual": c.virtual, "splits_backward": c.splits_backward, **dataclasses.asdict(lc),
                            "step_ms": measured, "simulated_ms": simulated}
     noise = step_noise([step_times(per_rank, i) for i in range(len(variants))])
-    return CostModel(layouts, transfer, tied), {"layouts": record, "transfer_ms": transfer, "tied_bytes": tied,
-                                                **noise}
+    overlap = config.parallel.overlap_moe_expert_parallel_comm  # measured without it, simulated with it
+    return CostModel(layouts, transfer, tied, overlap), {"layouts": record, "transfer_ms": transfer,
+                                                         "tied_bytes": tied, **noise}
 
 
 def step_noise(series: list[list[float]]) -> dict:
@@ -236,7 +241,8 @@ def model_from_record(path, config) -> tuple[CostModel, dict]:
         layouts = {(e["virtual"], e["splits_backward"]): LayoutCosts(**{k: tuple(e[k]) if isinstance(e[k], list)
                                                                         else e[k] for k in names if k in e})
                    for e in record["layouts"].values()}
-        model = CostModel(layouts, float(record["transfer_ms"]), int(record["tied_bytes"]))
+        model = CostModel(layouts, float(record["transfer_ms"]), int(record["tied_bytes"]),
+                          config.parallel.overlap_moe_expert_parallel_comm)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ConfigError(f"--measured {path}: its 'measured' record is incomplete ({type(exc).__name__}: {exc}); "
                           f"re-run `pipecast tune CONFIG` without --measured") from None
@@ -252,13 +258,34 @@ def layout_costs(plan, runs: list[dict]) -> LayoutCosts:
     rank_spans = [[Span(*t) for t in r["spans"]] for r in runs]
     costs = median_action_ms(rank_spans)
     where = [plan.stage_location(s) for s in range(plan.num_stages)]
-    per_stage = {op: tuple(costs.get((op, r, c), 0.0) for r, c in where) for op in "FBW"}
+    a2a = a2a_per_action_ms(rank_spans)
+    a2a_ms = tuple(a2a.get(("F", r, c), 0.0) for r, c in where) if a2a else ()
+    per_stage = {op: tuple(max(0.0, costs.get((op, r, c), 0.0) - (a2a_ms[i] if a2a_ms and op != "W" else 0.0))
+                           for i, (r, c) in enumerate(where)) for op in "FBW"}
     mem = {m["stage"]: m for r in runs for m in r["memory"]}
     pick = {k: tuple(int(mem[s][k]) for s in range(plan.num_stages))
             for k in ("activation_bytes", "pending_w_bytes", "static_bytes")}
     return LayoutCosts(per_stage["F"], per_stage["B"], per_stage["W"], **pick,
                        action_overhead_ms=action_overhead_ms(rank_spans),
-                       step_overhead_ms=_step_overhead_ms(runs, rank_spans))
+                       step_overhead_ms=_step_overhead_ms(runs, rank_spans), a2a_ms=a2a_ms)
+
+
+def a2a_per_action_ms(rank_spans) -> dict:
+    """Median time (ms) of the ``"comm"`` spans (a MoE layer's expert all-to-alls, :func:`engine.runtime.overlap.
+    exchange`) inside each ``(op, rank, chunk)``'s ``F`` / ``B`` compute spans of a run without the overlap; empty
+    for a model without such collectives.  :func:`layout_costs` takes the forward's as the stage's ``a2a_ms`` (the
+    simulator's all-to-all time of a forward and of a backward, :func:`engine.plan.simulate.simulate`) and
+    subtracts it from the stage's ``F`` and ``B`` costs, which then hold compute only."""
+    from ...profiling.costs import parse_action_label
+    found: dict = {}
+    for rank, spans in enumerate(rank_spans):
+        comm = [s for s in spans if s.category == "comm"]
+        for s in spans if comm else ():
+            parsed = parse_action_label(s.label) if s.category == "compute" else None
+            if parsed is not None and parsed[0] in "FB":
+                inside = sum(c.duration_ns for c in comm if s.start_ns <= c.start_ns and c.end_ns <= s.end_ns)
+                found.setdefault((parsed[0], rank, parsed[1]), []).append(inside / 1e6)
+    return {k: statistics.median(v) for k, v in found.items()}
 
 
 def _step_overhead_ms(runs, rank_spans) -> float:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ...plan.registry import schedule_names
 from ..config import ConfigError, validate
+from ..config.layout import has_overlap_cells
 
 __all__ = ["TUNE_FILE", "tune_path", "tuned_for", "check_tuned_for", "read_result", "resolve_tuned"]
 
@@ -86,6 +87,20 @@ def _best_fields(best, where: str) -> dict:
     return fields
 
 
+def tuned_overlap(config, schedule: str, virtual: int, group_size: int | None = None,
+                  max_in_flight: int | None = None) -> bool:
+    """Whether a run of ``schedule`` chosen for ``config`` by ``pipecast tune`` keeps
+    ``parallel.overlap_moe_expert_parallel_comm``: the config sets it and the schedule's plan as the tuner
+    simulates it (built without the option) has forward-backward cells -- DualPipeV's; interleaved 1F1B's combined
+    cells exist only with the option, which the tuner's candidates do not set, so it runs as predicted: without."""
+    p = config.parallel
+    if not (p.overlap_moe_expert_parallel_comm and has_overlap_cells(schedule, p.pipeline)):
+        return False
+    from ...plan.build import build_plan
+    return bool(build_plan(schedule, p.pipeline, config.training.num_microbatches, virtual, group_size,
+                           max_in_flight=max_in_flight).compounds)
+
+
 def resolve_tuned(config):
     """``config`` with ``parallel.schedule: tuned`` replaced by the best candidate of ``RUN_DIR/tune.json``
     (any other config is returned as it is).
@@ -111,6 +126,10 @@ def resolve_tuned(config):
     result = read_result(path)
     check_tuned_for(result["tuned_for"], config, where)
     fields = _best_fields(result["best"], where)
+    if p.overlap_moe_expert_parallel_comm:  # the MoE overlap as the tuner predicted the best schedule
+        fields["overlap_moe_expert_parallel_comm"] = tuned_overlap(config, fields["schedule"], fields["virtual"],
+                                                                   fields["microbatch_group_size_per_vp_stage"],
+                                                                   fields["max_in_flight"])
     tuned = dataclasses.replace(config, parallel=dataclasses.replace(p, **fields))
     try:
         validate(tuned)  # the whole run again (cheap): the trainer then takes it as validated

@@ -17,7 +17,11 @@ pick the schedule from measured costs and a memory budget.
    simulated with those costs (:func:`engine.plan.candidates.predict`), scaled by its layout's calibration: the
    measured over the simulated step of the schedule measured for that layout (what the simulator leaves out and
    a layout's schedules share, e.g. more ranks than cores); those whose peak memory on some rank is
-   over ``--memory-budget-gib`` are marked as not fitting.  A ranked table is printed with the ``--parallel.*``
+   over ``--memory-budget-gib`` are marked as not fitting.  Beside the even split, each candidate is also ranked
+   with a few uneven ``model.pipeline_layout`` values (:func:`layout_candidates`: the embedding's and the head's
+   stages a layer lighter), its stage costs moved from the even measurement.  When none fits, each candidate is predicted again with
+   ``model.recompute: selective`` and ``full`` (:func:`recompute_predictions`: the estimate's activation bytes,
+   one more forward in ``B``), so that the budget may pick recomputation.  A ranked table is printed with the ``--parallel.*``
    overrides of the recommendation, and the config's own schedule is named in it.  The recommendation
    (:func:`choose`) is the top of the table, or the config's own schedule when the top is predicted less than
    ``--min-gain`` faster (default: the measured step noise, :func:`.tune_model.step_noise`).
@@ -51,13 +55,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from ...plan.candidates import (Candidate, candidates, cost_aware_candidates, predict, rank_predictions,
-                                virtual_sizes)
+from ...plan.candidates import (Candidate, CostModel, candidates, cost_aware_candidates, predict,
+                                rank_predictions, virtual_sizes)
 from ...plan.pass_costs import PassCosts
 from ...plan.registry import get_schedule
 from ..config import ConfigError, TrainConfig, load_config, parse_override_args, validate
 from .measure import cost_model, model_from_record, step_times
-from .result import resolve_tuned, tune_path, tuned_for
+from .result import resolve_tuned, tune_path, tuned_for, tuned_overlap
 
 MAX_STEPS = 100_000  # --steps + --warmup per measured layout
 
@@ -163,6 +167,7 @@ def train_hint(args, config: TrainConfig, best: dict) -> str:
     * no checkpoint in ``checkpoint.dir``: ``--parallel.schedule=tuned`` (reads ``RUN_DIR/tune.json``);
     * an unfinished run (latest checkpoint before ``training.steps``): the same with ``--resume`` -- a fresh run
       there is refused (:func:`.config.check_fresh_run`), and checkpoints do not depend on the pipeline layout;
+    * a recommendation that sets ``model.*`` too (``model.recompute``): its arguments, all of them;
     * a finished run: a new run folder (``RUN_DIR-tuned``, numbered if taken) with the recommendation's own
       ``--parallel.*`` values, as that folder has no ``tune.json``.
     """
@@ -172,6 +177,8 @@ def train_hint(args, config: TrainConfig, best: dict) -> str:
     overrides = [o for o in parse_override_args(list(getattr(args, "extra", []) or []))
                  if not o.startswith(tuple(k + "=" for k in _TUNED_KEYS))]
     base = ["pipecast", "train", str(args.config), *(f"--{o}" for o in overrides)]
+    if any(a.startswith("--model.") for a in best["arguments"]):  # model.recompute: `tuned` sets parallel.* only
+        return "train with it: " + shlex.join(base + best["arguments"])
     latest = latest_checkpoint(config.checkpoint_dir)
     if latest is None:
         return "train with it: " + shlex.join(base + ["--parallel.schedule=tuned"])
@@ -253,7 +260,24 @@ def _prepare(args) -> tuple[TrainConfig, list[Candidate], Candidate]:
              if c.virtual in sizes and _valid(config, c)]
     if own not in cands:
         cands.append(own)
-    return config, cands, own
+    return config, cands + layout_candidates(config, cands), own
+
+
+def layout_candidates(config: TrainConfig, cands: list[Candidate]) -> list[Candidate]:
+    """Each candidate again with each of :func:`engine.plan.layout.lighter_ends` as ``model.pipeline_layout``
+    (ranked beside the even split; predicted from the even measurement of the candidate's ``(v, split)`` by
+    :func:`engine.plan.candidates.relayout`), those that are valid configs; none when the config sets its own
+    layout (its measurement is not the even one)."""
+    from ...plan.layout import lighter_ends
+    if config.model.pipeline_layout:
+        return []
+    out = []
+    for c in cands:
+        for layout in lighter_ends(config.model.num_layers, config.parallel.pipeline * c.virtual):
+            moved = dataclasses.replace(c, pipeline_layout=str(layout))
+            if _valid(config, moved):
+                out.append(moved)
+    return out
 
 
 def _own_config(config: TrainConfig) -> TrainConfig:
@@ -301,12 +325,21 @@ def config_candidate(config: TrainConfig) -> Candidate:
     return Candidate(name, p.virtual, None if group == p.pipeline else group, p.max_in_flight, costs=costs)
 
 
-def variant_config(config: TrainConfig, c: Candidate, folder: Path, steps: int) -> TrainConfig:
+def variant_config(config: TrainConfig, c: Candidate, folder: Path, steps: int,
+                   overlap: bool | None = None) -> TrainConfig:
     """``config`` with candidate ``c``'s schedule, training ``steps`` steps into ``folder``, with no evaluation,
-    checkpoint, samples, TensorBoard, profiler or progress bar."""
+    checkpoint, samples, TensorBoard, profiler or progress bar.  ``parallel.overlap_moe_expert_parallel_comm``:
+    ``overlap`` (None: the config's), kept only where ``c``'s plan has forward-backward cells (:func:`.result.
+    tuned_overlap`: the run is the plan the tuner simulated)."""
     r = dataclasses.replace
-    fields = {k.split(".", 1)[1]: v for k, v in c.overrides().items()}
-    return r(config, parallel=r(config.parallel, **fields),
+    fields: dict = {"parallel": {}, "model": {}}
+    for key, value in c.overrides().items():
+        section, _, name = key.partition(".")
+        fields[section][name] = value
+    overlap = config.parallel.overlap_moe_expert_parallel_comm if overlap is None else overlap
+    fields["parallel"]["overlap_moe_expert_parallel_comm"] = overlap and tuned_overlap(
+        config, c.schedule, c.virtual, c.group_size, c.max_in_flight)
+    return r(config, parallel=r(config.parallel, **fields["parallel"]), model=r(config.model, **fields["model"]),
              training=r(config.training, steps=steps, eval_interval=0),
              checkpoint=r(config.checkpoint, dir=str(folder / "checkpoints"), interval=0, save_at_end=False),
              logging=r(config.logging, run_dir=str(folder), progress_bar=False, tensorboard=False,
@@ -322,7 +355,7 @@ def measurement_variants(cands: list[Candidate], own: Candidate) -> list[Candida
     out = [own]
     for key in sorted({c.layout for c in cands} - {own.layout}):
         of_layout = [c for c in cands if c.layout == key]
-        plain = [c for c in of_layout if c.group_size is None and c.max_in_flight is None]
+        plain = [c for c in of_layout if c.group_size is None and c.max_in_flight is None and c.pipeline_layout is None]
         out.append(plain[0] if plain else Candidate(of_layout[0].schedule, of_layout[0].virtual))
     return out
 
@@ -351,7 +384,10 @@ def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> 
     P, M = config.parallel.pipeline, config.training.num_microbatches
     cands = cands + [c for c in cost_aware_candidates(cands, model, P, M) if c not in cands and _valid(config, c)]
     budget = None if args.memory_budget_gib is None else args.memory_budget_gib * 2**30
-    ranked = rank_predictions([predict(c, model, P, M) for c in cands], budget)
+    predictions = [predict(c, model, P, M) for c in cands]
+    if budget is not None and not any(p.fits(budget) for p in predictions):
+        predictions += recompute_predictions(config, model, cands)
+    ranked = rank_predictions(predictions, budget)
     measured.setdefault("seconds", time.perf_counter() - t0)
     from .report import candidate_entry, print_table
     min_gain = measured.get("noise_gain", 0.0) if args.min_gain is None else args.min_gain / 100
@@ -367,6 +403,44 @@ def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> 
         result["best"] = entry(verified_choice(ranked, rows, own, budget, min_gain,
                                                "--min-gain" if args.min_gain is not None else "noise"))
     return result
+
+
+def recompute_model(config: TrainConfig, model: CostModel, granularity: str) -> CostModel:
+    """``model`` (measured at the config's ``model.recompute``) moved to ``model.recompute: granularity``: per
+    layout and stage the activation bytes change by the estimate's difference
+    (:func:`engine.training.memory.activation_bytes` at both settings, the layout's virtual size), and ``B`` gains
+    the stage's ``F`` time when the stage recomputes and did not before (the recomputed forward runs inside ``B``;
+    Korthikanti et al., 2022, arXiv:2205.05198: one extra forward for ``full``, the attention core's part of one for
+    ``selective``, costed here as a whole forward: an upper bound)."""
+    from ..memory import activation_bytes
+    r = dataclasses.replace
+    layouts = {}
+    for (v, split), lc in model.layouts.items():
+        at = r(config, parallel=r(config.parallel, virtual=v))
+        new = r(at, model=r(at.model, recompute=granularity))
+        stages = range(len(lc.activation_bytes))
+        delta = [activation_bytes(new, s) - activation_bytes(at, s) for s in stages]
+        extra = [lc.forward_ms[s] if config.model.recompute == "none" and at.layout.layer_counts[s] else 0.0
+                 for s in stages]
+        layouts[(v, split)] = r(lc, activation_bytes=tuple(max(a + d, 0) for a, d in zip(lc.activation_bytes, delta)),
+                                backward_ms=tuple(b + e for b, e in zip(lc.backward_ms, extra)))
+    return r(model, layouts=layouts)
+
+
+def recompute_predictions(config: TrainConfig, model: CostModel, cands: list[Candidate]) -> list:
+    """The predictions of ``cands`` with ``model.recompute: selective`` (for a family with an attention core) and
+    ``full`` (:func:`recompute_model`; for a config that recomputes nothing): what ``--memory-budget-gib`` may pick
+    when nothing else fits."""
+    from ..models import get_family
+    if config.model.recompute != "none":
+        return []
+    P, M = config.parallel.pipeline, config.training.num_microbatches
+    out = []
+    selective = get_family(config.model.family).attention_core is not None
+    for granularity in ("selective", "full") if selective else ("full",):
+        moved = recompute_model(config, model, granularity)
+        out += [predict(dataclasses.replace(c, recompute=granularity), moved, P, M) for c in cands]
+    return out
 
 
 def _measure(args, config: TrainConfig, cands: list[Candidate], own: Candidate):
@@ -455,9 +529,11 @@ def _shared(folder: str) -> str:
 
 def tune_worker(config: TrainConfig, variants: list[Candidate], steps: int, warmup: int, folder: str,
                 together: bool = True) -> list[dict]:
-    """What every rank runs to measure: :func:`.tune_model.measure_runs` of the variants, recorded."""
+    """What every rank runs to measure: :func:`.tune_model.measure_runs` of the variants, recorded (without the
+    MoE overlap: the all-to-all and compute costs are measured apart, and the overlap simulated)."""
     from .measure import measure_runs
-    cfgs = [variant_config(config, c, Path(folder) / f"measure{i}", warmup + steps) for i, c in enumerate(variants)]
+    cfgs = [variant_config(config, c, Path(folder) / f"measure{i}", warmup + steps, overlap=False)
+            for i, c in enumerate(variants)]
     return measure_runs(cfgs, steps, warmup, True, together, [c.label for c in variants])
 
 

@@ -28,7 +28,7 @@ BAD = [
     ({"optimizer": {"lr": "fast"}}, TypeError, ["optimizer.lr"]),
     ({"data": {"paths": "a.txt", "source": "text"}}, TypeError, ["data.paths", "list"]),
     ({"model": {"num_layers": 6}, "parallel": {"pipeline": 2, "virtual": 2}, "training": {"num_microbatches": 4}},
-     ConfigError, ["model.num_layers=6", "2 x 2", "multiple of 4"]),
+     ConfigError, ["model.num_layers=6", "2 x 2", "divisible by 4"]),
     ({"model": {"num_layers": 0}}, ConfigError, ["model.num_layers=0", ">= 1"]),
     ({"model": {"hidden_size": 130, "num_attention_heads": 4}}, ConfigError, ["model.hidden_size=130",
                                                                                "num_attention_heads=4"]),

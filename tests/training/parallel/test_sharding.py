@@ -75,8 +75,9 @@ def _local_bytes(tensors) -> int:
 
 
 def _job(rank: int, world: int, run_dir: str, pp1_checkpoint: str) -> dict:
-    def config(shard, case, **parallel):
-        return load_config(None, overrides(f"{run_dir}/{shard}_{case}", 2, 2, shard=shard, **parallel))
+    def config(shard, case, precision="fp32", **parallel):
+        return load_config(None, overrides(f"{run_dir}/{shard}_{case}", 2, 2, shard=shard, **parallel)
+                           + [f"model.precision={precision}"])
     out = {shard: {"1f1b": _run(config(shard, "1f1b"), STEPS, save_at=CUT, evaluate=True),
                    "zb_h1": _run(config(shard, "zb_h1", schedule="zb_h1"), STEPS),
                    "from_pp1": _run(config(shard, "from_pp1"), STEPS, load=pp1_checkpoint)}
@@ -84,6 +85,8 @@ def _job(rank: int, world: int, run_dir: str, pp1_checkpoint: str) -> dict:
     out["full"]["interleaved"] = _run(config("full", "interleaved", schedule="interleaved", virtual=2), STEPS)
     for shard in ("optimizer", "full"):  # the sharded checkpoint resumed at its own layout
         out[shard]["resumed"] = _run(config(shard, "resumed"), STEPS, load=out[shard]["1f1b"]["saved"])
+    for schedule in ("1f1b", "zb_h1"):
+        out["full"][f"bf16_{schedule}"] = _run(config("full", f"bf16_{schedule}", "bf16", schedule=schedule), 2)
     return out
 
 
@@ -174,6 +177,20 @@ def test_fsdp_matches_pp1_split_backward_included_and_resumes_across_layouts(run
         exported[name] = {k: v.numpy() for k, v in load_exported(tmp / f"export_{name}.safetensors")[0].items()}
     assert set(exported["full"]) == set(exported["pp1"])
     assert _close(exported["full"], exported["pp1"]) < TOL
+
+
+@pytest.mark.timeout(400)  # the first test to run also spawns the module's 4-rank job
+def test_fsdp_bf16_split_backward_accumulates_each_microbatch_in_fp32(runs):
+    """``model.precision: bf16`` under ``shard: full`` (FSDP2's ``MixedPrecisionPolicy``): ZB-H1's W passes run
+    after FSDP's post-backward point, yet its weights after two steps equal 1F1B's bit for bit -- each microbatch's
+    bf16 weight gradient went into the fp32 accumulator as autograd wrote it (summed in bf16 first, they differ);
+    and the run is bf16 (its losses are not the fp32 run's)."""
+    _, _, results = runs
+    for r in results:
+        bf16 = {s: r["full"][f"bf16_{s}"] for s in ("1f1b", "zb_h1")}
+        assert bf16["zb_h1"]["losses"] == bf16["1f1b"]["losses"]
+        assert _close(bf16["zb_h1"]["params"], bf16["1f1b"]["params"]) == 0.0
+        assert bf16["1f1b"]["losses"][:2] != r["full"]["1f1b"]["losses"][:2]
 
 
 def test_shard_refusals_before_any_process_group():

@@ -169,7 +169,7 @@ def test_tune_measures_sharded_parameters(tmp_path, layout):
     (["--memory-budget-gib", "nan"], "--memory-budget-gib=nan must be a number > 0"),
     (["--min-gain", "-5"], "--min-gain=-5.0 must be a percentage in [0, 100)"),
     (["--measured", "/nonexistent/tune.json"], "--measured /nonexistent/tune.json: no such file"),
-    (["--parallel.pipeline=3"], "model.num_layers=4 cannot be split"),
+    (["--parallel.pipeline=3"], "model.num_layers=4 does not split evenly"),
     (["--steps", "99999999999999999999"], "--steps 99999999999999999999 + --warmup 2 is more than 100,000 steps"),
     (["--json", "/proc/pipecast-tune.json"], "--json /proc/pipecast-tune.json: its folder='/proc' cannot be written"),
 ])
@@ -312,17 +312,65 @@ def test_nothing_fitting_the_budget_exits_2_naming_the_budget_and_the_smallest_n
     """Issue 26: it exited 0 and still said "train with it"."""
     path, result, root = tuned
     smallest = min(max(c["peak_memory_bytes"]) for c in result["candidates"])
-    budget = smallest / 2 / 2**30
+    budget = smallest / 10 / 2**30  # below the parameters and optimizer state: recomputation cannot help either
     run_dir = tmp_path / "run"
     status = main(["tune", str(path), "--measured", str(root / "out.json"), "--memory-budget-gib", str(budget),
                    f"--logging.run_dir={run_dir}"])
     captured = capsys.readouterr()
     assert status == 2, captured.err
+    ranked = json.loads((run_dir / "tune.json").read_text())["candidates"]
+    assert any("recompute=full" in c["label"] for c in ranked)  # tried before giving up
+    smallest = min(max(c["peak_memory_bytes"]) for c in ranked)
     errors = [ln for ln in captured.err.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "train with it" not in captured.out + captured.err, captured
     assert f"no schedule fits --memory-budget-gib={budget:g}" in errors[0], errors[0]
     assert f"the smallest predicted peak is {smallest / 2**30:.4g} GiB ({smallest / 2**20:.1f} MiB)" in errors[0]
     assert json.loads((run_dir / "tune.json").read_text())["best"] is None  # the measurements are kept
+
+
+@pytest.mark.timeout(240)
+def test_a_budget_only_recomputation_fits_picks_it(tuned, capsys, tmp_path):
+    """Issue 33: when no candidate fits ``--memory-budget-gib``, each is predicted again with ``model.recompute``
+    selective and full -- activation bytes from the measured ones plus the estimate's difference, one more
+    forward in ``B`` -- and the recommendation may recompute; its train command carries the setting."""
+    from engine.training.memory import activation_bytes
+    path, result, root = tuned
+    smallest = min(max(c["peak_memory_bytes"]) for c in result["candidates"])
+    run_dir = tmp_path / "run"
+    status = main(["tune", str(path), "--measured", str(root / "out.json"), "--memory-budget-gib",
+                   str(0.999 * smallest / 2**30), f"--logging.run_dir={run_dir}"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    tuned_result = json.loads((run_dir / "tune.json").read_text())
+    best = tuned_result["best"]
+    assert best["settings"]["model.recompute"] in ("selective", "full") and best["fits"], best
+    assert f"--model.recompute={best['settings']['model.recompute']}" in _hint(out)
+    by_label = {c["label"]: c for c in tuned_result["candidates"]}
+    config = load_config(path)
+    lower = 0
+    for label, c in by_label.items():
+        if " recompute=full" not in label:
+            continue
+        plain = by_label[label.replace(" recompute=full", "")]
+        assert c["predicted_ms"] > plain["predicted_ms"], label  # the recomputed forward costs time
+        pairs = list(zip(c["peak_memory_bytes"], plain["peak_memory_bytes"]))
+        assert all(a <= b for a, b in pairs), (label, pairs)  # (a rank whose peak is a pending W: equal)
+        lower += any(a < b for a, b in pairs)
+    assert lower, "recomputation lowered no candidate's peak"
+    # each stage's activation bytes moved by the estimate's difference at the layout's virtual size, exactly
+    from dataclasses import replace
+    from engine.training.tune.measure import model_from_record
+    from engine.training.tune.tuner import recompute_model
+    model = model_from_record(str(root / "out.json"), config)[0]
+    moved = recompute_model(config, model, "full")
+    for (v, split), lc in model.layouts.items():
+        at = replace(config, parallel=replace(config.parallel, virtual=v))
+        full = replace(at, model=replace(at.model, recompute="full"))
+        for s, (before, after) in enumerate(zip(lc.activation_bytes, moved.layouts[(v, split)].activation_bytes)):
+            delta = activation_bytes(at, s) - activation_bytes(full, s)
+            assert delta > 0 and after == max(before - delta, 0), (v, split, s)
+        assert moved.layouts[(v, split)].backward_ms == pytest.approx([b + f for b, f in zip(lc.backward_ms,
+                                                                                               lc.forward_ms)])
 
 
 def _hint(out: str) -> list[str]:
@@ -357,3 +405,19 @@ def test_the_train_hint_works_from_where_the_run_folder_is(tuned, capsys, tmp_pa
         {k: best["settings"][k] for k in ("parallel.schedule", "parallel.virtual")}
     if checkpoint_step == 4:
         assert config.logging.run_dir == str(tmp_path / "run-tuned"), argv
+
+
+def test_tune_ranks_lighter_end_layouts_beside_the_even_split(tmp_path):
+    """Issue 33: each candidate also with the embedding's / head's stage a layer lighter (when there are >= 3
+    stages of >= 2 layers), as valid configs; none when the config sets its own layout."""
+    from engine.training.tune.tuner import config_candidate, layout_candidates
+    config = load_config(None, {"model.num_layers": 8, "parallel.pipeline": 2, "parallel.virtual": 2,
+                                "logging.run_dir": str(tmp_path)})
+    own = config_candidate(config)
+    moved = layout_candidates(config, [own])
+    assert [c.pipeline_layout for c in moved] == ["Et|t*3|t*2|t*2L", "Et*2|t*3|t*2|tL", "Et|t*3|t*3|tL"]
+    assert all(c.overrides()["model.pipeline_layout"] == c.pipeline_layout and c.pipeline_layout in c.label
+               for c in moved)
+    uneven = load_config(None, {"model.num_layers": 8, "parallel.pipeline": 2, "parallel.virtual": 2,
+                                "model.pipeline_layout": "Et|t*3|t*3|tL", "logging.run_dir": str(tmp_path)})
+    assert layout_candidates(uneven, [config_candidate(uneven)]) == []

@@ -92,8 +92,10 @@ def _memory(cfg, ffn_hidden_size: int) -> dict:
     inputs or outputs and the norms' ``8h``), ``2h`` for the final norm, ``h`` for the embedding.
     """
     h, f, a, s = cfg.hidden_size, ffn_hidden_size, cfg.num_attention_heads, cfg.seq_length
+    core = 3 * a * s if cfg.dropout else a  # what the attention core alone saves (selective recomputation drops it)
     return {"residual": 2 * h + 4 + (2 * h if cfg.dropout else 0), "gathered": 2 * h,
-            "sharded": 4 * h + (3 * a * s if cfg.dropout else a) + 2 * f, "embedding": h if cfg.dropout else 0,
+            "sharded": 4 * h + core + 2 * f, "core": core, "fp32_sharded": 0 if cfg.dropout else a,
+            "embedding": h if cfg.dropout else 0,
             "final_norm": 2 * h + 2, "w_replicated": 8 * h, "w_sharded": 4 * h + 2 * f, "w_embedding": h,
             "w_final_norm": 2 * h}
 
@@ -111,4 +113,5 @@ SPEC = register_family(FamilySpec(
     hf=HuggingFace(model_type="gpt2", architectures=("GPT2LMHeadModel", "GPT2Model"), prefix="transformer.",
                    rules=_RULES, config=_hf_config, fields=_hf_fields),
     memory=_memory,
+    attention_core="core",
 ))

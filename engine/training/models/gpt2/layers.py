@@ -1,7 +1,8 @@
 """The torch modules of the ``gpt2`` family (its entry: :mod:`engine.training.models.gpt2`).
 
 Parameter names inside a block: ``ln1``, ``qkv`` (``[3h, h]``: rows ``q | k | v``, each head-major), ``proj``,
-``ln2``, ``fc1``, ``fc2`` (the family's entry maps them onto Hugging Face ``GPT2LMHeadModel``).
+``ln2``, ``fc1``, ``fc2`` (the family's entry maps them onto Hugging Face ``GPT2LMHeadModel``); the attention core
+``core`` (:class:`~engine.training.models.attention.CoreAttention`) has none.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..attention import CoreAttention
 
 if TYPE_CHECKING:  # annotations only: the config reads the family registry
     from ...config import ModelConfig
@@ -35,14 +38,14 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(ln(x))``, ``x + mlp(ln(x))``; causal attention through
-    ``F.scaled_dot_product_attention``, GELU MLP (``model.activation``: exact or tanh).  ``[s, b, h] -> [s, b, h]``."""
+    """Pre-norm transformer block: ``x + attn(ln(x))``, ``x + mlp(ln(x))``; causal attention through its ``core``
+    (``F.scaled_dot_product_attention``), GELU MLP (``model.activation``: exact or tanh).  ``[s, b, h] -> [s, b,
+    h]``."""
 
     def __init__(self, cfg: ModelConfig, ffn_hidden_size: int):
         super().__init__()
         h = cfg.hidden_size
         self.heads = cfg.num_attention_heads
-        self.dropout = cfg.dropout
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
         self.ln1 = nn.LayerNorm(h, eps=cfg.norm_epsilon)
         self.qkv = nn.Linear(h, 3 * h)
@@ -50,13 +53,13 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(h, eps=cfg.norm_epsilon)
         self.fc1 = nn.Linear(h, ffn_hidden_size)
         self.fc2 = nn.Linear(ffn_hidden_size, h)
+        self.core = CoreAttention(cfg.dropout)
         self.drop = nn.Dropout(cfg.dropout)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape  # heads from the shape: heads / T of them under tensor parallelism (local qkv rows)
         q, k, v = self.qkv(x).view(s, b, 3, -1, h // self.heads).permute(2, 1, 3, 0, 4)  # [b, nh, s, d]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = self.core(q, k, v)  # [b, nh, s, d]
         return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, -1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

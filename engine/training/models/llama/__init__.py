@@ -97,7 +97,9 @@ def _memory(cfg, ffn_hidden_size: int) -> dict:
     h, f, a, s = cfg.hidden_size, ffn_hidden_size, cfg.num_attention_heads, cfg.seq_length
     kv = h * (cfg.num_query_groups or a) // a
     return {"residual": 4 * h + 2, "gathered": 2 * h, "sharded": 4 * h + (3 * a * s if cfg.dropout else a) + 4 * f,
-            "embedding": 0, "final_norm": 3 * h + 1, "w_replicated": 8 * h, "w_sharded": 2 * h + 2 * kv + 3 * f,
+            "core": 3 * a * s if cfg.dropout else a, "fp32_residual": 4 * h + 2, "fp32_sharded": 0 if cfg.dropout else a,
+            "fp32_final_norm": 2 * h + 1, "embedding": 0, "final_norm": 3 * h + 1, "w_replicated": 8 * h,
+            "w_sharded": 2 * h + 2 * kv + 3 * f,
             "w_embedding": h, "w_final_norm": 2 * h}
 
 
@@ -114,4 +116,5 @@ SPEC = register_family(FamilySpec(
     hf=HuggingFace(model_type="llama", architectures=("LlamaForCausalLM", "LlamaModel"), prefix="model.",
                    rules=_RULES, config=_hf_config, fields=_hf_fields),
     memory=_memory,
+    attention_core="self_attn.core",
 ))

@@ -19,10 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention import CoreAttention
+
 if TYPE_CHECKING:  # annotations only: the config reads the family registry
     from ...config import ModelConfig
 
-__all__ = ["RMSNorm", "Embedding", "Attention", "MLP", "Block", "final_norm", "rotary_tables", "apply_rotary"]
+__all__ = ["RMSNorm", "Embedding", "Attention", "MLP", "Block", "final_norm", "rotary_tables", "apply_rotary",
+           "mlp_projections", "init_projections"]
 
 
 class RMSNorm(nn.RMSNorm):
@@ -76,7 +79,7 @@ class Attention(nn.Module):
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         self.heads, self.groups = heads, cfg.num_query_groups or heads
         self.head_dim = h // heads
-        self.dropout = cfg.dropout
+        self.core = CoreAttention(cfg.dropout)
         self.q_proj = nn.Linear(h, heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(h, self.groups * self.head_dim, bias=False)
         self.v_proj = nn.Linear(h, self.groups * self.head_dim, bias=False)
@@ -102,8 +105,7 @@ class Attention(nn.Module):
             rep = heads // groups
             k = k[:, :, None].expand(b, groups, rep, s, d).reshape(b, heads, s, d)
             v = v[:, :, None].expand(b, groups, rep, s, d).reshape(b, heads, s, d)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = self.core(q, k, v)  # [b, nh, s, d]
         return self.o_proj(y.permute(2, 0, 1, 3).reshape(s, b, heads * d))
 
 
@@ -138,13 +140,26 @@ class Block(nn.Module):
     def reset_parameters(self, std: float, num_layers: int, generator: torch.Generator) -> None:
         """normal(0, std) projections, the residual ones (``o_proj``, ``down_proj``) scaled by ``1/sqrt(2L)``
         (GPT-2's rule); norm weights one."""
-        residual = 1 / math.sqrt(2 * num_layers)
-        a, m = self.self_attn, self.mlp
-        for lin, scale in ((a.q_proj, 1.0), (a.k_proj, 1.0), (a.v_proj, 1.0), (a.o_proj, residual),
-                           (m.gate_proj, 1.0), (m.up_proj, 1.0), (m.down_proj, residual)):
-            lin.weight.copy_(torch.randn(lin.weight.shape, generator=generator) * (std * scale))
-        self.input_layernorm.weight.fill_(1.0)
-        self.post_attention_layernorm.weight.fill_(1.0)
+        init_projections(self, mlp_projections(self.mlp), std, num_layers, generator)
+
+
+def mlp_projections(mlp: nn.Module) -> list:
+    """``(linear, residual)`` of a SwiGLU MLP's projections in init order: gate, up, then the residual down."""
+    return [(mlp.gate_proj, False), (mlp.up_proj, False), (mlp.down_proj, True)]
+
+
+@torch.no_grad()
+def init_projections(block: nn.Module, mlp: list, std: float, num_layers: int, generator: torch.Generator) -> None:
+    """A llama-style block's init: normal(0, std) attention projections, then ``mlp``'s ``(linear, residual)``
+    projections in order, the residual ones (``o_proj`` and each marked one) scaled by ``1/sqrt(2L)`` (GPT-2's
+    rule), drawn in that order from ``generator``; both norm weights one."""
+    scale = 1 / math.sqrt(2 * num_layers)
+    a = block.self_attn
+    projections = [(a.q_proj, False), (a.k_proj, False), (a.v_proj, False), (a.o_proj, True)] + list(mlp)
+    for lin, residual in projections:
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=generator) * (std * (scale if residual else 1.0)))
+    block.input_layernorm.weight.fill_(1.0)
+    block.post_attention_layernorm.weight.fill_(1.0)
 
 
 def final_norm(cfg: ModelConfig) -> nn.Module:
