@@ -30,46 +30,63 @@ def _digest(trainer) -> str:
     h = hashlib.sha256()
     for chunk in trainer.model:
         for p in chunk.parameters():
-            h.update(p.detach().contiguous().numpy().tobytes())
+            h.update(p.detach().float().contiguous().numpy().tobytes())  # bf16 exactly in fp32
     return h.hexdigest()
 
 
+VARIANTS = {"fp32": {}, "recompute": {"model.recompute": "full"}, "bf16": {"model.precision": "bf16"}}
+"""Runs compared eager against emulated graphs (issue 34: recomputed forwards and bf16 chunks are captured too)."""
+
+
 def _job(rank, world, run_dir):
+    out = {}
+    for variant, extra in VARIANTS.items():
+        backends = (("eager", None), ("emulate", "emulate"), ("auto", "auto")) if variant == "fp32" else \
+            (("eager", None), ("emulate", "emulate"))
+        for name, backend in backends:
+            out[variant, name] = _run(f"{run_dir}/{variant}-{name}", backend, extra)
+    return out
+
+
+def _run(run_dir, backend, extra) -> dict:
     from engine import Trainer
     from engine.training.config import load_config
-    out = {}
-    for name, backend in (("eager", None), ("emulate", "emulate"), ("auto", "auto")):
-        config = load_config(None, _overrides(f"{run_dir}/{name}"))
-        with Trainer(config) as trainer:
-            if backend is not None:
-                trainer.config.cuda_graphs.enabled = True
-                trainer.config.cuda_graphs.backend = backend
-                trainer.config.cuda_graphs.warmup_steps = 1
-            losses, active = [], []
-            for _ in range(STEPS):
-                losses.append(trainer.train_step()["loss"])
-                runtime = getattr(trainer, "_graphs", None)
-                active.append(bool(runtime is not None and runtime.active))
-            report = runtime.layers.report if backend is not None else None
-            out[name] = {"losses": losses, "digest": _digest(trainer), "active": active,
-                         "backend": report.backend if report else None, "reason": report.reason if report else None,
-                         "graphs": report.num_graphs if report else 0}
-            if runtime is not None:
-                runtime.close()
-    return out
+    config = load_config(None, _overrides(run_dir, **extra))
+    with Trainer(config) as trainer:
+        if backend is not None:
+            trainer.config.cuda_graphs.enabled = True
+            trainer.config.cuda_graphs.backend = backend
+            trainer.config.cuda_graphs.warmup_steps = 1
+        losses, active = [], []
+        for _ in range(STEPS):
+            losses.append(trainer.train_step()["loss"])
+            runtime = getattr(trainer, "_graphs", None)
+            active.append(bool(runtime is not None and runtime.active))
+        report = runtime.layers.report if backend is not None else None
+        result = {"losses": losses, "digest": _digest(trainer), "active": active,
+                  "backend": report.backend if report else None, "reason": report.reason if report else None,
+                  "graphs": report.num_graphs if report else 0}
+        if runtime is not None:
+            runtime.close()
+    return result
 
 
 @pytest.mark.timeout(150)
 def test_trainer_with_emulated_graphs_matches_eager(tmp_path):
+    """fp32, ``model.recompute: full`` and ``model.precision: bf16``: emulated graphs give eager's losses and
+    weights bitwise; on CPU ``auto`` falls back to eager."""
     results = run_ranks(_job, 2, tmp_path, timeout=140)
     for rank, res in enumerate(results):
-        eager, graphed, auto = res["eager"], res["emulate"], res["auto"]
-        assert graphed["backend"] == "emulate" and graphed["active"] == [False] + [True] * (STEPS - 1)
-        assert graphed["graphs"] == 2 * 1 * 4  # 2 chunks x 1 block x 4 microbatches
-        assert graphed["losses"] == eager["losses"], rank  # bitwise (floats from the same tensors)
-        assert graphed["digest"] == eager["digest"], rank
+        for variant in VARIANTS:
+            eager, graphed = res[variant, "eager"], res[variant, "emulate"]
+            assert graphed["backend"] == "emulate" and graphed["active"] == [False] + [True] * (STEPS - 1), variant
+            assert graphed["graphs"] == 2 * 1 * 4, variant  # 2 chunks x 1 block x 4 microbatches
+            assert graphed["losses"] == eager["losses"], (variant, rank)  # bitwise (floats from the same tensors)
+            assert graphed["digest"] == eager["digest"], (variant, rank)
+        auto, eager = res["fp32", "auto"], res["fp32", "eager"]
         assert auto["backend"] == "eager" and "no CUDA device" in auto["reason"] and not any(auto["active"])
         assert auto["losses"] == eager["losses"]
+    assert results[0]["bf16", "eager"]["losses"] != results[0]["fp32", "eager"]["losses"]  # bf16 did run in bf16
 
 
 SPLIT_CASES = (("zb_h1", 1, None), ("zbv", 2, None), ("zb", 2, 3))  # schedule, virtual, max_in_flight
