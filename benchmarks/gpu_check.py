@@ -259,8 +259,8 @@ def _brief(result: dict) -> dict:
 
 def environment(dry: bool) -> dict:
     """The git commit, versions, the device and what ``nvidia-smi`` says (each command guarded)."""
-    commands = {"git_commit": run_command(["git", "-C", str(ROOT), "rev-parse", "HEAD"]),
-                "git_status": run_command(["git", "-C", str(ROOT), "status", "--porcelain"]),
+    commands = {"git_commit": run_command(["git", "rev-parse", "HEAD"]),
+                "git_status": run_command(["git", "status", "--porcelain"]),
                 "nvidia_smi": run_command(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,"
                                            "clocks.max.sm,power.limit", "--format=csv,noheader"])}
     ok = {k: r.get("returncode") == 0 for k, r in commands.items()}
