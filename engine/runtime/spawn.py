@@ -45,6 +45,7 @@ import datetime
 import errno
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -60,6 +61,8 @@ __all__ = ["spawn", "exit_process", "RankError", "JobTimeout", "Interrupted", "T
 
 STOP_GRACE_S = 5.0  # seconds a stopped rank has to exit (after SIGINT) before SIGKILL
 REPORT_GRACE_S = 2.0  # seconds a rank that recorded a failure may take to exit before it is reported anyway
+SETTLE_S = 2.0  # seconds a lost-peer failure waits for the other ranks' exits before blaming (a killed rank's exit is slow)
+_PEER_LOST = re.compile(r"connection (reset|closed|refused)|broken pipe|closed by peer", re.IGNORECASE)
 TERM_GRACE_S = 120.0  # default seconds the ranks get after a forwarded SIGTERM (finish the step, save) to exit
 _POLL_S = 0.1
 
@@ -264,6 +267,8 @@ def _fail(job: _Job) -> None:
     """Stop every rank and raise the exception for the rank to blame (see :func:`_blame`; a stopped rank a peer
     timed out waiting for is blamed before that peer)."""
     codes = [p.exitcode for p in job.procs]  # a fresh look: a rank killed by a signal may have just been reaped
+    if not _killed(codes) and any(_PEER_LOST.search(rec[2]) for rec in _records(job.record_dir).values()):
+        codes = _settled_codes(job.procs)  # a peer's death may be what that rank saw
     running = [r for r, c in enumerate(codes) if c is None]
     states = {r: _process_state(job.procs[r].pid) for r in running}  # before the stop wakes them
     _stop(job.procs)
@@ -293,11 +298,31 @@ def _fail(job: _Job) -> None:
     raise RankError(rank, pid, f"exited with status {code}", "", code, None, stopped)
 
 
+def _settled_codes(procs, settle_s: float = SETTLE_S) -> list:
+    """The ranks' exit codes once a rank killed by a signal shows among them, or after ``settle_s`` seconds.  A
+    killed process closes its sockets before it becomes a zombie (the kernel tears down its memory in between, long
+    for a big process), so a peer can raise on the closed connection and exit first: a look right then would blame
+    that peer."""
+    from multiprocessing.connection import wait
+    deadline = time.monotonic() + settle_s
+    while True:
+        codes = [p.exitcode for p in procs]
+        running = [p.sentinel for p, c in zip(procs, codes) if c is None]
+        if not running or _killed(codes) or time.monotonic() >= deadline:
+            return codes
+        wait(running, max(0.0, deadline - time.monotonic()))
+
+
+def _killed(codes: list) -> list[int]:
+    """The ranks killed by a signal other than SIGINT (the spawner's stop signal)."""
+    return [r for r, c in enumerate(codes) if c is not None and c < 0 and -c != signal.SIGINT]
+
+
 def _blame(codes: list, records: dict) -> int:
     """The rank to blame: one killed by a signal other than SIGINT (the spawner's stop signal), else the rank that
     recorded the earliest raise, else the first rank that exited non-zero (``codes``: exit codes, None = was still
     running when the failure was seen; ``records``: rank -> (ns, cause, traceback))."""
-    killed = [r for r, c in enumerate(codes) if c is not None and c < 0 and -c != signal.SIGINT]
+    killed = _killed(codes)
     if killed:
         return killed[0]
     if records:

@@ -42,6 +42,12 @@ def stop_self(rank: int, world: int, bad: int, pid_dir: str) -> None:
     dist.all_reduce(t)
 
 
+def die_later(delay: float) -> None:
+    """Killed by SIGKILL after ``delay`` seconds (a rank whose exit a peer's raise overtakes)."""
+    time.sleep(delay)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def hang(rank: int, world: int, pid_dir: str) -> None:
     _pid(pid_dir, rank)
     time.sleep(600)

@@ -143,6 +143,21 @@ def test_blame_prefers_a_killed_rank_then_the_earliest_raise():
     assert str(err) == "rank 2 (pid 102) was killed by SIGKILL; stopped the other ranks (0, 1, 3)"
 
 
+def test_a_peer_that_exits_first_waits_for_the_killed_rank():
+    """A killed rank closes its sockets before it is reaped: the failure waits for its exit code, not blaming the
+    peer that saw the closed connection and exited first."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=jobs.die_later, args=(2.0,)), ctx.Process(target=sys.exit, args=(1,))]
+    for p in procs:
+        p.start()
+    procs[1].join()  # the peer has exited; the killed rank is (normally) still sleeping
+    codes = sp._settled_codes(procs, settle_s=60)
+    assert codes == [-signal.SIGKILL, 1] and sp._blame(codes, {1: (1, "RuntimeError: Connection reset", "")}) == 0
+    for p in procs:
+        p.join()
+
+
 def _raise(factory):
     try:
         factory()
