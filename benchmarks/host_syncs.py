@@ -72,7 +72,7 @@ def main(argv=None) -> int:
                                timeout_s=600)
         for rank, per_step in enumerate(rows[name]):
             print(f"{name:>14} rank {rank}: " + " | ".join(f"{sum(c.values())} {c}" for c in per_step))
-    path = write_json("host_syncs", {"root": args.root, "steps": args.steps, "rows": rows}, args.out)
+    path = write_json("host_syncs", {"root": "." if Path(args.root).resolve() == HERE.resolve() else args.root, "steps": args.steps, "rows": rows}, args.out)
     print(f"wrote {path}")
     return 0
 
