@@ -1,0 +1,285 @@
+"""Trainer overhead per step beside torch.distributed.pipelining driving the same model chunks (issue 34's goal).
+
+A launch-bound tiny GPT (the recipe's model, ``model.family`` default, tied embeddings: 4 layers, hidden 16, 2
+heads, 16 tokens, microbatches of 2 sequences, ``--microbatches`` of them) takes whole training steps on three
+engines at pp=1 (one process) and pp=2 (2 gloo ranks, 2 layers per stage):
+
+* ``pipecast``: :meth:`engine.Trainer.step_on_device` -- the trainer's whole step: zero grads, its schedule
+  (no pipelining / 1F1B), the gradient sync (tied-embedding sum over the two ends at pp=2), the global-norm clip,
+  the loss reduced on the device, the NaN / inf flag, fused AdamW, the LR schedule;
+* ``torch <Schedule>``: ``torch.distributed.pipelining``'s ``ScheduleGPipe`` / ``Schedule1F1B`` over
+  ``PipelineStage`` wrappers of chunks built by the same function with the same seed, then the same step by
+  hand (:func:`hand_step`: tied-embedding sum, global-norm clip, loss broadcast, fused AdamW, LR schedule);
+* ``compute``: the same chunks in a plain loop -- at pp=1 forward, loss, backward per microbatch; at pp=2 a
+  hand-written 1F1B (rank 0 forwards microbatch ``i+1`` before the backward of ``i``; plain ``isend`` / ``recv``
+  of each activation and input-gradient) -- then :func:`hand_step`.  It holds the chunks' compute and the
+  messages (and at pp=2 the pipeline's bubble, the same for all three), and as little else as a step can.
+
+Every engine reads its microbatches from the same data pipeline (the trainer's
+:class:`~engine.training.data.corpus.Batches`; torch's schedule gets them concatenated, as it splits the batch
+itself).  Overhead per step = engine step time - compute step time.  Each repeat is one fresh job per world size
+that builds every engine and steps them round-robin (shuffled per round, a barrier before each step; the
+step time is the maximum over ranks), so machine load falls on all alike; the figures are medians over repeats of
+each job's median step time.  Prints a table and writes ``benchmarks/results/trainer_overhead.json``.
+
+    python benchmarks/trainer_overhead.py                                  # full run (a few minutes on 2 cores)
+    python benchmarks/trainer_overhead.py --repeats 1 --steps 3 --warmup 1   # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import launch, median, round_robin, write_json  # noqa: E402
+
+MODEL = {"model.num_layers": 4, "model.hidden_size": 16, "model.num_attention_heads": 2, "model.seq_length": 16,
+         "training.micro_batch_size": 2, "data.max_bytes": 200_000}
+TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
+
+
+def trainer_config(pp: int, microbatches: int, run_dir: str):
+    from engine.training.config import load_config
+    return load_config(None, {**MODEL, "parallel.pipeline": pp, "training.num_microbatches": microbatches,
+                              "training.steps": 100_000, "training.eval_interval": 0, "checkpoint.interval": 0,
+                              "checkpoint.save_at_end": False, "logging.log_interval": 100_000,
+                              "logging.progress_bar": False, "logging.level": "WARNING", "logging.run_dir": run_dir})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+class HandParts:
+    """This rank's chunk built as the trainer builds it (same function and seed, no pipecast runtime attached), its
+    fused AdamW and LR schedule as the trainer's, and the trainer's data pipeline: each hand engine its own."""
+
+    def __init__(self, trainer, rank: int, pp: int, group):
+        import torch
+        from engine.training.models.chunk import build_model_chunks
+        from engine.training.trainer import lr_lambda
+        c = trainer.config
+        self.rank, self.pp, self.m, self.group = rank, pp, c.training.num_microbatches, group
+        self.chunk = build_model_chunks(c.model, c.ffn_hidden_size, pp, rank, 1, c.training.seed)[0]
+        params = [p for p in self.chunk.parameters()]
+        o = c.optimizer
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_lambda(step, o.lr, o.min_lr, o.warmup_steps, c.training.steps))
+        self.params, self.clip, self.batches, self.step_count = params, o.grad_clip, trainer.batches, 0
+        self.counted = [not getattr(p, "shared_embedding_copy", False) for p in params]
+        self.tied = next((p for p in params if getattr(p, "shared_embedding", False)), None)
+
+    def data(self) -> list[dict]:
+        self.step_count += 1
+        return list(self.batches.train(self.step_count - 1, True, True))
+
+
+def hand_step(h: HandParts, loss_sum):
+    """The end of a training step written with plain torch: tied-embedding gradient sum over the two ends, global
+    L2 norm (all-reduced over the pipeline) and clip, the loss broadcast from the last stage, AdamW, LR step."""
+    import torch
+    import torch.distributed as dist
+    if h.pp > 1 and h.tied is not None:
+        dist.all_reduce(h.tied.grad, group=h.group)
+    grads = [p.grad for p in h.params]
+    sq = torch.stack([torch.linalg.vector_norm(g) for g, c in zip(grads, h.counted) if c]).pow(2).sum()
+    if h.pp > 1:
+        dist.all_reduce(sq, group=h.group)
+    coef = torch.clamp(h.clip / (sq.sqrt() + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef)
+    if h.pp > 1:
+        dist.broadcast(loss_sum, src=h.pp - 1, group=h.group)
+    h.optimizer.step()
+    h.scheduler.step()
+    h.optimizer.zero_grad(set_to_none=True)
+    return loss_sum / h.m
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def build_pipecast(trainer, rank: int, pp: int):
+    def step():
+        trainer.step_on_device()
+    return step, lambda: trainer.read_pending()[-1]["loss"]  # read_pending: the host read, outside the timed step
+
+
+def build_compute(trainer, rank: int, pp: int, group):
+    """Plain loop (pp=1) or hand-written 1F1B with plain messages (pp=2, rank 0 first stage, rank 1 last)."""
+    import torch
+    import torch.distributed as dist
+    h = HandParts(trainer, rank, pp, group)
+    c = trainer.config
+    shape = (c.model.seq_length, c.training.micro_batch_size, c.model.hidden_size)
+
+    def step():
+        mbs, loss_sum, sends = h.data(), torch.zeros((), dtype=torch.float64), []
+        if pp == 1 or rank == 1:
+            for mb in mbs:
+                x = None
+                if pp > 1:
+                    x = torch.empty(shape)
+                    dist.recv(x, 0, group=group)
+                    x.requires_grad_()
+                    h.chunk.set_input_tensor(x)
+                loss = h.chunk(mb["tokens"] if pp == 1 else None, mb["labels"]).mean()
+                (loss / h.m).backward()
+                loss_sum += loss.detach()
+                if pp > 1:
+                    sends.append((x.grad, dist.isend(x.grad, 0, group=group)))
+        else:
+            outs = []
+
+            def forward(i):
+                outs.append(h.chunk(mbs[i]["tokens"]))
+                sends.append((outs[-1], dist.isend(outs[-1].detach(), 1, group=group)))
+
+            def backward(i):
+                g = torch.empty(shape)
+                dist.recv(g, 1, group=group)
+                outs[i].backward(g)
+            forward(0)
+            for i in range(1, h.m):
+                forward(i)
+                backward(i - 1)
+            backward(h.m - 1)
+        for _, work in sends:
+            work.wait()
+        return hand_step(h, loss_sum)
+    return step, None
+
+
+def build_torch(trainer, rank: int, pp: int, group, schedule: str):
+    """``torch.distributed.pipelining``: one ``PipelineStage`` per rank around this rank's chunk, ``schedule``;
+    loss: mean cross entropy of the last stage's logits (the chunk's own loss, from its logits)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, schedules
+    h = HandParts(trainer, rank, pp, group)
+
+    class Stage(nn.Module):  # torch's stage calling convention: tokens in on stage 0, activations elsewhere
+        def __init__(self, chunk):
+            super().__init__()
+            self.chunk = chunk
+
+        def forward(self, x):
+            if self.chunk.is_first:
+                return self.chunk(x)
+            self.chunk.set_input_tensor(x)
+            return self.chunk()
+
+    def loss_fn(logits, labels):  # [s, b, V], [b, s]
+        s, b, v = logits.shape
+        return F.cross_entropy(logits.float().reshape(s * b, v), labels.t().reshape(s * b))
+
+    stage = PipelineStage(Stage(h.chunk), rank, pp, torch.device("cpu"), group=group)
+    sched = getattr(schedules, schedule)(stage, h.m, loss_fn=loss_fn)
+    first, last = rank == 0, rank == pp - 1
+
+    def step():
+        mbs = h.data()
+        losses = [] if last else None
+        tokens = torch.cat([mb["tokens"] for mb in mbs]) if first else None
+        labels = torch.cat([mb["labels"] for mb in mbs]) if last else None
+        sched.step(*((tokens,) if first else ()), target=labels, losses=losses)
+        loss_sum = torch.stack(losses).detach().sum().double() if last else torch.zeros((), dtype=torch.float64)
+        return hand_step(h, loss_sum)
+    return step, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def job(rank: int, world: int, microbatches: int, warmup: int, steps: int, seed: int) -> dict:
+    """Build the engines of this world size (pp = world) and step them round-robin; returns each engine's step
+    times (s, maximum over ranks)."""
+    import torch.distributed as dist
+    from engine import Trainer
+    from engine.runtime import gloo_io
+    group = None
+    if world > 1:  # the hand engines' messages: a gloo group whose I/O thread is reniced as pipecast's pipeline group's
+        with gloo_io.lowered_io_priority(gloo_io.default_nice()):
+            group = dist.new_group(list(range(world)), backend="gloo")
+    with tempfile.TemporaryDirectory() as run_dir, Trainer(trainer_config(world, microbatches, run_dir)) as trainer:
+        engines = {"compute": build_compute(trainer, rank, world, group),
+                   "pipecast": build_pipecast(trainer, rank, world)}
+        engines |= {f"torch {s}": build_torch(trainer, rank, world, group, s) for s in TORCH_SCHEDULES}
+        first_loss = {}
+        for label, (step, read) in engines.items():  # the first step: untimed; same init and data -> same loss
+            loss = step()
+            first_loss[label] = float(read() if read is not None else loss)
+        times = round_robin({k: s for k, (s, _) in engines.items()}, warmup, steps, seed,
+                            after_round=[a for _, a in engines.values() if a is not None])
+        return {"times": times, "first_loss": first_loss}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
+    ap.add_argument("--repeats", type=int, default=3, help="fresh jobs per world size (default 3)")
+    ap.add_argument("--steps", type=int, default=30, help="timed rounds per job (default 30)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed rounds per job (default 5)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/trainer_overhead.json)")
+    args = ap.parse_args(argv)
+    runs: dict[tuple[int, str], list[float]] = {}
+    losses: dict[tuple[int, str], float] = {}
+    for rep in range(args.repeats):
+        for pp in (1, 2):
+            res = launch(job, pp, args.microbatches, args.warmup, args.steps, rep)[0]
+            times = res["times"]
+            for label, ts in times.items():
+                runs.setdefault((pp, label), []).append(median(ts))
+                losses[(pp, label)] = res["first_loss"][label]
+            print(f"  repeat {rep + 1}/{args.repeats} pp={pp}: " + ", ".join(
+                f"{label} {median(ts) * 1e3:.2f}" for label, ts in times.items()) + " ms", flush=True)
+    rows = []
+    for pp in (1, 2):
+        compute = runs[(pp, "compute")]
+        for (p, label), ts in runs.items():
+            if p != pp:
+                continue
+            loss, ref = losses[(pp, label)], losses[(pp, "compute")]
+            row = {"pp": pp, "engine": label, "step_ms": median(ts) * 1e3, "repeats_ms": [t * 1e3 for t in ts],
+                   "first_step_loss": loss, "loss_matches": abs(loss - ref) <= 1e-5 * abs(ref)}
+            if label != "compute":
+                row["overhead_ms"] = median([t - c for t, c in zip(ts, compute)]) * 1e3
+            rows.append(row)
+    goals = _goals(rows)
+    _print(rows, goals)
+    path = write_json("trainer_overhead", {"model": MODEL, "microbatches": args.microbatches,
+                                           "repeats": args.repeats, "steps": args.steps, "warmup": args.warmup,
+                                           "design": "round-robin steps of all engines in each fresh job; overhead ="
+                                                     " step - compute step (same job), median over repeats",
+                                           "rows": rows, "goals": goals}, args.out)
+    print(f"wrote {path}")
+    return 0 if all(r["loss_matches"] for r in rows) else 1
+
+
+def _goals(rows: list[dict]) -> list[dict]:
+    """pipecast's overhead / each torch schedule's, per pp; the goal: at most 0.5."""
+    goals = []
+    for pp in (1, 2):
+        ours = next(r for r in rows if r["pp"] == pp and r["engine"] == "pipecast")["overhead_ms"]
+        for r in rows:
+            if r["pp"] == pp and r["engine"].startswith("torch"):
+                ratio = ours / r["overhead_ms"]
+                goals.append({"goal": f"pp={pp}: pipecast overhead / {r['engine']} overhead <= 0.5",
+                              "value": ratio, "met": 0 <= ratio <= 0.5})
+    return goals
+
+
+def _print(rows: list[dict], goals: list[dict]) -> None:
+    print(f"\n{'pp':>2} {'engine':<22} {'step ms':>8} {'overhead ms':>12} {'first loss':>11}  repeats (ms)")
+    for r in rows:
+        ov = r.get("overhead_ms")
+        print(f"{r['pp']:>2} {r['engine']:<22} {r['step_ms']:8.3f} {'' if ov is None else f'{ov:12.3f}':>12} "
+              f"{r['first_step_loss']:11.6f}{'' if r['loss_matches'] else ' MISMATCH'}  "
+              + " ".join(f"{t:.2f}" for t in r["repeats_ms"]))
+    for g in goals:
+        print(f"goal {g['goal']:<60} {g['value']:.3f} {'met' if g['met'] else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
