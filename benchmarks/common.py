@@ -143,30 +143,35 @@ def timed_steps(step, warmup: int, steps: int, group=None) -> list[float]:
     return times
 
 
-def round_robin(steps_by_label: dict, warmup: int, steps: int, seed: int, after_round=()) -> dict[str, list[float]]:
+def round_robin(steps_by_label: dict, warmup: int, steps: int, seed: int, after_round=()) -> dict[str, dict]:
     """Run each engine's ``step()`` once per round, ``warmup + steps`` rounds, in a shuffled order per round (a
     barrier before each step), so that load from elsewhere on the machine falls on all engines alike; then call each
-    of ``after_round`` (untimed).  Returns ``{label: [timed step durations (s)]}``, each the maximum over ranks (a
-    step ends when its last rank is done).  Collective when ``torch.distributed`` is initialised."""
+    of ``after_round`` (untimed).  Returns ``{label: {"wall": [s], "cpu": [s]}}`` per timed step: the wall time
+    and the process's CPU time (``time.process_time``: every thread of the process, so a runtime's helper threads
+    count too), each the maximum over ranks (a step ends when its last rank is done).  Collective when
+    ``torch.distributed`` is initialised."""
     import random
     order = list(steps_by_label)
-    times: dict[str, list[float]] = {label: [] for label in order}
+    times = {label: {"wall": [], "cpu": []} for label in order}
     rng = random.Random(seed)
     for i in range(warmup + steps):
         rng.shuffle(order)
         for label in order:
             if dist.is_initialized():
                 dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             steps_by_label[label]()
             if i >= warmup:
-                times[label].append(time.perf_counter() - t0)
+                times[label]["wall"].append(time.perf_counter() - t0)
+                times[label]["cpu"].append(time.process_time() - c0)
         for fn in after_round:
             fn()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        flat = torch.tensor([t for label in steps_by_label for t in times[label]], dtype=torch.float64)
+        flat = torch.tensor([times[label][k] for label in steps_by_label for k in ("wall", "cpu")],
+                            dtype=torch.float64)
         dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-        times = dict(zip(steps_by_label, flat.view(len(steps_by_label), steps).tolist()))
+        for label, (wall, cpu) in zip(steps_by_label, flat.view(len(steps_by_label), 2, steps).tolist()):
+            times[label] = {"wall": wall, "cpu": cpu}
     return times
 
 
