@@ -10,14 +10,18 @@ engines at pp=1 (one process) and pp=2 (2 gloo ranks, 2 layers per stage):
 * ``torch <Schedule>``: ``torch.distributed.pipelining``'s ``ScheduleGPipe`` / ``Schedule1F1B`` over
   ``PipelineStage`` wrappers of chunks built by the same function with the same seed, then the same step by
   hand (:func:`hand_step`: tied-embedding sum, global-norm clip, loss broadcast, fused AdamW, LR schedule);
-* ``compute``: the same chunks in a plain loop -- at pp=1 forward, loss, backward per microbatch; at pp=2 a
-  hand-written 1F1B (rank 0 forwards microbatch ``i+1`` before the backward of ``i``; plain ``isend`` / ``recv``
-  of each activation and input-gradient) -- then :func:`hand_step`.  It holds the chunks' compute and the
-  messages (and at pp=2 the pipeline's bubble, the same for all three), and as little else as a step can.
+* ``compute 1F1B`` / ``compute GPipe``: the same chunks in a plain loop of the forward and backward passes in
+  1F1B order (at pp=1: forward, loss, backward per microbatch; at pp=2 rank 0 forwards microbatch ``i+1`` before
+  the backward of ``i``) or GPipe order (every forward, then every backward), at pp=2 with a plain ``isend`` /
+  ``recv`` of each activation and input-gradient, then :func:`hand_step`.  It holds the chunks' compute and the
+  messages (at pp=2 also the bubble and the message latency on the order's critical path), and as little else as
+  a step can; each engine is set against the loop of its own order (pipecast's pp=2 schedule is 1F1B).
 
 Every engine reads its microbatches from the same data pipeline (the trainer's
 :class:`~engine.training.data.corpus.Batches`; torch's schedule gets them concatenated, as it splits the batch
-itself).  Overhead per step = engine step time - compute step time.  Each repeat is one fresh job per world size
+itself).  Overhead per step = engine step - compute step (its order), in wall time and in the process's CPU time (all
+threads): on a launch-bound model the host's time is what the device waits for, and at pp=2 on a shared machine
+the wall time also carries the message latency.  Each repeat is one fresh job per world size
 that builds every engine and steps them round-robin (shuffled per round, a barrier before each step; the
 step time is the maximum over ranks), so machine load falls on all alike; the figures are medians over repeats of
 each job's median step time.  Prints a table and writes ``benchmarks/results/trainer_overhead.json``.
@@ -107,45 +111,55 @@ def build_pipecast(trainer, rank: int, pp: int):
     return step, lambda: trainer.read_pending()[-1]["loss"]  # read_pending: the host read, outside the timed step
 
 
-def build_compute(trainer, rank: int, pp: int, group):
-    """Plain loop (pp=1) or hand-written 1F1B with plain messages (pp=2, rank 0 first stage, rank 1 last)."""
+def pass_order(order: str, rank: int, pp: int, m: int) -> list[tuple[str, int]]:
+    """This rank's forward ("F") / backward ("B") passes in ``order``: ``GPipe`` every forward then every
+    backward; ``1F1B`` one backward after each forward on the last stage, and on the first stage of two the
+    forward of microbatch ``i+1`` before the backward of ``i`` (its one warmup forward)."""
+    if order == "GPipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    if rank == pp - 1:
+        return [p for i in range(m) for p in (("F", i), ("B", i))]
+    return [("F", 0)] + [p for i in range(1, m) for p in (("F", i), ("B", i - 1))] + [("B", m - 1)]
+
+
+def build_compute(trainer, rank: int, pp: int, group, order: str):
+    """The same chunks in a plain loop of ``order``'s passes (:func:`pass_order`), at pp=2 with a plain ``isend`` /
+    ``recv`` of each activation and input-gradient (rank 0 first stage, rank 1 last), then :func:`hand_step`."""
     import torch
     import torch.distributed as dist
     h = HandParts(trainer, rank, pp, group)
     c = trainer.config
     shape = (c.model.seq_length, c.training.micro_batch_size, c.model.hidden_size)
+    passes = pass_order(order, rank, pp, h.m)
+    first, last = rank == 0, rank == pp - 1
 
     def step():
-        mbs, loss_sum, sends = h.data(), torch.zeros((), dtype=torch.float64), []
-        if pp == 1 or rank == 1:
-            for mb in mbs:
+        mbs, sends, kept = h.data(), [], {}
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for kind, i in passes:
+            if kind == "F":
                 x = None
-                if pp > 1:
+                if not first:
                     x = torch.empty(shape)
                     dist.recv(x, 0, group=group)
-                    x.requires_grad_()
-                    h.chunk.set_input_tensor(x)
-                loss = h.chunk(mb["tokens"] if pp == 1 else None, mb["labels"]).mean()
-                (loss / h.m).backward()
-                loss_sum += loss.detach()
-                if pp > 1:
+                    h.chunk.set_input_tensor(x.requires_grad_())
+                y = h.chunk(mbs[i]["tokens"] if first else None, mbs[i]["labels"] if last else None)
+                if last:
+                    y = y.mean()
+                    loss_sum += y.detach()
+                else:
+                    sends.append((y, dist.isend(y.detach(), 1, group=group)))
+                kept[i] = (x, y)
+            else:
+                x, y = kept.pop(i)
+                if last:
+                    (y / h.m).backward()
+                else:
+                    g = torch.empty(shape)
+                    dist.recv(g, 1, group=group)
+                    y.backward(g)
+                if not first:
                     sends.append((x.grad, dist.isend(x.grad, 0, group=group)))
-        else:
-            outs = []
-
-            def forward(i):
-                outs.append(h.chunk(mbs[i]["tokens"]))
-                sends.append((outs[-1], dist.isend(outs[-1].detach(), 1, group=group)))
-
-            def backward(i):
-                g = torch.empty(shape)
-                dist.recv(g, 1, group=group)
-                outs[i].backward(g)
-            forward(0)
-            for i in range(1, h.m):
-                forward(i)
-                backward(i - 1)
-            backward(h.m - 1)
         for _, work in sends:
             work.wait()
         return hand_step(h, loss_sum)
@@ -203,8 +217,8 @@ def job(rank: int, world: int, microbatches: int, warmup: int, steps: int, seed:
         with gloo_io.lowered_io_priority(gloo_io.default_nice()):
             group = dist.new_group(list(range(world)), backend="gloo")
     with tempfile.TemporaryDirectory() as run_dir, Trainer(trainer_config(world, microbatches, run_dir)) as trainer:
-        engines = {"compute": build_compute(trainer, rank, world, group),
-                   "pipecast": build_pipecast(trainer, rank, world)}
+        engines = {f"compute {o}": build_compute(trainer, rank, world, group, o) for o in ("1F1B", "GPipe")}
+        engines["pipecast"] = build_pipecast(trainer, rank, world)
         engines |= {f"torch {s}": build_torch(trainer, rank, world, group, s) for s in TORCH_SCHEDULES}
         first_loss = {}
         for label, (step, read) in engines.items():  # the first step: untimed; same init and data -> same loss
@@ -250,18 +264,20 @@ def main(argv=None) -> int:
 
 
 CLOCKS = ("wall", "cpu")
+REFERENCE = {"pipecast": "compute 1F1B", "torch Schedule1F1B": "compute 1F1B", "torch ScheduleGPipe": "compute GPipe"}
+"""Each engine's compute loop: the one with its order of passes (pipecast's pp=2 schedule is 1F1B)."""
 
 
 def _row(pp: int, label: str, runs: dict, losses: dict) -> dict:
     """One engine's figures: per clock the median step (ms) and, beside the compute loop of the same jobs, the
     median over jobs of the difference (the overhead per step)."""
-    loss, ref = losses[(pp, label)], losses[(pp, "compute")]
-    row = {"pp": pp, "engine": label, "first_step_loss": loss, "loss_matches": abs(loss - ref) <= 1e-5 * abs(ref)}
+    loss, ref = losses[(pp, label)], losses[(pp, "compute 1F1B")]
+    row = {"pp": pp, "engine": label, "reference": REFERENCE.get(label), "first_step_loss": loss, "loss_matches": abs(loss - ref) <= 1e-5 * abs(ref)}
     for clock in CLOCKS:
-        ts, compute = runs[(pp, label)][clock], runs[(pp, "compute")][clock]
+        ts, compute = runs[(pp, label)][clock], runs[(pp, REFERENCE.get(label, label))][clock]
         row[f"{clock}_ms"] = median(ts) * 1e3
         row[f"{clock}_repeats_ms"] = [t * 1e3 for t in ts]
-        if label != "compute":
+        if label in REFERENCE:
             row[f"{clock}_overhead_ms"] = median([t - c for t, c in zip(ts, compute)]) * 1e3
     return row
 
