@@ -13,7 +13,7 @@ engines at pp=1 (one process) and pp=2 (2 gloo ranks, 2 layers per stage):
 * ``compute 1F1B`` / ``compute GPipe``: the same chunks in a plain loop of the forward and backward passes in
   1F1B order (at pp=1: forward, loss, backward per microbatch; at pp=2 rank 0 forwards microbatch ``i+1`` before
   the backward of ``i``) or GPipe order (every forward, then every backward), at pp=2 with a plain ``isend`` /
-  ``recv`` of each activation and input-gradient, then :func:`hand_step`.  It holds the chunks' compute and the
+  ``irecv`` of each activation and input-gradient (every receive posted at the start of the step), then :func:`hand_step`.  It holds the chunks' compute and the
   messages (at pp=2 also the bubble and the message latency on the order's critical path), and as little else as
   a step can; each engine is set against the loop of its own order (pipecast's pp=2 schedule is 1F1B).
 
@@ -124,7 +124,8 @@ def pass_order(order: str, rank: int, pp: int, m: int) -> list[tuple[str, int]]:
 
 def build_compute(trainer, rank: int, pp: int, group, order: str):
     """The same chunks in a plain loop of ``order``'s passes (:func:`pass_order`), at pp=2 with a plain ``isend`` /
-    ``recv`` of each activation and input-gradient (rank 0 first stage, rank 1 last), then :func:`hand_step`."""
+    ``irecv`` of each activation and input-gradient (rank 0 first stage, rank 1 last; every receive posted at the
+    start of the step), then :func:`hand_step`."""
     import torch
     import torch.distributed as dist
     h = HandParts(trainer, rank, pp, group)
@@ -136,12 +137,16 @@ def build_compute(trainer, rank: int, pp: int, group, order: str):
     def step():
         mbs, sends, kept = h.data(), [], {}
         loss_sum = torch.zeros((), dtype=torch.float64)
+        # every receive of the step posted at its start (gloo matches them in order: both orders send in microbatch
+        # order), so no message waits for its receive to be posted
+        recvs = [] if pp == 1 else [(b, dist.irecv(b, 1 - rank, group=group))
+                                    for b in (torch.empty(shape) for _ in range(h.m))]
         for kind, i in passes:
             if kind == "F":
                 x = None
                 if not first:
-                    x = torch.empty(shape)
-                    dist.recv(x, 0, group=group)
+                    x, work = recvs[i]
+                    work.wait()
                     h.chunk.set_input_tensor(x.requires_grad_())
                 y = h.chunk(mbs[i]["tokens"] if first else None, mbs[i]["labels"] if last else None)
                 if last:
@@ -155,8 +160,8 @@ def build_compute(trainer, rank: int, pp: int, group, order: str):
                 if last:
                     (y / h.m).backward()
                 else:
-                    g = torch.empty(shape)
-                    dist.recv(g, 1, group=group)
+                    g, work = recvs[i]
+                    work.wait()
                     y.backward(g)
                 if not first:
                     sends.append((x.grad, dist.isend(x.grad, 0, group=group)))
