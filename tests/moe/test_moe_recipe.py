@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from engine.training.config import ConfigError, load_config, validate_world_size
 from tests.helpers.distributed import run_ranks
 from tests.training.models.test_llama_reference import _rms, attention_residual
-from tests.training.test_trainer_reference import _array, _record_grads, _record_inputs, global_batch, max_rel_error
+from tests.training.test_trainer_reference import (
+    _array, _record_grads, _record_inputs, global_batch, max_rel_error, recorded_leaves)
 
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "moe_pp2_ep2.yaml"
 STEPS = 3  # the 4-rank run; the pp1 run does 2
@@ -144,11 +145,7 @@ def reference_objective(p: dict, tokens, labels):
 
 def reference(per_rank: list, step: int):
     """``(cross-entropy, {name: grad}, tokens per expert)`` at ``step`` from the parameters the ranks recorded."""
-    params = {}
-    for s in per_rank:
-        for name, (value, _) in s[step]["params"].items():
-            params.setdefault(name, value)
-    leaves = {n: torch.from_numpy(v).clone().requires_grad_() for n, v in params.items()}
+    leaves = recorded_leaves(per_rank, step)
     tokens, labels = global_batch(per_rank, step)
     objective, ce, counts = reference_objective(leaves, tokens, labels)
     return ce.item(), dict(zip(leaves, torch.autograd.grad(objective, list(leaves.values())))), counts

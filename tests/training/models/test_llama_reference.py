@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from engine.training.config import load_config
 from tests.helpers.distributed import run_ranks
-from tests.training.test_trainer_reference import _record_grads, _record_inputs, global_batch, max_rel_error
+from tests.training.test_trainer_reference import (
+    _record_grads, _record_inputs, global_batch, max_rel_error, recorded_leaves)
 
 pytestmark = pytest.mark.slow  # one 2-rank job of eight short trainer runs
 
@@ -140,11 +141,7 @@ def reference_loss(p: dict, tokens, labels):
 
 
 def _reference(per_rank: list, step: int):
-    params = {}
-    for s in per_rank:
-        for name, (value, _) in s[step]["params"].items():
-            params.setdefault(name, value)
-    leaves = {n: torch.from_numpy(v).clone().requires_grad_() for n, v in params.items()}
+    leaves = recorded_leaves(per_rank, step)
     tokens, labels = global_batch(per_rank, step)
     loss = reference_loss(leaves, tokens, labels)
     return loss.item(), dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
