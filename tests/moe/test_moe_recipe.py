@@ -17,7 +17,6 @@ parameters and its step-3 gradients and updated parameters equal the E=2 run's.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -26,8 +25,9 @@ import torch.nn.functional as F
 
 from engine.training.config import ConfigError, load_config, validate_world_size
 from tests.helpers.distributed import run_ranks
-from tests.training.models.test_llama_reference import _rms, _rotate
-from tests.training.test_trainer_reference import _array, _record_grads, _record_inputs, global_batch, max_rel_error
+from tests.training.models.test_llama_reference import _rms, attention_residual
+from tests.training.test_trainer_reference import (
+    _array, _record_grads, _record_inputs, global_batch, max_rel_error, recorded_leaves)
 
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "moe_pp2_ep2.yaml"
 STEPS = 3  # the 4-rank run; the pp1 run does 2
@@ -104,23 +104,6 @@ def _job(rank, world, run_dir) -> dict:
 
 # ---- the independent reference ------------------------------------------------------------------------------------
 
-def _attention(x, p, i):
-    def w(name):
-        return p[f"layers.{i}.{name}"]
-    b, s, h = x.shape
-    heads, groups = MODEL["num_attention_heads"], MODEL["num_query_groups"]
-    d = h // heads
-    y = _rms(x, w("input_layernorm.weight"))
-    q = (y @ w("self_attn.q_proj.weight").t()).view(b, s, heads, d).transpose(1, 2)
-    k = (y @ w("self_attn.k_proj.weight").t()).view(b, s, groups, d).transpose(1, 2)
-    v = (y @ w("self_attn.v_proj.weight").t()).view(b, s, groups, d).transpose(1, 2)
-    q, k = _rotate(q, THETA), _rotate(k, THETA)
-    k, v = k.repeat_interleave(heads // groups, dim=1), v.repeat_interleave(heads // groups, dim=1)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
-    attn = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf")).softmax(-1) @ v
-    return x + attn.transpose(1, 2).reshape(b, s, h) @ w("self_attn.o_proj.weight").t()
-
-
 def _experts(y, p, i):
     """``(out [n, h], aux, tokens per expert)`` of layer ``i``'s mixture of experts on the tokens ``y`` ``[n, h]``
     of one microbatch."""
@@ -149,7 +132,7 @@ def reference_objective(p: dict, tokens, labels):
     n, s, h = x.shape
     aux, per_expert = 0.0, []
     for i in range(MODEL["num_layers"]):
-        x = _attention(x, p, i)
+        x = attention_residual(x, p, i, MODEL, THETA)
         y = _rms(x, p[f"layers.{i}.post_attention_layernorm.weight"]).reshape(n // MBS, MBS * s, h)
         parts = [_experts(mb, p, i) for mb in y]
         x = x + torch.stack([o for o, _, _ in parts]).reshape(n, s, h)
@@ -162,11 +145,7 @@ def reference_objective(p: dict, tokens, labels):
 
 def reference(per_rank: list, step: int):
     """``(cross-entropy, {name: grad}, tokens per expert)`` at ``step`` from the parameters the ranks recorded."""
-    params = {}
-    for s in per_rank:
-        for name, (value, _) in s[step]["params"].items():
-            params.setdefault(name, value)
-    leaves = {n: torch.from_numpy(v).clone().requires_grad_() for n, v in params.items()}
+    leaves = recorded_leaves(per_rank, step)
     tokens, labels = global_batch(per_rank, step)
     objective, ce, counts = reference_objective(leaves, tokens, labels)
     return ce.item(), dict(zip(leaves, torch.autograd.grad(objective, list(leaves.values())))), counts

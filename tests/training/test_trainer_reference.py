@@ -150,13 +150,19 @@ def global_batch(per_rank_steps: list, step: int) -> tuple[torch.Tensor, torch.T
     return torch.cat([tokens[d] for d in sorted(tokens)]), torch.cat([labels[d] for d in sorted(labels)])
 
 
-def reference_grads(per_rank_steps: list, step: int):
-    """``(loss, {name: grad}, tokens)`` of the reference at ``step``, from the parameters the ranks recorded."""
+def recorded_leaves(per_rank_steps: list, step: int) -> dict:
+    """``{name: leaf tensor}``: the full parameters the ranks recorded at ``step`` (each name from its first
+    holder), as fresh autograd leaves for a reference."""
     params = {}
     for s in per_rank_steps:
         for name, (value, _) in s[step]["params"].items():
             params.setdefault(name, value)
-    leaves = {n: torch.from_numpy(v).clone().requires_grad_() for n, v in params.items()}
+    return {n: torch.from_numpy(v).clone().requires_grad_() for n, v in params.items()}
+
+
+def reference_grads(per_rank_steps: list, step: int):
+    """``(loss, {name: grad}, tokens)`` of the reference at ``step``, from the parameters the ranks recorded."""
+    leaves = recorded_leaves(per_rank_steps, step)
     tokens, labels = global_batch(per_rank_steps, step)
     loss = reference_loss(leaves, tokens, labels)
     grads = torch.autograd.grad(loss, list(leaves.values()))

@@ -70,14 +70,18 @@ def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, pipeline_
     if device is None:
         device = local(grads[0]).device if grads else torch.device("cpu")
     experts = [False] * len(grads) if experts is None else list(experts)
-    parts: dict[tuple, list[torch.Tensor]] = {}
+    # ZeRO-1's members hold different pieces, so one may hold no counted piece (only the tied-embedding copy, or
+    # nothing): the shard group's all-reduce is issued whatever this rank holds
+    parts: dict[tuple, list[torch.Tensor]] = {} if shard_group is None else {(shard_group,): []}
     for g, c, e in zip(grads, counted, experts):
+        over = _sharded_over(g, shard_group) + ((expert_group,) if e and expert_group is not None else ())
+        tensors = parts.setdefault(over, [])
         if c:
-            over = _sharded_over(g, shard_group) + ((expert_group,) if e and expert_group is not None else ())
-            parts.setdefault(over, []).append(local(g))
+            tensors.append(local(g))
     total = torch.zeros((), dtype=torch.float32, device=device)
     for groups, tensors in parts.items():
-        sq = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]).pow(2).sum()
+        sq = (torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]).pow(2).sum()
+              if tensors else torch.zeros((), dtype=torch.float32, device=device))
         for group in groups:
             if group_size(group) > 1:
                 dist.all_reduce(sq, group=group)

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from engine.training.config import load_config
 from tests.helpers.distributed import run_ranks
-from tests.training.test_trainer_reference import _record_grads, _record_inputs, global_batch, max_rel_error
+from tests.training.test_trainer_reference import (
+    _record_grads, _record_inputs, global_batch, max_rel_error, recorded_leaves)
 
 pytestmark = pytest.mark.slow  # one 2-rank job of eight short trainer runs
 
@@ -101,22 +102,30 @@ def _rotate(x, theta: float):
     return torch.cat([a * c - b * s, a * s + b * c], dim=-1)
 
 
-def _block(x, p: dict, i: int):
+def attention_residual(x, p: dict, i: int, model: dict, theta: float):
+    """``x + attention(rms(x))`` of layer ``i`` (grouped-query, rotary, causal) from the parameters ``p``;
+    ``x`` ``[b, s, h]``."""
     def w(name):
         return p[f"layers.{i}.{name}"]
     b, s, h = x.shape
-    heads, groups = MODEL["num_attention_heads"], MODEL["num_query_groups"]
+    heads, groups = model["num_attention_heads"], model["num_query_groups"]
     d = h // heads
     y = _rms(x, w("input_layernorm.weight"))
     q = (y @ w("self_attn.q_proj.weight").t()).view(b, s, heads, d).transpose(1, 2)
     k = (y @ w("self_attn.k_proj.weight").t()).view(b, s, groups, d).transpose(1, 2)
     v = (y @ w("self_attn.v_proj.weight").t()).view(b, s, groups, d).transpose(1, 2)
-    q, k = _rotate(q, THETA), _rotate(k, THETA)
+    q, k = _rotate(q, theta), _rotate(k, theta)
     k, v = k.repeat_interleave(heads // groups, dim=1), v.repeat_interleave(heads // groups, dim=1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(d)
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     attn = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
-    x = x + attn.transpose(1, 2).reshape(b, s, h) @ w("self_attn.o_proj.weight").t()
+    return x + attn.transpose(1, 2).reshape(b, s, h) @ w("self_attn.o_proj.weight").t()
+
+
+def _block(x, p: dict, i: int):
+    def w(name):
+        return p[f"layers.{i}.{name}"]
+    x = attention_residual(x, p, i, MODEL, THETA)
     y = _rms(x, w("post_attention_layernorm.weight"))
     gate, up = y @ w("mlp.gate_proj.weight").t(), y @ w("mlp.up_proj.weight").t()
     return x + (gate * torch.sigmoid(gate) * up) @ w("mlp.down_proj.weight").t()
@@ -132,11 +141,7 @@ def reference_loss(p: dict, tokens, labels):
 
 
 def _reference(per_rank: list, step: int):
-    params = {}
-    for s in per_rank:
-        for name, (value, _) in s[step]["params"].items():
-            params.setdefault(name, value)
-    leaves = {n: torch.from_numpy(v).clone().requires_grad_() for n, v in params.items()}
+    leaves = recorded_leaves(per_rank, step)
     tokens, labels = global_batch(per_rank, step)
     loss = reference_loss(leaves, tokens, labels)
     return loss.item(), dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))

@@ -80,13 +80,19 @@ def _job(rank: int, world: int) -> dict:
     out = {"stage": stage, "tp_rank": tp_rank,
            "dtensor": _dtensor_case(full, counted, pg, device_mesh(pg)["tp"]),
            "pieces": _pieces_case(full, counted, pg, tp_rank)}
+    # ZeRO-1-like pieces split so that the last stage's tp rank 1 holds only the tied copy (no counted piece): it
+    # must still join the shard group's reduction (it skipped it, and the ranks hung / aborted)
+    lopsided = [t.clone() for n, t in full.items() if (n == "tied") == (tp_rank == 1)]
+    out["lopsided"] = {"norm": clip_grad_norm_(lopsided, MAX_NORM, pipeline_group=pg.pp, shard_group=pg.tp,
+                                               counted=[c for n, c in zip(full, counted)
+                                                        if (n == "tied") == (tp_rank == 1)])}
     plain = {n: t.clone() for n, t in full.items()}
     out["plain"] = {"norm": clip_grad_norm_(list(plain.values()), MAX_NORM, pipeline_group=pg.pp, counted=counted),
                     "grads": {n: g.numpy() for n, g in plain.items()}}
     untouched = {n: t.clone() for n, t in full.items()}
     out["no_clip"] = {"norm": clip_grad_norm_(list(untouched.values()), 0.0, pipeline_group=pg.pp, counted=counted),
                       "unchanged": all(torch.equal(untouched[n], full[n]) for n in full)}
-    for case in ("dtensor", "pieces", "plain", "no_clip"):
+    for case in ("dtensor", "pieces", "lopsided", "plain", "no_clip"):
         norm = out[case]["norm"]
         out[case]["norm"] = (float(norm), isinstance(norm, torch.Tensor) and norm.dim() == 0, norm.dtype)
     pg.destroy()
@@ -108,7 +114,7 @@ def test_one_clip_for_dtensor_sharded_and_plain_gradients():
     assert norm > 2 * MAX_NORM  # the clip scales
     for r in run_ranks(_job, 4, timeout=200):
         where = f"stage {r['stage']} tp rank {r['tp_rank']}"
-        for case in ("dtensor", "pieces", "plain", "no_clip"):
+        for case in ("dtensor", "pieces", "lopsided", "plain", "no_clip"):
             value, is_tensor, dtype = r[case]["norm"]
             assert is_tensor and dtype == torch.float32, (where, case)
             assert value == pytest.approx(norm, rel=1e-6), (where, case)
