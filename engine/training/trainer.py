@@ -326,7 +326,8 @@ class Trainer:
         self._maybe_capture_graphs()
         self._figures.start()
         for chunk in self.model:
-            chunk.train()
+            if not chunk.training:  # after an evaluation (a walk over every module: not every step)
+                chunk.train()
         self.optimizer.zero_grad(set_to_none=True)
         if self.router_metrics is not None:
             self.router_metrics.reset()

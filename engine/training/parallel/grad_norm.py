@@ -80,8 +80,8 @@ def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, pipeline_
             tensors.append(local(g))
     total = torch.zeros((), dtype=torch.float32, device=device)
     for groups, tensors in parts.items():
-        sq = (torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]).pow(2).sum()
-              if tensors else torch.zeros((), dtype=torch.float32, device=device))
+        sq = (torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).pow(2).sum() if tensors else
+              torch.zeros((), dtype=torch.float32, device=device))
         for group in groups:
             if group_size(group) > 1:
                 dist.all_reduce(sq, group=group)
@@ -91,7 +91,7 @@ def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, pipeline_
     norm = total.sqrt()
     if max_norm > 0 and grads:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            shard = local(g)
-            shard.mul_(coef if coef.device == shard.device else coef.to(shard.device))
+        shards = [local(g) for g in grads]
+        for dev in {s.device for s in shards}:  # one fused multiply per device
+            torch._foreach_mul_([s for s in shards if s.device == dev], coef.to(dev))
     return norm

@@ -123,6 +123,7 @@ class Parallelism:
         self.chunks: list[nn.Module] = []
         self.state_chunks: list[nn.Module] = []
         self.masters = None  # precision.MasterWeights under bf16 without FSDP2
+        self._clip_params: tuple | None = None  # (parameters, counted, experts): fixed once the optimizer exists
         self.grad_sync: GradSync | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         if parallel.shard != self.shard:
@@ -217,11 +218,15 @@ class Parallelism:
             grads, counted = self.optimizer.shard_grads()
             return clip_grad_norm_(grads, max_norm, counted=counted, pipeline_group=self.pg.pp,
                                    shard_group=self.pg.dp, device=self.device)
-        from ...moe import is_expert_parameter
-        params = [p for p in self.parameters() if p.grad is not None]
-        return clip_grad_norm_([p.grad for p in params], max_norm, pipeline_group=self.pg.pp, device=self.device,
-                               counted=[not getattr(p, "shared_embedding_copy", False) for p in params],
-                               experts=[is_expert_parameter(p) for p in params],
+        if self._clip_params is None:
+            from ...moe import is_expert_parameter
+            params = self.parameters()
+            self._clip_params = (params, [not getattr(p, "shared_embedding_copy", False) for p in params],
+                                 [is_expert_parameter(p) for p in params])
+        params, counted, experts = self._clip_params
+        have = [i for i, p in enumerate(params) if p.grad is not None]
+        return clip_grad_norm_([params[i].grad for i in have], max_norm, pipeline_group=self.pg.pp, device=self.device,
+                               counted=[counted[i] for i in have], experts=[experts[i] for i in have],
                                expert_group=self.pg.ep if self.expert > 1 else None)
 
     def after_forward_only(self) -> None:
