@@ -16,6 +16,7 @@ needed to write it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -80,7 +81,7 @@ def export_checkpoint(checkpoint, out, dtype: str = "fp32", overwrite: bool = Fa
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     tensors = {k: v.detach().to(torch_dtype).contiguous() for k, v in model_state_dict(loaded.model).items()}
     config_path, tok_path = _sidecars(out)
-    info = {"model": loaded.config.__dict__ | {"ffn_hidden_size": loaded.config.ffn_hidden_size or
+    info = {"model": dataclasses.asdict(loaded.config) | {"ffn_hidden_size": loaded.config.ffn_hidden_size or
                                                4 * loaded.config.hidden_size},
             "tokenizer": getattr(loaded.tokenizer, "kind", "none"), "dtype": dtype, "step": loaded.step,
             "checkpoint": str(loaded.checkpoint)}

@@ -17,6 +17,8 @@ parameters and its step-3 gradients and updated parameters equal the E=2 run's.
 """
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -269,9 +271,12 @@ def test_hugging_face_export_gives_the_same_greedy_text_and_init_from_reads_it_b
     gives pipecast's logits and greedy text; ``model.init_from`` starts a run from bitwise those weights."""
     transformers = pytest.importorskip("transformers", reason="optional dependency transformers (dev extra)")
     from engine import Trainer
-    from engine.training.export import export_hf
+    from engine.training.export import export_checkpoint, export_hf, load_exported
     from engine.training.generate import generate, load_model
     export_hf(ep_dir / "checkpoints" / "step_00000002", tmp_path / "hf")
+    export_checkpoint(ep_dir / "checkpoints" / "step_00000002", tmp_path / "moe.safetensors")  # pipecast's names
+    tensors, info = load_exported(tmp_path / "moe.safetensors")
+    assert info["model"]["moe"]["num_experts"] == MOE["num_experts"] and any(".moe.experts." in n for n in tensors)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(hf).__name__ == "MixtralForCausalLM"
     ours = load_model(ep_dir / "checkpoints" / "step_00000002").model
@@ -349,9 +354,14 @@ def test_a_resume_may_change_the_expert_parallel_size_but_not_the_experts():
 
 @pytest.mark.parametrize("key,value", [("shared_experts", 1), ("router", "sigmoid"), ("capacity_factor", 1.25),
                                        ("first_dense_layers", 1), ("normalize_top_k", False)])
-def test_what_mixtral_cannot_express_is_refused_at_export(key, value):
+def test_what_mixtral_cannot_express_is_refused_at_export(key, value, tmp_path):
     from engine.training.models import get_family
     config = load_config(PRESET, {f"model.moe.{key}": value})
-    with pytest.raises(ValueError, match=rf"model.moe.{key}={value!r} cannot be exported as Hugging Face Mixtral"):
+    with pytest.raises(ValueError, match=rf"model.moe.{key}={re.escape(json.dumps(value))} cannot be exported as "
+                       r"Hugging Face Mixtral"):  # YAML spellings (null, false), not Python's
         get_family("llama_moe").hf.config(config.model, config.ffn_hidden_size)
+    from engine.training.checkpoint.hf import write_hf_folder  # refused before any tensor is renamed
+    state = {"layers.1.moe.shared_experts.gate_proj.weight": torch.zeros(2, 2)}
+    with pytest.raises(ValueError, match=rf"model.moe.{key}=.* cannot be exported"):
+        write_hf_folder(tmp_path / "hf", config.model, config.ffn_hidden_size, state)
     assert get_family("llama_moe").hf.config(load_config(PRESET).model, 172)["num_local_experts"] == 4

@@ -96,8 +96,8 @@ def write_hf_folder(out: str | os.PathLike, cfg: ModelConfig, ffn_hidden_size: i
         raise ValueError(f"--out={str(out)!r} is a file; --format hf writes a folder (config.json, "
                          f"model.safetensors): pass a folder path")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    config = hf_config(cfg, ffn_hidden_size, dtype)  # first: it refuses what the architecture cannot express
     tensors = {k: v.detach().to(torch_dtype).contiguous() for k, v in to_hf_tensors(cfg.family, state).items()}
-    config = hf_config(cfg, ffn_hidden_size, dtype)
     writes = [("model.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"})),
               ("config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))]
     if tokenizer_json is not None:

@@ -18,6 +18,8 @@ run using one of them is refused at export (naming the field).
 """
 from __future__ import annotations
 
+import json
+
 from ..llama import SPEC as LLAMA
 from ..registry import FamilySpec, HuggingFace, hf_value, register_family, unsupported
 
@@ -61,8 +63,9 @@ def _mixtral_refusal(cfg) -> str | None:
     for key, want, why in _MIXTRAL:
         value = getattr(cfg.moe, key)
         if value != want:
-            return (f"model.moe.{key}={value!r} cannot be exported as Hugging Face MixtralForCausalLM ({why}); "
-                    f"export with --format safetensors (pipecast's names), or train with model.moe.{key}={want!r}")
+            return (f"model.moe.{key}={json.dumps(value)} cannot be exported as Hugging Face MixtralForCausalLM "
+                    f"({why}); export with --format safetensors (pipecast's names), or train with "
+                    f"model.moe.{key}={json.dumps(want)}")
     return None
 
 
