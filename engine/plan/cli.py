@@ -254,12 +254,17 @@ def _takes_group(plan: Plan) -> bool:
 def _build(parser, args, schedule) -> Plan:
     overlap = args.overlap_moe and "overlap_moe_expert_parallel_comm" in get_schedule(schedule).options
     try:
-        return build_plan(schedule, args.pp, args.microbatches, args.vp, args.group_size, args.forward_only,
+        plan = build_plan(schedule, args.pp, args.microbatches, args.vp, args.group_size, args.forward_only,
                           max_in_flight=args.max_in_flight, max_pending_w=args.max_pending_w, costs=_pass_costs(args),
                           overlap_moe_expert_parallel_comm=overlap or None)
     except (ValueError, RuntimeError) as exc:  # Megatron's validation errors: bad option values
         parser.error(f"{exc} (options --pp {args.pp} --vp {args.vp} --microbatches {args.microbatches}"
                      + (f" --group-size {args.group_size}" if args.group_size is not None else "") + ")")
+    if args.overlap_moe and not plan.compounds:  # the same rule as parallel.overlap_moe_expert_parallel_comm
+        parser.error(f"--overlap-moe: the {schedule} plan (--pp {args.pp} --vp {args.vp} --microbatches "
+                     f"{args.microbatches}) has no forward-backward cells to overlap; use --schedule dualpipev or "
+                     f"interleaved (--vp >= 2), or drop --overlap-moe")
+    return plan
 
 
 def _pass_costs(args) -> PassCosts | None:

@@ -99,7 +99,8 @@ def validate_parallel(config: TrainConfig) -> None:
     validate_tensor_parallel(config)
     validate_expert_parallel(config)
     _validate_schedule(config)
-    config.layout  # noqa: B018 - model.pipeline_layout (or the even split) against the stages: ConfigError
+    if p.schedule != "tuned":  # tuned's virtual size comes from tune.json: checked once resolved (resolve_tuned)
+        config.layout  # noqa: B018 - model.pipeline_layout (or the even split) against the stages: ConfigError
     if p.overlap_p2p_comm and p.batch_p2p_comm:
         raise ConfigError("parallel.overlap_p2p_comm=true needs parallel.batch_p2p_comm=false (Megatron: the two "
                           "are mutually exclusive)")

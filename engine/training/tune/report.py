@@ -40,9 +40,10 @@ def print_table(ranked: list[Prediction], own: Candidate, budget_bytes: float | 
         print(f"best: the config's own schedule ({own.label}): the top, {top.candidate.label}, is predicted only "
               f"{gain:.1f}% faster, {margin_reason(min_gain, gain_source)}")
     else:
-        print(f"best: {top.candidate.label}, predicted {top.predicted_ms:.1f} ms per step, {gain:.1f}% faster than "
-              f"the config's own ({own.label}, #{ranked.index(mine) + 1}); overrides: "
-              f"{shlex.join(top.candidate.arguments())}")
+        versus = (f"{gain:.1f}% faster than" if gain >= 0 else
+                  f"{-gain:.1f}% slower than, but fits the memory budget unlike,")
+        print(f"best: {top.candidate.label}, predicted {top.predicted_ms:.1f} ms per step, {versus} the config's own "
+              f"({own.label}, #{ranked.index(mine) + 1}); overrides: {shlex.join(top.candidate.arguments())}")
 
 
 def margin_reason(min_gain: float, gain_source: str = "noise") -> str:

@@ -448,8 +448,10 @@ def _measure(args, config: TrainConfig, cands: list[Candidate], own: Candidate):
     if args.measured:
         return model_from_record(args.measured, config)
     variants = measurement_variants(cands, own)
-    print(f"pipecast tune: {len(cands)} candidates; measuring {len(variants)} layouts on {config.world_size} "
-          f"rank{'s' if config.world_size > 1 else ''} ({args.warmup} + {args.steps} steps each)", flush=True)
+    print(f"pipecast tune: {len(cands)} hand-made candidates (cost-aware plans, pipeline layouts and recomputation "
+          f"join them from the measured costs); measuring {len(variants)} shapes (virtual size, split backward) on "
+          f"{config.world_size} rank{'s' if config.world_size > 1 else ''} ({args.warmup} + {args.steps} steps "
+          f"each)", flush=True)
     with tempfile.TemporaryDirectory(prefix="pipecast-tune-") as tmp:
         per_rank = _everywhere(tune_worker, config, variants, args.steps, args.warmup, _shared(tmp),
                                not args.one_at_a_time)
