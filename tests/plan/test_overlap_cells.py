@@ -157,3 +157,14 @@ def test_schedule_cli_takes_all_to_all_costs(capsys):
         assert "all-to-all 0.5" in out
     assert "F" in out and "+B" in out  # the grid shows the combined-1F1B cells
     assert spans[1] < spans[0]
+
+
+def test_schedule_cli_refuses_overlap_without_cells(capsys):
+    """``--overlap-moe`` on a plan with no forward-backward cells (ZB-V) is refused, as a run's config refuses it,
+    instead of printing '(cells overlapped)' beside an unchanged makespan."""
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        run(parser.parse_args(["--pp", "2", "-m", "4", "--schedule", "zbv", "--a2a-time", "1", "--overlap-moe"]))
+    assert "has no forward-backward cells to overlap" in capsys.readouterr().err

@@ -175,3 +175,14 @@ def test_schedule_costs_build_the_plan_for_them_and_are_checked():
         with pytest.raises(ConfigError, match=message):
             _load({**base, "parallel": {"pipeline": 2, "virtual": virtual, "schedule": schedule,
                                         "schedule_costs": value}})
+
+
+def test_tuned_leaves_the_layer_split_to_the_recommended_virtual_size(tmp_path):
+    """``parallel.schedule: tuned`` takes ``parallel.virtual`` from tune.json: 6 layers do not split into the YAML's
+    pipeline 2 x virtual 2, which must not be refused before the recommendation (virtual 1) is read."""
+    from engine.training.config import validate
+    config = load_config(ROOT / "configs" / "default.yaml", {"parallel.schedule": "tuned", "model.num_layers": 6,
+                                                  "logging.run_dir": str(tmp_path)})
+    validate(config)
+    with pytest.raises(ConfigError, match="does not split evenly"):
+        validate(load_config(ROOT / "configs" / "default.yaml", {"model.num_layers": 6, "logging.run_dir": str(tmp_path)}))
