@@ -26,7 +26,10 @@ __all__ = ["StepFigures", "NonFiniteLossError", "nonfinite_message"]
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss or the global grad norm of a step is NaN or infinite (the run diverged); raised on every rank."""
+    """The loss or the global grad norm of a step is NaN or infinite (the run diverged); raised on every rank.  Its
+    message names the step, the values and what to change: the whole report, without a traceback."""
+
+    one_line = True  # engine.runtime.spawn.needs_traceback
 
 
 class StepFigures:
@@ -91,7 +94,7 @@ def nonfinite_message(step: int, loss: float, norm: float, last_run: int, optimi
              f"{last_run})" if last_run > step else "")
     clip = (f"optimizer.grad_clip={optimizer.grad_clip} is on" if optimizer.grad_clip > 0 else
             "enable optimizer.grad_clip (e.g. 1.0)")
-    return (f"step {step}: {what} (loss {loss}, grad norm {norm}); the training diverged, so the step was not "
+    return (f"step {step}: {what} (loss {loss:.6g}, grad norm {norm:.6g}); the training diverged, so the step was not "
             f"applied{later} and no checkpoint was written. Try a lower optimizer.lr (now {optimizer.lr:g}; warmup "
             f"optimizer.warmup_steps={optimizer.warmup_steps}) and {clip}; resume from the last checkpoint with "
             f"--resume, or set optimizer.check_for_nan_in_loss_and_grad=false to continue anyway")

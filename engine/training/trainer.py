@@ -334,8 +334,8 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         store = self._run_schedule(self._data(self.step), self.config.training.num_microbatches, False)
         norm = self.parallelism.clip_grad_norm_(self.config.optimizer.grad_clip)
-        self.optimizer.found_inf = self._figures.add(self.step + 1, lr, self._global_sums(_loss_sums(store, self.device)),
-                                                     norm)
+        sums = self._global_sums(_loss_sums(store, self.device))
+        self.optimizer.found_inf = self._figures.add(self.step + 1, lr, sums, norm)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.step += 1
