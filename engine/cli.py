@@ -14,7 +14,8 @@ COMMANDS = {
     "tune": ("engine.training.tune.tuner", "measure a config's costs, rank every valid schedule by predicted step time and "
                                      "memory, optionally verify the best"),
     "sample": ("engine.training.sample", "generate text from a run's checkpoint (any pipeline layout, one process)"),
-    "export": ("engine.training.export", "write a checkpoint's model as one safetensors file (+ its config)"),
+    "export": ("engine.training.export", "write a checkpoint's model: one safetensors file (+ its config), or a "
+                                         "Hugging Face folder (--format hf)"),
 }
 
 
