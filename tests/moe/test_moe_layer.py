@@ -28,11 +28,11 @@ def _grads(module, x):
 
 
 CASES = [
-    dict(k=2, score="softmax", normalize=True, coeff=0.0, shared=0),
-    dict(k=1, score="softmax", normalize=False, coeff=0.05, shared=6),
-    dict(k=3, score="softmax", normalize=False, coeff=0.1, shared=0),
-    dict(k=2, score="sigmoid", normalize=True, coeff=0.02, shared=4, bias=True),
-    dict(k=2, score="softmax", normalize=True, coeff=0.0, shared=0, capacity=0.5),
+    dict(k=2, score="softmax", normalize=True, coeff=0.0, shared_ffn=0),
+    dict(k=1, score="softmax", normalize=False, coeff=0.05, shared_ffn=6),
+    dict(k=3, score="softmax", normalize=False, coeff=0.1, shared_ffn=0),
+    dict(k=2, score="sigmoid", normalize=True, coeff=0.02, shared_ffn=4, bias=True),
+    dict(k=2, score="softmax", normalize=True, coeff=0.0, shared_ffn=0, capacity=0.5),
 ]
 
 
@@ -42,7 +42,7 @@ def test_moe_layer_equals_per_token_reference(case, one_thread):
     h, E = 8, 6
     opts = dict(score_function=case["score"], normalize_top_k=case["normalize"], aux_loss_coeff=case["coeff"],
                 capacity_factor=case.get("capacity"), expert_bias=case.get("bias", False))
-    layer = MoELayer(h, 12, E, case["k"], shared_ffn_hidden_size=case["shared"], **opts)
+    layer = MoELayer(h, 12, E, case["k"], shared_ffn_hidden_size=case["shared_ffn"], **opts)
     if case.get("bias"):
         layer.router.expert_bias.copy_(torch.randn(E) * 0.3)
     x = torch.randn(5, 3, h)

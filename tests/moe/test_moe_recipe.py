@@ -29,7 +29,7 @@ from engine.training.config import ConfigError, load_config, validate_world_size
 from tests.helpers.distributed import run_ranks
 from tests.training.models.test_llama_reference import _rms, attention_residual
 from tests.training.test_trainer_reference import (
-    _array, _record_grads, _record_inputs, global_batch, max_rel_error, recorded_leaves)
+    _array, _record_grads, global_batch, max_rel_error, recorded_leaves, recorded_step)
 
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "moe_pp2_ep2.yaml"
 STEPS = 3  # the 4-rank run; the pp1 run does 2
@@ -58,14 +58,8 @@ def _steps(trainer, count: int, steps: list | None = None) -> list:
         steps = []
         _record_grads(trainer, steps)
     for _ in range(count):
-        seen = {"tokens": [], "labels": []}
-        for chunk in trainer.model:
-            _record_inputs(chunk, seen)
-        metrics = trainer.train_step()
-        for chunk in trainer.model:
-            del chunk.forward
-        steps[-1].update(seen, loss=metrics["loss"], grad_norm=metrics["grad_norm"], pp_rank=trainer.pp_rank, dp_rank=trainer.dp_rank,
-                         router=trainer.router_metrics.collect())
+        recorded_step(trainer, steps)
+        steps[-1]["router"] = trainer.router_metrics.collect()
     return steps
 
 

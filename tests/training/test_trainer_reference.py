@@ -86,6 +86,20 @@ def _record_grads(trainer, steps: list) -> None:
     trainer.optimizer.register_step_pre_hook(hook)
 
 
+def recorded_step(trainer, steps: list) -> dict:
+    """One training step of ``trainer`` (whose optimizer :func:`_record_grads` into ``steps``), adding to its record
+    the inputs the chunks read, the loss, grad norm and ranks; returns the step's metrics."""
+    seen = {"tokens": [], "labels": []}
+    for chunk in trainer.model:
+        _record_inputs(chunk, seen)
+    metrics = trainer.train_step()
+    for chunk in trainer.model:
+        del chunk.forward  # back to the class method before the next wrap
+    steps[-1].update(seen, loss=metrics["loss"], grad_norm=metrics["grad_norm"], pp_rank=trainer.pp_rank,
+                     dp_rank=trainer.dp_rank)
+    return metrics
+
+
 def train_and_record(rank, world, parallel: dict, run_dir) -> dict:
     """Run :data:`STEPS` steps of ``parallel``'s layout; per step the recorded parameters, grads, inputs, metrics."""
     from engine import Trainer
@@ -93,15 +107,8 @@ def train_and_record(rank, world, parallel: dict, run_dir) -> dict:
     steps: list = []
     with Trainer(config) as trainer:
         _record_grads(trainer, steps)
-        for i in range(STEPS):
-            seen = {"tokens": [], "labels": []}
-            for chunk in trainer.model:
-                _record_inputs(chunk, seen)
-            metrics = trainer.train_step()
-            for chunk in trainer.model:
-                del chunk.forward  # back to the class method before the next wrap
-            steps[i].update(seen, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
-                            pp_rank=trainer.pp_rank, dp_rank=trainer.dp_rank)
+        for _ in range(STEPS):
+            recorded_step(trainer, steps)
     return {"steps": steps}
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from engine.training.config import load_config
 from tests.helpers.distributed import run_ranks
 from tests.training.test_trainer_reference import (
-    _record_grads, _record_inputs, global_batch, max_rel_error, recorded_leaves)
+    _record_grads, global_batch, max_rel_error, recorded_leaves, recorded_step)
 
 pytestmark = pytest.mark.slow  # one 2-rank job of eight short trainer runs
 
@@ -64,17 +64,10 @@ def _train(name: str, run_dir) -> dict:
     with Trainer(config) as trainer:
         _record_grads(trainer, steps)
         graphed = []
-        for i in range(STEPS):
-            seen = {"tokens": [], "labels": []}
-            for chunk in trainer.model:
-                _record_inputs(chunk, seen)
-            metrics = trainer.train_step()
-            for chunk in trainer.model:
-                del chunk.forward
+        for _ in range(STEPS):
+            recorded_step(trainer, steps)
             runtime = getattr(trainer, "_graphs", None)
             graphed.append(bool(runtime is not None and runtime.active))
-            steps[i].update(seen, loss=metrics["loss"], grad_norm=metrics["grad_norm"], pp_rank=trainer.pp_rank,
-                            dp_rank=trainer.dp_rank)
         if getattr(trainer, "_graphs", None) is not None:
             trainer._graphs.close()
             trainer._graphs = None
