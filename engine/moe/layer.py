@@ -44,6 +44,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: ``down(silu(gate(x)) * up(x))``, ``[..., h] -> [..., h]``."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -75,6 +76,8 @@ class GroupedExperts(nn.Module):
         self.first = first
 
     def forward(self, rows: torch.Tensor, counts: list) -> torch.Tensor:
+        """``rows`` ``[sum(counts), h]`` sorted by local expert, ``counts[e]`` rows for this rank's expert ``e``:
+        each block through its expert, ``[sum(counts), h]`` in the same order."""
         parts = torch.split(rows, counts)
         return torch.cat([expert(part) for expert, part in zip(self.local, parts)])
 
@@ -133,6 +136,8 @@ class MoELayer(nn.Module):
         self.ep_group = ep_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., h] -> [..., h]``: route every token, dispatch to the experts (an all-to-all over the expert
+        group when sharded), combine weighted by the router, plus the shared experts if any."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])  # [n, h]
         routing = self.router(tokens)

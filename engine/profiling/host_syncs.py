@@ -89,6 +89,7 @@ class HostSyncCounter(TorchFunctionMode):
         self.where: dict[str, list[str]] = collections.defaultdict(list)
 
     def record(self, kind: str) -> None:
+        """Count one host sync of ``kind`` and keep (for the first 20) the pipecast line that made it."""
         self.counts[kind] += 1
         if len(self.where[kind]) < 20:
             frames = [f for f in traceback.extract_stack()[:-2] if "/host_syncs.py" not in f.filename]
@@ -104,6 +105,7 @@ class HostSyncCounter(TorchFunctionMode):
 
     @property
     def total(self) -> int:
+        """Host syncs counted, all kinds."""
         return sum(self.counts.values())
 
 

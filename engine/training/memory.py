@@ -76,6 +76,7 @@ class RankMemory:
 
     @property
     def total(self) -> int:
+        """Bytes of every part on this rank."""
         return self.parameters + self.gradients + self.optimizer + self.activations + self.working + self.graphs
 
     def parts(self) -> str:
@@ -96,6 +97,7 @@ class Estimate:
 
     @property
     def heaviest(self) -> RankMemory:
+        """The pipeline rank with the largest total (what must fit)."""
         return max(self.ranks, key=lambda r: r.total)
 
     @property
