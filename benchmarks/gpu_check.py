@@ -19,13 +19,13 @@ Checks (``kind`` correctness unless said otherwise), in order:
   2 layers, or 1 chunk for ``zb_h1``) on pipeline rank 0 of ``interleaved``, ``zb_h1`` and ``zbv`` (pp = 2, M = 4),
   run in one process through ``graphs.local_rank`` with F and B graphs (plus W graphs for the split-backward
   schedules) against an eager copy over 3 SGD steps: losses, chunk-input gradients and parameter gradients.
-  fp32: bitwise, with TF32 off, ``torch.use_deterministic_algorithms(True, warn_only=True)`` (the trainer's
-  ``training.deterministic``) and SDPA pinned to its math backend (warn-only determinism keeps the memory-efficient
-  kernel, whose backward accumulates with atomics: not even two eager runs would be bitwise).  bf16 autocast, with
-  the SDPA kernel torch picks (flash): ``max |a - b| / max |a| <=`` :data:`BF16_TOLERANCE` per tensor (per step
-  for the losses) -- 2**-6, four bf16 units in the last place, room for a flash backward's atomic accumulation
-  order, far below what a wrong buffer gives (order 1).  ``eager_vs_eager`` (a second eager copy) is recorded next
-  to it, so a kernel's nondeterminism can be told from a graph's fault.  Part of each: ``backend_ran`` /
+  fp32 and bf16 autocast: bitwise, with TF32 off, ``torch.use_deterministic_algorithms(True, warn_only=True)`` (the
+  trainer's ``training.deterministic``) and SDPA pinned to its math backend.  Warn-only determinism keeps the
+  fused attention kernels (cuDNN, memory-efficient), whose backward accumulates with atomics, and the key bias's
+  gradient is zero in exact arithmetic (softmax is shift-invariant), so in floating point it is rounding noise:
+  with those kernels two eager bf16 runs differed by more than that gradient's own size (the first H200 run), and
+  no tolerance separates a fault from noise.  ``eager_vs_eager`` (a second eager copy) is recorded next to it, so
+  a kernel's nondeterminism can be told from a graph's fault.  Part of each: ``backend_ran`` /
   ``caller_state`` -- the backend asked for is the one in the capture report, no fallback, no warning on the
   ``pipecast.graphs`` logger; after capture the caller's stream, GC state, CPU and CUDA RNG states and sync-debug
   mode (set to ``warn`` for the capture, to see it restored) are what they were;
@@ -46,8 +46,9 @@ Checks (``kind`` correctness unless said otherwise), in order:
 * ``trainer_<case>``: ``engine.Trainer`` (byte-level data from this Python's standard library, SDPA's math backend)
   with graphs off and on (``torch`` backend; ``emulate`` in the dry run): the same losses (bitwise in fp32, within
   :data:`BF16_TOLERANCE` in bf16), graphs active after the warmup step -- zbv and 1f1b on one device (1f1b: one
-  graph per layer shared by the microbatches), 1f1b in bf16 and with ``model.recompute: full`` (each ``"not
-  available in this build"`` while the config refuses the field), and interleaved on two pipeline ranks (spawned,
+  graph per layer shared by the microbatches), 1f1b in bf16, with ``model.recompute: full`` (also under zbv,
+  where the recomputed block's weight gradients are written inside its ``B`` graph; each ``"not available in
+  this build"`` while the config refuses the field), and interleaved on two pipeline ranks (spawned,
   one per device: skipped with fewer devices -- NCCL refuses two ranks on one GPU -- and in the dry run);
 * ``host_syncs`` (goal 0): synchronising CUDA calls during one non-logging training step with graphs
   (``torch.cuda.set_sync_debug_mode("warn")``; the places they come from are listed);
@@ -122,6 +123,8 @@ TRAINER_CASES = (  # name, overrides, the overrides' fields this build may lack,
     ("trainer_1f1b_fp32", ONE_RANK, (), True),
     ("trainer_1f1b_bf16", {**ONE_RANK, "model.precision": "bf16"}, ("model.precision",), False),
     ("trainer_1f1b_recompute", {**ONE_RANK, "model.recompute": "full"}, ("model.recompute",), False),
+    ("trainer_zbv_recompute", {"parallel.pipeline": 1, "parallel.virtual": 2, "parallel.schedule": "zbv",
+                               "model.recompute": "full"}, ("model.recompute",), False),
     ("trainer_interleaved_pp2_fp32", {"parallel.pipeline": 2, "parallel.virtual": 2,
                                       "parallel.schedule": "interleaved"}, (), False),
 )
@@ -421,15 +424,15 @@ def graphs_case(rep: Report, schedule: str, num_chunks: int, dtype, sz: dict, de
     queue = CountingQueue() if plan.splits_backward else None
     sample = block_samples(sz, num_chunks * m * sz["layers"], device)
     autocast, fp32 = _autocast(device, dtype), dtype == torch.float32
-    with exact_attention(fp32):
+    with exact_attention(True):
         with autocast():
             layers, figures, failures = checked_capture(graphed, plan, rank, sample, backend, device, queue)
         ref = train_steps(eager, plan, rank, data, steps, None, autocast)
         got = train_steps(graphed, plan, rank, data, steps, queue, autocast)
         figures["graph_vs_eager"] = diff = compare(ref, got)
         figures["eager_vs_eager"] = compare(ref, train_steps(again, plan, rank, data, steps, None, autocast))
-    figures["criterion"] = "bitwise" if fp32 else f"max_rel_diff <= {BF16_TOLERANCE:g}"
-    if not (diff["bitwise"] if fp32 else diff["max_rel_diff"] <= BF16_TOLERANCE):
+    figures["criterion"] = "bitwise"
+    if not diff["bitwise"]:
         failures.append(f"graphs vs eager: {diff}")
     if queue is not None:  # every graphed layer's B deferred its W replay, every W action ran it
         figures["w_replays_per_step"] = queue.deferred / steps
@@ -501,7 +504,8 @@ def split_memory_at(sz: dict, m: int, device, backend: str) -> dict:
     chunks = gpt_chunks(sz, 2, device)
     cuda = device.type == "cuda"
     sample = block_samples(sz, 2 * m * sz["layers"], device)
-    if cuda:  # after the sample arguments (they become static inputs, outside the pool)
+    if cuda:  # after the sample arguments (they become static inputs, outside the pool); earlier checks' garbage
+        gc.collect()  # is freed first, or the capture's own collection would lower the figure below its base
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_reserved()

@@ -20,6 +20,14 @@ Static-buffer semantics (as torch's ``torch.cuda.graph`` and TE's ``transformer_
   replay runs their post-accumulate-grad hooks itself (data-parallel grad sync), once per replay, after the
   accumulation -- where eager's ``AccumulateGrad`` would.
 
+**Gradients written inside the backward**: a layer whose backward runs a backward of its own -- activation
+recomputation (``engine.runtime.recompute``, Megatron's ``CheckpointFunction``) recomputes the segment and
+backpropagates it there -- writes its parameters' ``.grad`` through ``AccumulateGrad`` rather than returning them.
+A captured graph would write into whatever ``.grad`` was at capture (lost once the caller resets it), so the
+warmup notes those parameters (:attr:`ReplaySlot.side_params`, :func:`redirected_grads`), and their buffers are
+installed as ``.grad`` around the capture and before every replay of that backward (``B`` when split), their
+hooks silenced inside it and fired by the slot as for the others.
+
 Split backward (zero-bubble plans, :mod:`graphs.backends.split`): a slot then has three graphs.  Its ``B`` replay
 computes only the input gradients and writes the gradients ``W`` needs into the slot's static buffers
 (:attr:`ReplaySlot.static_weight_inputs`); it hands a callable to ``SlotOptions.defer_weight_grad`` (the split
@@ -43,7 +51,8 @@ from ..specs import AutocastState, CallSpec, TensorSpec, flatten_outputs
 from . import split as layer_split
 
 __all__ = ["ReplaySlot", "SlotOptions", "GradBuffers", "WeightInputPool", "walk_capture", "module_params",
-           "check_capturable", "CaptureError", "PARAM_GRAD_MODES", "pending_weight_sets", "fire_post_accumulate_hooks"]
+           "check_capturable", "CaptureError", "PARAM_GRAD_MODES", "pending_weight_sets", "fire_post_accumulate_hooks",
+           "redirected_grads"]
 
 _NULL = contextlib.nullcontext()
 PARAM_GRAD_MODES = ("accumulate", "clone", "alias")
@@ -185,6 +194,39 @@ def fire_post_accumulate_hooks(params: Sequence[torch.Tensor]) -> None:
             hook(p)
 
 
+@contextlib.contextmanager
+def redirected_grads(params: Sequence[torch.Tensor], targets: Sequence[torch.Tensor | None] | None = None):
+    """Run a backward whose ``AccumulateGrad`` writes into ``params``' ``.grad`` as a side effect -- a segment
+    recomputed in the backward and backpropagated there (``engine.runtime.recompute``, Megatron's
+    ``CheckpointFunction``) -- the way a graph replay runs it: each parameter's post-accumulate-grad hooks are
+    silenced (a replay runs no Python; the slot fires them once, after the replay) and, with ``targets``, each
+    ``.grad`` is ``targets[i]`` during the run (``None``: a fresh tensor) and is put back afterwards, so what
+    was written into a target the caller no longer holds is lost, as a graph's write to an address captured
+    earlier.  Yields the parameters whose ``.grad`` the run wrote (a new tensor or a version bump)."""
+    saved_hooks = []
+    for p in params:
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+        saved_hooks.append(dict(hooks) if hooks else None)
+        if hooks:
+            hooks.clear()
+    before = [p.grad for p in params]
+    if targets is not None:
+        for p, t in zip(params, targets):
+            p.grad = t
+    start = [(p.grad, None if p.grad is None else p.grad._version) for p in params]
+    written: list[torch.Tensor] = []
+    try:
+        yield written
+        written.extend(p for p, (g, v) in zip(params, start)
+                       if p.grad is not g or (g is not None and g._version != v))
+    finally:
+        for p, hooks, g in zip(params, saved_hooks, before):
+            if hooks:
+                p._post_accumulate_grad_hooks.update(hooks)
+            if targets is not None or any(p is w for w in written):
+                p.grad = g
+
+
 @dataclass(frozen=True)
 class SlotOptions:
     """How slots return parameter gradients and what they check.
@@ -234,6 +276,7 @@ class ReplaySlot:
         self.grads = grads
         self.accumulate: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, buffer) that receive a gradient
         self._grad_params: list[torch.Tensor] = []  # noted in warmup, their buffers allocated after it
+        self.side_params: tuple[torch.Tensor, ...] = ()  # .grad written inside the backward (noted in warmup)
         self.static_outputs: list[torch.Tensor] = []
         self.out_struct: Any = None
         self.diff_outputs: list[bool] = []
@@ -347,10 +390,35 @@ class ReplaySlot:
             self.replay_weight()
         fire_post_accumulate_hooks([p for p, _ in self.accumulate])  # grad sync sees each W, as in eager
 
-    def note_param_grads(self, param_grads) -> None:
-        """In warmup: which parameters receive a gradient (only those get a buffer installed as ``.grad``).  The
-        buffers are allocated later, by :meth:`allocate_grad_buffers` on the caller's stream."""
-        self._grad_params = [p for p, g in zip(self.params, param_grads) if g is not None]
+    def note_param_grads(self, param_grads, written: Sequence[torch.Tensor] = ()) -> None:
+        """In warmup: which parameters receive a gradient (only those get a buffer installed as ``.grad``) --
+        returned by the backward, or ``written`` into ``.grad`` inside it (:attr:`side_params`: a recomputed
+        segment backpropagated in the layer's backward; the capture and every replay of the backward then run
+        with their buffers installed as ``.grad``, so the graph writes into the buffers).  The buffers are
+        allocated later, by :meth:`allocate_grad_buffers` on the caller's stream.
+
+        Raises :class:`CaptureError` for written parameters when gradients are not accumulated into buffers
+        (``param_grads`` ``"clone"`` / ``"alias"``)."""
+        side = {id(p) for p in (*self.side_params, *written)}
+        if side and self.grads is None:
+            raise CaptureError(f"{self.where}: its backward accumulates into parameters' .grad itself (activation "
+                               f"recomputation); graphs capture that only with param_grads='accumulate', not "
+                               f"{self.options.param_grads!r}")
+        self.side_params = tuple(p for p in self.params if id(p) in side)
+        self._grad_params = [p for p, g in zip(self.params, param_grads) if g is not None or id(p) in side]
+
+    def capturing_side_writes(self):
+        """Around a backward capture: :attr:`side_params` get their buffers as ``.grad`` (the graph writes there)
+        and their hooks silenced (:func:`redirected_grads`)."""
+        pairs = self.side_pairs()
+        GradBuffers.attach(pairs)
+        return redirected_grads([p for p, _ in pairs])
+
+    def side_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(parameter, buffer)`` of :attr:`side_params`: installed as ``.grad`` before the backward's capture
+        and each of its replays (:meth:`GradBuffers.attach`)."""
+        side = {id(p) for p in self.side_params}
+        return [(p, buf) for p, buf in self.accumulate if id(p) in side]
 
     def allocate_grad_buffers(self) -> None:
         """After warmup, on the caller's stream (the one that replays and reads them): the per-parameter buffers.
@@ -430,8 +498,7 @@ class _GraphedPass(torch.autograd.Function):
         if slot.guard is not None:
             slot.guard.expect(ctx.event)
         with slot.span(1):
-            if not slot.splits:
-                GradBuffers.attach(slot.accumulate)
+            GradBuffers.attach(slot.side_pairs() if slot.splits else slot.accumulate)
             _load(slot.static_grad_outputs, grads if all(slot.diff_outputs) else
                   [g for g, d in zip(grads, slot.diff_outputs) if d])
             slot.replay_backward()
@@ -502,4 +569,6 @@ def _warmup_round(events: Sequence[LayerEvent], slot_of: Callable[[LayerEvent], 
         elif ev.kind == "B":  # the full backward (it touches every kernel B and W use); W: nothing left to warm
             outs = live.pop(key)
             zeros = [torch.zeros_like(o) for o, d in zip(outs, slot.diff_outputs) if d]
-            slot.note_param_grads(slot.split_grads(slot.eager_backward(outs, zeros))[1])
+            with redirected_grads(slot.params) as written:  # written .grad is put back: zeros were added
+                grads = slot.eager_backward(outs, zeros)
+            slot.note_param_grads(slot.split_grads(grads)[1], written)

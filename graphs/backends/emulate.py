@@ -33,7 +33,7 @@ import torch
 
 from ..hazards import CallTrace
 from ..specs import autocast_context
-from .common import ReplaySlot, WeightInputPool
+from .common import ReplaySlot, WeightInputPool, redirected_grads
 
 __all__ = ["EmulatedSlot", "warmup_context"]
 
@@ -46,6 +46,7 @@ class EmulatedSlot(ReplaySlot):
 
     _live: list[torch.Tensor] | None = None
     _trace: CallTrace | None = None
+    _side_targets: list = []  # per side parameter: the tensor its captured backward writes into
 
     def capture_forward(self) -> None:
         self.chain_input()
@@ -60,6 +61,12 @@ class EmulatedSlot(ReplaySlot):
         chained = self.chained_grad_output()
         self.static_grad_outputs = [chained] if chained is not None else [
             torch.zeros_like(o) for o, d in zip(self.static_outputs, self.diff_outputs) if d]
+        with self.capturing_side_writes():  # what a capture would write into (the caller's .grad tensors)
+            self._side_targets = [p.grad for p in self.side_params]
+        with redirected_grads(self.side_params, [None] * len(self.side_params)):  # a capture computes nothing
+            self._capture_backward()
+
+    def _capture_backward(self) -> None:
         if self.splits:
             in_grads, recorded = self.split_input_grads(self._live)
             self.static_grad_inputs = [None if g is None else g.detach().clone() for g in in_grads]
@@ -95,9 +102,13 @@ class EmulatedSlot(ReplaySlot):
     def replay_backward(self) -> None:
         if self._live is None:
             raise RuntimeError(f"backward replay of {self.where} without a forward replay of that slot in this step")
-        if self.splits:
-            self._replay_split_input()
-            return
+        with redirected_grads(self.side_params, self._side_targets):  # .grad writes go where the capture's went
+            if self.splits:
+                self._replay_split_input()
+            else:
+                self._replay_unsplit()
+
+    def _replay_unsplit(self) -> None:
         # retain_graph: a real backward graph can be replayed again over the same saved activations
         grads = self.eager_backward(self._live, self.static_grad_outputs, retain_graph=True)
         in_grads, param_grads = self.split_grads(grads)
@@ -107,8 +118,10 @@ class EmulatedSlot(ReplaySlot):
                 if static is not None:
                     static.zero_() if g is None else static.copy_(g)
             if self.options.param_grads == "accumulate":
-                for (p, buf), g in zip(self.accumulate, [g for g in param_grads if g is not None]):
-                    buf.data.add_(g)  # .data: a graph replay's write bumps no version counter either
+                buffers = {id(p): buf for p, buf in self.accumulate}
+                for p, g in zip(self.params, param_grads):
+                    if g is not None:
+                        buffers[id(p)].data.add_(g)  # .data: a graph replay's write bumps no version counter
 
     def _replay_split_input(self) -> None:
         """Split ``B``: input gradients into the static grad-inputs, the recorded gradients into this slot's

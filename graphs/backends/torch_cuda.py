@@ -92,16 +92,18 @@ class CudaGraphSlot(ReplaySlot):
             torch.empty_like(o) for o, d in zip(outs, self.diff_outputs) if d]
         self.bwd_graph = self._new_graph()
         if self.splits:
-            with graph_capture(self.bwd_graph, self.pool):
+            with self.capturing_side_writes(), graph_capture(self.bwd_graph, self.pool):
                 in_grads, recorded = self.split_input_grads(outs)
             self.static_grad_inputs = [None if g is None else g.detach() for g in in_grads]
             self.static_weight_inputs = recorded  # written by every B replay, read by the W replay
             return  # the captured graph (saved activations) stays until W is captured
-        with graph_capture(self.bwd_graph, self.pool):
+        with self.capturing_side_writes(), graph_capture(self.bwd_graph, self.pool):
             in_grads, param_grads = self.split_grads(self.eager_backward(outs, self.static_grad_outputs))
             if self.options.param_grads == "accumulate":
-                for (_, buf), g in zip(self.accumulate, [g for g in param_grads if g is not None]):
-                    buf.add_(g)  # inside the graph: one persistent buffer per parameter, no per-slot copy
+                buffers = {id(p): buf for p, buf in self.accumulate}
+                for p, g in zip(self.params, param_grads):
+                    if g is not None:
+                        buffers[id(p)].add_(g)  # inside the graph: one persistent buffer per parameter
                 kept = in_grads
             else:
                 kept = in_grads + param_grads

@@ -89,7 +89,9 @@ def test_trainer_with_emulated_graphs_matches_eager(tmp_path):
     assert results[0]["bf16", "eager"]["losses"] != results[0]["fp32", "eager"]["losses"]  # bf16 did run in bf16
 
 
-SPLIT_CASES = (("zb_h1", 1, None), ("zbv", 2, None), ("zb", 2, 3))  # schedule, virtual, max_in_flight
+SPLIT_CASES = (("zb_h1", 1, None, "none"), ("zbv", 2, None, "none"), ("zb", 2, 3, "none"), ("zbv", 2, None, "full"))
+"""schedule, virtual, max_in_flight, model.recompute (a recomputed block's backward writes its parameters' .grad
+itself: inside the ``B`` graph, into the gradient buffers)."""
 
 
 def _split_job(rank, world, run_dir):
@@ -98,12 +100,13 @@ def _split_job(rank, world, run_dir):
     from engine import Trainer
     from engine.training.config import load_config
     out = {}
-    for schedule, virtual, limit in SPLIT_CASES:
+    for schedule, virtual, limit, recompute in SPLIT_CASES:
         for backend in (None, "emulate"):
-            extra = {"parallel.virtual": virtual, "parallel.schedule": schedule, "parallel.max_in_flight": limit}
+            extra = {"parallel.virtual": virtual, "parallel.schedule": schedule, "parallel.max_in_flight": limit,
+                     "model.recompute": recompute}
             if backend is not None:
                 extra.update({"cuda_graphs.enabled": True, "cuda_graphs.warmup_steps": 1})
-            config = load_config(None, _overrides(f"{run_dir}/{schedule}-{backend}", **extra))
+            config = load_config(None, _overrides(f"{run_dir}/{schedule}-{recompute}-{backend}", **extra))
             with Trainer(config) as trainer:
                 if backend is not None:
                     trainer.config.cuda_graphs.backend = backend  # test-only backend, set after validation
@@ -113,7 +116,7 @@ def _split_job(rank, world, run_dir):
                     runtime = getattr(trainer, "_graphs", None)
                     active.append(bool(runtime is not None and runtime.active))
                 report = runtime.layers.report if runtime is not None else None
-                out[(schedule, backend)] = {"losses": losses, "digest": _digest(trainer), "active": active,
+                out[(schedule, recompute, backend)] = {"losses": losses, "digest": _digest(trainer), "active": active,
                                             "reason": report.reason if report else None,
                                             "order": report.order if report else None}
                 if runtime is not None:
@@ -128,13 +131,13 @@ def test_trainer_split_schedules_with_emulated_graphs_match_eager(tmp_path):
     from graphs import capture_order
     results = run_ranks(_split_job, 2, tmp_path, timeout=190)
     for rank, res in enumerate(results):
-        for schedule, virtual, limit in SPLIT_CASES:
-            eager, graphed = res[(schedule, None)], res[(schedule, "emulate")]
+        for schedule, virtual, limit, recompute in SPLIT_CASES:
+            eager, graphed = res[(schedule, recompute, None)], res[(schedule, recompute, "emulate")]
             assert graphed["active"] == [False] + [True] * (STEPS - 1), (schedule, rank, graphed["reason"])
             plan = build_plan(schedule, 2, 4, virtual, max_in_flight=limit)  # the trainer's plan, W included
             assert graphed["order"] == capture_order(plan, rank)
-            assert graphed["losses"] == eager["losses"], (schedule, rank)  # bitwise
-            assert graphed["digest"] == eager["digest"], (schedule, rank)
+            assert graphed["losses"] == eager["losses"], (schedule, recompute, rank)  # bitwise
+            assert graphed["digest"] == eager["digest"], (schedule, recompute, rank)
 
 
 TP_CASES = (("interleaved", 2), ("zbv", 2))  # schedule, virtual; pp2 x tp2 on 4 ranks

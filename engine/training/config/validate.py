@@ -113,7 +113,9 @@ def _validate_recompute(config: TrainConfig) -> None:
     Raises:
         ConfigError: kept microbatches without recomputation; ``selective`` for a family whose block names no
             attention core (:attr:`~engine.training.models.registry.FamilySpec.attention_core`); recomputation of
-            Transformer Engine layers.
+            Transformer Engine layers; recomputation with dropout under ``cuda_graphs`` (a recomputed segment
+            inside a captured backward draws its dropout masks at that graph's philox offsets, not at the
+            forward graph's: other masks than the forward used).
     """
     m = config.model
     if m.recompute_kept_microbatches is not None and m.recompute == "none":
@@ -124,6 +126,12 @@ def _validate_recompute(config: TrainConfig) -> None:
         raise ConfigError(f"model.recompute=selective with model.family={m.family}: the family's block names no "
                           "attention core module to recompute (FamilySpec.attention_core); use model.recompute=full "
                           "or none")
+    cg = config.cuda_graphs
+    if m.recompute != "none" and m.dropout > 0 and cg.enabled and cg.backend != "eager":
+        raise ConfigError(f"model.recompute={m.recompute} with model.dropout={m.dropout} and cuda_graphs.enabled=true: "
+                          "inside a captured backward the recomputed forward draws its dropout masks at the backward "
+                          "graph's random-number offsets, not the forward's, so the gradients would not match the "
+                          "forward; set model.dropout=0, model.recompute=none or cuda_graphs.enabled=false")
     if m.recompute != "none" and m.transformer_engine:
         raise ConfigError(f"model.recompute={m.recompute} with model.transformer_engine=true: Transformer Engine "
                           "layers bring their own recomputation, not wired here; set model.transformer_engine=false "

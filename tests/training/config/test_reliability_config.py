@@ -51,6 +51,8 @@ BAD_CONFIGS = [
     ("recompute_unknown", "model: {recompute: all}\n", None, ValueError, ["model.recompute='all'", "'selective'"]),
     ("kept_microbatches_without_recompute", "model: {recompute_kept_microbatches: 2}\n", None, ValueError,
      ["model.recompute_kept_microbatches=2", "model.recompute=", "remove"]),
+    ("recompute_dropout_with_graphs", "model: {recompute: full, dropout: 0.1}\ncuda_graphs: {enabled: true}\n", None,
+     ValueError, ["model.recompute=full", "model.dropout=0.1", "cuda_graphs.enabled=true", "set model.dropout=0"]),
     ("kept_microbatches_negative", "model: {recompute: full, recompute_kept_microbatches: -1}\n", None, ValueError,
      ["model.recompute_kept_microbatches=-1"]),
     ("world_not_pp_x_dp", "parallel: {pipeline: 2, data: 2}\n", 6,
