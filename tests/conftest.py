@@ -24,6 +24,7 @@ MULTIPROCESS_MODULES = {
     "test_llama_reference", "test_hf_roundtrip", "test_sharding", "test_tensor_parallel", "test_sequence_parallel_api",
     "test_registered_family", "test_recompute_pipeline", "test_moe_parallel", "test_moe_recipe", "test_fit_recipe",
     "test_pipeline_schedule", "test_schedule_agreement", "test_grad_norm", "test_parallel_combinations", "test_host_syncs",
+    "test_moe_sharding",
 }
 
 

@@ -7,10 +7,12 @@ Each rank holds a part of the model's gradients, in one of three forms, all hand
 * a ``DTensor`` (tensor parallelism, FSDP2): the squares of its local shard are summed over the process group of
   every mesh dimension it is sharded on (``Shard`` / ``_StridedShard``; a ``Replicate`` dimension adds nothing);
 * a plain tensor that is this rank's piece of a flat buffer split over ``shard_group`` (ZeRO-1's reduced gradient
-  shards): its squares are summed over that group;
+  shards; a routed expert's piece: split over ``expert_shard_group``, the expert-data-parallel group): its squares
+  are summed over that group;
 * a routed expert's gradient under expert parallelism: the other ranks of ``expert_group`` hold the other experts
   of the layer, so its squares are summed over that group too (Megatron-Core sums the expert gradients' squares
-  over the expert-tensor x expert x pipeline group).
+  over the expert-tensor x expert x pipeline group; under its distributed optimizer each rank first holds a shard
+  over the expert-data-parallel group).
 
 The sums are then summed over the pipeline group (each stage holds other parameters).  The clip is
 ``torch.nn.utils.clip_grads_with_norm_``'s rule, ``g *= min(1, max_norm / (norm + 1e-6))``, applied to the local
@@ -42,7 +44,8 @@ def _sharded_over(grad: torch.Tensor, shard_group) -> tuple:
 @torch.no_grad()
 def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, pipeline_group=None,
                     counted: Sequence[bool] | None = None, shard_group=None, device=None,
-                    experts: Sequence[bool] | None = None, expert_group=None) -> torch.Tensor:
+                    experts: Sequence[bool] | None = None, expert_group=None,
+                    expert_shard_group=None) -> torch.Tensor:
     """Global L2 norm of the whole model's gradients, then scale ``grads`` in place so it is at most ``max_norm``.
 
     Args:
@@ -57,6 +60,9 @@ def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, pipeline_
             (CPU when this rank holds none).
         experts: per gradient, True for a routed expert's (default: none is); their squares are also summed over
             ``expert_group`` (the expert-parallel group), whose ranks hold the layer's other experts.
+        expert_shard_group: the group over which plain expert ``grads`` are pieces of one flat buffer (ZeRO-1 under
+            expert parallelism: the expert-data-parallel group), or None (they are split like the others, over
+            ``shard_group``).
 
     Returns:
         The norm before clipping: an fp32 scalar tensor on the gradients' device, the same on every rank (no host
@@ -70,11 +76,15 @@ def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, pipeline_
     if device is None:
         device = local(grads[0]).device if grads else torch.device("cpu")
     experts = [False] * len(grads) if experts is None else list(experts)
+    expert_shard_group = shard_group if expert_shard_group is None else expert_shard_group
+    expert_over = (expert_group,) if expert_group is not None else ()
     # ZeRO-1's members hold different pieces, so one may hold no counted piece (only the tied-embedding copy, or
-    # nothing): the shard group's all-reduce is issued whatever this rank holds
+    # nothing): each shard group's all-reduces are issued whatever this rank holds, dense pieces' first
     parts: dict[tuple, list[torch.Tensor]] = {} if shard_group is None else {(shard_group,): []}
+    if expert_shard_group is not shard_group:
+        parts[(expert_shard_group,) + expert_over] = []
     for g, c, e in zip(grads, counted, experts):
-        over = _sharded_over(g, shard_group) + ((expert_group,) if e and expert_group is not None else ())
+        over = _sharded_over(g, expert_shard_group) + expert_over if e else _sharded_over(g, shard_group)
         tensors = parts.setdefault(over, [])
         if c:
             tensors.append(local(g))

@@ -4,11 +4,11 @@ device.  The trainer hands it the model chunks and then only calls it; every dec
 
 * :func:`parallelize` -- tensor parallelism, then expert parallelism, then activation recomputation, then FSDP2, on
   the chunks; then ``model.precision: bf16``'s fp32 master weights (:mod:`engine.training.parallel.precision`);
-* the gradient sync the schedules call (``finalize_model_grads`` / ``no_sync``: data-parallel all-reduce -- routed
-  experts' over the expert-data-parallel group --, ZeRO-1's reduce-scatter or FSDP2's, then the tied-embedding
-  sum);
-* the optimizer: ``torch.optim.AdamW``, ZeRO-1's :class:`~engine.training.parallel.zero1.ShardedAdamW`, or AdamW
-  on FSDP2's sharded parameters;
+* the gradient sync the schedules call (``finalize_model_grads`` / ``no_sync``: data-parallel all-reduce, or
+  ZeRO-1's reduce-scatter -- routed experts' over the expert-data-parallel group in both --, or FSDP2's, then the
+  tied-embedding sum);
+* the optimizer: ``torch.optim.AdamW``, ZeRO-1's :class:`~engine.training.parallel.zero1.ShardedAdamW` (routed
+  experts' state sharded over the expert-data-parallel group), or AdamW on FSDP2's sharded parameters;
 * the one global-norm clip (:func:`engine.training.parallel.grad_norm.clip_grad_norm_`) over this layout's
   gradients;
 * full tensors (``model.init_from``) cut to this rank's shards (:mod:`engine.training.parallel.dtensor`);
@@ -214,10 +214,14 @@ class Parallelism:
         """The global L2 norm of the gradients of the whole model, then clip them to ``max_norm`` (``<= 0``: no
         clip); the gradients must be reduced (after the schedule's ``finalize_model_grads``).  Returns the norm
         before clipping as an fp32 scalar tensor on the device, the same on every rank.  Collective."""
+        expert_group = self.pg.ep if self.expert > 1 else None
         if self.shard == "optimizer":
-            grads, counted = self.optimizer.shard_grads()
+            grads, counted, experts = self.optimizer.shard_grads()
+            sharded_experts = any(s.experts for s in self.grad_sync.shards)  # the same on a stage's ranks
             return clip_grad_norm_(grads, max_norm, counted=counted, pipeline_group=self.pg.pp,
-                                   shard_group=self.pg.dp, device=self.device)
+                                   shard_group=self.pg.dp, device=self.device, experts=experts,
+                                   expert_group=expert_group,
+                                   expert_shard_group=self.pg.expt_dp if sharded_experts else None)
         if self._clip_params is None:
             from ...moe import is_expert_parameter
             params = self.parameters()
@@ -227,7 +231,7 @@ class Parallelism:
         have = [i for i, p in enumerate(params) if p.grad is not None]
         return clip_grad_norm_([params[i].grad for i in have], max_norm, pipeline_group=self.pg.pp, device=self.device,
                                counted=[counted[i] for i in have], experts=[experts[i] for i in have],
-                               expert_group=self.pg.ep if self.expert > 1 else None)
+                               expert_group=expert_group)
 
     def after_forward_only(self) -> None:
         """After a forward-only schedule call (evaluation, sampling): FSDP2 frees the parameters it gathered (a

@@ -4,33 +4,41 @@ Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Paramet
 Megatron-Core ``megatron/core/optimizer/distrib_optimizer.py``.  Built on torch's collectives only:
 
 * **Layout.**  The trainable parameters of each model chunk form one flat buffer (chunk order, parameter order;
-  a ``Parameter`` two chunks of one rank share belongs to the first), zero-padded to a multiple of the
-  data-parallel size ``dp``.  Data-parallel rank ``r`` owns the contiguous shard ``[r*S, (r+1)*S)``,
-  ``S = padded / dp``.  Each parameter's part of the shard is one 1-D leaf tensor (a *piece*); AdamW
-  (``torch.optim.AdamW``, ``fused=True``) runs on the pieces only, so its ``exp_avg`` / ``exp_avg_sq`` take
-  ``1/dp`` of the bytes of ``parallel.shard: none`` (within the padding of one shard).  A piece is a view of its
+  a ``Parameter`` two chunks of one rank share belongs to the first), zero-padded to a multiple of the size ``n``
+  of its *shard group*: the data-parallel group.  Under expert parallelism (``parallel.expert > 1``) a chunk's
+  routed-expert parameters (:func:`engine.moe.is_expert_parameter`) form a second buffer whose shard group is the
+  expert-data-parallel group ``pg.expt_dp`` (the ranks holding the same experts; Megatron-Core's distributed
+  optimizer shards expert parameters over it), the buckets of
+  :class:`~engine.training.parallel.data_parallel.GradSync`.  Rank ``r`` of the shard group owns the contiguous
+  shard ``[r*S, (r+1)*S)``, ``S = padded / n``.  Each parameter's part of the shard is one 1-D leaf tensor (a
+  *piece*); AdamW (``torch.optim.AdamW``, ``fused=True``) runs on the pieces only, so its ``exp_avg`` /
+  ``exp_avg_sq`` take ``1/n`` of the bytes of ``parallel.shard: none`` (within the padding of one shard).  A piece is a view of its
   parameter's storage (fp32 training: no separate master copy).  AdamW is elementwise, so a piece's update is the
   one the whole parameter would get (bitwise: the fused kernel's result does not depend on an element's position).
 * **Gradients** (:class:`ShardedGradSync.finalize_model_grads`, the schedules' ``finalize_model_grads_func``):
   the tied word-embedding gradients are summed over the embedding group first (a sum, so it commutes with the
-  data-parallel average; Megatron averages first -- the result differs by float rounding only), then each chunk's
-  flat gradient is reduce-scattered (``dist.reduce_scatter_tensor`` / ``reduce_scatter_single``, sum) over the
-  data-parallel group and divided by ``dp``.  The full ``.grad`` tensors keep this rank's local (unreduced)
+  data-parallel average; Megatron averages first -- the result differs by float rounding only), then each flat
+  gradient is reduce-scattered (``dist.reduce_scatter_tensor`` / ``reduce_scatter_single``, sum) over its shard
+  group and divided by the data-parallel size ``dp`` (the expert buffers too: an expert's gradient already sums
+  the tokens its expert-parallel peers sent it, Megatron-Core's expert gradient scaling ``1 / dp``).  The full ``.grad`` tensors keep this rank's local (unreduced)
   sums: ZeRO-1 shards optimizer state, not gradients.  ``no_sync`` keeps its meaning (backward passes inside only accumulate); no reduction starts
   before ``finalize_model_grads``, so a split schedule's deferred ``W`` passes have all run by then.
-* **Step** (:class:`ShardedAdamW.step`): AdamW on the pieces, then each chunk's updated shard is all-gathered
-  (``dist.all_gather_into_tensor`` / ``all_gather_single``) back into the parameters, so every replica holds the
-  same full weights.
+* **Step** (:class:`ShardedAdamW.step`): AdamW on the pieces, then each updated shard is all-gathered
+  (``dist.all_gather_into_tensor`` / ``all_gather_single``) over its shard group back into the parameters, so
+  every replica holds the same full weights.
 * **Norm and clipping** (:meth:`ShardedAdamW.shard_grads` handed to
-  :func:`engine.training.parallel.grad_norm.clip_grad_norm_`): the squared norm of this rank's shard (the tied
-  copy of the last stage left out) summed over the data-parallel and the pipeline group.
+  :func:`engine.training.parallel.grad_norm.clip_grad_norm_`): the squared norm of this rank's dense pieces (the
+  tied copy of the last stage left out) summed over the data-parallel group; that of its expert pieces over the
+  expert-data-parallel group, then over the expert-parallel group (the layer's other experts); both over the
+  pipeline group -- every parameter counted once in the job.
 * **Checkpoints.**  ``state_dict()`` gives per parameter ``exp_avg`` / ``exp_avg_sq`` of the parameter's shape
   (the format and names of ``torch.optim.AdamW``), each this rank's piece of it as
   :class:`~engine.training.parallel.dtensor.LocalChunks` (a flat range of a row-major tensor: at most three
   rectangles), so DCP writes every rank's pieces without a gather and reads any layout's tensors into them;
   ``load_state_dict`` takes them (filled in place) or full tensors (keeps this rank's slice).  DCP's
-  ``get_state_dict`` / ``set_state_dict`` see a plain AdamW over the model's parameters, so a checkpoint of
-  ``shard: optimizer`` resumes under ``shard: none`` and any pipeline layout, and back.
+  ``get_state_dict`` / ``set_state_dict`` see a plain AdamW over the model's parameters (experts under their
+  global names), so a checkpoint of ``shard: optimizer`` resumes under ``shard: none`` and any pipeline and
+  expert-parallel layout, and back.
 
 torch's ``ZeroRedundancyOptimizer`` is not used: it all-reduces full gradients and broadcasts each rank's
 parameters, where this layer reduce-scatters and all-gathers (half the gradient traffic per rank).
@@ -43,6 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...moe import is_expert_parameter
+from ...runtime.process_groups import group_rank, group_size
 from .data_parallel import GradSync
 
 __all__ = ["ShardedAdamW", "ShardedGradSync", "ChunkShard"]
@@ -55,20 +65,24 @@ _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")  # torch.optim.AdamW's per-param
 
 
 class ChunkShard:
-    """One model chunk's flat layout and this data-parallel rank's shard of it.
+    """One flat buffer's layout (a model chunk's dense or routed-expert parameters) and this rank's shard of it.
 
     Args:
-        params: the chunk's trainable parameters, in bucket order.
-        dp_size, dp_rank: the data-parallel group's size and this rank's index in it.
+        params: the buffer's trainable parameters, in bucket order.
+        group: its shard group (the data-parallel group; the expert-data-parallel one for routed experts), or None
+            for one rank.
+
+    Attributes:
+        size, rank: the shard group's size and this rank's index in it.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], dp_size: int, dp_rank: int):
-        self.params = list(params)
-        self.dp_size, self.dp_rank = dp_size, dp_rank
+    def __init__(self, params: Sequence[nn.Parameter], group=None):
+        self.params, self.group = list(params), group
+        self.size, self.rank = group_size(group), group_rank(group)
         numel = sum(p.numel() for p in self.params)
-        self.padded = -(-numel // dp_size) * dp_size if numel else 0
-        self.shard_size = self.padded // dp_size
-        lo, hi = dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
+        self.padded = -(-numel // self.size) * self.size if numel else 0
+        self.shard_size = self.padded // self.size
+        lo, hi = self.rank * self.shard_size, (self.rank + 1) * self.shard_size
         self.ranges: list[tuple[nn.Parameter, int, int, int]] = []  # (param, its offset, shard lo, shard hi)
         offset = 0
         for p in self.params:
@@ -91,37 +105,43 @@ class ChunkShard:
     def local_grad_shard(self) -> torch.Tensor:
         """This rank's slice of the local ``.grad`` (zeros where a gradient is missing), no communication."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        lo = self.dp_rank * self.shard_size
+        lo = self.rank * self.shard_size
         return self.flat(grads)[lo:lo + self.shard_size]
+
+    @property
+    def experts(self) -> bool:
+        """Whether this buffer holds routed-expert parameters (sharded over the expert-data-parallel group)."""
+        return is_expert_parameter(self.params[0])
 
 
 class ShardedGradSync(GradSync):
-    """:class:`~engine.training.parallel.data_parallel.GradSync` whose data-parallel reduction is a reduce-scatter per chunk.
+    """:class:`~engine.training.parallel.data_parallel.GradSync` whose reduction is a reduce-scatter per bucket
+    (a chunk's dense parameters over the data-parallel group, its routed experts over the expert-data-parallel
+    group).
 
     Same hooks and meaning (``no_sync``, ``finalize_model_grads``); the reduction runs in
-    ``finalize_model_grads`` (no overlap).  :attr:`shards` gives each chunk's layout (for :class:`ShardedAdamW`).
+    ``finalize_model_grads`` (no overlap).  :attr:`shards` gives each bucket's layout (for :class:`ShardedAdamW`).
     """
 
     def __init__(self, chunks: Sequence[nn.Module], pg, tracer=None, tied_on_one_rank: bool = False):
         super().__init__(chunks, pg, overlap=False, tracer=tracer, tied_on_one_rank=tied_on_one_rank)
-        rank = dist.get_rank(pg.dp) if self.dp_size > 1 else 0
-        self.shards = [ChunkShard(b.params, self.dp_size, rank) for b in self.buckets if b.params]
+        self.shards = [ChunkShard(b.params, b.group) for b in self.buckets if b.params]
 
     def finalize_model_grads(self, model_chunks=None, num_tokens=None, pg_collection=None,
                              force_all_reduce: bool = False) -> None:
-        """Sum the tied-embedding gradients, then reduce-scatter (average) each chunk's flat gradient."""
+        """Sum the tied-embedding gradients, then reduce-scatter each bucket's flat gradient over its shard group
+        and divide it by the data-parallel size (the average over the replicas)."""
         from ...finalize import sum_tied_grads
         if not self._tied_on_one_rank:
             sum_tied_grads(self.tied, self.pg)
         for shard in self.shards:
             flat = shard.flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in shard.params])
             out = torch.empty(shard.shard_size, dtype=flat.dtype, device=flat.device)
-            if self.dp_size > 1:
-                _reduce_scatter(out, flat, group=self.pg.dp)
-                out.div_(self.dp_size)
+            if shard.size > 1:
+                _reduce_scatter(out, flat, group=shard.group)
             else:
                 out.copy_(flat)
-            shard.grad_shard = out
+            shard.grad_shard = out.div_(self.dp_size)
 
 
 class ShardedAdamW(torch.optim.Optimizer):
@@ -130,7 +150,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     ``param_groups`` hold the model's parameters (LR schedulers and DCP see a plain AdamW); the inner
     ``torch.optim.AdamW`` holds the pieces.  ``step()`` takes the reduce-scattered gradient shards of the last
     ``finalize_model_grads`` (or, when none ran -- DCP's zero-gradient state initialisation -- this rank's slice of
-    the local ``.grad``) and ends with the parameter all-gather; it is collective over the data-parallel group.
+    the local ``.grad``) and ends with the parameter all-gather; it is collective over each buffer's shard group.
 
     Args:
         groups: AdamW parameter groups over the model's parameters (``params``, ``weight_decay``).
@@ -147,7 +167,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._inner_of: list[int] = []
         for shard in sync.shards:
             for p, off, lo, hi in shard.ranges:
-                start = lo + shard.dp_rank * shard.shard_size - off  # first element of p in this piece
+                start = lo + shard.rank * shard.shard_size - off  # first element of p in this piece
                 piece = p.detach().view(-1)[start:start + hi - lo].requires_grad_(True)  # a view: no master copy
                 self._pieces.append((shard, p, start, lo, hi, piece))
                 inner_groups[group_of[id(p)]]["params"].append(piece)
@@ -161,13 +181,15 @@ class ShardedAdamW(torch.optim.Optimizer):
                 shard.grad_shard = shard.local_grad_shard()
             piece.grad = shard.grad_shard[lo:hi]
 
-    def shard_grads(self) -> tuple[list[torch.Tensor], list[bool]]:
+    def shard_grads(self) -> tuple[list[torch.Tensor], list[bool], list[bool]]:
         """This rank's pieces of the reduced gradients (``[hi - lo]`` each, views of the reduce-scattered shards,
         the clip scales them in place) and, per piece, whether it counts in the global norm (not for the last
-        stage's tied-embedding copy, whose gradient equals the first stage's).  Local."""
+        stage's tied-embedding copy, whose gradient equals the first stage's) and whether it is a routed
+        expert's (sharded over the expert-data-parallel group).  Local."""
         self._attach_grads()
         return ([piece.grad for *_, piece in self._pieces],
-                [not getattr(p, "shared_embedding_copy", False) for _s, p, *_ in self._pieces])
+                [not getattr(p, "shared_embedding_copy", False) for _s, p, *_ in self._pieces],
+                [s.experts for s, *_ in self._pieces])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -188,8 +210,8 @@ class ShardedAdamW(torch.optim.Optimizer):
                 if s is shard:
                     mine[lo:hi].copy_(piece)
             full = torch.empty(shard.padded, dtype=mine.dtype, device=mine.device)
-            if shard.dp_size > 1:
-                _all_gather(full, mine, group=self.sync.pg.dp)
+            if shard.size > 1:
+                _all_gather(full, mine, group=shard.group)
             else:
                 full.copy_(mine)
             offset = 0

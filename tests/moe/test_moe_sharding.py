@@ -1,0 +1,150 @@
+"""``parallel.shard: optimizer`` (ZeRO-1) with expert parallelism, against an independent single-process reference.
+
+One 4-rank job of the ``llama_moe`` recipe (tests/moe/test_moe_recipe.py's tiny model, its sizes and data):
+
+* **A**: pipeline 1 x data 4, ``parallel.expert=2``, ``shard: optimizer`` -- dense parameters sharded over the 4
+  data-parallel ranks, routed experts over the 2 expert-data-parallel ranks holding them -- :data:`STEPS` steps with
+  a grad clip small enough to act on every step (:data:`CLIP`) and weight decay, saving after step 2;
+* **B**: A's step-2 checkpoint resumed at ``parallel.expert=1``, ``shard: none`` (every rank every expert, whole
+  AdamW state) for step 3;
+* **C**: the same checkpoint resumed at pipeline 2 x data 2, ``parallel.expert=2``, ``shard: optimizer`` (experts
+  not replicated: an expert-data-parallel group of one) for step 3.
+
+The reference (in this process) takes A's recorded parameters of each step, computes the objective and its
+gradients with :func:`tests.moe.test_moe_recipe.reference_objective` (plain autograd, no trainer or ``engine.moe``
+code), the global norm over every parameter once (``torch.nn.utils.get_total_norm``), the clip
+(``g * min(1, clip / (norm + 1e-6))``) and ``torch.optim.AdamW`` (its moments carried over the steps).  Checked:
+A's loss and grad norm every step, and its parameters after every update, equal the reference's; B and C start
+from bitwise A's step-3 parameters and give A's step-3 loss, norm and updated parameters.  Tolerance (fp32): losses
+relative 1e-6, grad norms relative 1e-5, parameters 1e-5 relative to each tensor's largest element beyond an
+absolute 1e-4 of the learning rate (:func:`param_error`): the reduce-scatter sums in another order than the
+reference's autograd, and AdamW's update ``lr g / (|g| + eps)`` magnifies the rounding of a near-zero gradient
+element up to ``lr / eps`` times (measured: 4e-7 absolute on one of 192 elements of a small expert weight at step 1;
+a wrongly reduced or counted expert gradient moves parameters by up to the learning rate, 1e-2).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.training.config import load_config
+from tests.helpers.distributed import run_ranks
+from tests.moe.test_moe_recipe import PRESET, _params, _steps, overrides, reference_objective
+from tests.training.test_trainer_reference import global_batch, recorded_leaves
+
+STEPS, CLIP, LR, DECAY = 3, 0.05, 1e-2, 0.1
+TOL, ABS, LOSS_TOL, NORM_TOL = 1e-5, 1e-4 * LR, 1e-6, 1e-5
+LAYOUTS = {  # name -> (pipeline, data, expert, shard)
+    "A": (1, 4, 2, "optimizer"), "B": (1, 4, 1, "none"), "C": (2, 2, 2, "optimizer")}
+
+
+def _config(run_dir, name: str):
+    pipeline, data, expert, shard = LAYOUTS[name]
+    return load_config(PRESET, overrides(run_dir, **{
+        "parallel.pipeline": pipeline, "parallel.virtual": 1, "parallel.schedule": "1f1b", "parallel.data": data,
+        "parallel.expert": expert, "parallel.shard": shard, "parallel.overlap_moe_expert_parallel_comm": False,
+        "training.num_microbatches": 8 // data, "training.steps": STEPS, "optimizer.grad_clip": CLIP,
+        "optimizer.lr": LR, "optimizer.min_lr": LR, "optimizer.weight_decay": DECAY}))
+
+
+def param_error(got, want: torch.Tensor) -> float:
+    """The largest elementwise ``|got - want|`` beyond :data:`ABS`, relative to ``want``'s largest element."""
+    excess = ((torch.as_tensor(got) - want).abs() - ABS).clamp_min(0).max()
+    return (excess / want.abs().max().clamp_min(1e-30)).item()
+
+
+def _shards(trainer) -> list:
+    """``(experts, shard group size)`` of each ZeRO-1 buffer of this rank."""
+    return [(s.experts, s.size) for s in getattr(trainer.parallelism.grad_sync, "shards", [])]
+
+
+def _job(rank: int, world: int, run_dir: str) -> dict:
+    from engine import Trainer
+    out = {}
+    with Trainer(_config(run_dir, "A")) as trainer:
+        out["A"] = _steps(trainer, 2)
+        checkpoint = trainer.save()
+        _steps(trainer, 1, out["A"])
+        out["A_final"], out["A_shards"] = _params(trainer), _shards(trainer)
+    for name in ("B", "C"):
+        with Trainer(_config(run_dir, name)) as trainer:
+            trainer.load(checkpoint)
+            out[name] = _steps(trainer, 1)
+            out[f"{name}_final"], out[f"{name}_shards"] = _params(trainer), _shards(trainer)
+    return out
+
+
+def _reference_steps(per_rank: list) -> list:
+    """Per step ``(cross-entropy, global norm, {name: parameter after the update})`` of the reference, each step
+    from the parameters A recorded at its start."""
+    leaves = recorded_leaves(per_rank, 0)
+    decay = [p for p in leaves.values() if p.dim() >= 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": DECAY},
+                                   {"params": [p for p in leaves.values() if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=LR, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    out = []
+    for step in range(len(per_rank[0])):
+        with torch.no_grad():
+            for name, value in recorded_leaves(per_rank, step).items():
+                leaves[name].copy_(value)
+        tokens, labels = global_batch(per_rank, step)
+        objective, ce, _ = reference_objective(leaves, tokens, labels)
+        grads = torch.autograd.grad(objective, list(leaves.values()))
+        norm = torch.nn.utils.get_total_norm(list(grads)).item()
+        for p, g in zip(leaves.values(), grads):
+            p.grad = g * min(1.0, CLIP / (norm + 1e-6))
+        optimizer.step()
+        out.append((ce.item(), norm, {n: p.detach().clone() for n, p in leaves.items()}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list:
+    return run_ranks(_job, 4, str(tmp_path_factory.mktemp("moe_zero1")), timeout=300)
+
+
+def _after(per_rank: list, step: int, final: dict) -> dict:
+    """The parameters after step ``step``'s update: those recorded at the next step's start, or ``final``."""
+    if step + 1 < len(per_rank[0]):
+        return {n: v for steps in per_rank for n, (v, _) in steps[step + 1]["params"].items()}
+    return final
+
+
+@pytest.mark.timeout(300)
+def test_zero1_with_experts_equals_the_reference_with_the_clip_acting(ranks):
+    assert [r["A_shards"] for r in ranks] == [[(False, 4), (True, 2)]] * 4  # dense over dp 4, experts over 2
+    per_rank = [r["A"] for r in ranks]
+    final = {n: v for r in ranks for n, v in r["A_final"].items()}
+    worst = 0.0
+    for step, (ce, norm, params) in enumerate(_reference_steps(per_rank)):
+        assert norm > 2 * CLIP, f"step {step}: grad norm {norm} does not exceed the clip {CLIP}"
+        for r in per_rank:
+            where = f"A step {step} dp_rank {r[step]['dp_rank']}"
+            assert r[step]["loss"] == pytest.approx(ce, rel=LOSS_TOL), where
+            assert r[step]["grad_norm"] == pytest.approx(norm, rel=NORM_TOL), where  # each expert shard once
+        after = _after(per_rank, step, final)
+        assert after.keys() == params.keys()
+        for name, value in after.items():
+            err = param_error(value, params[name])
+            assert err <= TOL, f"A step {step}: {name} differs from the reference by {err:.3g} (relative)"
+            worst = max(worst, (torch.from_numpy(value) - params[name]).abs().max().item())
+    print(f"ZeRO-1 x expert 2: largest absolute parameter difference {worst:.3g}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["B", "C"])
+def test_a_sharded_expert_checkpoint_resumes_at_another_layout(ranks, name):
+    """B: expert 1, ``shard: none``; C: pipeline 2 x data 2, expert 2, ``shard: optimizer``."""
+    if name == "C":  # experts held by one rank each: their buffer's shard group is that rank
+        assert {tuple(r["C_shards"]) for r in ranks} == {((False, 2), (True, 1))}
+    a_step3 = {n: v for r in ranks for n, (v, _) in r["A"][2]["params"].items()}
+    a_final = {n: v for r in ranks for n, v in r["A_final"].items()}
+    for r in ranks:
+        start = r[name][0]
+        assert start["loss"] == pytest.approx(r["A"][2]["loss"], rel=LOSS_TOL), name
+        assert start["grad_norm"] == pytest.approx(r["A"][2]["grad_norm"], rel=NORM_TOL), name
+        for pname, (value, _) in start["params"].items():
+            assert (value == a_step3[pname]).all(), f"{name}: {pname} is not the saved parameter"
+        for pname, value in r[f"{name}_final"].items():  # AdamW moments restored from A's shards: the same update
+            err = param_error(value, torch.from_numpy(a_final[pname]))
+            assert err <= TOL, f"{name}: {pname} after step 3 differs from A's by {err:.3g}"
