@@ -56,7 +56,8 @@ import torch.distributed as dist
 from . import gloo_io
 
 __all__ = ["ORDER", "RankLayout", "ProcessGroupCollection", "orthogonal_groups", "rank_layout", "build_process_groups",
-           "group_rank", "group_size", "validate_parallel_sizes", "device_mesh"]
+           "group_rank", "group_size", "validate_parallel_sizes", "device_mesh",
+           "expert_data_mesh"]
 
 ProcessGroup = dist.ProcessGroup
 
@@ -344,6 +345,19 @@ def device_mesh(pg: ProcessGroupCollection, device_type: str = "cpu"):
     pp, dp, tp = pg.pipeline_model_parallel_size, pg.data_parallel_size, pg.tensor_model_parallel_size
     mesh = torch.arange(pg.world_size, dtype=torch.int).reshape(pp, dp, tp)
     return DeviceMesh.from_group([pg.pp, pg.dp, pg.tp], device_type, mesh=mesh, mesh_dim_names=("pp", "dp", "tp"))
+
+
+def expert_data_mesh(pg: ProcessGroupCollection, device_type: str = "cpu"):
+    """A 1-D torch ``DeviceMesh`` (dim ``"expt_dp"``) over ``pg.expt_dp``, the expert-data-parallel group (the ranks
+    holding the same experts), itself (``DeviceMesh.from_group``: no new communicator).  Local call.
+
+    Raises ``RuntimeError`` without torch.distributed (a one-rank collection of ``None`` groups).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    if pg.expt_dp is None:
+        raise RuntimeError("expert_data_mesh needs process groups; initialise torch.distributed and call "
+                           "build_process_groups first")
+    return DeviceMesh.from_group(pg.expt_dp, device_type, mesh=list(pg.expt_dp_ranks), mesh_dim_names=("expt_dp",))
 
 
 def _resolve_world(world_size, rank) -> tuple[bool, int, int]:

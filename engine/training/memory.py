@@ -11,7 +11,8 @@ the same):
   gradients are added into the fp32 ones as autograd writes them: transient).  ``parallel.shard: optimizer``
   (ZeRO-1, data > 1) keeps ``1/D`` of the moments and a ``1/D`` reduce-scattered gradient shard; ``full`` (FSDP2)
   keeps ``1/D`` of everything between steps and gathers each chunk's parameters (bf16 ones under bf16) and fp32
-  gradients whole for the step (counted: the peak is in the step).
+  gradients whole for the step (counted: the peak is in the step); under ``parallel.expert: E`` both keep
+  ``1/(D/E)`` of the routed experts' (sharded over their expert-data-parallel ranks).
 * **activations**: the plan's peak over its action order of the bytes held by in-flight microbatches -- ``F`` adds
   one microbatch's saved activations of the stage (:func:`activation_bytes`), ``B`` releases them and, under a
   split backward, adds what its pending ``W`` holds (:func:`pending_w_bytes`), ``W`` releases that -- computed by
@@ -44,7 +45,7 @@ from ..plan.candidates import LayoutCosts, peak_memory_bytes
 from ..plan.graph import memory_levels
 from .config import ConfigError, TrainConfig
 
-__all__ = ["RankMemory", "Estimate", "stage_parameters", "activation_bytes", "pending_w_bytes", "layout_bytes",
+__all__ = ["RankMemory", "Estimate", "stage_parameters", "stage_expert_parameters", "activation_bytes", "pending_w_bytes", "layout_bytes",
            "estimate", "check_memory", "host_available_bytes", "RANK_OVERHEAD_BYTES"]
 
 RANK_OVERHEAD_BYTES = 512 << 20
@@ -133,12 +134,13 @@ def _layers(config: TrainConfig, stage: int) -> int:
     return config.layout.layer_counts[stage]
 
 
-def _module_parameters(config: TrainConfig) -> dict[str, tuple[int, int, int]]:
-    """``{"block" | "moe_block" | "embedding" | "final_norm": (sharded, replicated, tensors)}``: the parameter
+def _module_parameters(config: TrainConfig) -> dict[str, tuple[int, int, int, int]]:
+    """``{"block" | "moe_block" | "embedding" | "final_norm": (sharded, replicated, tensors, experts)}``: the parameter
     elements of one module as the family builds it (on the meta device), split by the family's tensor-parallel
     plan -- ``colwise`` and ``fused_qkv`` projections shard weight and bias, ``rowwise`` the weight; the word
     embedding is vocabulary-parallel; the rest is replicated; a MoE layer's routed experts are split over the
-    ``parallel.expert`` ranks (each holds ``num_experts / E`` of them)."""
+    ``parallel.expert`` ranks (each holds ``num_experts / E`` of them; counted in ``replicated`` and, again, in
+    ``experts``)."""
     from ..moe import is_expert_parameter
     from .models import get_family
     from .models.chunk import family_parts
@@ -157,7 +159,7 @@ def _module_parameters(config: TrainConfig) -> dict[str, tuple[int, int, int]]:
             else:
                 replicated, tensors = replicated + param.numel(), tensors + 1
         e = config.parallel.expert
-        out[part] = (sharded, replicated + expert // e, tensors + expert_tensors // e)
+        out[part] = (sharded, replicated + expert // e, tensors + expert_tensors // e, expert // e)
     return out
 
 
@@ -165,18 +167,32 @@ def stage_parameters(config: TrainConfig, stage: int) -> tuple[int, int]:
     """``(elements, tensors)`` of the parameters one tensor-parallel rank of virtual stage ``stage`` holds
     (sharded ``1/T``; routed experts ``1/E``): its blocks, the embedding on the first stage, the final norm and the output head ``[V, h]``
     on the last (with tied embeddings and one stage, the head is the embedding)."""
+    sharded, replicated, tensors, _ = _stage_counts(config, stage)
+    stages = _num_stages(config)
+    if stage == stages - 1 and (stages > 1 or not config.model.tie_embeddings):
+        sharded, tensors = sharded + config.model.vocab_size * config.model.hidden_size, tensors + 1
+    return sharded // config.parallel.tensor + replicated, tensors
+
+
+def stage_expert_parameters(config: TrainConfig, stage: int) -> int:
+    """Elements of the routed experts one rank of virtual stage ``stage`` holds (``num_experts / E`` per MoE layer;
+    part of :func:`stage_parameters`)."""
+    return _stage_counts(config, stage)[3]
+
+
+def _stage_counts(config: TrainConfig, stage: int) -> list[int]:
+    """``(sharded, replicated, tensors, experts)`` of :func:`_module_parameters` summed over the modules of virtual
+    stage ``stage``: its blocks, the embedding on the first stage, the final norm on the last (not the output
+    head)."""
     from .models.chunk import block_part, stage_layers
     parts, stages = _module_parameters(config), _num_stages(config)
-    counts = [0, 0, 0]
+    counts = [0, 0, 0, 0]
     for index in stage_layers(config.model.num_layers, stages, stage):  # a dense or a MoE block each
         counts = [x + y for x, y in zip(counts, parts[block_part(config.model, index)])]
     held = (["embedding"] if stage == 0 else []) + (["final_norm"] if stage == stages - 1 else [])
     for part in held:
         counts = [x + y for x, y in zip(counts, parts[part])]
-    sharded, replicated, tensors = counts
-    if stage == stages - 1 and (stages > 1 or not config.model.tie_embeddings):
-        sharded, tensors = sharded + config.model.vocab_size * config.model.hidden_size, tensors + 1
-    return sharded // config.parallel.tensor + replicated, tensors
+    return counts
 
 
 def _element_bytes(config: TrainConfig, device_type: str = "cpu") -> int:
@@ -235,18 +251,24 @@ def pending_w_bytes(config: TrainConfig, stage: int, device_type: str = "cpu") -
     return int(per_token * tokens)
 
 
-def _static(config: TrainConfig, elements: int, tensors: int) -> tuple[int, int, int]:
-    """``(parameters, gradients, optimizer)`` bytes of ``elements`` parameters in ``tensors`` tensors under
-    ``parallel.shard`` and ``model.precision`` (module docstring)."""
+def _static(config: TrainConfig, elements: int, tensors: int, experts: int = 0) -> tuple[int, int, int]:
+    """``(parameters, gradients, optimizer)`` bytes of ``elements`` parameters in ``tensors`` tensors, ``experts``
+    of the elements routed experts', under ``parallel.shard`` and ``model.precision`` (module docstring; the
+    sharded forms keep ``1/D`` of the dense bytes and ``1/(D/E)`` of the experts', sharded over their
+    expert-data-parallel ranks)."""
     p, d = config.parallel, config.data_parallel_size
     shard = p.shard if d > 1 else "none"
     moments, steps = 8 * elements, 4 * tensors
     compute = _element_bytes(config) * elements  # the parameters the chunks run: fp32, or bf16 beside fp32 masters
+    dense, de = elements - experts, max(1, d // p.expert)
+
+    def sharded(per_element: int) -> int:
+        return per_element * dense // d + per_element * experts // de
     if shard == "full":
-        return compute + 4 * elements // d, 4 * elements + 4 * elements // d, moments // d + steps
+        return compute + sharded(4), 4 * elements + sharded(4), sharded(8) + steps
     masters = 4 * elements if compute != 4 * elements else 0
     if shard == "optimizer":
-        return compute + masters, 4 * elements + 4 * elements // d, moments // d + steps
+        return compute + masters, 4 * elements + sharded(4), sharded(8) + steps
     return compute + masters, 4 * elements, moments + steps
 
 
@@ -254,7 +276,8 @@ def layout_bytes(config: TrainConfig, device_type: str = "cpu") -> LayoutCosts:
     """The per-stage bytes of the tuner's :class:`~engine.plan.candidates.LayoutCosts` (times 0) from the model's
     shape: what :func:`engine.training.tune.measure.probe_memory` measures on a running trainer."""
     stages = range(_num_stages(config))
-    static = tuple(sum(_static(config, *stage_parameters(config, s))) for s in stages)
+    static = tuple(sum(_static(config, *stage_parameters(config, s), stage_expert_parameters(config, s)))
+                   for s in stages)
     zeros = tuple(0.0 for _ in stages)
     return LayoutCosts(zeros, zeros, zeros, tuple(activation_bytes(config, s, device_type) for s in stages),
                        tuple(pending_w_bytes(config, s, device_type) for s in stages), static)
@@ -311,7 +334,8 @@ def estimate(config: TrainConfig, device_type: str = "cpu") -> Estimate:
         if len(stages) > 1 and 0 in stages and plan.num_stages - 1 in stages and config.model.tie_embeddings:
             elements -= config.model.vocab_size * config.model.hidden_size // config.parallel.tensor
             tensors -= 1  # the V placement's two ends share the one embedding Parameter
-        params, grads, optim = _static(config, elements, tensors)
+        params, grads, optim = _static(config, elements, tensors, sum(stage_expert_parameters(config, s)
+                                                                        for s in stages))
         graphs = (2 * _tokens(config) * config.model.hidden_size * _element_bytes(config, device_type) *
                   config.training.num_microbatches * len(stages)) if config.cuda_graphs.enabled else 0
         ranks.append(RankMemory(rank, params, grads, optim, activations[rank], _working(config, stages, device_type),

@@ -234,9 +234,8 @@ BAD = [  # (overrides on the preset, world size or None, words the message must 
     ({"model.family": "gpt2"}, None, ["model.moe", "model.family=gpt2", "llama_moe"]),
     ({"model.moe": None, "model.family": "llama"}, None, ["parallel.expert=2", "model.moe is not set"]),
     ({"parallel.data": 1, "parallel.tensor": 2, "parallel.expert": 1}, None, ["parallel.tensor=2", "tensor=1"]),
-    ({"parallel.shard": "full"}, None, ["parallel.shard=full", "parallel.expert=2", "parallel.shard=optimizer",
-                                        "expert-data-parallel"]),
-    ({"parallel.shard": "optimizer"}, None, []),  # valid: ZeRO-1 shards the experts over expert-data-parallel
+    ({"parallel.shard": "optimizer"}, None, []),  # valid: ZeRO-1 and FSDP2 shard the experts over expert-data
+    ({"parallel.shard": "full"}, None, []),  # parallel ranks (tests/moe/test_moe_sharding.py)
     ({"cuda_graphs.enabled": True}, None, ["cuda_graphs.enabled=true", "enabled=false"]),
     ({"parallel.schedule": "1f1b", "parallel.virtual": 1}, None,
      ["overlap_moe_expert_parallel_comm=true", "parallel.schedule=1f1b", "dualpipev"]),

@@ -8,13 +8,18 @@ One 4-rank job of the ``llama_moe`` recipe (tests/moe/test_moe_recipe.py's tiny 
 * **B**: A's step-2 checkpoint resumed at ``parallel.expert=1``, ``shard: none`` (every rank every expert, whole
   AdamW state) for step 3;
 * **C**: the same checkpoint resumed at pipeline 2 x data 2, ``parallel.expert=2``, ``shard: optimizer`` (experts
-  not replicated: an expert-data-parallel group of one) for step 3.
+  not replicated: an expert-data-parallel group of one) for step 3;
+* **D**: the same checkpoint resumed at pipeline 1 x data 4, ``parallel.expert=2``, ``shard: full`` (FSDP2: dense
+  parameters sharded over the 4 data-parallel ranks, each MoE layer's experts a unit of their own over the 2
+  expert-data-parallel ranks) for step 3;
+* **E**: the same checkpoint resumed at pipeline 2 x data 2, ``parallel.expert=2``, ``shard: full`` under DualPipeV
+  with the all-to-alls overlapped in its cells (FSDP2's hooks inside interleaved microbatches) for step 3.
 
 The reference (in this process) takes A's recorded parameters of each step, computes the objective and its
 gradients with :func:`tests.moe.test_moe_recipe.reference_objective` (plain autograd, no trainer or ``engine.moe``
 code), the global norm over every parameter once (``torch.nn.utils.get_total_norm``), the clip
 (``g * min(1, clip / (norm + 1e-6))``) and ``torch.optim.AdamW`` (its moments carried over the steps).  Checked:
-A's loss and grad norm every step, and its parameters after every update, equal the reference's; B and C start
+A's loss and grad norm every step, and its parameters after every update, equal the reference's; B to E start
 from bitwise A's step-3 parameters and give A's step-3 loss, norm and updated parameters.  Tolerance (fp32): losses
 relative 1e-6, grad norms relative 1e-5, parameters 1e-5 relative to each tensor's largest element beyond an
 absolute 1e-4 of the learning rate (:func:`param_error`): the reduce-scatter sums in another order than the
@@ -29,20 +34,24 @@ import torch
 
 from engine.training.config import load_config
 from tests.helpers.distributed import run_ranks
-from tests.moe.test_moe_recipe import PRESET, _params, _steps, overrides, reference_objective
+from tests.moe.test_moe_recipe import MODEL, MOE, PRESET, _params, _steps, overrides, reference_objective
 from tests.training.test_trainer_reference import global_batch, recorded_leaves
 
 STEPS, CLIP, LR, DECAY = 3, 0.05, 1e-2, 0.1
+MOE_LAYERS, MOE_EXPERT_ELEMENTS = MODEL["num_layers"], MODEL["hidden_size"] * MOE["ffn_hidden_size"]
 TOL, ABS, LOSS_TOL, NORM_TOL = 1e-5, 1e-4 * LR, 1e-6, 1e-5
-LAYOUTS = {  # name -> (pipeline, data, expert, shard)
-    "A": (1, 4, 2, "optimizer"), "B": (1, 4, 1, "none"), "C": (2, 2, 2, "optimizer")}
+LAYOUTS = {  # name -> (pipeline, data, expert, shard, schedule)
+    "A": (1, 4, 2, "optimizer", "1f1b"), "B": (1, 4, 1, "none", "1f1b"), "C": (2, 2, 2, "optimizer", "1f1b"),
+    "D": (1, 4, 2, "full", "1f1b"), "E": (2, 2, 2, "full", "dualpipev")}
 
 
 def _config(run_dir, name: str):
-    pipeline, data, expert, shard = LAYOUTS[name]
+    pipeline, data, expert, shard, schedule = LAYOUTS[name]
+    cells = schedule == "dualpipev"
     return load_config(PRESET, overrides(run_dir, **{
-        "parallel.pipeline": pipeline, "parallel.virtual": 1, "parallel.schedule": "1f1b", "parallel.data": data,
-        "parallel.expert": expert, "parallel.shard": shard, "parallel.overlap_moe_expert_parallel_comm": False,
+        "parallel.pipeline": pipeline, "parallel.virtual": 2 if cells else 1, "parallel.schedule": schedule,
+        "parallel.data": data, "parallel.expert": expert, "parallel.shard": shard,
+        "parallel.overlap_moe_expert_parallel_comm": cells,
         "training.num_microbatches": 8 // data, "training.steps": STEPS, "optimizer.grad_clip": CLIP,
         "optimizer.lr": LR, "optimizer.min_lr": LR, "optimizer.weight_decay": DECAY}))
 
@@ -54,8 +63,18 @@ def param_error(got, want: torch.Tensor) -> float:
 
 
 def _shards(trainer) -> list:
-    """``(experts, shard group size)`` of each ZeRO-1 buffer of this rank."""
+    """``(experts, shard group size)`` of each ZeRO-1 buffer of this rank; under FSDP2 of each parameter."""
+    from torch.distributed.tensor import DTensor
+    if trainer.parallelism.shard == "full":
+        return sorted({(getattr(p, "expert_parallel", False), p.device_mesh.size() if isinstance(p, DTensor) else 1)
+                       for p in trainer.canonical.parameters()})
     return [(s.experts, s.size) for s in getattr(trainer.parallelism.grad_sync, "shards", [])]
+
+
+def _full(trainer) -> dict:
+    """``{name: full parameter}`` (numpy; FSDP2's shards gathered: collective)."""
+    from engine.training.parallel.fsdp import full_parameters
+    return {n: p.numpy().copy() for n, p in full_parameters(trainer.canonical).items()}
 
 
 def _job(rank: int, world: int, run_dir: str) -> dict:
@@ -66,11 +85,14 @@ def _job(rank: int, world: int, run_dir: str) -> dict:
         checkpoint = trainer.save()
         _steps(trainer, 1, out["A"])
         out["A_final"], out["A_shards"] = _params(trainer), _shards(trainer)
-    for name in ("B", "C"):
+        out["A_state_bytes"] = trainer.optimizer.state_bytes()
+    for name in ("B", "C", "D", "E"):
         with Trainer(_config(run_dir, name)) as trainer:
             trainer.load(checkpoint)
-            out[name] = _steps(trainer, 1)
-            out[f"{name}_final"], out[f"{name}_shards"] = _params(trainer), _shards(trainer)
+            start = _full(trainer)
+            m = trainer.train_step()
+            out[name] = {"start": start, "loss": m["loss"], "grad_norm": m["grad_norm"], "final": _full(trainer),
+                         "shards": _shards(trainer)}
     return out
 
 
@@ -131,20 +153,40 @@ def test_zero1_with_experts_equals_the_reference_with_the_clip_acting(ranks):
     print(f"ZeRO-1 x expert 2: largest absolute parameter difference {worst:.3g}")
 
 
+SHARDS = {"B": [], "C": [(False, 2), (True, 1)],  # C: each expert on one rank, its buffer's shard group that rank
+          "D": [(False, 4), (True, 2)],  # D: dense parameters over dp 4, experts over their 2 expert-data ranks
+          "E": [(False, 2), (True, 1)]}
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["B", "C"])
+@pytest.mark.parametrize("name", ["B", "C", "D", "E"])
 def test_a_sharded_expert_checkpoint_resumes_at_another_layout(ranks, name):
-    """B: expert 1, ``shard: none``; C: pipeline 2 x data 2, expert 2, ``shard: optimizer``."""
-    if name == "C":  # experts held by one rank each: their buffer's shard group is that rank
-        assert {tuple(r["C_shards"]) for r in ranks} == {((False, 2), (True, 1))}
+    """B: expert 1, ``shard: none``; C: pipeline 2 x data 2, expert 2, ``shard: optimizer``; D: expert 2,
+    ``shard: full``; E: pipeline 2 x data 2, expert 2, ``shard: full`` under DualPipeV with overlapped cells."""
+    assert [r[name]["shards"] for r in ranks] == [SHARDS[name]] * 4
     a_step3 = {n: v for r in ranks for n, (v, _) in r["A"][2]["params"].items()}
     a_final = {n: v for r in ranks for n, v in r["A_final"].items()}
     for r in ranks:
-        start = r[name][0]
-        assert start["loss"] == pytest.approx(r["A"][2]["loss"], rel=LOSS_TOL), name
-        assert start["grad_norm"] == pytest.approx(r["A"][2]["grad_norm"], rel=NORM_TOL), name
-        for pname, (value, _) in start["params"].items():
+        got = r[name]
+        assert got["loss"] == pytest.approx(r["A"][2]["loss"], rel=LOSS_TOL), name
+        assert got["grad_norm"] == pytest.approx(r["A"][2]["grad_norm"], rel=NORM_TOL), name
+        for pname, value in got["start"].items():
             assert (value == a_step3[pname]).all(), f"{name}: {pname} is not the saved parameter"
-        for pname, value in r[f"{name}_final"].items():  # AdamW moments restored from A's shards: the same update
+        for pname, value in got["final"].items():  # AdamW moments restored from A's shards: the same update
             err = param_error(value, torch.from_numpy(a_final[pname]))
             assert err <= TOL, f"{name}: {pname} after step 3 differs from A's by {err:.3g}"
+
+
+def test_the_memory_estimate_counts_the_experts_state_sharded_over_their_expert_data_ranks(ranks):
+    """A's AdamW bytes per rank (moments of its pieces, a step scalar per piece) against
+    :func:`engine.training.memory.estimate`'s: ``8 (dense / 4 + experts / 2)`` plus a step per tensor; they differ
+    by the shards' rounding up (``8 x (1 + 1)`` bytes at most) and the steps of tensors this rank holds no piece of."""
+    from engine.training.memory import estimate, stage_expert_parameters, stage_parameters
+    config = _config("run", "A")
+    elements, tensors = stage_parameters(config, 0)
+    experts = stage_expert_parameters(config, 0)
+    assert experts == MOE_LAYERS * 2 * 3 * MOE_EXPERT_ELEMENTS  # 2 of 4 experts, 3 weights each, per layer
+    want = estimate(config).ranks[0].optimizer
+    assert want == 8 * (elements - experts) // 4 + 8 * experts // 2 + 4 * tensors
+    for r in ranks:
+        assert abs(r["A_state_bytes"] - want) <= 4 * tensors + 16, (r["A_state_bytes"], want)

@@ -223,9 +223,7 @@ def validate_expert_parallel(config: TrainConfig) -> None:
 
     Raises:
         ConfigError: experts without ``model.moe``; ``E`` not dividing ``model.moe.num_experts`` or
-            ``parallel.data``; ``E > 1`` with ``parallel.shard=full`` (``optimizer``, ZeRO-1, shards the
-            routed experts' state over the expert-data-parallel group: :mod:`engine.training.parallel.zero1`);
-            ``model.moe`` with
+            ``parallel.data``; ``model.moe`` with
             ``parallel.tensor > 1`` or with CUDA graphs; the overlap without
             ``model.moe`` or with a schedule that has no forward-backward cells.
     """
@@ -241,13 +239,6 @@ def validate_expert_parallel(config: TrainConfig) -> None:
     if p.data is not None and p.data % e:
         raise ConfigError(f"parallel.expert={e} does not divide parallel.data={p.data}: the expert-parallel ranks "
                           f"are taken from the data-parallel ones; use a divisor of {p.data} or more data replicas")
-    if e > 1 and p.shard == "full":
-        raise ConfigError(f"parallel.shard=full with parallel.expert={e} is not available in this version "
-                          "(FSDP2 shards each model chunk as one unit over the data-parallel mesh, while the routed "
-                          "experts need a unit of their own sharded over the expert-data-parallel group, with its "
-                          "gradient average over the data-parallel size); use parallel.shard=optimizer (ZeRO-1: "
-                          "experts' optimizer state sharded over the expert-data-parallel group) or "
-                          "parallel.shard=none with expert parallelism, or parallel.expert=1")
     if moe is not None:
         _validate_moe_layout(config)
     _validate_moe_overlap(config)

@@ -216,7 +216,8 @@ class ParallelConfig:
                        "unchanged)")
     shard: Literal["none", "optimizer", "full"] = setting(
         "none", "none; optimizer: ZeRO-1, AdamW state 1/data per rank; full: FSDP2 per chunk, parameters, gradients "
-                "and AdamW state 1/data per rank between steps (both a no-op at data=1)")
+                "and AdamW state 1/data per rank between steps (both a no-op at data=1; routed experts' 1/(data / "
+                "expert), over their expert-data-parallel ranks)")
 
 
 @dataclass

@@ -24,6 +24,10 @@ Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel" 
   only accumulate -- here every backward does).
 * **Norm and clipping** (:func:`engine.training.parallel.grad_norm.clip_grad_norm_`): the squares of the local
   gradient shards (the last stage's tied copy left out) summed over the data-parallel and the pipeline group.
+* **Experts** (``parallel.expert > 1``): each MoE layer's routed experts are a ``fully_shard`` unit of their own
+  inside the chunk's, over the expert-data-parallel group (the ranks holding the same experts; torchtitan shards
+  its experts so), their reduce-scatter divided by the data-parallel size (Megatron-Core's expert gradient scaling
+  ``1 / dp``); their gradients' squares are summed over that group and then the expert-parallel group.
 * **Checkpoints** stay layout-free without a gather: DCP writes each rank's ``DTensor`` shards with their place
   in the full tensor and a load reads each target shard from whatever layout wrote them
   (:meth:`engine.training.trainer.Trainer.state_dict`), so a ``shard: full`` checkpoint resumes at any pipeline /
@@ -32,7 +36,8 @@ Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel" 
 With ``parallel.data = 1`` the run takes ``shard: full`` as ``none`` (one shard is the whole model).  Not
 supported (refused by ``engine.training.config``): ``parallel.tensor > 1``, CUDA graphs, and a V placement with tied
 embeddings (its first and last stage share one ``Parameter`` across two chunks, which two ``fully_shard`` units
-cannot share).  Checked on CPU / gloo against a single-process run (``tests/training/parallel/test_sharding.py``).
+cannot share).  Checked on CPU / gloo against a single-process run (``tests/training/parallel/test_sharding.py``;
+with experts: ``tests/moe/test_moe_sharding.py``).
 """
 from __future__ import annotations
 
@@ -57,10 +62,16 @@ def _accumulate_mode(chunk, on: bool) -> None:
     chunk.set_is_last_backward(not on)
 
 
-def shard_chunks(chunks: Sequence[nn.Module], dp_mesh, param_dtype: torch.dtype | None = None) -> None:
+def shard_chunks(chunks: Sequence[nn.Module], dp_mesh, param_dtype: torch.dtype | None = None,
+                 expert_mesh=None) -> None:
     """``fully_shard`` each chunk in place over ``dp_mesh`` (the 1-D ``dp`` sub-mesh).  Local: every data-parallel
     rank built the same full initial weights and keeps its rows.  Keeps the ``shared_embedding`` /
-    ``shared_embedding_copy`` marks (on the new ``DTensor`` parameters) and leaves each chunk in accumulate mode.
+    ``shared_embedding_copy`` and ``expert_parallel`` marks (on the new ``DTensor`` parameters) and leaves each
+    chunk in accumulate mode.  ``expert_mesh`` (expert parallelism: the 1-D expert-data-parallel mesh,
+    :func:`engine.runtime.process_groups.expert_data_mesh`): each MoE layer's routed experts
+    (:class:`engine.moe.GroupedExperts`) first become a ``fully_shard`` unit of their own over it, whose gradient
+    reduce-scatter sums and divides by the data-parallel size (Megatron-Core's expert gradient scaling ``1 / dp``:
+    an expert's gradient already sums the tokens its expert-parallel peers sent it), as torchtitan shards experts.
     ``param_dtype`` (``model.precision: bf16``): torchtitan's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)``
     -- the fp32 shards are the master weights, the gathered parameters ``param_dtype`` -- with each microbatch's
     gradient added into FSDP's fp32 accumulator as autograd writes it (:func:`accumulate_in_fp32`; collective: one
@@ -86,15 +97,29 @@ def shard_chunks(chunks: Sequence[nn.Module], dp_mesh, param_dtype: torch.dtype 
     # (out of place), so FSDP's warning about in-place ops on a returned view does not apply
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
     for chunk in chunks:
-        marks = {n: (getattr(p, "shared_embedding", False), getattr(p, "shared_embedding_copy", False))
-                 for n, p in chunk.named_parameters()}
+        marks = {n: (getattr(p, "shared_embedding", False), getattr(p, "shared_embedding_copy", False),
+                     getattr(p, "expert_parallel", False)) for n, p in chunk.named_parameters()}
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+        units = _expert_units(chunk) if expert_mesh is not None else []
+        for unit in units:
+            fully_shard(unit, mesh=expert_mesh, reshard_after_forward=False, mp_policy=policy)
+            unit.set_gradient_divide_factor(float(dp_mesh.size()))
+            # a sum then one division (gloo has no PREMUL_SUM); not on one rank, where torch 2.13's foreach_reduce
+            # skips the reduce-scatter and would divide the copied gradient by the factor twice
+            unit.set_force_sum_reduction_for_comms(expert_mesh.size() > 1)
         fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
         for n, p in chunk.named_parameters():
-            p.shared_embedding, p.shared_embedding_copy = marks.get(n, (False, False))
+            p.shared_embedding, p.shared_embedding_copy, p.expert_parallel = marks.get(n, (False, False, False))
         _accumulate_mode(chunk, True)
         if param_dtype is not None:
-            accumulate_in_fp32(chunk)
+            for unit in units + [chunk]:
+                accumulate_in_fp32(unit)
+
+
+def _expert_units(chunk: nn.Module) -> list[nn.Module]:
+    """The routed experts (:class:`engine.moe.GroupedExperts`) of each MoE layer of ``chunk``."""
+    from ...moe import GroupedExperts
+    return [m for m in chunk.modules() if isinstance(m, GroupedExperts)]
 
 
 def accumulate_in_fp32(chunk: nn.Module) -> None:
@@ -132,9 +157,13 @@ def _param_groups(chunk) -> tuple:
 
 
 def reshard(chunks: Sequence[nn.Module]) -> None:
-    """Free the gathered parameters of every chunk (after a forward-only call: evaluation, sampling).  Local."""
+    """Free the gathered parameters of every chunk and of the ``fully_shard`` units inside (the routed experts)
+    (after a forward-only call: evaluation, sampling).  Local."""
+    from torch.distributed.fsdp import FSDPModule
     for chunk in chunks:
-        chunk.reshard()
+        for module in chunk.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 class FSDPGradSync(GradSync):

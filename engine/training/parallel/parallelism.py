@@ -5,10 +5,11 @@ device.  The trainer hands it the model chunks and then only calls it; every dec
 * :func:`parallelize` -- tensor parallelism, then expert parallelism, then activation recomputation, then FSDP2, on
   the chunks; then ``model.precision: bf16``'s fp32 master weights (:mod:`engine.training.parallel.precision`);
 * the gradient sync the schedules call (``finalize_model_grads`` / ``no_sync``: data-parallel all-reduce, or
-  ZeRO-1's reduce-scatter -- routed experts' over the expert-data-parallel group in both --, or FSDP2's, then the
-  tied-embedding sum);
+  ZeRO-1's or FSDP2's reduce-scatter -- routed experts' over the expert-data-parallel group in all three --, then
+  the tied-embedding sum);
 * the optimizer: ``torch.optim.AdamW``, ZeRO-1's :class:`~engine.training.parallel.zero1.ShardedAdamW` (routed
-  experts' state sharded over the expert-data-parallel group), or AdamW on FSDP2's sharded parameters;
+  experts' state sharded over the expert-data-parallel group), or AdamW on FSDP2's sharded parameters (experts
+  sharded over the expert-data-parallel group);
 * the one global-norm clip (:func:`engine.training.parallel.grad_norm.clip_grad_norm_`) over this layout's
   gradients;
 * full tensors (``model.init_from``) cut to this rank's shards (:mod:`engine.training.parallel.dtensor`);
@@ -38,7 +39,7 @@ log = logging.getLogger("pipecast.train")
 
 def parallelize(chunks: Sequence[nn.Module], *, tp_mesh=None, sequence_parallel: bool = False, ep_group=None,
                 recompute: str = "none", attention_core: str | None = None, dp_mesh=None,
-                param_dtype: torch.dtype | None = None) -> None:
+                param_dtype: torch.dtype | None = None, expert_mesh=None) -> None:
     """Apply the run's parallelisms to this rank's model chunks, in place (local: every rank built the same full
     initial weights and keeps its part; no collective but FSDP2's first gather under ``param_dtype``), in
     torchtitan's order (``parallelize_llama``):
@@ -51,7 +52,8 @@ def parallelize(chunks: Sequence[nn.Module], *, tp_mesh=None, sequence_parallel:
        attention core, the submodule named ``attention_core`` (``selective``), marked with
        :func:`engine.runtime.recompute.apply_recompute`;
     4. FSDP2 over ``dp_mesh`` (None: off; :func:`engine.training.parallel.fsdp.shard_chunks`), with ``param_dtype``
-       (``model.precision: bf16``) as its mixed-precision policy.
+       (``model.precision: bf16``) as its mixed-precision policy; the routed experts as units of their own over
+       ``expert_mesh`` (the expert-data-parallel mesh under expert parallelism; None: with the chunk).
 
     Why this order: tensor parallelism replaces each projection's weight by a ``DTensor`` on the ``tp`` mesh and
     installs the redistributions around its module, so a recomputed block must wrap the block as it then runs
@@ -78,7 +80,7 @@ def parallelize(chunks: Sequence[nn.Module], *, tp_mesh=None, sequence_parallel:
         apply_recompute(blocks if recompute == "full" else [b.get_submodule(attention_core) for b in blocks])
     if dp_mesh is not None:
         from .fsdp import shard_chunks
-        shard_chunks(chunks, dp_mesh, param_dtype)
+        shard_chunks(chunks, dp_mesh, param_dtype, expert_mesh)
 
 
 class Parallelism:
@@ -146,17 +148,19 @@ class Parallelism:
         :class:`~engine.model_parallel_config.ModelParallelConfig`, the chunks' ``.config``).  Local but for FSDP2's
         first gather under bf16."""
         from .precision import COMPUTE_DTYPE, MasterWeights
-        tp_mesh = dp_mesh = None
+        tp_mesh = dp_mesh = expert_mesh = None
         if self.tensor > 1 or self.shard == "full":
-            from ...runtime.process_groups import device_mesh
+            from ...runtime.process_groups import device_mesh, expert_data_mesh
             mesh = device_mesh(self.pg, self.device.type)
             tp_mesh = mesh["tp"] if self.tensor > 1 else None
             dp_mesh = mesh["dp"] if self.shard == "full" else None
+            if self.shard == "full" and self.expert > 1:
+                expert_mesh = expert_data_mesh(self.pg, self.device.type)
         dtype = COMPUTE_DTYPE if self.bf16 else torch.float32
         parallelize(chunks, tp_mesh=tp_mesh, sequence_parallel=self.sequence_parallel,
                     ep_group=self.pg.ep if self.expert > 1 else None, recompute=self.recompute,
                     attention_core=self.attention_core, dp_mesh=dp_mesh,
-                    param_dtype=dtype if self.bf16 and dp_mesh is not None else None)
+                    param_dtype=dtype if self.bf16 and dp_mesh is not None else None, expert_mesh=expert_mesh)
         self.chunks = list(chunks)
         if self.bf16 and dp_mesh is None:
             self.masters = MasterWeights(self.chunks)
