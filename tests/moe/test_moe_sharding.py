@@ -35,7 +35,7 @@ import torch
 from engine.training.config import load_config
 from tests.helpers.distributed import run_ranks
 from tests.moe.test_moe_recipe import MODEL, MOE, PRESET, _params, _steps, overrides, reference_objective
-from tests.training.test_trainer_reference import global_batch, recorded_leaves
+from tests.training.test_trainer_reference import global_batch, max_rel_error, recorded_leaves
 
 STEPS, CLIP, LR, DECAY = 3, 0.05, 1e-2, 0.1
 MOE_LAYERS, MOE_EXPERT_ELEMENTS = MODEL["num_layers"], MODEL["hidden_size"] * MOE["ffn_hidden_size"]
@@ -85,7 +85,7 @@ def _job(rank: int, world: int, run_dir: str) -> dict:
         checkpoint = trainer.save()
         _steps(trainer, 1, out["A"])
         out["A_final"], out["A_shards"] = _params(trainer), _shards(trainer)
-        out["A_state_bytes"] = trainer.optimizer.state_bytes()
+        out["A_state_bytes"], out["A_saved"] = trainer.optimizer.state_bytes(), str(trainer.save())
     for name in ("B", "C", "D", "E"):
         with Trainer(_config(run_dir, name)) as trainer:
             trainer.load(checkpoint)
@@ -93,6 +93,8 @@ def _job(rank: int, world: int, run_dir: str) -> dict:
             m = trainer.train_step()
             out[name] = {"start": start, "loss": m["loss"], "grad_norm": m["grad_norm"], "final": _full(trainer),
                          "shards": _shards(trainer)}
+            if name == "D":
+                out["D_saved"] = str(trainer.save(f"{run_dir}/D"))
     return out
 
 
@@ -190,3 +192,24 @@ def test_the_memory_estimate_counts_the_experts_state_sharded_over_their_expert_
     assert want == 8 * (elements - experts) // 4 + 8 * experts // 2 + 4 * tensors
     for r in ranks:
         assert abs(r["A_state_bytes"] - want) <= 4 * tensors + 16, (r["A_state_bytes"], want)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_with_experts_saves_the_state_zero1_with_experts_saves(ranks, tmp_path):
+    """A's (ZeRO-1) and D's (FSDP2) step-3 checkpoints, read whole in this process: the same tensors under the same
+    names -- parameters and AdamW moments of every expert once, whichever ranks wrote their shards (relative 1e-5
+    to each tensor's largest element)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    read = {}
+    for name in ("A", "D"):
+        dcp_to_torch_save(ranks[0][f"{name}_saved"], tmp_path / f"{name}.pt")
+        saved = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+        read[name] = {f"{part}.{k}": v for part in ("model", "optim") for k, v in saved[part].items()}
+    assert read["A"].keys() == read["D"].keys()
+    assert sum(".moe.experts." in k and k.endswith("exp_avg_sq") for k in read["A"]) == MOE_LAYERS * 4 * 3
+    for key, want in read["A"].items():
+        got = read["D"][key]
+        if key.endswith(".step"):
+            assert torch.equal(got, want), key
+        else:
+            assert max_rel_error(got, want) <= TOL, key
