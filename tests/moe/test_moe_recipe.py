@@ -327,6 +327,48 @@ def test_tune_takes_the_all_to_all_apart_and_keeps_the_overlap_only_where_cells_
         assert not measured.parallel.overlap_moe_expert_parallel_comm
 
 
+def test_tune_ranks_interleaved_also_as_combined_1f1b():
+    """With the overlap, interleaved candidates are ranked with Megatron's combined-1F1B cells as well: the plan has
+    them, the simulation hides part of the all-to-all (faster than the same setting without cells at the same
+    costs), the run trains that plan, and ``parallel.schedule: tuned`` reads the setting back."""
+    import dataclasses
+    import json
+    from engine.plan.candidates import CostModel, LayoutCosts, candidates, overlap_candidates, predict
+    from engine.training.config import validate
+    from engine.training.tune.result import resolve_tuned
+    from engine.training.tune.tuner import config_candidate, variant_config
+    config = load_config(PRESET)
+    P, M = config.parallel.pipeline, config.training.num_microbatches
+    cands = candidates(P, config.model.num_layers, M)
+    over = overlap_candidates(cands, P, M)
+    assert over and all(c.schedule == "interleaved" and c.overlap for c in over)
+    best = over[0]
+    plain = dataclasses.replace(best, overlap=False)
+    assert best.plan(P, M).compounds and not plain.plan(P, M).compounds and "overlap" in best.label
+    stages = P * best.virtual
+    lc = LayoutCosts((2.0,) * stages, (4.0,) * stages, (0.0,) * stages, (1,) * stages, (0,) * stages,
+                     (1,) * stages, a2a_ms=(1.0,) * stages)
+    model = CostModel({best.layout: lc}, 0.1, 0, True)
+    assert predict(best, model, P, M).predicted_ms < predict(plain, model, P, M).predicted_ms
+    assert variant_config(config, best, Path("run"), 3).parallel.overlap_moe_expert_parallel_comm is True
+    assert not variant_config(config, plain, Path("run"), 3).parallel.overlap_moe_expert_parallel_comm
+    assert not variant_config(config, best, Path("run"), 3, overlap=False).parallel.overlap_moe_expert_parallel_comm
+    mine = load_config(PRESET, {"parallel.schedule": best.schedule, "parallel.virtual": best.virtual})
+    assert config_candidate(mine) == dataclasses.replace(best, group_size=None)  # the config's own: with its cells
+    tuned = load_config(PRESET, {"parallel.schedule": "tuned"}, check=False)
+    from engine.training.tune.result import tune_path, tuned_for
+    path = tune_path(tuned)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entry = {"settings": best.overrides(), "label": best.label}
+    path.write_text(json.dumps({"measured": {}, "best": entry, "tuned_for": tuned_for(tuned)}))
+    try:
+        run = resolve_tuned(tuned)
+    finally:
+        path.unlink()
+    assert (run.parallel.schedule, run.parallel.overlap_moe_expert_parallel_comm) == ("interleaved", True)
+    validate(run)
+
+
 def test_the_memory_estimate_counts_this_ranks_share_of_the_experts():
     """The preset's first stage (one MoE layer and the embedding), written out: attention ``4096 + 2048 + 2048 +
     4096``, two norms ``2 x 64``, the router ``4 x 64``, ``4 / E`` experts of ``3 x 64 x 96``, the word embedding
