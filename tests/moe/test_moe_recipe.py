@@ -233,7 +233,7 @@ BAD = [  # (overrides on the preset, world size or None, words the message must 
     ({"model.moe.top_k": 5}, None, ["model.moe.top_k=5", "model.moe.num_experts=4", "lower"]),
     ({"model.family": "gpt2"}, None, ["model.moe", "model.family=gpt2", "llama_moe"]),
     ({"model.moe": None, "model.family": "llama"}, None, ["parallel.expert=2", "model.moe is not set"]),
-    ({"parallel.data": 1, "parallel.tensor": 2, "parallel.expert": 1}, 4, []),  # valid: tests/moe/test_moe_tensor_parallel
+    ({"parallel.data": 1, "parallel.tensor": 2, "parallel.expert": 1}, 4, []),  # valid: tests/moe/test_moe_tensor_parallel.py
     ({"parallel.pipeline": 1, "parallel.virtual": 1, "parallel.schedule": "1f1b", "parallel.tensor": 2,
       "parallel.sequence_parallel": True, "parallel.overlap_moe_expert_parallel_comm": False}, 4, []),  # valid: ep 2
     ({"parallel.tensor": 2}, None, ["parallel.expert=2", "parallel.tensor=2", "sequence_parallel=true"]),
