@@ -22,9 +22,9 @@ when ``config.num_moe_experts`` is not None) -- so its gradient at the router ma
 whatever the pipeline's loss scale; 1 outside the schedules.
 
 Tensor parallelism (:meth:`engine.moe.MoELayer.shard_tokens`): each of the ``P`` ranks of ``tp_group`` routes its
-own ``n = T / P`` tokens of the sequence, while the loss above is over all ``T``.  As in Megatron-Core's
-sequence-level auxiliary loss (``TopKRouter._apply_aux_loss`` in ``megatron/core/transformer/moe/router.py``: the
-tokens per expert all-reduced over the tensor x context-parallel group, ``total_num_tokens`` the group's), the
+own ``n = T / P`` tokens of the sequence, while the loss above is over all ``T``.  As in Megatron-Core's router
+(``megatron/core/transformer/moe/router.py``, its load-balancing loss under tensor / sequence parallelism: the
+tokens per expert all-reduced over the tensor x context-parallel group, the token total the group's), the
 counts ``c_e`` are summed over ``tp_group`` (one all-reduce per forward) and each rank's loss is its share,
 ``coeff * E / (k T^2) * sum_e (sum_{t in its n} p_te) * c_e``: linear in its own scores, so the shares add up to the
 loss and each share's gradient at its tokens' scores is the whole loss's -- the same gradients as one process
