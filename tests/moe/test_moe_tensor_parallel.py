@@ -2,7 +2,8 @@
 
 One 4-rank job trains :data:`STEPS` steps of each layout in :data:`LAYOUTS` -- pp1 x tp2 (data 2) and pp2 x tp2
 with and without sequence parallelism, and pp1 x tp2 x expert 2 with it (the expert groups are the
-tensor-parallel pairs: Megatron-Core's expert rank generator with expert-tensor size 1) -- with the load-balancing
+tensor-parallel pairs: Megatron-Core's expert rank generator with expert-tensor size 1), under 1F1B, ZB-H1 and
+DualPipeV with overlapped cells (at expert 2 the all-to-alls overlap the other microbatch) -- with the load-balancing
 loss on (``aux_loss_coeff`` 0.01), so the router's gradient carries it.  Before each optimizer step every rank
 gathers its full parameters and gradients (``DTensor.full_tensor``; a gradient still ``Partial`` is kept as the
 rank's unreduced part, so a missed tensor-parallel sum shows).  Checked on every rank and step, against
@@ -24,11 +25,15 @@ from tests.training.parallel.test_tensor_parallel import _full
 from tests.training.test_trainer_reference import recorded_step
 
 WORLD, STEPS = 4, 2
-LAYOUTS = {  # name -> parallel section (1F1B; parallel.data = 4 / (pipeline x tensor))
+LAYOUTS = {  # name -> parallel section (default 1F1B; parallel.data = 4 / (pipeline x tensor))
     "tp2": dict(pipeline=1, tensor=2),
     "tp2_sp_ep2": dict(pipeline=1, tensor=2, sequence_parallel=True, expert=2),
     "pp2_tp2": dict(pipeline=2, tensor=2),
     "pp2_tp2_sp_zb_h1": dict(pipeline=2, tensor=2, sequence_parallel=True, schedule="zb_h1"),
+    "pp2_tp2_dualpipev": dict(pipeline=2, virtual=2, tensor=2, schedule="dualpipev",
+                              overlap_moe_expert_parallel_comm=True),
+    "tp2_sp_ep2_dualpipev": dict(pipeline=1, virtual=2, tensor=2, sequence_parallel=True, expert=2,
+                                 schedule="dualpipev", overlap_moe_expert_parallel_comm=True),
 }
 
 
