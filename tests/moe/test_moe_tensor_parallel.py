@@ -1,28 +1,29 @@
 """``model.moe`` with ``parallel.tensor: 2`` (expert-tensor size 1) against the recipe's independent reference.
 
-One 4-rank job trains :data:`STEPS` steps of each layout in :data:`LAYOUTS` -- pp1 x tp2 (data 2) and pp2 x tp2
-with and without sequence parallelism, and pp1 x tp2 x expert 2 with it (the expert groups are the
-tensor-parallel pairs: Megatron-Core's expert rank generator with expert-tensor size 1), under 1F1B, ZB-H1 and
-DualPipeV with overlapped cells (at expert 2 the all-to-alls overlap the other microbatch) -- with the load-balancing
-loss on (``aux_loss_coeff`` 0.01), so the router's gradient carries it.  Before each optimizer step every rank
-gathers its full parameters and gradients (``DTensor.full_tensor``; a gradient still ``Partial`` is kept as the
-rank's unreduced part, so a missed tensor-parallel sum shows).  Checked on every rank and step, against
+One 4-rank job trains :data:`STEPS` steps of each layout in :data:`LAYOUTS` -- pp1 x tp2 (data 2) and pp2 x tp2 with
+and without sequence parallelism, and pp1 x tp2 x expert 2 with it (the expert groups are the tensor-parallel pairs:
+Megatron-Core's expert rank generator with expert-tensor size 1), under 1F1B, ZB-H1 and DualPipeV with overlapped
+cells (at expert 2 the all-to-alls overlap the other microbatch) -- with the load-balancing loss on
+(``aux_loss_coeff`` 0.01), so the router's gradient carries it. Before each optimizer step every rank gathers its
+full parameters and gradients (``DTensor.full_tensor``; a gradient still ``Partial`` is kept as the rank's unreduced
+part, so a missed tensor-parallel sum shows). Checked on every rank and step, against
 :func:`tests.moe.test_moe_recipe.reference` (a Llama forward with mixtures of experts written from the recorded
 parameters alone, plain autograd): the loss, the grad norm (experts and the replicated router counted once), the
-router's tokens per expert in the metrics, and every gradient (fp32, relative 1e-5: ``test_moe_recipe.TOL``); the
-parameters every holder recorded are bitwise equal (tensor-parallel ranks stay in step); the expert groups are the
-tensor-parallel pairs at expert 2, one rank otherwise, and the expert-data-parallel group holds the tensor-parallel
-peers that share the experts.  pp2 x tp2 with sequence parallelism runs ZB-H1 (split backward: the router's DTensor
-weight gradient in W).
+router's tokens per expert and load-balancing loss in the metrics, and every gradient (fp32, relative 1e-5:
+``test_moe_recipe.TOL``); the parameters every holder recorded are bitwise equal (tensor-parallel ranks stay in
+step); the expert groups are the tensor-parallel pairs at expert 2, one rank otherwise, and the expert-data-parallel
+group holds the tensor-parallel peers that share the experts. pp2 x tp2 with sequence parallelism runs ZB-H1 (split
+backward: the router's DTensor weight gradient in W).
 """
 from __future__ import annotations
 
 import pytest
 
 from tests.helpers.distributed import run_ranks
-from tests.moe.test_moe_recipe import GLOBAL_MICROBATCHES, PRESET, check_against_reference, overrides
+from tests.moe.test_moe_recipe import (
+    GLOBAL_MICROBATCHES, MODEL, PRESET, check_against_reference, overrides, reference_objective)
 from tests.training.parallel.test_tensor_parallel import _full
-from tests.training.test_trainer_reference import recorded_step
+from tests.training.test_trainer_reference import global_batch, recorded_leaves, recorded_step
 
 WORLD, STEPS = 4, 2
 LAYOUTS = {  # name -> parallel section (default 1F1B; parallel.data = 4 / (pipeline x tensor))
@@ -82,6 +83,9 @@ def test_moe_with_tensor_parallel_equals_the_reference(ranks, name):
         ep = groups["tp"] if LAYOUTS[name].get("expert", 1) > 1 else (r,)
         assert groups["ep"] == ep and set(groups["tp"]) - set(ep) <= set(groups["expt_dp"]), (name, r, groups)
     for step in range(STEPS):
+        objective, ce, _ = reference_objective(recorded_leaves(per_rank, step), *global_batch(per_rank, step))
+        aux = (objective - ce).item() / MODEL["num_layers"]  # per layer and microbatch
+        assert all(s[step]["router"]["moe_aux_loss"] == pytest.approx(aux, rel=1e-5) for s in per_rank), name
         first: dict = {}
         for r, steps in enumerate(per_rank):
             for pname, (value, _) in steps[step]["params"].items():
