@@ -233,7 +233,14 @@ BAD = [  # (overrides on the preset, world size or None, words the message must 
     ({"model.moe.top_k": 5}, None, ["model.moe.top_k=5", "model.moe.num_experts=4", "lower"]),
     ({"model.family": "gpt2"}, None, ["model.moe", "model.family=gpt2", "llama_moe"]),
     ({"model.moe": None, "model.family": "llama"}, None, ["parallel.expert=2", "model.moe is not set"]),
-    ({"parallel.data": 1, "parallel.tensor": 2, "parallel.expert": 1}, None, ["parallel.tensor=2", "tensor=1"]),
+    ({"parallel.data": 1, "parallel.tensor": 2, "parallel.expert": 1}, 4, []),  # valid: tests/moe/test_moe_tensor_parallel.py
+    ({"parallel.pipeline": 1, "parallel.virtual": 1, "parallel.schedule": "1f1b", "parallel.tensor": 2,
+      "parallel.sequence_parallel": True, "parallel.overlap_moe_expert_parallel_comm": False}, 4, []),  # valid: ep 2
+    ({"parallel.tensor": 2}, None, ["parallel.expert=2", "parallel.tensor=2", "sequence_parallel=true"]),
+    ({"parallel.data": 1, "parallel.tensor": 2, "parallel.expert": 1, "model.moe.capacity_factor": 1.5}, None,
+     ["model.moe.capacity_factor=1.5", "parallel.tensor=2", "capacity_factor=null"]),
+    ({"parallel.data": 1, "parallel.tensor": 2, "parallel.expert": 1, "model.seq_length": 63}, None,
+     ["parallel.tensor=2", "model.seq_length=63", "multiple of 2"]),
     ({"parallel.shard": "optimizer"}, None, ["parallel.shard=optimizer", "parallel.expert=2", "shard=none"]),
     ({"cuda_graphs.enabled": True}, None, ["cuda_graphs.enabled=true", "enabled=false"]),
     ({"parallel.schedule": "1f1b", "parallel.virtual": 1}, None,
@@ -247,7 +254,7 @@ BAD = [  # (overrides on the preset, world size or None, words the message must 
 def test_bad_settings_are_refused_before_any_rank_starts(case):
     more, world, words = BAD[case]
     if not words:
-        validate_world_size(load_config(PRESET, more), 4)  # the valid neighbour loads
+        validate_world_size(load_config(PRESET, more), world or 4)  # the valid neighbour loads
         return
     with pytest.raises(ConfigError) as err:
         config = load_config(PRESET, more)

@@ -139,7 +139,7 @@ SPEC = register_family(FamilySpec(
     embedding=LLAMA.embedding,
     block=lambda cfg, ffn_hidden_size: _layers().Block(cfg, ffn_hidden_size),
     final_norm=LLAMA.final_norm,
-    tensor_parallel=LLAMA.tensor_parallel,  # unused: model.moe with parallel.tensor > 1 is refused
+    tensor_parallel=LLAMA.tensor_parallel,  # attention and the dense layers' mlp; a MoE layer: shard_tokens
     check=_check,
     hf=HuggingFace(model_type="mixtral", architectures=("MixtralForCausalLM", "MixtralModel"), prefix="model.",
                    rules=_RULES, config=_hf_config, fields=_hf_fields),
