@@ -23,7 +23,7 @@ stage are consecutive and adjacent stages pair the same tensor-parallel rank):
 * the loss: the logits ``[s, b, V/T]`` are gathered (``Replicate``: one all-gather per microbatch, full logits
   on each rank) and the loss is computed in plain torch.  ``loss_parallel`` is not used: it needs the backward
   to run inside its context, and the schedules run each backward long after the forward, outside it.
-* mixture-of-experts layers (:class:`engine.moe.MoELayer`, family ``llama_moe``): not in the block plan; each
+* mixture-of-experts layers (:class:`engine.moe.MoELayer`, in a MoE family's blocks): not in the block plan; each
   routes its share of the sequence and keeps its experts whole (:meth:`engine.moe.MoELayer.shard_tokens`, applied
   by :func:`engine.training.parallel.parallelism.parallelize`).
 * norms, the position embedding and the residual stream stay replicated plain tensors; their gradients are the
@@ -164,7 +164,7 @@ def parallelize_chunks(chunks, tp_mesh, sequence_parallel: bool = False) -> None
         shared = id(chunk) in shared_heads
         marks = {n: (getattr(p, "shared_embedding", False), getattr(p, "shared_embedding_copy", False))
                  for n, p in chunk.named_parameters(remove_duplicate=False)}
-        for block in chunk.layers:  # a family's plan names what its blocks may hold (llama_moe: mlp or moe)
+        for block in chunk.layers:  # a family's plan names what its blocks may hold (a MoE family: mlp or moe)
             plan = {n: style for n, style in chunk.family.tensor_parallel.items() if _holds(block, n)}
             parallelize_module(block, tp_mesh, _block_plan(plan, sequence_parallel))
         if chunk.embedding is not None:
