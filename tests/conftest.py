@@ -22,7 +22,7 @@ MULTIPROCESS_MODULES = {
     "test_training_runs", "test_training_validation", "test_zero_bubble_pipeline", "test_dualpipev_pipeline",
     "test_model_split", "test_profiling", "test_reliability_checkpoint", "test_tune", "test_hf_models",
     "test_llama_reference", "test_hf_roundtrip", "test_sharding", "test_tensor_parallel", "test_sequence_parallel_api",
-    "test_registered_family", "test_recompute_pipeline", "test_moe_parallel", "test_moe_recipe", "test_fit_recipe",
+    "test_registered_family", "test_recompute_pipeline", "test_moe_parallel", "test_moe_recipe", "test_moe_tensor_parallel", "test_fit_recipe",
     "test_pipeline_schedule", "test_schedule_agreement", "test_grad_norm", "test_parallel_combinations", "test_host_syncs",
     "test_moe_sharding",
 }

@@ -13,6 +13,12 @@ Expert parallelism: build the layers with ``ep_group=pg_collection.ep`` (or
 (:func:`is_expert_parameter`) over ``pg_collection.expt_dp`` and the others over ``pg_collection.dp``.  Set
 ``config.num_moe_experts`` so the schedules publish the auxiliary-loss gradient scale.
 
+Tensor parallelism (``expert_tensor_parallel_size=1``): call :meth:`MoELayer.shard_tokens` with the ``tp``
+``DeviceMesh`` so that each tensor-parallel rank routes its own share of the sequence; then give the router's
+weight (a ``Replicate`` DTensor) its placements back (its ``Partial`` gradient summed over ``tp``) and reduce the
+experts over ``pg_collection.expt_dp``, which with expert-tensor size 1 holds the tensor-parallel ranks (see
+:mod:`engine.moe.layer`).
+
 Overlap with the other microbatch of a cell (DualPipeV's cells, Megatron's combined 1F1B under
 ``config.overlap_moe_expert_parallel_comm=True``): nothing to do for these layers -- their all-to-alls are
 overlap points.  A user's layer joins the same way: start its collective asynchronously and wait on it through

@@ -15,9 +15,26 @@ an expert without tokens) on every rank and step, whatever the routing.  Expert 
 ``param.expert_parallel = True`` (:func:`is_expert_parameter`): their gradients are summed over the
 expert-data-parallel group, not the data-parallel one (Megatron marks them ``allreduce = False``).
 
-Not covered: expert tensor parallelism (each expert is whole on its rank: ``expert_tensor_parallel_size`` 1 for
-these layers) and tokens replicated over a tensor-parallel group (with ``tensor_model_parallel_size > 1`` give the
-layer distinct tokens per rank, e.g. sequence parallelism's ``[s/T, b, h]`` shards).
+Tensor parallelism (:meth:`MoELayer.shard_tokens`, ``expert_tensor_parallel_size`` 1: each expert stays whole on
+its rank; Megatron-Core's layout for it, ``megatron/core/transformer/moe/``): the ``P`` ranks of the
+tensor-parallel group hold the same experts (or, under expert parallelism, the expert-parallel group is made of
+them and the data-parallel ranks, Megatron's expert rank generator with expert-tensor size 1), so they must not
+route the same token twice.  Each rank routes its own share of the sequence: the ``[s/P, b, h]`` shard it holds
+under sequence parallelism, or without it its slice of the replicated ``[s, b, h]`` input, the outputs then
+all-gathered back to ``[s, b, h]`` (the backward: the slice of the replicated output gradient, and an all-gather of
+the input gradient).  One design for both modes, exact at any ``P``:
+
+* the router's load-balancing loss sums its per-expert token counts over the group (:mod:`engine.moe.router`);
+* the router's weight is a ``Replicate`` DTensor fed by the ``Shard(0)`` tokens (torch's ``SequenceParallel``
+  style): its gradient comes out ``Partial`` and is summed over the group (the recipe:
+  :func:`engine.training.parallel.dtensor.align_grads`);
+* each expert's gradient holds only this rank's tokens: it is summed over the expert-data-parallel group, which
+  with expert-tensor size 1 contains the tensor-parallel ranks (Megatron-Core's ``expt_dp``), so the sum covers
+  the whole sequence; after it the experts' gradients are equal on the tensor-parallel ranks and a norm counts
+  them once.
+
+Capacity (``capacity_factor``) needs every token of the sequence in one place (the earliest tokens first), so it is
+not available with tensor parallelism.
 """
 from __future__ import annotations
 
@@ -134,6 +151,33 @@ class MoELayer(nn.Module):
         local = self.num_experts // ranks
         self.experts.keep(group_rank(ep_group) * local, local)
         self.ep_group = ep_group
+
+    def shard_tokens(self, tp_mesh, sequence_parallel: bool) -> None:
+        """Route this rank's share of the sequence over the tensor-parallel ranks of ``tp_mesh`` (a 1-D
+        ``DeviceMesh``; module doc): the layer's input is the ``[s/P, b, h]`` ``Shard(0)`` shard
+        (``sequence_parallel``) or the replicated ``[s, b, h]``, of which it keeps rows ``r s/P .. (r+1) s/P - 1``
+        and all-gathers the output; the router's weight becomes a ``Replicate`` DTensor (gradient ``Partial``) and
+        its load-balancing loss sums the token counts over the group.  ``s`` must be a multiple of ``P``.  Local
+        (no communication); expert parameters are untouched (plain tensors, reduced over the expert-data-parallel
+        group).
+
+        Raises:
+            ValueError: the router has a capacity factor (its drops need the whole sequence in one place).
+        """
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import PrepareModuleInputOutput, SequenceParallel, parallelize_module
+        if self.router.capacity_factor is not None:
+            raise ValueError(f"MoELayer {self.name}: capacity_factor={self.router.capacity_factor} with tensor "
+                             "parallelism: the capacity keeps each expert's earliest tokens of the whole sequence, "
+                             "which no tensor-parallel rank holds; use capacity_factor=None (dropless)")
+        held = Shard(0) if sequence_parallel else Replicate()
+        parallelize_module(self, tp_mesh, PrepareModuleInputOutput(
+            input_layouts=held, desired_input_layouts=Shard(0), use_local_input=True,
+            output_layouts=Shard(0), desired_output_layouts=held, use_local_output=True))
+        router = SequenceParallel(sequence_dim=0, use_local_output=True)
+        router.src_data_rank = None  # every rank built the same weights: no broadcast
+        parallelize_module(self.router.linear, tp_mesh, router)
+        self.router.tp_group = tp_mesh.get_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., h] -> [..., h]``: route every token, dispatch to the experts (an all-to-all over the expert

@@ -21,6 +21,16 @@ forward step from ``grad_scale_func`` and the microbatch count (``s / M``, or ``
 when ``config.num_moe_experts`` is not None) -- so its gradient at the router matches the main loss's scaling
 whatever the pipeline's loss scale; 1 outside the schedules.
 
+Tensor parallelism (:meth:`engine.moe.MoELayer.shard_tokens`): each of the ``P`` ranks of ``tp_group`` routes its
+own ``n = T / P`` tokens of the sequence, while the loss above is over all ``T``.  As in Megatron-Core's router
+(``megatron/core/transformer/moe/router.py``, its load-balancing loss under tensor / sequence parallelism: the
+tokens per expert all-reduced over the tensor x context-parallel group, the token total the group's), the
+counts ``c_e`` are summed over ``tp_group`` (one all-reduce per forward) and each rank's loss is its share,
+``coeff * E / (k T^2) * sum_e (sum_{t in its n} p_te) * c_e``: linear in its own scores, so the shares add up to the
+loss and each share's gradient at its tokens' scores is the whole loss's -- the same gradients as one process
+routing all ``T`` tokens.  The statistics record the whole loss (the score sums ride on the same all-reduce) and
+this rank's tokens per expert.
+
 Capacity (optional, ``capacity_factor``): each expert takes at most ``ceil(capacity_factor * T * k / E)`` token
 slots of one forward, the earliest tokens first; the others are dropped (expert ``-1``, probability 0) and add
 nothing to the output.  ``None`` (the default) is dropless.
@@ -36,6 +46,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -84,10 +95,14 @@ class AuxLossAutoScaler(torch.autograd.Function):
         return grad, one if scale is None else one * scale.to(one).reshape(one.shape)
 
 
-def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int, coeff: float) -> torch.Tensor:
-    """``coeff * E / (k * T^2) * sum_e (sum_t scores_te) * counts_e`` (module doc) for ``scores`` ``[T, E]`` and
-    ``counts`` ``[E]``; a 0-dim tensor."""
-    tokens, experts = scores.shape
+def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int, coeff: float,
+                        tokens: Optional[int] = None) -> torch.Tensor:
+    """``coeff * E / (k * T^2) * sum_e (sum_t scores_te) * counts_e`` (module doc) for ``scores`` ``[n, E]`` and
+    ``counts`` ``[E]``; a 0-dim tensor.  ``tokens``: ``T``, default ``n``; with ``n < T`` (this rank's share of
+    the tokens, ``counts`` those of all ``T``) it is this share's part of the loss, linear in ``scores``: the
+    parts of the ranks sum to the whole loss and each part's gradient is the whole loss's for its tokens."""
+    n, experts = scores.shape
+    tokens = n if tokens is None else tokens
     return (scores.sum(0) * counts.to(scores.dtype)).sum() * (coeff * experts / (top_k * tokens * tokens))
 
 
@@ -120,6 +135,7 @@ class TopKRouter(nn.Module):
         self.aux_loss_coeff, self.capacity_factor = float(aux_loss_coeff), capacity_factor
         self.linear = nn.Linear(hidden_size, num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(num_experts) if expert_bias else None)
+        self.tp_group = None  # MoELayer.shard_tokens: the tensor-parallel ranks that share one sequence
         self._tokens: Optional[torch.Tensor] = None
         self._aux: Optional[torch.Tensor] = None
         self._forwards = 0
@@ -142,14 +158,32 @@ class TopKRouter(nn.Module):
                 probs = probs / probs.sum(-1, keepdim=True)
             balance = scores / scores.sum(-1, keepdim=True)
         counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
-        aux = None
+        aux = whole = None
         if self.aux_loss_coeff > 0 and torch.is_grad_enabled():
-            aux = load_balancing_loss(balance, counts, self.top_k, self.aux_loss_coeff)
+            aux, whole = self._aux_loss(balance, counts)
             probs = AuxLossAutoScaler.apply(probs, aux)
         if self.capacity_factor is not None:
             probs, experts, counts = self._drop(probs, experts)
-        self._record(counts, aux)
+        self._record(counts, whole)
         return Routing(probs, experts, counts)
+
+    def _aux_loss(self, balance: torch.Tensor, counts: torch.Tensor) -> tuple:
+        """``(loss, its value over the whole sequence)`` from ``balance`` ``[n, E]`` and ``counts`` ``[E]`` of this
+        rank's tokens.  With :attr:`tp_group` (the tensor-parallel ranks each hold ``n`` tokens of the sequence,
+        module doc) one all-reduce of ``[counts | sum_t balance]`` (fp32, ``[2E]``) gives the sequence's counts and
+        score sums: the loss is this rank's share (:func:`load_balancing_loss` with ``tokens = n T``), the value
+        the whole sequence's (for the statistics)."""
+        if self.tp_group is None:
+            aux = load_balancing_loss(balance, counts, self.top_k, self.aux_loss_coeff)
+            return aux, aux.detach()
+        sums = torch.cat([counts.to(torch.float32), balance.detach().sum(0).to(torch.float32)])  # [2E]
+        dist.all_reduce(sums, group=self.tp_group)
+        total = balance.shape[0] * dist.get_world_size(self.tp_group)
+        counts, scores = sums[:self.num_experts], sums[self.num_experts:]
+        aux = load_balancing_loss(balance, counts, self.top_k, self.aux_loss_coeff, tokens=total)
+        whole = load_balancing_loss(scores[None].to(balance.dtype), counts, self.top_k, self.aux_loss_coeff,
+                                    tokens=total)
+        return aux, whole
 
     def _drop(self, probs: torch.Tensor, experts: torch.Tensor):
         """Keep each expert's first ``capacity`` token slots (token order, then slot order)."""

@@ -42,7 +42,8 @@ from .types import Op, Plan, placement_of
 from .validate import PlanError, validate_plan
 
 __all__ = ["Candidate", "LayoutCosts", "CostModel", "Prediction", "candidates", "virtual_sizes", "predict",
-           "peak_memory_bytes", "rank_predictions", "relayout", "cost_aware_candidates", "measured_costs"]
+           "peak_memory_bytes", "rank_predictions", "relayout", "cost_aware_candidates", "measured_costs",
+           "overlap_candidates"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Candidate:
     pipeline_layout: str | None = None  # model.pipeline_layout (engine.plan.layout); None: the even split
     costs: PassCosts | None = None      # zb / zbv: the plan is built for these (measured) costs
     recompute: str | None = None        # model.recompute (its costs: the tuner's); None: the config's own
+    overlap: bool = False               # interleaved: combined 1F1B cells (overlap_moe_expert_parallel_comm)
 
     @property
     def splits_backward(self) -> bool:
@@ -74,7 +76,7 @@ class Candidate:
             f" max_in_flight={self.max_in_flight}" if self.max_in_flight is not None else "") + (
             f" {self.pipeline_layout}" if self.pipeline_layout is not None else "") + (
             " cost-aware" if self.costs is not None else "") + (
-            f" recompute={self.recompute}" if self.recompute is not None else "")
+            f" recompute={self.recompute}" if self.recompute is not None else "") + (" overlap" if self.overlap else "")
         return f"{self.schedule} v={self.virtual}{extra}"
 
     def overrides(self) -> dict:
@@ -88,6 +90,8 @@ class Candidate:
             out["model.pipeline_layout"] = self.pipeline_layout
         if self.recompute is not None:
             out["model.recompute"] = self.recompute
+        if self.overlap:
+            out["parallel.overlap_moe_expert_parallel_comm"] = True
         return out
 
     def arguments(self) -> list[str]:
@@ -102,7 +106,27 @@ class Candidate:
 @functools.lru_cache(maxsize=256)
 def _plan(c: Candidate, pp_size: int, num_microbatches: int) -> Plan:
     return build_plan(c.schedule, pp_size, num_microbatches, c.virtual, c.group_size, max_in_flight=c.max_in_flight,
-                      costs=c.costs)
+                      costs=c.costs, overlap_moe_expert_parallel_comm=True if c.overlap else None)
+
+
+def overlap_candidates(cands: Sequence[Candidate], pp_size: int, num_microbatches: int) -> list[Candidate]:
+    """For every candidate whose schedule forms forward-backward cells only with Megatron's
+    ``overlap_moe_expert_parallel_comm`` (interleaved 1F1B's combined 1F1B: ``megatron/core/pipeline_parallel/
+    combined_1f1b.py``), the same setting with it (:attr:`Candidate.overlap`): its steady pairs then run as cells
+    that hide one microbatch's all-to-all behind the other's compute.  DualPipeV has its cells either way.
+    Settings the option refuses (1F1B on several ranks, as Megatron) are left out."""
+    out = []
+    for c in cands:
+        if c.overlap or "overlap_moe_expert_parallel_comm" not in get_schedule(c.schedule).options:
+            continue
+        variant = dataclasses.replace(c, overlap=True)
+        try:
+            if c.plan(pp_size, num_microbatches).compounds or not variant.plan(pp_size, num_microbatches).compounds:
+                continue
+        except (ValueError, PlanError):
+            continue
+        out.append(variant)
+    return out
 
 
 def virtual_sizes(pp_size: int, num_layers: int) -> list[int]:

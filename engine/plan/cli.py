@@ -322,12 +322,13 @@ def report(plan: Plan, sim: Simulation, buffered, args) -> str:
     moe = (f", all-to-all {a2a:g}" + (" (cells overlapped)" if getattr(args, "overlap_moe", False) else "")
            if a2a else "")
     lines += ["", f"simulated: forward {args.forward_time:g}, backward {args.backward_time:g}{weight}, transfer "
-              f"{args.transfer_time:g}{moe} per model chunk{built}"]
+              f"{args.transfer_time:g}{moe} per model chunk{built}; bubble = idle / makespan, idle / compute = "
+              "Megatron's (p-1)/(v*m)"]
     idle, bubble, of_ideal = sim.idle, sim.bubble, sim.bubble_of_ideal  # properties: compute once, not per rank
 
     def rank_line(rank: int) -> str:
         return (f"rank {rank}: busy {sim.busy[rank]:g}  idle {idle[rank]:g}  bubble {100 * bubble[rank]:.1f}%  "
-                f"(of ideal {100 * of_ideal[rank]:.1f}%)  peak in-flight activations {sim.peak_in_flight[rank]}  "
+                f"(idle / compute {100 * of_ideal[rank]:.1f}%)  peak in-flight activations {sim.peak_in_flight[rank]}  "
                 + (f"peak pending W {sim.peak_pending_w[rank]}  " if plan.splits_backward else "")
                 + f"peak buffered messages {buffered[rank]}")
     if full:

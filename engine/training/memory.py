@@ -118,20 +118,25 @@ def _generic(cfg, ffn_hidden_size: int) -> dict:
             "w_final_norm": 2 * h}
 
 
-def _counts(config: TrainConfig) -> dict:
-    """Per token: what a block saves and a pending ``W`` holds (the family's ``memory``, else :func:`_generic`)."""
+def _counts(config: TrainConfig, moe: bool = False) -> dict:
+    """Per token: what a block saves and a pending ``W`` holds (the family's ``memory``, else :func:`_generic`):
+    a MoE block's with ``moe``, else a dense block's (the family's counts for the model without ``model.moe``)."""
     from .models import get_family
     spec = get_family(config.model.family)
-    return (spec.memory or _generic)(config.model, config.ffn_hidden_size)
+    model = config.model if moe or config.model.moe is None else dataclasses.replace(config.model, moe=None)
+    return (spec.memory or _generic)(model, config.ffn_hidden_size)
+
+
+def _block_counts(config: TrainConfig, stage: int) -> list[dict]:
+    """The counts (:func:`_counts`) of each decoder layer of virtual stage ``stage``, dense or MoE."""
+    from .models.chunk import block_part
+    kinds = [block_part(config.model, i) == "moe_block" for i in config.layout.layers(stage)]
+    counts = {moe: _counts(config, moe) for moe in set(kinds)}
+    return [counts[moe] for moe in kinds]
 
 
 def _num_stages(config: TrainConfig) -> int:
     return config.parallel.pipeline * config.parallel.virtual
-
-
-def _layers(config: TrainConfig, stage: int) -> int:
-    """Decoder layers of virtual stage ``stage`` (``model.pipeline_layout`` or the even split)."""
-    return config.layout.layer_counts[stage]
 
 
 def _module_parameters(config: TrainConfig) -> dict[str, tuple[int, int, int, int]]:
@@ -184,10 +189,10 @@ def _stage_counts(config: TrainConfig, stage: int) -> list[int]:
     """``(sharded, replicated, tensors, experts)`` of :func:`_module_parameters` summed over the modules of virtual
     stage ``stage``: its blocks, the embedding on the first stage, the final norm on the last (not the output
     head)."""
-    from .models.chunk import block_part, stage_layers
+    from .models.chunk import block_part
     parts, stages = _module_parameters(config), _num_stages(config)
     counts = [0, 0, 0, 0]
-    for index in stage_layers(config.model.num_layers, stages, stage):  # a dense or a MoE block each
+    for index in config.layout.layers(stage):  # a dense or a MoE block each
         counts = [x + y for x, y in zip(counts, parts[block_part(config.model, index)])]
     held = (["embedding"] if stage == 0 else []) + (["final_norm"] if stage == stages - 1 else [])
     for part in held:
@@ -212,7 +217,7 @@ def activation_bytes(config: TrainConfig, stage: int, device_type: str = "cpu") 
     the token ids (int64) and the embedding's, on the last the final norm's, the ``[s, b, V]`` fp32
     log-probabilities and the labels (int64).  ``[s, b]`` tokens per microbatch."""
     c, m, tokens, el = _counts(config), config.model, _tokens(config), _element_bytes(config, device_type)
-    per_token = _layers(config, stage) * _block_bytes(config, c, el)
+    per_token = sum(_block_bytes(config, layer, el) for layer in _block_counts(config, stage))
     if stage == 0:
         per_token += 8 + el * c["embedding"]
     if stage == _num_stages(config) - 1:
@@ -239,15 +244,15 @@ def _block_bytes(config: TrainConfig, c: dict, el: int) -> float:
 def pending_w_bytes(config: TrainConfig, stage: int, device_type: str = "cpu") -> int:
     """Bytes a pending ``W`` of one microbatch holds on virtual stage ``stage`` (split backward): each deferred
     projection's input and output gradient, each norm's (the family's ``w_*`` counts), the embedding's
-    output gradient on the first stage, the final norm's and the output head's (its ``[s, b, V]`` gradient) on
-    the last."""
+    output gradient on the first stage, the final norm's and the output head's (its ``[s, b, V]`` gradient, in the
+    chunk's dtype) on the last."""
     c, t, tokens = _counts(config), config.parallel.tensor, _tokens(config)
     el = _element_bytes(config, device_type)
-    per_token = _layers(config, stage) * el * (c["w_replicated"] + c["w_sharded"] / t)
+    per_token = sum(el * (layer["w_replicated"] + layer["w_sharded"] / t) for layer in _block_counts(config, stage))
     if stage == 0:
         per_token += el * c["w_embedding"]
     if stage == _num_stages(config) - 1:
-        per_token += el * (c["w_final_norm"] + config.model.hidden_size) + 4 * config.model.vocab_size
+        per_token += el * (c["w_final_norm"] + config.model.hidden_size + config.model.vocab_size)
     return int(per_token * tokens)
 
 

@@ -233,7 +233,14 @@ BAD = [  # (overrides on the preset, world size or None, words the message must 
     ({"model.moe.top_k": 5}, None, ["model.moe.top_k=5", "model.moe.num_experts=4", "lower"]),
     ({"model.family": "gpt2"}, None, ["model.moe", "model.family=gpt2", "llama_moe"]),
     ({"model.moe": None, "model.family": "llama"}, None, ["parallel.expert=2", "model.moe is not set"]),
-    ({"parallel.data": 1, "parallel.tensor": 2, "parallel.expert": 1}, None, ["parallel.tensor=2", "tensor=1"]),
+    ({"parallel.data": 1, "parallel.tensor": 2, "parallel.expert": 1}, 4, []),  # valid: tests/moe/test_moe_tensor_parallel.py
+    ({"parallel.pipeline": 1, "parallel.virtual": 1, "parallel.schedule": "1f1b", "parallel.tensor": 2,
+      "parallel.sequence_parallel": True, "parallel.overlap_moe_expert_parallel_comm": False}, 4, []),  # valid: ep 2
+    ({"parallel.tensor": 2}, None, ["parallel.expert=2", "parallel.tensor=2", "sequence_parallel=true"]),
+    ({"parallel.data": 1, "parallel.tensor": 2, "parallel.expert": 1, "model.moe.capacity_factor": 1.5}, None,
+     ["model.moe.capacity_factor=1.5", "parallel.tensor=2", "capacity_factor=null"]),
+    ({"parallel.data": 1, "parallel.tensor": 2, "parallel.expert": 1, "model.seq_length": 63}, None,
+     ["parallel.tensor=2", "model.seq_length=63", "multiple of 2"]),
     ({"parallel.shard": "optimizer"}, None, []),  # valid: ZeRO-1 and FSDP2 shard the experts over expert-data
     ({"parallel.shard": "full"}, None, []),  # parallel ranks (tests/moe/test_moe_sharding.py)
     ({"cuda_graphs.enabled": True}, None, ["cuda_graphs.enabled=true", "enabled=false"]),
@@ -248,7 +255,7 @@ BAD = [  # (overrides on the preset, world size or None, words the message must 
 def test_bad_settings_are_refused_before_any_rank_starts(case):
     more, world, words = BAD[case]
     if not words:
-        validate_world_size(load_config(PRESET, more), 4)  # the valid neighbour loads
+        validate_world_size(load_config(PRESET, more), world or 4)  # the valid neighbour loads
         return
     with pytest.raises(ConfigError) as err:
         config = load_config(PRESET, more)
@@ -326,6 +333,48 @@ def test_tune_takes_the_all_to_all_apart_and_keeps_the_overlap_only_where_cells_
         validate(variant)
         measured = variant_config(config, Candidate(schedule, virtual), Path("run"), 3, overlap=False)
         assert not measured.parallel.overlap_moe_expert_parallel_comm
+
+
+def test_tune_ranks_interleaved_also_as_combined_1f1b():
+    """With the overlap, interleaved candidates are ranked with Megatron's combined-1F1B cells as well: the plan has
+    them, the simulation hides part of the all-to-all (faster than the same setting without cells at the same
+    costs), the run trains that plan, and ``parallel.schedule: tuned`` reads the setting back."""
+    import dataclasses
+    import json
+    from engine.plan.candidates import CostModel, LayoutCosts, candidates, overlap_candidates, predict
+    from engine.training.config import validate
+    from engine.training.tune.result import resolve_tuned
+    from engine.training.tune.tuner import config_candidate, variant_config
+    config = load_config(PRESET)
+    P, M = config.parallel.pipeline, config.training.num_microbatches
+    cands = candidates(P, config.model.num_layers, M)
+    over = overlap_candidates(cands, P, M)
+    assert over and all(c.schedule == "interleaved" and c.overlap for c in over)
+    best = over[0]
+    plain = dataclasses.replace(best, overlap=False)
+    assert best.plan(P, M).compounds and not plain.plan(P, M).compounds and "overlap" in best.label
+    stages = P * best.virtual
+    lc = LayoutCosts((2.0,) * stages, (4.0,) * stages, (0.0,) * stages, (1,) * stages, (0,) * stages,
+                     (1,) * stages, a2a_ms=(1.0,) * stages)
+    model = CostModel({best.layout: lc}, 0.1, 0, True)
+    assert predict(best, model, P, M).predicted_ms < predict(plain, model, P, M).predicted_ms
+    assert variant_config(config, best, Path("run"), 3).parallel.overlap_moe_expert_parallel_comm is True
+    assert not variant_config(config, plain, Path("run"), 3).parallel.overlap_moe_expert_parallel_comm
+    assert not variant_config(config, best, Path("run"), 3, overlap=False).parallel.overlap_moe_expert_parallel_comm
+    mine = load_config(PRESET, {"parallel.schedule": best.schedule, "parallel.virtual": best.virtual})
+    assert config_candidate(mine) == dataclasses.replace(best, group_size=None)  # the config's own: with its cells
+    tuned = load_config(PRESET, {"parallel.schedule": "tuned"}, check=False)
+    from engine.training.tune.result import tune_path, tuned_for
+    path = tune_path(tuned)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entry = {"settings": best.overrides(), "label": best.label}
+    path.write_text(json.dumps({"measured": {}, "best": entry, "tuned_for": tuned_for(tuned)}))
+    try:
+        run = resolve_tuned(tuned)
+    finally:
+        path.unlink()
+    assert (run.parallel.schedule, run.parallel.overlap_moe_expert_parallel_comm) == ("interleaved", True)
+    validate(run)
 
 
 def test_the_memory_estimate_counts_this_ranks_share_of_the_experts():

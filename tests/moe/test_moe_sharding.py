@@ -101,11 +101,11 @@ def _job(rank: int, world: int, run_dir: str) -> dict:
 def _reference_steps(per_rank: list) -> list:
     """Per step ``(cross-entropy, global norm, {name: parameter after the update})`` of the reference, each step
     from the parameters A recorded at its start."""
-    leaves = recorded_leaves(per_rank, 0)
+    leaves, o = recorded_leaves(per_rank, 0), _config("run", "A").optimizer
     decay = [p for p in leaves.values() if p.dim() >= 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": DECAY},
                                    {"params": [p for p in leaves.values() if p.dim() < 2], "weight_decay": 0.0}],
-                                  lr=LR, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+                                  lr=LR, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
     out = []
     for step in range(len(per_rank[0])):
         with torch.no_grad():

@@ -49,10 +49,16 @@ LAYOUTS = [dict(), {"model.tie_embeddings": False}, {"parallel.pipeline": 2, "pa
            {"parallel.pipeline": 2, "parallel.virtual": 2, "parallel.schedule": "zbv"},  # V placement: both ends share the embedding
            {"model.family": "llama", "model.num_query_groups": 2, "parallel.pipeline": 2},
            {"model.family": "llama", "model.tie_embeddings": False, "model.ffn_hidden_size": 88},
-           {"model.family": "tiny_relu2", "parallel.pipeline": 2}]  # registered in a test module, no ``memory``
+           {"model.family": "tiny_relu2", "parallel.pipeline": 2},  # registered in a test module, no ``memory``
+           {"model.family": "llama", "model.num_layers": 6, "parallel.pipeline": 3,
+            "model.pipeline_layout": "Et|t*3|t*2L"},  # uneven: each stage's own layers
+           {"model.family": "llama_moe", "model.num_layers": 6, "parallel.pipeline": 3,
+            "model.pipeline_layout": "Et*2|t*3|tL", "model.moe": {"num_experts": 4, "top_k": 2, "first_dense_layers": 1,
+                                                                 "ffn_hidden_size": 24, "shared_experts": 1}}]
 
 
-@pytest.mark.parametrize("extra", LAYOUTS, ids=lambda e: ",".join(f"{k.split('.')[1]}={v}" for k, v in e.items()))
+@pytest.mark.parametrize("extra", LAYOUTS, ids=lambda e: ",".join(f"{k.split('.')[1]}={v}" for k, v in e.items()
+                                                                  if k != "model.moe"))
 def test_parameters_gradients_and_adamw_state_are_exact(extra):
     config = _config(**extra)
     est = estimate(config)
@@ -116,6 +122,28 @@ def test_activation_and_pending_w_bytes_match_what_autograd_holds(family, dropou
         if not dropout:  # the deferral's held bytes do not depend on dropout (its masks are autograd's)
             predicted = pending_w_bytes(config, stage)
             assert abs(predicted - held) <= 0.03 * held, (stage, predicted, held)
+
+
+MOE = {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 24}
+MOE_CASES = {"softmax": ({}, {}), "sigmoid,shared": ({"router": "sigmoid", "shared_experts": 1}, {}),
+             "k3,plain,no-aux": ({"top_k": 3, "normalize_top_k": False, "aux_loss_coeff": 0.0}, {}),
+             "dense-first,bf16": ({"first_dense_layers": 1}, {"model.precision": "bf16"}),
+             "every-2nd,selective": ({"layer_freq": 2}, {"model.recompute": "selective"})}
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_moe_activation_and_pending_w_bytes_match_what_autograd_holds(case):
+    """A MoE model's stages (router scores and probabilities, int64 routing indices, dispatched rows, expert
+    outputs, each expert's SwiGLU; dense layers counted as dense): within 1% of what autograd saves and of what
+    a pending ``W`` holds, at either precision."""
+    moe, extra = MOE_CASES[case]
+    config = _config(**{"model.family": "llama_moe", "model.num_layers": 8, "parallel.pipeline": 4,
+                        "model.num_query_groups": 2, "model.ffn_hidden_size": 88, "model.moe": {**MOE, **moe}, **extra})
+    for stage in (0, 1, 3):
+        saved, held = _saved_and_held(config, stage)
+        assert abs(activation_bytes(config, stage) - saved) <= 0.01 * saved, (stage, activation_bytes(config, stage),
+                                                                              saved)
+        assert abs(pending_w_bytes(config, stage) - held) <= 0.01 * held, (stage, pending_w_bytes(config, stage), held)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

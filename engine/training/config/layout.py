@@ -223,9 +223,11 @@ def validate_expert_parallel(config: TrainConfig) -> None:
 
     Raises:
         ConfigError: experts without ``model.moe``; ``E`` not dividing ``model.moe.num_experts`` or
-            ``parallel.data``; ``model.moe`` with
-            ``parallel.tensor > 1`` or with CUDA graphs; the overlap without
-            ``model.moe`` or with a schedule that has no forward-backward cells.
+            ``parallel.data``; ``model.moe`` with ``parallel.tensor > 1`` not dividing ``model.seq_length``, or
+            with a capacity factor, or (``E > 1``) without sequence parallelism; ``model.moe`` with CUDA graphs;
+            the overlap without ``model.moe`` or with a schedule that has no forward-backward cells.  (``E > 1``
+            with ``parallel.shard`` optimizer / full is accepted: the routed experts' shards live on the
+            expert-data-parallel group, :mod:`engine.training.parallel.zero1`, :mod:`engine.training.parallel.fsdp`.)
     """
     m, p = config.model, config.parallel
     e, moe = p.expert, m.moe
@@ -247,14 +249,32 @@ def validate_expert_parallel(config: TrainConfig) -> None:
 def _validate_moe_layout(config: TrainConfig) -> None:
     p = config.parallel
     if p.tensor > 1:
-        raise ConfigError(f"model.moe with parallel.tensor={p.tensor} is not available in this version: each "
-                          "tensor-parallel rank would route its own sequence shard, so the load-balancing loss and "
-                          "the router's gradient would depend on the layout; use parallel.tensor=1 (scale out with "
-                          "parallel.data and parallel.expert)")
+        _validate_moe_tensor_parallel(config)
     if config.cuda_graphs.enabled:
         raise ConfigError("model.moe with cuda_graphs.enabled=true is refused: dropless routing sends each expert "
                           "a data-dependent number of tokens (the all-to-all's splits are read on the host every "
                           "step), which a captured graph cannot replay; set cuda_graphs.enabled=false")
+
+
+def _validate_moe_tensor_parallel(config: TrainConfig) -> None:
+    """``model.moe`` with ``parallel.tensor: T > 1``: each tensor-parallel rank routes ``seq_length / T`` tokens
+    of the sequence (:meth:`engine.moe.MoELayer.shard_tokens`), so ``T`` divides ``model.seq_length``; no capacity
+    (it needs the whole sequence in one place); with ``parallel.expert > 1`` sequence parallelism (Megatron-Core's
+    rule).  ``parallel.shard`` other than none is refused for every ``T > 1`` already."""
+    m, p = config.model, config.parallel
+    if m.seq_length % p.tensor:
+        raise ConfigError(f"model.moe with parallel.tensor={p.tensor} does not divide model.seq_length="
+                          f"{m.seq_length}: each tensor-parallel rank routes seq_length / tensor tokens of the "
+                          f"sequence; choose a seq_length that is a multiple of {p.tensor}")
+    if m.moe.capacity_factor is not None:
+        raise ConfigError(f"model.moe.capacity_factor={m.moe.capacity_factor} with parallel.tensor={p.tensor}: "
+                          "the capacity keeps each expert's earliest tokens of the whole sequence, while each "
+                          "tensor-parallel rank routes only its share; set model.moe.capacity_factor=null "
+                          "(dropless) or parallel.tensor=1")
+    if p.expert > 1 and not p.sequence_parallel:
+        raise ConfigError(f"parallel.expert={p.expert} with parallel.tensor={p.tensor} needs "
+                          "parallel.sequence_parallel=true (Megatron-Core refuses expert parallelism with tensor "
+                          "parallelism without it); set parallel.sequence_parallel=true")
 
 
 def has_overlap_cells(schedule: str, pipeline: int) -> bool:

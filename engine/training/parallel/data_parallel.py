@@ -23,6 +23,8 @@ Mixture-of-experts layers (:mod:`engine.moe`): a routed expert's parameters (``p
 over the expert-data-parallel group ``pg.expt_dp`` (the ranks holding the same experts) in a bucket of their own,
 and scaled by ``1 / data`` like the dense ones -- Megatron-Core's ``DistributedDataParallel`` (expert gradient
 scaling factor ``1 / data``): an expert's gradient already sums the tokens its expert-parallel peers sent it.
+Under tensor parallelism (expert-tensor size 1) ``pg.expt_dp`` also holds the tensor-parallel peers, each of which
+routed its share of the sequence (:meth:`engine.moe.MoELayer.shard_tokens`), so the sum covers the whole sequence.
 
 The global-norm clip of the gradients is :func:`engine.training.parallel.grad_norm.clip_grad_norm_` (every
 layout's); :class:`engine.training.parallel.Parallelism` picks this class or its ZeRO-1 / FSDP2 forms.

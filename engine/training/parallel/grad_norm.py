@@ -9,6 +9,9 @@ Each rank holds a part of the model's gradients, in one of three forms, all hand
 * a plain tensor that is this rank's piece of a flat buffer split over ``shard_group`` (ZeRO-1's reduced gradient
   shards; a routed expert's piece: split over ``expert_shard_group``, the expert-data-parallel group): its squares
   are summed over that group;
+* a routed expert's gradient under tensor parallelism alone is a plain tensor, whole: reduced over the
+  expert-data-parallel group (which holds the tensor-parallel peers, :mod:`engine.moe.layer`), it is the same on
+  them and counts once;
 * a routed expert's gradient under expert parallelism: the other ranks of ``expert_group`` hold the other experts
   of the layer, so its squares are summed over that group too (Megatron-Core sums the expert gradients' squares
   over the expert-tensor x expert x pipeline group; under its distributed optimizer each rank first holds a shard

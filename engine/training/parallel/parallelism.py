@@ -46,8 +46,9 @@ def parallelize(chunks: Sequence[nn.Module], *, tp_mesh=None, sequence_parallel:
 
     1. tensor parallelism over ``tp_mesh`` (None: off), ``sequence_parallel`` as configured
        (:func:`engine.training.parallel.tensor_parallel.parallelize_chunks`);
-    2. expert parallelism over ``ep_group`` (None: every rank keeps every expert): each MoE layer keeps this
-       rank's share of its experts (:meth:`engine.moe.MoELayer.shard_experts`);
+    2. mixture-of-experts layers: under tensor parallelism each routes this rank's share of the sequence
+       (:meth:`engine.moe.MoELayer.shard_tokens`); under expert parallelism over ``ep_group`` (None: every rank
+       keeps every expert) each keeps this rank's share of its experts (:meth:`engine.moe.MoELayer.shard_experts`);
     3. activation recomputation (``model.recompute``): each block of ``chunk.layers`` (``full``) or each block's
        attention core, the submodule named ``attention_core`` (``selective``), marked with
        :func:`engine.runtime.recompute.apply_recompute`;
@@ -70,10 +71,13 @@ def parallelize(chunks: Sequence[nn.Module], *, tp_mesh=None, sequence_parallel:
     if tp_mesh is not None:
         from .tensor_parallel import parallelize_chunks
         parallelize_chunks(chunks, tp_mesh, sequence_parallel=sequence_parallel)
-    if ep_group is not None:
+    if tp_mesh is not None or ep_group is not None:
         from ...moe import MoELayer
         for layer in (m for c in chunks for m in c.modules() if isinstance(m, MoELayer)):
-            layer.shard_experts(ep_group)
+            if tp_mesh is not None:
+                layer.shard_tokens(tp_mesh, sequence_parallel)
+            if ep_group is not None:
+                layer.shard_experts(ep_group)
     if recompute != "none":
         from ...runtime.recompute import apply_recompute
         blocks = [block for chunk in chunks for block in chunk.layers]

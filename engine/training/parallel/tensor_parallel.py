@@ -23,6 +23,9 @@ stage are consecutive and adjacent stages pair the same tensor-parallel rank):
 * the loss: the logits ``[s, b, V/T]`` are gathered (``Replicate``: one all-gather per microbatch, full logits
   on each rank) and the loss is computed in plain torch.  ``loss_parallel`` is not used: it needs the backward
   to run inside its context, and the schedules run each backward long after the forward, outside it.
+* mixture-of-experts layers (:class:`engine.moe.MoELayer`, in a MoE family's blocks): not in the block plan; each
+  routes its share of the sequence and keeps its experts whole (:meth:`engine.moe.MoELayer.shard_tokens`, applied
+  by :func:`engine.training.parallel.parallelism.parallelize`).
 * norms, the position embedding and the residual stream stay replicated plain tensors; their gradients are the
   same on every tensor-parallel rank (their inputs and output gradients are), so no extra reduction is needed.
   Activations between stages are the replicated ``[s, b, h]`` plain tensors.
@@ -130,6 +133,14 @@ def _sequence_ends(chunk: nn.Module, tp_mesh) -> None:
                                                                         use_local_output=True))
 
 
+def _holds(block: nn.Module, name: str) -> bool:
+    try:
+        block.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def _shard_rows(embedding: nn.Embedding, mesh) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
     w = embedding.weight
@@ -153,8 +164,9 @@ def parallelize_chunks(chunks, tp_mesh, sequence_parallel: bool = False) -> None
         shared = id(chunk) in shared_heads
         marks = {n: (getattr(p, "shared_embedding", False), getattr(p, "shared_embedding_copy", False))
                  for n, p in chunk.named_parameters(remove_duplicate=False)}
-        for block in chunk.layers:
-            parallelize_module(block, tp_mesh, _block_plan(chunk.family.tensor_parallel, sequence_parallel))
+        for block in chunk.layers:  # a family's plan names what its blocks may hold (a MoE family: mlp or moe)
+            plan = {n: style for n, style in chunk.family.tensor_parallel.items() if _holds(block, n)}
+            parallelize_module(block, tp_mesh, _block_plan(plan, sequence_parallel))
         if chunk.embedding is not None:
             parallelize_module(chunk.embedding, tp_mesh, {"word": row(input_layouts=replicate())})
         if sequence_parallel:

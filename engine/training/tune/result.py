@@ -90,9 +90,10 @@ def _best_fields(best, where: str) -> dict:
 def tuned_overlap(config, schedule: str, virtual: int, group_size: int | None = None,
                   max_in_flight: int | None = None) -> bool:
     """Whether a run of ``schedule`` chosen for ``config`` by ``pipecast tune`` keeps
-    ``parallel.overlap_moe_expert_parallel_comm``: the config sets it and the schedule's plan as the tuner
-    simulates it (built without the option) has forward-backward cells -- DualPipeV's; interleaved 1F1B's combined
-    cells exist only with the option, which the tuner's candidates do not set, so it runs as predicted: without."""
+    ``parallel.overlap_moe_expert_parallel_comm``: the config sets it and the schedule's plan built without the
+    option has forward-backward cells -- DualPipeV's.  Interleaved 1F1B's combined cells exist only with the option:
+    a candidate ranked with them says so in its settings (:attr:`engine.plan.candidates.Candidate.overlap`), one
+    without them runs as predicted: without."""
     p = config.parallel
     if not (p.overlap_moe_expert_parallel_comm and has_overlap_cells(schedule, p.pipeline)):
         return False
@@ -127,9 +128,10 @@ def resolve_tuned(config):
     check_tuned_for(result["tuned_for"], config, where)
     fields = _best_fields(result["best"], where)
     if p.overlap_moe_expert_parallel_comm:  # the MoE overlap as the tuner predicted the best schedule
-        fields["overlap_moe_expert_parallel_comm"] = tuned_overlap(config, fields["schedule"], fields["virtual"],
-                                                                   fields["microbatch_group_size_per_vp_stage"],
-                                                                   fields["max_in_flight"])
+        cells = result["best"]["settings"].get("parallel.overlap_moe_expert_parallel_comm") is True  # combined 1F1B
+        fields["overlap_moe_expert_parallel_comm"] = cells or tuned_overlap(
+            config, fields["schedule"], fields["virtual"], fields["microbatch_group_size_per_vp_stage"],
+            fields["max_in_flight"])
     tuned = dataclasses.replace(config, parallel=dataclasses.replace(p, **fields))
     try:
         validate(tuned)  # the whole run again (cheap): the trainer then takes it as validated

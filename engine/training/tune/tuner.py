@@ -28,7 +28,10 @@ pick the schedule from measured costs and a memory budget.
    Candidates of schedules that take costs (``zb`` at each budget, ``zbv``) are also built for the measured costs
    (:func:`engine.plan.candidates.cost_aware_candidates`: per ``(rank, chunk)`` ``F``, ``B``, ``W`` and the
    pending-``W`` / activation bytes, the message latency), labelled ``cost-aware``; the config carries such a
-   plan's costs in ``parallel.schedule_costs``.
+   plan's costs in ``parallel.schedule_costs``.  With ``parallel.overlap_moe_expert_parallel_comm`` (a MoE model),
+   interleaved candidates are also ranked as Megatron's combined 1F1B (:func:`engine.plan.candidates.
+   overlap_candidates`, labelled ``overlap``: cells hiding the all-to-all, simulated with the measured all-to-all
+   time), beside DualPipeV, whose cells exist either way.
 3. **Verify** (``--verify``): the best ``--verify-top`` candidates, the config's own schedule, and the best
    cost-aware and the best hand-made split-backward shape (ZB-H1, ZB-V, V-Half, V-Min: no budget, no costs) run ``--steps`` steps each (no recorder;
    round-robin as above); predicted and measured step time (median over steps of the slowest rank) are printed.
@@ -55,8 +58,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ...plan.candidates import (Candidate, CostModel, candidates, cost_aware_candidates, predict,
-                                rank_predictions, virtual_sizes)
+from ...plan.candidates import (Candidate, CostModel, candidates, cost_aware_candidates, overlap_candidates,
+                                predict, rank_predictions, virtual_sizes)
 from ...plan.pass_costs import PassCosts
 from ...plan.registry import get_schedule
 from ..config import ConfigError, TrainConfig, load_config, parse_override_args, validate
@@ -322,23 +325,26 @@ def config_candidate(config: TrainConfig) -> Candidate:
     p, name = config.parallel, config.schedule_name
     group = p.microbatch_group_size_per_vp_stage if "group_size" in get_schedule(name).options else None
     costs = None if p.schedule_costs is None else PassCosts.parse(p.schedule_costs)
-    return Candidate(name, p.virtual, None if group == p.pipeline else group, p.max_in_flight, costs=costs)
+    own = Candidate(name, p.virtual, None if group == p.pipeline else group, p.max_in_flight, costs=costs)
+    if p.overlap_moe_expert_parallel_comm:  # interleaved with it: the combined 1F1B plan the run builds
+        own = next(iter(overlap_candidates([own], p.pipeline, config.training.num_microbatches)), own)
+    return own
 
 
 def variant_config(config: TrainConfig, c: Candidate, folder: Path, steps: int,
                    overlap: bool | None = None) -> TrainConfig:
     """``config`` with candidate ``c``'s schedule, training ``steps`` steps into ``folder``, with no evaluation,
     checkpoint, samples, TensorBoard, profiler or progress bar.  ``parallel.overlap_moe_expert_parallel_comm``:
-    ``overlap`` (None: the config's), kept only where ``c``'s plan has forward-backward cells (:func:`.result.
-    tuned_overlap`: the run is the plan the tuner simulated)."""
+    ``overlap`` (None: the config's), kept only where ``c``'s plan has forward-backward cells (``c.overlap``, or
+    :func:`.result.tuned_overlap`: the run is the plan the tuner simulated)."""
     r = dataclasses.replace
     fields: dict = {"parallel": {}, "model": {}}
     for key, value in c.overrides().items():
         section, _, name = key.partition(".")
         fields[section][name] = value
     overlap = config.parallel.overlap_moe_expert_parallel_comm if overlap is None else overlap
-    fields["parallel"]["overlap_moe_expert_parallel_comm"] = overlap and tuned_overlap(
-        config, c.schedule, c.virtual, c.group_size, c.max_in_flight)
+    fields["parallel"]["overlap_moe_expert_parallel_comm"] = overlap and (c.overlap or tuned_overlap(
+        config, c.schedule, c.virtual, c.group_size, c.max_in_flight))
     return r(config, parallel=r(config.parallel, **fields["parallel"]), model=r(config.model, **fields["model"]),
              training=r(config.training, steps=steps, eval_interval=0),
              checkpoint=r(config.checkpoint, dir=str(folder / "checkpoints"), interval=0, save_at_end=False),
@@ -383,6 +389,8 @@ def _tune(args, config: TrainConfig, cands: list[Candidate], own: Candidate) -> 
                           f"--measured")
     P, M = config.parallel.pipeline, config.training.num_microbatches
     cands = cands + [c for c in cost_aware_candidates(cands, model, P, M) if c not in cands and _valid(config, c)]
+    if config.parallel.overlap_moe_expert_parallel_comm:  # combined 1F1B beside DualPipeV's cells
+        cands = cands + [c for c in overlap_candidates(cands, P, M) if c not in cands and _valid(config, c)]
     budget = None if args.memory_budget_gib is None else args.memory_budget_gib * 2**30
     predictions = [predict(c, model, P, M) for c in cands]
     if budget is not None and not any(p.fits(budget) for p in predictions):

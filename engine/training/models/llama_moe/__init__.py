@@ -105,18 +105,32 @@ def _hf_fields(hf: dict) -> dict:
 
 def _memory(cfg, ffn_hidden_size: int) -> dict:
     """Per token (:mod:`engine.training.memory`'s keys): llama's counts with the MLP's part replaced, in a MoE
-    layer, by the router's ``2E`` (logits, scores) and per routed slot (``k`` per token) the dispatched row and the
-    expert output ``2h`` and the expert's SwiGLU ``4f'`` (``f'`` the expert width), plus ``4 f_s`` for the shared
-    experts; the larger of the dense and the MoE counts when the model has both (an upper bound per layer).  A
-    pending ``W`` holds ``3f'`` per routed slot in place of the MLP's ``3f``."""
+    layer, by what :class:`engine.moe.MoELayer` saves: the router's scores ``E``, its chosen probabilities ``k``
+    (renormalised: also the unnormalised ones and their sum, ``2k + 1``; the sigmoid router with the load-balancing
+    loss: ``+1``, the sum its balance divides by), three ``int64`` indices per routed slot (the chosen experts, the
+    slot order, the token of each row; 8 bytes at either precision), and per routed slot (``k`` per token) the
+    dispatched row, the expert output the combine scatters and the scattered copy it weights, ``3h``, and the
+    expert's SwiGLU ``4f'`` (``f'`` the expert width); ``4 f_s`` for the shared experts.  A pending ``W`` holds per
+    routed slot its row, the gate and up outputs' gradients and the down projection's input and output gradient,
+    ``3f' + 2h``, in place of the dense MLP's ``3f + h``, the router's output gradient ``E``, and ``3 f_s + h`` for
+    the shared experts.  ``cfg`` without ``moe``: llama's counts (the dense layers of a MoE model); a capacity
+    factor's masks are not counted."""
     dense = LLAMA.memory(cfg, ffn_hidden_size)
-    moe = cfg.moe
-    f = moe.ffn_hidden_size or ffn_hidden_size
-    routed = moe.top_k * (2 * cfg.hidden_size + 4 * f) + 2 * moe.num_experts + 4 * moe.shared_experts * f
+    if cfg.moe is None:
+        return dense
+    moe, h = cfg.moe, cfg.hidden_size
+    f, k, fs = moe.ffn_hidden_size or ffn_hidden_size, moe.top_k, moe.shared_experts * (moe.ffn_hidden_size or
+                                                                                          ffn_hidden_size)
+    renormalised = k > 1 and (moe.normalize_top_k or moe.router == "sigmoid")
+    router = moe.num_experts + (2 * k + 1 if renormalised else k) + (
+        1 if moe.router == "sigmoid" and moe.aux_loss_coeff > 0 else 0)
+    indices = 2 * 3 * k  # int64: two 4-byte elements each, in sharded and in fp32_sharded (8 bytes either way)
+    routed = k * (3 * h + 4 * f) + router + indices + 4 * fs
     counts = dict(dense, sharded=dense["sharded"] - 4 * ffn_hidden_size + routed,
-                  w_sharded=dense["w_sharded"] - 3 * ffn_hidden_size + 3 * f * (moe.top_k + moe.shared_experts))
-    mixed = any(not moe.is_moe_layer(i) for i in range(cfg.num_layers))
-    return {k: max(v, dense[k]) for k, v in counts.items()} if mixed else counts
+                  fp32_sharded=dense.get("fp32_sharded", 0) + indices,
+                  w_sharded=dense["w_sharded"] - 3 * ffn_hidden_size - h + k * (3 * f + 2 * h) + moe.num_experts
+                  + (3 * fs + h if fs else 0))
+    return counts
 
 
 SPEC = register_family(FamilySpec(
@@ -125,7 +139,7 @@ SPEC = register_family(FamilySpec(
     embedding=LLAMA.embedding,
     block=lambda cfg, ffn_hidden_size: _layers().Block(cfg, ffn_hidden_size),
     final_norm=LLAMA.final_norm,
-    tensor_parallel=LLAMA.tensor_parallel,  # unused: model.moe with parallel.tensor > 1 is refused
+    tensor_parallel=LLAMA.tensor_parallel,  # attention and the dense layers' mlp; a MoE layer: shard_tokens
     check=_check,
     hf=HuggingFace(model_type="mixtral", architectures=("MixtralForCausalLM", "MixtralModel"), prefix="model.",
                    rules=_RULES, config=_hf_config, fields=_hf_fields),
