@@ -56,8 +56,7 @@ import torch.distributed as dist
 from . import gloo_io
 
 __all__ = ["ORDER", "RankLayout", "ProcessGroupCollection", "orthogonal_groups", "rank_layout", "build_process_groups",
-           "group_rank", "group_size", "validate_parallel_sizes", "device_mesh",
-           "expert_data_mesh"]
+           "group_rank", "group_size", "validate_parallel_sizes", "device_mesh", "expert_data_mesh"]
 
 ProcessGroup = dist.ProcessGroup
 

@@ -45,8 +45,9 @@ from ..plan.candidates import LayoutCosts, peak_memory_bytes
 from ..plan.graph import memory_levels
 from .config import ConfigError, TrainConfig
 
-__all__ = ["RankMemory", "Estimate", "stage_parameters", "stage_expert_parameters", "activation_bytes", "pending_w_bytes", "layout_bytes",
-           "estimate", "check_memory", "host_available_bytes", "RANK_OVERHEAD_BYTES"]
+__all__ = ["RankMemory", "Estimate", "stage_parameters", "stage_expert_parameters", "activation_bytes",
+           "pending_w_bytes", "layout_bytes", "estimate", "check_memory", "host_available_bytes",
+           "RANK_OVERHEAD_BYTES"]
 
 RANK_OVERHEAD_BYTES = 512 << 20
 """Host memory of one rank besides its tensors: the interpreter, torch and its libraries, gloo buffers, the data

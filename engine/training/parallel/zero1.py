@@ -12,17 +12,18 @@ Megatron-Core ``megatron/core/optimizer/distrib_optimizer.py``.  Built on torch'
   :class:`~engine.training.parallel.data_parallel.GradSync`.  Rank ``r`` of the shard group owns the contiguous
   shard ``[r*S, (r+1)*S)``, ``S = padded / n``.  Each parameter's part of the shard is one 1-D leaf tensor (a
   *piece*); AdamW (``torch.optim.AdamW``, ``fused=True``) runs on the pieces only, so its ``exp_avg`` /
-  ``exp_avg_sq`` take ``1/n`` of the bytes of ``parallel.shard: none`` (within the padding of one shard).  A piece is a view of its
-  parameter's storage (fp32 training: no separate master copy).  AdamW is elementwise, so a piece's update is the
+  ``exp_avg_sq`` take ``1/n`` of the bytes of ``parallel.shard: none`` (within the padding of one shard).  A
+  piece is a view of its parameter's storage (fp32 training: no separate master copy).  AdamW is elementwise, so a piece's update is the
   one the whole parameter would get (bitwise: the fused kernel's result does not depend on an element's position).
 * **Gradients** (:class:`ShardedGradSync.finalize_model_grads`, the schedules' ``finalize_model_grads_func``):
   the tied word-embedding gradients are summed over the embedding group first (a sum, so it commutes with the
   data-parallel average; Megatron averages first -- the result differs by float rounding only), then each flat
   gradient is reduce-scattered (``dist.reduce_scatter_tensor`` / ``reduce_scatter_single``, sum) over its shard
   group and divided by the data-parallel size ``dp`` (the expert buffers too: an expert's gradient already sums
-  the tokens its expert-parallel peers sent it, Megatron-Core's expert gradient scaling ``1 / dp``).  The full ``.grad`` tensors keep this rank's local (unreduced)
-  sums: ZeRO-1 shards optimizer state, not gradients.  ``no_sync`` keeps its meaning (backward passes inside only accumulate); no reduction starts
-  before ``finalize_model_grads``, so a split schedule's deferred ``W`` passes have all run by then.
+  the tokens its expert-parallel peers sent it, Megatron-Core's expert gradient scaling ``1 / dp``).  The full
+  ``.grad`` tensors keep this rank's local (unreduced) sums: ZeRO-1 shards optimizer state, not gradients.
+  ``no_sync`` keeps its meaning (backward passes inside only accumulate); no reduction starts before
+  ``finalize_model_grads``, so a split schedule's deferred ``W`` passes have all run by then.
 * **Step** (:class:`ShardedAdamW.step`): AdamW on the pieces, then each updated shard is all-gathered
   (``dist.all_gather_into_tensor`` / ``all_gather_single``) over its shard group back into the parameters, so
   every replica holds the same full weights.
