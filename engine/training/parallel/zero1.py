@@ -13,8 +13,9 @@ Megatron-Core ``megatron/core/optimizer/distrib_optimizer.py``.  Built on torch'
   shard ``[r*S, (r+1)*S)``, ``S = padded / n``.  Each parameter's part of the shard is one 1-D leaf tensor (a
   *piece*); AdamW (``torch.optim.AdamW``, ``fused=True``) runs on the pieces only, so its ``exp_avg`` /
   ``exp_avg_sq`` take ``1/n`` of the bytes of ``parallel.shard: none`` (within the padding of one shard).  A
-  piece is a view of its parameter's storage (fp32 training: no separate master copy).  AdamW is elementwise, so a piece's update is the
-  one the whole parameter would get (bitwise: the fused kernel's result does not depend on an element's position).
+  piece is a view of its parameter's storage (fp32 training: no separate master copy).  AdamW is elementwise, so a
+  piece's update is the one the whole parameter would get (bitwise: the fused kernel's result does not depend on
+  an element's position).
 * **Gradients** (:class:`ShardedGradSync.finalize_model_grads`, the schedules' ``finalize_model_grads_func``):
   the tied word-embedding gradients are summed over the embedding group first (a sum, so it commutes with the
   data-parallel average; Megatron averages first -- the result differs by float rounding only), then each flat
