@@ -1,4 +1,5 @@
-"""``parallel.shard: optimizer`` (ZeRO-1) with expert parallelism, against an independent single-process reference.
+"""``parallel.shard: optimizer`` (ZeRO-1) and ``full`` (FSDP2) with expert parallelism, against an independent
+single-process reference.
 
 One 4-rank job of the ``llama_moe`` recipe (tests/moe/test_moe_recipe.py's tiny model, its sizes and data):
 
@@ -179,6 +180,7 @@ def test_a_sharded_expert_checkpoint_resumes_at_another_layout(ranks, name):
             assert err <= TOL, f"{name}: {pname} after step 3 differs from A's by {err:.3g}"
 
 
+@pytest.mark.timeout(300)
 def test_the_memory_estimate_counts_the_experts_state_sharded_over_their_expert_data_ranks(ranks):
     """A's AdamW bytes per rank (moments of its pieces, a step scalar per piece) against
     :func:`engine.training.memory.estimate`'s: ``8 (dense / 4 + experts / 2)`` plus a step per tensor; they differ
