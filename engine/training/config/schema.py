@@ -281,7 +281,9 @@ class TrainingConfig:
                                             Range(1, 1 << 24, "use a positive number of microbatches or null"))
     seed: int = setting(1234, "seed of sample order, init and dropout",
                         Range(0, (1 << 32) - 1, "use a seed in [0, 2**32 - 1]"))
-    deterministic: bool = setting(True, "deterministic kernels")
+    deterministic: bool = setting(True, "deterministic kernels, warn-only (torch.use_deterministic_algorithms): "
+                                  "bitwise repeatable on CPU; on CUDA the fused attention kernels' backward (cuDNN, "
+                                  "memory-efficient SDPA) may still vary in the last bits")
     check_memory: bool = setting(True, "estimate each rank's memory (parameters, gradients, optimizer state, "
                                  "activations in flight) before any rank starts and refuse a run that cannot fit the "
                                  "host or GPU (engine.training.memory; false: skip the check)")
