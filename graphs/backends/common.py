@@ -275,6 +275,7 @@ class ReplaySlot:
         self.input_needs_grad = [t.requires_grad for t in self.static_inputs]
         self.grads = grads
         self.accumulate: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, buffer) that receive a gradient
+        self.side_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # those of side_params (set with the buffers)
         self._grad_params: list[torch.Tensor] = []  # noted in warmup, their buffers allocated after it
         self.side_params: tuple[torch.Tensor, ...] = ()  # .grad written inside the backward (noted in warmup)
         self.static_outputs: list[torch.Tensor] = []
@@ -410,22 +411,19 @@ class ReplaySlot:
     def capturing_side_writes(self):
         """Around a backward capture: :attr:`side_params` get their buffers as ``.grad`` (the graph writes there)
         and their hooks silenced (:func:`redirected_grads`)."""
-        pairs = self.side_pairs()
-        GradBuffers.attach(pairs)
-        return redirected_grads([p for p, _ in pairs])
-
-    def side_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(parameter, buffer)`` of :attr:`side_params`: installed as ``.grad`` before the backward's capture
-        and each of its replays (:meth:`GradBuffers.attach`)."""
-        side = {id(p) for p in self.side_params}
-        return [(p, buf) for p, buf in self.accumulate if id(p) in side]
+        GradBuffers.attach(self.side_pairs)
+        return redirected_grads([p for p, _ in self.side_pairs])
 
     def allocate_grad_buffers(self) -> None:
-        """After warmup, on the caller's stream (the one that replays and reads them): the per-parameter buffers.
-        Allocated on the warmup side stream instead, their blocks would belong to that stream, and the caching
-        allocator could hand them out again there while the default stream still uses them (``record_stream``)."""
+        """After warmup, on the caller's stream (the one that replays and reads them): the per-parameter buffers
+        (:attr:`accumulate`; :attr:`side_pairs`, those of :attr:`side_params`, installed as ``.grad`` before the
+        backward's capture and each of its replays).  Allocated on the warmup side stream instead, their blocks
+        would belong to that stream, and the caching allocator could hand them out again there while the default
+        stream still uses them (``record_stream``)."""
         if self.grads is not None:
             self.accumulate = [(p, self.grads.of(p)) for p in self._grad_params]
+            side = {id(p) for p in self.side_params}
+            self.side_pairs = [(p, buf) for p, buf in self.accumulate if id(p) in side]
 
     # -- chained buffers ------------------------------------------------------------------------------------
     def chain_input(self) -> None:
@@ -498,7 +496,7 @@ class _GraphedPass(torch.autograd.Function):
         if slot.guard is not None:
             slot.guard.expect(ctx.event)
         with slot.span(1):
-            GradBuffers.attach(slot.side_pairs() if slot.splits else slot.accumulate)
+            GradBuffers.attach(slot.side_pairs if slot.splits else slot.accumulate)
             _load(slot.static_grad_outputs, grads if all(slot.diff_outputs) else
                   [g for g, d in zip(grads, slot.diff_outputs) if d])
             slot.replay_backward()
